@@ -1,0 +1,9 @@
+"""trainjob's Arrow data cache: datasets that give every rank its exact share of a global sample order.
+
+Usable on its own: it never imports `trainer` or `launchers`.
+"""
+
+from datacache.local import LocalDataset
+from datacache.order import BatchPlan
+
+__all__ = ["BatchPlan", "LocalDataset"]

@@ -1,0 +1,91 @@
+"""The launcher interface (`launch(run) -> Job`, `list_jobs()`) and the one place that builds the worker
+command line and the torchrun options that every launcher uses.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+WORKER_MODULE = "trainer.worker"
+
+
+class JobState(str, enum.Enum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    CANCELLED = "Cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One resolved run: its config (a plain dict, as saved), where it lives, and its world size."""
+
+    config: dict[str, Any]
+    run_dir: str
+    config_path: str
+    world_size: int
+
+
+def worker_command(config_path: str) -> list[str]:
+    """The rank entry point's arguments after the interpreter or torchrun: `-m trainer.worker <file>`."""
+    return ["-m", WORKER_MODULE, config_path]
+
+
+def torchrun_args(runtime: dict[str, Any], nproc_per_node: int) -> list[str]:
+    """torchrun's options for a `runtime` config; one node without an endpoint uses --standalone."""
+    args = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={runtime['nnodes']}",
+            f"--max-restarts={runtime['max_restarts']}", f"--monitor-interval={runtime['monitor_interval']}"]
+    if runtime["nnodes"] == 1 and not runtime.get("rdzv_endpoint"):
+        return [*args, "--standalone"]
+    return [*args, f"--rdzv-backend={runtime['rdzv_backend']}",
+            f"--rdzv-endpoint={runtime['rdzv_endpoint']}", f"--rdzv-id={runtime['rdzv_id']}"]
+
+
+def read_summary(run_dir: str) -> dict[str, Any] | None:
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+class Job(ABC):
+    """A launched run. `logs` yields lines of one rank's (or node's) log."""
+
+    name: str
+    run: Run
+
+    @abstractmethod
+    def status(self) -> JobState: ...
+
+    @abstractmethod
+    def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]: ...
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> JobState: ...
+
+    @abstractmethod
+    def cancel(self) -> None: ...
+
+    def result(self) -> dict[str, Any] | None:
+        """The run's summary.json, once it exists."""
+        return read_summary(self.run.run_dir)
+
+
+class Launcher(ABC):
+    @abstractmethod
+    def launch(self, run: Run) -> Job: ...
+
+    @abstractmethod
+    def list_jobs(self) -> list[Job]: ...

@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny model's overrides, a shared corpus cache, and a runner for the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model and batch small enough that a step takes milliseconds on one CPU core.
+TINY = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "data.seq_len=32", "train.global_batch_size=8", "optim.warmup_steps=2", "train.progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def run_cli(cache_dir, tmp_path):
+    """Run `python -m <module> *args` in `tmp_path` (or `cwd`) with the test cache; return the process."""
+
+    def run(*args: str, module: str = "trainer", cwd: str | None = None, timeout: float = 300,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+        full_env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1", **(env or {})}
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or str(tmp_path), env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_summary(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)

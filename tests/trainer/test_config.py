@@ -1,0 +1,101 @@
+"""The config groups compose, and a config that cannot run is refused with a clear error and exit 2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.conftest import REPO
+from trainer import config
+
+CONF = os.path.join(REPO, "conf")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(os.path.join(CONF, group)) if f.endswith(".yaml"))
+
+
+def _compose(overrides: list[str]):
+    config.register()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=False)
+    cfg.run_dir = "/nonexistent/run"
+    return cfg
+
+
+@pytest.mark.parametrize("group", ["model", "data", "strategy", "runtime", "launcher", "scheduler",
+                                   "kernels", "optim", "train"])
+def test_every_option_of_every_group_composes_and_validates(group):
+    for option in _options(group):
+        prefix = "+" if group == "runtime" else ""
+        extra = ["data.path=/tmp"] if (group, option) == ("data", "parquet") else []
+        cfg = _compose([f"{prefix}{group}={option}", *extra])
+        if group != "train":
+            assert OmegaConf.select(cfg, f"{group}.name") == option
+        config.validate(cfg)
+
+
+def test_runtime_is_not_in_the_defaults():
+    assert _compose([]).runtime is None
+
+
+def test_world_size_follows_the_runtime():
+    assert config.world_size(_compose([])) == 1
+    cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=3", "runtime.nnodes=2",
+                    "runtime.rdzv_endpoint=node0:29400", "train.global_batch_size=12"])
+    assert config.world_size(cfg) == 6
+    config.validate(cfg)
+
+
+BAD = [
+    (["optim.lr=0"], "optim.lr=0.0: must be > 0"),
+    (["optim.lr=-1e-3"], "optim.lr=-0.001: must be > 0"),
+    (["train.global_batch_size=10", "train.grad_accum_steps=4"],
+     "train.global_batch_size=10: must be divisible by world size x train.grad_accum_steps = 1 x 4 = 4"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "train.global_batch_size=6",
+      "train.grad_accum_steps=2"],
+     "train.global_batch_size=6: must be divisible by world size x train.grad_accum_steps = 2 x 2 = 4"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads=3: must divide model.n_heads=4"),
+    (["data.seq_len=4096"], "data.seq_len=4096: must be <= model.max_seq_len=2048"),
+    (["+runtime=torch-distributed", "runtime.nnodes=2"],
+     "runtime.rdzv_endpoint=None: must be host:port of node 0 when runtime.nnodes > 1"),
+    (["train.mixed_precision=fp8"], "train.mixed_precision='fp8': must be one of auto, fp32, bf16"),
+    (["data=parquet"], "data.path=None: data=parquet needs the Parquet files"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_rule_names_key_value_and_what_is_allowed(overrides, message):
+    with pytest.raises(config.ConfigError) as info:
+        config.validate(_compose(overrides))
+    assert message in str(info.value)
+
+
+CLI_BAD = [
+    (["optim.lr=0"], "invalid config: optim.lr=0.0: must be > 0"),
+    (["optim.lr=abc"], "Value 'abc' of type 'str' could not be converted to Float"),
+    (["optim.foo=1"], "Could not override 'optim.foo'"),
+    (["+optim.foo=1"], "invalid config: optim.foo=1: unknown key; optim has betas, eps, grad_clip"),
+    (["strategy=nope"], "Could not find 'strategy/nope'"),
+    (["train.global_batch_size=10", "train.grad_accum_steps=4"], "must be divisible by world size"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), CLI_BAD, ids=[" ".join(o) for o, _ in CLI_BAD])
+def test_cli_refuses_bad_config_with_exit_2_and_no_run_dir(run_cli, tmp_path, overrides, message):
+    proc = run_cli(*overrides, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "outputs").exists(), list((tmp_path / "outputs").rglob("*"))
+
+
+def test_cli_keeps_an_existing_run_dir_when_refusing(run_cli, tmp_path):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("keep me")
+    proc = run_cli("optim.lr=0", f"hydra.run.dir={run_dir}", timeout=120)
+    assert proc.returncode == 2
+    assert (run_dir / "notes.txt").read_text() == "keep me"

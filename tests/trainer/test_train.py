@@ -1,0 +1,129 @@
+"""End-to-end runs of `python -m trainer`: in process, under real torchrun, resumed after a kill, swept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import TINY, read_metrics, read_summary
+
+pytestmark = pytest.mark.slow
+
+# DDP averages two half-batch gradients where one process averages the whole batch: the same sum in
+# another order, so losses agree to float32 rounding (relative 1e-6 per step), which a few steps of
+# AdamW can grow by an order or two. 1e-4 is far below any real divergence (a wrong shard or a
+# skipped all-reduce moves the loss by > 1e-2 within two steps).
+CURVE_RTOL = 1e-4
+
+
+def _losses(run_dir: str) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
+def test_in_process_run_writes_config_metrics_checkpoints_summary(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "train.checkpoint_every=2",
+                   "train.keep_latest_k=2", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"run directory: {run_dir}" in proc.stdout
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml", "logs", "metrics.jsonl", "summary.json"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step-4", "step-6"]  # keep_latest_k=2
+    metrics = read_metrics(str(run_dir))
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_gb"} <= set(metrics[0])
+    assert [m["step"] for m in metrics if "eval_loss" in m] == [3, 6]
+    summary = read_summary(str(run_dir))
+    assert summary["steps"] == 6 and summary["world_size"] == 1
+    assert summary["final_eval_loss"] == metrics[-1]["eval_loss"]
+    assert summary["final_eval_loss"] < metrics[0]["loss"]
+    assert (run_dir / "logs" / "rank-0.log").read_text().count("done: step 6") == 1
+    text = (run_dir / "config.yaml").read_text()
+    assert "hydra" not in text and "${" not in text and f"run_dir: {run_dir}" in text
+
+
+def test_torchrun_ddp_matches_in_process_loss_curve(run_cli, tmp_path):
+    args = [*TINY, "train.max_steps=8", "train.eval_every=4", "train.checkpoint_every=100"]
+    single = run_cli(*args, f"hydra.run.dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+    ddp = run_cli(*args, "+runtime=torch-distributed", "runtime.nproc_per_node=2",
+                  f"hydra.run.dir={tmp_path / 'ddp'}")
+    assert ddp.returncode == 0, ddp.stderr
+    assert read_summary(str(tmp_path / "ddp"))["world_size"] == 2
+    assert sorted(os.listdir(tmp_path / "ddp" / "logs")) == ["rank-0.log", "rank-1.log"]
+    a, b = _losses(str(tmp_path / "single")), _losses(str(tmp_path / "ddp"))
+    assert len(a) == len(b) == 8
+    assert b == pytest.approx(a, rel=CURVE_RTOL)
+    assert read_summary(str(tmp_path / "ddp"))["final_eval_loss"] == pytest.approx(
+        read_summary(str(tmp_path / "single"))["final_eval_loss"], rel=CURVE_RTOL)
+
+
+def test_killed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(run_cli, tmp_path, cache_dir):
+    args = [*TINY, "model.dim=128", "model.n_layers=4", "train.max_steps=30", "train.eval_every=10",
+            "train.checkpoint_every=10", "train.keep_latest_k=3"]
+    whole = run_cli(*args, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr
+
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "TRAINJOB_CACHE": cache_dir}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    first = run_dir / "checkpoints" / "step-10" / ".metadata"
+    deadline = time.time() + 240
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    saved = sorted(os.listdir(run_dir / "checkpoints"))
+    assert "step-10" in saved and "step-30" not in saved
+    resumed_step = max(int(name.split("-")[1]) for name in saved if name.startswith("step-"))
+
+    again = run_cli(*args, f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr
+    summary = read_summary(str(run_dir))
+    assert summary["resumed_from"] == str(run_dir / "checkpoints" / f"step-{resumed_step}")
+    assert summary["steps"] == 30 and summary["steps_this_run"] == 30 - resumed_step
+    steps = [m["step"] for m in read_metrics(str(run_dir))]
+    assert steps[-(30 - resumed_step):] == list(range(resumed_step + 1, 31))
+    reference = read_summary(str(tmp_path / "whole"))
+    assert summary["final_train_loss"] == pytest.approx(reference["final_train_loss"], rel=1e-6)
+    assert summary["final_eval_loss"] == pytest.approx(reference["final_eval_loss"], rel=1e-6)
+
+
+def test_multirun_sweep_produces_one_run_per_point(run_cli, tmp_path):
+    proc = run_cli("-m", *TINY, "optim.lr=1e-3,3e-4", "train.max_steps=5", "train.eval_every=5",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 0, proc.stderr
+    runs = sorted(p for p in os.listdir(tmp_path / "sweep") if p.isdigit())
+    assert runs == ["0", "1"]
+    lrs = []
+    for name in runs:
+        summary = read_summary(str(tmp_path / "sweep" / name))
+        assert summary["steps"] == 5
+        text = (tmp_path / "sweep" / name / "config.yaml").read_text()
+        lrs.append(next(line for line in text.splitlines() if line.strip().startswith("lr:")).split()[-1])
+    assert lrs == ["0.001", "0.0003"]
+
+
+def test_relaunch_with_a_new_config_keeps_the_old_one_and_refuses_to_overwrite_checkpoints(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_cli(*TINY, "train.max_steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr
+    old = (run_dir / "config.yaml").read_text()
+
+    fresh = run_cli(*TINY, "train.max_steps=2", "train.resume=never", f"hydra.run.dir={run_dir}")
+    assert fresh.returncode == 2
+    assert "train.resume='never'" in fresh.stderr and "already holds checkpoints" in fresh.stderr
+    assert (run_dir / "config.yaml").read_text() == old
+
+    longer = run_cli(*TINY, "train.max_steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")
+    assert longer.returncode == 0, longer.stderr
+    assert (run_dir / "config.1.yaml").read_text() == old
+    assert "max_steps: 4" in (run_dir / "config.yaml").read_text()
+    assert read_summary(str(run_dir))["resumed_from"] == str(run_dir / "checkpoints" / "step-2")

@@ -1,0 +1,1 @@
+"""trainjob's trainer: the Hydra driver (`python -m trainer`) and the rank entry point (`trainer.worker`)."""

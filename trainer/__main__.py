@@ -1,0 +1,107 @@
+"""The driver, `python -m trainer [overrides]`: compose the config with Hydra, validate it, save the
+resolved `<run_dir>/config.yaml`, hand it to the launcher, and return the final eval loss (so that Hydra
+sweepers can optimise it).
+
+A config that cannot run (Hydra's composition errors, and every rule in `trainer.config.validate`) ends
+the process with exit code 2 before anything is launched, and leaves no run directory behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import launchers
+from trainer import config
+
+log = logging.getLogger("trainer")
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+_START = time.time()
+_job_started = False
+
+config.register()
+
+
+def _remove_new_empty_dirs(path: str) -> None:
+    """Remove `path` and its parents while they are empty and were made by this process (Hydra makes the
+    run directory before the task starts); stop at the working directory."""
+    stop = os.path.abspath(os.getcwd())
+    path = os.path.abspath(path)
+    while path != stop and path.startswith(stop + os.sep) and os.path.isdir(path):
+        if os.listdir(path) or os.stat(path).st_ctime < _START - 1:
+            return
+        os.rmdir(path)
+        path = os.path.dirname(path)
+
+
+def _save_config(resolved: dict, run_dir: str) -> str:
+    """Write `<run_dir>/config.yaml`; an earlier, different one is kept as config.<n>.yaml."""
+    path = os.path.join(run_dir, "config.yaml")
+    text = OmegaConf.to_yaml(OmegaConf.create(resolved))
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return path
+        n = 1
+        while os.path.exists(os.path.join(run_dir, f"config.{n}.yaml")):
+            n += 1
+        os.rename(path, os.path.join(run_dir, f"config.{n}.yaml"))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def prepare_run(cfg: DictConfig) -> launchers.Run:
+    """Validate and resolve `cfg`, save it into its run directory, and describe the run."""
+    run_dir = os.path.abspath(cfg.run_dir)
+    try:
+        OmegaConf.resolve(cfg)
+        cfg.run_dir = run_dir
+        config.validate(cfg)
+    except config.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        _remove_new_empty_dirs(run_dir)
+        raise SystemExit(2) from None
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    os.makedirs(run_dir, exist_ok=True)
+    path = _save_config(resolved, run_dir)
+    return launchers.Run(config=resolved, run_dir=run_dir, config_path=path,
+                         world_size=config.world_size(cfg))
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _app(cfg: DictConfig) -> float:
+    global _job_started
+    _job_started = True
+    run = prepare_run(cfg)
+    job = launchers.get(run.config["launcher"]["name"]).launch(run)
+    state = job.wait()
+    if state != launchers.JobState.SUCCEEDED:
+        raise RuntimeError(f"run {run.run_dir} ended {state.value}; the rank logs are in {run.run_dir}/logs")
+    summary = job.result() or {}
+    loss = float(summary.get("final_eval_loss", float("nan")))
+    print(f"run directory: {run.run_dir}\nfinal eval loss: {loss:.4f} nats/token "
+          f"after {summary.get('steps')} steps", flush=True)
+    return loss
+
+
+def main() -> None:
+    try:
+        _app()
+    except SystemExit as e:
+        # Hydra reports a composition error (unknown key, wrong type, missing option) as exit 1 before
+        # any job starts; that is a config error like the others.
+        if e.code == 1 and not _job_started:
+            raise SystemExit(2) from None
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, LR schedule, data position, RNG.
+
+`checkpoints/step-<N>/` is written under a temporary name and renamed once every rank has finished, so a
+rank killed mid-save never leaves a half-written checkpoint where resume would find it. Model and
+optimizer go through `get_state_dict`/`set_state_dict`, so a checkpoint saved under one strategy and
+world size loads under another (DCP reshards).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _steps(root: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, ".metadata")):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest(root: str) -> str | None:
+    """The newest complete checkpoint under `root`, or None."""
+    steps = _steps(root)
+    return steps[-1][1] if steps else None
+
+
+def _rng_key() -> str:
+    return f"rng.rank{dist.get_rank()}"
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
+         device: torch.device) -> str:
+    """Write checkpoint `step` collectively (every rank calls this) and keep the newest `keep_latest_k`."""
+    final = os.path.join(root, f"step-{step}")
+    tmp = os.path.join(root, f".step-{step}.partial")
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for _, old in _steps(root)[:-keep_latest_k]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(path: str, model, optimizer, train_state: dict, device: torch.device) -> dict:
+    """Load checkpoint `path` into `model` and `optimizer` in place; return its train state.
+
+    `train_state` gives the keys (and types) to read back. The RNG state is restored only when the
+    checkpoint holds one for this rank (it may have been saved with another world size).
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "train": dict(train_state)}
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    has_rng = any(k.startswith(_rng_key() + ".") for k in keys)
+    if has_rng:
+        state[_rng_key()] = _rng_state(device)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if has_rng:
+        torch.set_rng_state(state[_rng_key()]["cpu"])
+        if "cuda" in state[_rng_key()]:
+            torch.cuda.set_rng_state(state[_rng_key()]["cuda"], device)
+    log.info("resumed from %s (step %s)", path, state["train"]["step"])
+    return state["train"]

@@ -1,0 +1,294 @@
+"""The config schema: one dataclass per config group, registered in Hydra's ConfigStore, and the checks.
+
+The yaml files under `conf/` hold values only; types and defaults live here (Hydra rejects unknown keys
+and wrong types while composing), and `validate()` holds every rule that spans values or keys. Each
+rule raises `ConfigError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"invalid config: {key}={value!r}: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int = MISSING
+    ffn_dim: int = MISSING
+    vocab_size: int = 259
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    # Parquet files (a path, directory or glob) for `data=parquet`; unused by `stdlib`.
+    path: str | None = None
+    text_column: str | None = "text"
+    tokens_column: str | None = None
+    seq_len: int = 256
+    eval_percent: float = 2.0
+    cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
+    shuffle: bool = True
+    num_workers: int = 0
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING
+    bucket_cap_mb: int = 25
+
+
+@dataclass
+class RuntimeConfig:
+    name: str = MISSING
+    # null: the GPU count on this machine, or 2 without GPUs.
+    nproc_per_node: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    max_restarts: int = 0
+    rdzv_backend: str = "c10d"
+    # host:port of node 0; null on one node lets torchrun pick a free local port (--standalone).
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "trainjob"
+    monitor_interval: float = 1.0
+
+
+@dataclass
+class LauncherConfig:
+    name: str = MISSING
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = MISSING
+
+
+@dataclass
+class KernelsConfig:
+    name: str = MISSING
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    momentum: float = 0.9
+    grad_clip: float | None = 1.0
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    max_steps: int = 200
+    global_batch_size: int = 16
+    grad_accum_steps: int = 1
+    # auto: bf16 autocast on CUDA, fp32 on CPU.
+    mixed_precision: str = "auto"
+    log_every: int = 1
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_latest_k: int = 2
+    # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
+    resume: str = "auto"
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    kernels: KernelsConfig = MISSING
+    optim: OptimConfig = MISSING
+    train: TrainConfig = MISSING
+    runtime: RuntimeConfig | None = None
+    run_dir: str = "${hydra:runtime.output_dir}"
+
+
+SCHEMAS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "strategy": StrategyConfig,
+    "runtime": RuntimeConfig,
+    "launcher": LauncherConfig,
+    "scheduler": SchedulerConfig,
+    "kernels": KernelsConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+}
+
+
+def register() -> None:
+    """Put the schemas into Hydra's ConfigStore; `conf/config.yaml` starts its defaults with `schema`."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+def _one_of(cfg: DictConfig, key: str, allowed: tuple[str, ...]) -> None:
+    value = OmegaConf.select(cfg, key)
+    _require(value in allowed, key, value, f"must be one of {', '.join(allowed)}")
+
+
+def _positive(cfg: DictConfig, *keys: str) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        _require(value is not None and value > 0, key, value, "must be > 0")
+
+
+def local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def nproc_per_node(cfg: DictConfig) -> int:
+    """Processes per node: the runtime's setting, else the GPU count, else 2 on a CPU-only machine."""
+    if cfg.get("runtime") is None:
+        return 1
+    if cfg.runtime.nproc_per_node is not None:
+        return int(cfg.runtime.nproc_per_node)
+    return local_gpu_count() or 2
+
+
+def world_size(cfg: DictConfig) -> int:
+    if cfg.get("runtime") is None:
+        return 1
+    return nproc_per_node(cfg) * int(cfg.runtime.nnodes)
+
+
+STRATEGIES = ("ddp",)
+LAUNCHERS = ("local",)
+SCHEDULERS = ("none",)
+KERNELS = ("torch",)
+OPTIMIZERS = ("adamw", "sgd")
+DATASETS = ("stdlib", "parquet")
+RUNTIMES = ("torch-distributed",)
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def _known_keys(cfg: DictConfig) -> None:
+    # Hydra's `+key=value` appends keys even to a typed node; only the schema's fields are meaningful.
+    top = {f.name for f in fields(Config)}
+    for key in cfg:
+        _require(key in top, str(key), cfg.get(key), f"unknown key; the top level has {', '.join(sorted(top))}")
+    for group, schema in SCHEMAS.items():
+        node = cfg.get(group)
+        if node is None:
+            continue
+        known = {f.name for f in fields(schema)}
+        for key in node:
+            _require(key in known, f"{group}.{key}", node.get(key),
+                     f"unknown key; {group} has {', '.join(sorted(known))}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check every rule that the types alone cannot; raise ConfigError on the first one broken."""
+    _known_keys(cfg)
+    _one_of(cfg, "strategy.name", STRATEGIES)
+    _one_of(cfg, "launcher.name", LAUNCHERS)
+    _one_of(cfg, "scheduler.name", SCHEDULERS)
+    _one_of(cfg, "kernels.name", KERNELS)
+    _one_of(cfg, "optim.name", OPTIMIZERS)
+    _one_of(cfg, "data.name", DATASETS)
+    _one_of(cfg, "train.mixed_precision", PRECISIONS)
+
+    m = cfg.model
+    _positive(cfg, "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim")
+    _positive(cfg, "model.vocab_size", "model.max_seq_len", "model.rope_theta", "model.norm_eps")
+    _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
+    _require((m.dim // m.n_heads) % 2 == 0, "model.dim", m.dim,
+             f"model.dim / model.n_heads must be even for rotary embeddings (is {m.dim / m.n_heads:g})")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+             f"must divide model.n_heads={m.n_heads}")
+    from trainer.models.tokenizer import VOCAB_SIZE
+
+    _require(m.vocab_size >= VOCAB_SIZE, "model.vocab_size", m.vocab_size,
+             f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
+
+    _positive(cfg, "data.seq_len")
+    _require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len", cfg.data.seq_len,
+             f"must be <= model.max_seq_len={m.max_seq_len}")
+    _require(0 < cfg.data.eval_percent < 100, "data.eval_percent", cfg.data.eval_percent,
+             "must be in (0, 100)")
+    _require(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "must be >= 0")
+    if cfg.data.name == "parquet":
+        _require(bool(cfg.data.path), "data.path", cfg.data.path,
+                 "data=parquet needs the Parquet files: a file, a directory or a glob")
+        _require(bool(cfg.data.text_column) != bool(cfg.data.tokens_column), "data.tokens_column",
+                 cfg.data.tokens_column, "set exactly one of data.text_column and data.tokens_column")
+
+    o = cfg.optim
+    _positive(cfg, "optim.lr")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
+             "must be two numbers in [0, 1)")
+    _require(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip,
+             "must be > 0, or null for no clipping")
+
+    t = cfg.train
+    _positive(cfg, "train.max_steps", "train.global_batch_size", "train.grad_accum_steps",
+              "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+              "train.keep_latest_k")
+
+    if cfg.get("runtime") is not None:
+        r = cfg.runtime
+        _one_of(cfg, "runtime.name", RUNTIMES)
+        _require(r.nproc_per_node is None or r.nproc_per_node > 0, "runtime.nproc_per_node",
+                 r.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
+        _positive(cfg, "runtime.nnodes")
+        _require(0 <= r.node_rank < r.nnodes, "runtime.node_rank", r.node_rank,
+                 f"must be in [0, runtime.nnodes={r.nnodes})")
+        _require(r.max_restarts >= 0, "runtime.max_restarts", r.max_restarts, "must be >= 0")
+        _require(r.nnodes == 1 or bool(r.rdzv_endpoint), "runtime.rdzv_endpoint", r.rdzv_endpoint,
+                 "must be host:port of node 0 when runtime.nnodes > 1")
+
+    world = world_size(cfg)
+    per_step = world * t.grad_accum_steps
+    _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
+             f"must be divisible by world size x train.grad_accum_steps = {world} x {t.grad_accum_steps}"
+             f" = {per_step}")
+
+    if t.resume not in ("auto", "never"):
+        _require(os.path.isdir(t.resume), "train.resume", t.resume,
+                 "must be auto, never, or the path of an existing checkpoint directory")
+    if t.resume == "never":
+        ckpt = os.path.join(cfg.run_dir, "checkpoints")
+        _require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
+                 f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
+                 "or another run directory")

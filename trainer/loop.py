@@ -1,0 +1,195 @@
+"""The training loop: micro-batches with gradient accumulation, clipping, optimizer and LR schedule,
+periodic eval, metrics, checkpoints, and the run's summary.
+
+The data position is a count of global batches, so a resumed run (with any world size, as long as the
+global batch is the same) continues with exactly the rows that were not yet trained on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from datacache import LocalDataset
+from trainer import checkpoint, metrics, models, parallel
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
+    # No weight decay on norms' gains (1-D parameters), as usual for transformers.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _mean_across_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+class Trainer:
+    def __init__(self, cfg, model: torch.nn.Module, device: torch.device, corpus: str):
+        self.cfg, self.model, self.device = cfg, model, device
+        t = cfg.train
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.optimizer = build_optimizer(cfg.optim, model)
+        o = cfg.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
+        self.train_data = LocalDataset(os.path.join(corpus, "train"), t.global_batch_size,
+                                       shuffle=cfg.data.shuffle, seed=t.seed)
+        self.eval_data = LocalDataset(os.path.join(corpus, "eval"), t.global_batch_size, shuffle=False,
+                                      loop=False)
+        self.step = 0
+        self.resumed_from: str | None = None
+        bf16 = t.mixed_precision == "bf16" or (t.mixed_precision == "auto" and device.type == "cuda")
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
+                         else contextlib.nullcontext())
+        inner = parallel.unwrap(model)
+        self.flops_per_token = metrics.flops_per_token(
+            models.num_params(inner, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
+            cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+        self.peak_flops = metrics.peak_flops(device, bf16)
+
+    def _train_state(self) -> dict:
+        epoch, step_in_epoch = self.train_data.plan.position(self.step)
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                "data": {"epoch": epoch, "step_in_epoch": step_in_epoch,
+                         "samples_seen": self.step * self.cfg.train.global_batch_size}}
+
+    def restore(self, path: str) -> None:
+        state = checkpoint.load(path, self.model, self.optimizer, self._train_state(), self.device)
+        self.step = int(state["step"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.resumed_from = path
+
+    def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        with self.autocast:
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+    def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        accum = self.cfg.train.grad_accum_steps
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        total = torch.zeros((), device=self.device)
+        for i, micro in enumerate(tokens.chunk(accum)):
+            sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
+            with sync:
+                loss = self._loss(micro) / accum
+                loss.backward()
+            total += loss.detach()
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf,
+                                                   foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        n = 0
+        for batch in self.eval_data:
+            total += self._loss(batch["tokens"].to(self.device))
+            n += 1
+            if n == self.cfg.train.eval_batches:
+                break
+        self.model.train()
+        return _mean_across_ranks(total / max(n, 1))
+
+    def _loader(self) -> DataLoader:
+        epoch, step_in_epoch = self.train_data.plan.position(self.step)
+        self.train_data.set_position(epoch, step_in_epoch)
+        workers = self.cfg.data.num_workers
+        return DataLoader(self.train_data, batch_size=None, num_workers=workers,
+                          pin_memory=self.device.type == "cuda", persistent_workers=False,
+                          prefetch_factor=4 if workers else None)
+
+    def _checkpoint(self) -> None:
+        checkpoint.save(os.path.join(self.cfg.run_dir, "checkpoints"), self.step, self.model,
+                        self.optimizer, self._train_state(), self.cfg.train.keep_latest_k, self.device)
+
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        run_dir = cfg.run_dir
+        writer = metrics.JsonlWriter(os.path.join(run_dir, "metrics.jsonl")) if self.rank == 0 else None
+        tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=self.rank != 0 or not t.progress,
+                   desc="train", unit="step", dynamic_ncols=True)
+        start_step, started = self.step, time.perf_counter()
+        train_loss = eval_loss = float("nan")
+        self.model.train()
+        data = iter(self._loader())
+        try:
+            while self.step < t.max_steps:
+                tic = time.perf_counter()
+                loss, grad_norm = self._train_step(next(data))
+                self.step += 1
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    train_loss = _mean_across_ranks(loss)
+                    step_time = time.perf_counter() - tic
+                    record = {"step": self.step, "loss": train_loss, "lr": self.scheduler.get_last_lr()[0],
+                              "grad_norm": float(grad_norm), "step_time_s": step_time,
+                              "tokens_per_s": tokens_per_step / step_time,
+                              "peak_memory_gb": metrics.peak_memory_gb(self.device)}
+                    if self.peak_flops:
+                        per_device = tokens_per_step / step_time / self.world
+                        record["mfu"] = per_device * self.flops_per_token / self.peak_flops
+                    if self.step % t.eval_every == 0 or self.step == t.max_steps:
+                        eval_loss = record["eval_loss"] = self.evaluate()
+                    if writer:
+                        writer.write(record)
+                    bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                    refresh=False)
+                elif self.step % t.eval_every == 0:
+                    eval_loss = self.evaluate()
+                bar.update(1)
+                if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                    self._checkpoint()
+        finally:
+            bar.close()
+            if writer:
+                writer.close()
+        if math.isnan(eval_loss):
+            eval_loss = self.evaluate()
+        elapsed = time.perf_counter() - started
+        steps_run = self.step - start_step
+        summary = {
+            "final_eval_loss": eval_loss, "final_train_loss": train_loss, "steps": self.step,
+            "steps_this_run": steps_run, "tokens": self.step * tokens_per_step,
+            "train_time_s": elapsed,
+            "tokens_per_s": steps_run * tokens_per_step / elapsed if steps_run else 0.0,
+            "world_size": self.world, "strategy": cfg.strategy.name,
+            "params": models.num_params(self.model), "resumed_from": self.resumed_from,
+        }
+        if self.rank == 0:
+            with open(os.path.join(run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+        log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, train_loss)
+        return summary

@@ -1,0 +1,121 @@
+"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside. Layers are
+kept in a ModuleDict keyed by index so that their names stay stable under any wrapping. The head count
+used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q, k: (batch, seq, heads, head_dim); cos, sin: (seq, head_dim), the "rotate half" convention."""
+    cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, eps: float):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, eps)
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.feed_forward = FeedForward(dim, ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
+                 vocab_size: int, max_seq_len: int, rope_theta: float, norm_eps: float,
+                 tie_embeddings: bool):
+        super().__init__()
+        self.dim, self.n_layers, self.n_heads = dim, n_layers, n_heads
+        self.max_seq_len, self.rope_theta = max_seq_len, rope_theta
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps) for i in range(n_layers)}
+        )
+        self.norm = RMSNorm(dim, norm_eps)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        if tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        head_dim = dim // n_heads
+        self.register_buffer("rope_cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_seq_len, head_dim), persistent=False)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Fill the rotary tables in place (after `to_empty`, on whatever device the buffers are)."""
+        head_dim = self.rope_cos.shape[-1]
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states, (batch, seq, dim): what the output projection reads."""
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden_states(tokens))

@@ -1,0 +1,19 @@
+"""DistributedDataParallel over the whole mesh: each rank holds the whole model, gradients are averaged."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply(model: nn.Module, mesh, cfg, device) -> nn.Module:
+    model.to_empty(device=device)
+    if mesh.size() == 1:
+        # Nothing to average with a single replica; skipping the wrapper saves its bucket copies.
+        return model
+    return DistributedDataParallel(
+        model,
+        process_group=mesh.get_group(),
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        device_ids=[device] if device.type == "cuda" else None,
+    )

@@ -1,0 +1,114 @@
+"""The rank entry point: `python -m trainer.worker <run_dir>/config.yaml`.
+
+Every rank, wherever it runs, rebuilds the same job from the same resolved config file: process group
+from the environment (torchrun or the Kubeflow `PET_*` variables through torchrun; a one-rank group when
+there is none), mesh, model on the meta device, strategy, initialisation, data, and then the loop. No
+Hydra here: the file is already resolved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import checkpoint, loop, models, parallel
+from trainer.data import prepare
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def init_distributed() -> DistEnv:
+    """Join the process group that torchrun describes, or form a one-rank group in this process."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        local_rank, device, backend = int(os.environ.get("LOCAL_RANK", 0)), torch.device("cpu"), "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def setup_logging(run_dir: str, rank: int) -> logging.Handler:
+    """Every rank logs to `<run_dir>/logs/rank-<r>.log`; rank 0 also to the console."""
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    handler = logging.FileHandler(os.path.join(run_dir, "logs", f"rank-{rank}.log"))
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+               for h in root.handlers) and rank == 0:
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(handler.formatter)
+        root.addHandler(console)
+    if rank != 0:
+        for h in root.handlers:
+            if not isinstance(h, logging.FileHandler):
+                h.setLevel(logging.WARNING)
+    return handler
+
+
+def resume_path(cfg: DictConfig) -> str | None:
+    if cfg.train.resume == "never":
+        return None
+    if cfg.train.resume == "auto":
+        return checkpoint.latest(os.path.join(cfg.run_dir, "checkpoints"))
+    return cfg.train.resume
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train the job `cfg` describes, as this rank; return the summary (the same on every rank)."""
+    env = init_distributed()
+    handler = setup_logging(cfg.run_dir, env.rank)
+    try:
+        torch.manual_seed(cfg.train.seed)
+        corpus = prepare(cfg.data)
+        mesh = parallel.build_mesh(cfg.strategy, env.world_size, env.device.type)
+        with torch.device("meta"):
+            model = models.build(cfg.model)
+        shapes = models.param_shapes(model)
+        model = parallel.apply(model, mesh, cfg.strategy, env.device)
+        models.init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)
+        log.info("model %s: %.2fM parameters, world size %d, strategy %s, device %s", cfg.model.name,
+                 models.num_params(model) / 1e6, env.world_size, cfg.strategy.name, env.device)
+        trainer = loop.Trainer(cfg, model, env.device, corpus)
+        start = resume_path(cfg)
+        if start is not None:
+            trainer.restore(start)
+        return trainer.fit()
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m trainer.worker <run_dir>/config.yaml", file=sys.stderr)
+        return 2
+    run(OmegaConf.load(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
