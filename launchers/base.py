@@ -14,6 +14,11 @@ from typing import Any
 
 WORKER_MODULE = "trainer.worker"
 
+# Environment for every torchrun that a launcher starts. Sharing torchrun's rendezvous store with the
+# workers (the default) lets restarted workers read the failed attempt's addresses, so a restart after
+# a dead rank fails to connect (pytorch/pytorch#135712); a fresh store per attempt avoids it.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
 
 class JobState(str, enum.Enum):
     PENDING = "Pending"

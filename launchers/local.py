@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from launchers.base import Job, JobState, Launcher, Run, torchrun_args, worker_command
+from launchers.base import TORCHRUN_ENV, Job, JobState, Launcher, Run, torchrun_args, worker_command
 
 
 def _rank_log(run: Run, rank: int) -> str:
@@ -67,7 +67,7 @@ class TorchrunJob(Job):
     def __init__(self, run: Run, command: list[str]):
         self.run, self.name, self.command = run, os.path.basename(run.run_dir), command
         # A session of its own, so that cancel() can stop torchrun and every rank it started.
-        self._proc = subprocess.Popen(command, start_new_session=True)
+        self._proc = subprocess.Popen(command, start_new_session=True, env={**os.environ, **TORCHRUN_ENV})
         self._cancelled = False
 
     def status(self) -> JobState:

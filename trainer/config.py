@@ -56,7 +56,21 @@ class DataConfig:
 @dataclass
 class StrategyConfig:
     name: str = MISSING
+    # Degrees of the DeviceMesh (dp_replicate, dp_shard, tp); one of them may be -1: the rest of the world.
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    # ddp
     bucket_cap_mb: int = 25
+    # fsdp2 (auto: bf16 parameters on CUDA, fp32 on CPU; gradients reduced in reduce_dtype)
+    reshard_after_forward: bool = True
+    param_dtype: str = "auto"
+    reduce_dtype: str = "fp32"
+    # tp: the loss computed on vocabulary shards (the logits never gathered) when the vocabulary divides
+    loss_parallel: bool = True
+    # all: none | full | selective (save matmul and attention outputs, recompute the rest)
+    activation_checkpointing: str = "none"
+    compile: bool = False
 
 
 @dataclass
@@ -190,7 +204,39 @@ def world_size(cfg: DictConfig) -> int:
     return nproc_per_node(cfg) * int(cfg.runtime.nnodes)
 
 
-STRATEGIES = ("ddp",)
+DEGREES = ("dp_replicate", "dp_shard", "tp")
+
+
+def mesh_degrees(strategy: DictConfig, world: int) -> dict[str, int]:
+    """The strategy's (dp_replicate, dp_shard, tp) degrees for `world` ranks, the -1 filled in."""
+    degrees = {d: int(strategy[d]) for d in DEGREES}
+    for d, v in degrees.items():
+        _require(v == -1 or v >= 1, f"strategy.{d}", v, "must be >= 1, or -1 for the rest of the world")
+    rest = [d for d, v in degrees.items() if v == -1]
+    _require(len(rest) <= 1, f"strategy.{rest[-1] if rest else 'tp'}", -1,
+             f"only one of {', '.join('strategy.' + d for d in DEGREES)} may be -1")
+    known = 1
+    for v in degrees.values():
+        known *= v if v != -1 else 1
+    if rest:
+        _require(world % known == 0, f"strategy.{rest[0]}", -1,
+                 f"the other degrees multiply to {known}, which does not divide the world size {world}")
+        degrees[rest[0]] = world // known
+    product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
+    _require(product == world, "strategy", {d: strategy[d] for d in DEGREES},
+             f"dp_replicate x dp_shard x tp = {product} must equal the world size {world}")
+    return degrees
+
+
+def dp_size(cfg: DictConfig) -> int:
+    """How many ranks see different data: the data-parallel degrees (tensor-parallel peers share batches)."""
+    d = mesh_degrees(cfg.strategy, world_size(cfg))
+    return d["dp_replicate"] * d["dp_shard"]
+
+
+STRATEGIES = ("ddp", "fsdp2", "tp", "fsdp2_tp")
+AC_MODES = ("none", "full", "selective")
+DTYPES = ("auto", "fp32", "bf16")
 LAUNCHERS = ("local",)
 SCHEDULERS = ("none",)
 KERNELS = ("torch",)
@@ -215,6 +261,30 @@ def _known_keys(cfg: DictConfig) -> None:
                      f"unknown key; {group} has {', '.join(sorted(known))}")
 
 
+def _validate_layout(cfg: DictConfig, world: int) -> None:
+    s, m = cfg.strategy, cfg.model
+    if s.name in ("tp", "fsdp2_tp"):
+        _require(world > 1, "strategy", s.name,
+                 f"strategy={s.name} needs more than one process: add +runtime=torch-distributed "
+                 f"(world size is {world})")
+    d = mesh_degrees(s, world)
+    expected = {"ddp": ("dp_replicate",), "fsdp2": ("dp_replicate", "dp_shard"), "tp": ("tp",),
+                "fsdp2_tp": ("dp_replicate", "dp_shard", "tp")}[s.name]
+    for name in DEGREES:
+        _require(name in expected or d[name] == 1, f"strategy.{name}", s[name],
+                 f"strategy={s.name} uses only {', '.join('strategy.' + e for e in expected)}; this must be 1")
+    if s.name == "fsdp2_tp":
+        _require(d["tp"] > 1, "strategy.tp", s.tp, "strategy=fsdp2_tp needs strategy.tp > 1 (else use fsdp2)")
+    tp = d["tp"]
+    if tp > 1:
+        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
+            _require(m[key] % tp == 0, f"model.{key}", m[key],
+                     f"must be divisible by the tensor-parallel degree strategy.tp={tp}")
+        _require(not m.tie_embeddings, "model.tie_embeddings", True,
+                 "tied embeddings cannot be tensor-parallel (the embedding is sharded by rows); set "
+                 "model.tie_embeddings=false")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every rule that the types alone cannot; raise ConfigError on the first one broken."""
     _known_keys(cfg)
@@ -225,6 +295,9 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "optim.name", OPTIMIZERS)
     _one_of(cfg, "data.name", DATASETS)
     _one_of(cfg, "train.mixed_precision", PRECISIONS)
+    _one_of(cfg, "strategy.activation_checkpointing", AC_MODES)
+    _one_of(cfg, "strategy.param_dtype", DTYPES)
+    _one_of(cfg, "strategy.reduce_dtype", DTYPES[1:])
 
     m = cfg.model
     _positive(cfg, "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim")
@@ -279,9 +352,11 @@ def validate(cfg: DictConfig) -> None:
                  "must be host:port of node 0 when runtime.nnodes > 1")
 
     world = world_size(cfg)
-    per_step = world * t.grad_accum_steps
+    _validate_layout(cfg, world)
+    dp = dp_size(cfg)
+    per_step = dp * t.grad_accum_steps
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
-             f"must be divisible by world size x train.grad_accum_steps = {world} x {t.grad_accum_steps}"
+             f"must be divisible by data-parallel size x train.grad_accum_steps = {dp} x {t.grad_accum_steps}"
              f" = {per_step}")
 
     if t.resume not in ("auto", "never"):

@@ -79,8 +79,12 @@ def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:
     os.makedirs(out_dir)
     tokens = np.concatenate(stream) if stream else np.zeros(0, np.uint16)
     n = max(0, (len(tokens) - 1) // seq_len)
-    rows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:n]
-    for i, start in enumerate(range(0, n, ROWS_PER_SHARD)):
+    if n == 0:
+        rows = np.zeros((0, seq_len + 1), np.uint16)
+    else:
+        rows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:n]
+    # At least one shard, so that an empty split reads back as zero rows rather than a missing file.
+    for i, start in enumerate(range(0, max(n, 1), ROWS_PER_SHARD)):
         chunk = np.ascontiguousarray(rows[start:start + ROWS_PER_SHARD])
         values = pa.array(chunk.reshape(-1), type=pa.uint16())
         table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(values, seq_len + 1)})

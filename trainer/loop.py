@@ -17,11 +17,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from datacache import LocalDataset
 from trainer import checkpoint, metrics, models, parallel
+from trainer.parallel.tp import uses_loss_parallel
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +46,45 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a replicated DTensor (the loss under loss parallelism) gives its local copy."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _mean_across_ranks(value: torch.Tensor) -> float:
     value = value.detach().float().clone()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
 
 
+def _keep_metrics_until(path: str, step: int) -> None:
+    """Drop the records after `step`: a restart resumes there, and what followed was never kept."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, device: torch.device, corpus: str):
+    def __init__(self, cfg, model: torch.nn.Module, mesh, device: torch.device, corpus: str):
         self.cfg, self.model, self.device = cfg, model, device
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        dp_rank, dp_size = parallel.data_parallel_rank(mesh)
         self.optimizer = build_optimizer(cfg.optim, model)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
         self.train_data = LocalDataset(os.path.join(corpus, "train"), t.global_batch_size,
-                                       shuffle=cfg.data.shuffle, seed=t.seed)
+                                       shuffle=cfg.data.shuffle, seed=t.seed, rank=dp_rank, world_size=dp_size)
         self.eval_data = LocalDataset(os.path.join(corpus, "eval"), t.global_batch_size, shuffle=False,
-                                      loop=False)
+                                      loop=False, rank=dp_rank, world_size=dp_size)
+        self.loss_context = (loss_parallel if uses_loss_parallel(cfg.strategy, cfg.model.vocab_size,
+                                                                 mesh["tp"].size())
+                             else contextlib.nullcontext)
         self.step = 0
         self.resumed_from: str | None = None
         bf16 = t.mixed_precision == "bf16" or (t.mixed_precision == "auto" and device.type == "cuda")
@@ -85,11 +107,14 @@ class Trainer:
         self.step = int(state["step"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.resumed_from = path
+        if self.rank == 0:
+            _keep_metrics_until(os.path.join(self.cfg.run_dir, "metrics.jsonl"), self.step)
 
     def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         with self.autocast:
             logits = self.model(inputs)
+        # Under loss parallelism the logits are vocabulary shards; the caller holds self.loss_context().
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
     def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +123,12 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(tokens.chunk(accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
-            with sync:
+            with sync, self.loss_context():
                 loss = self._loss(micro) / accum
                 loss.backward()
-            total += loss.detach()
+            total += _local(loss.detach())
         clip = self.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf,
-                                                   foreach=True)
+        grad_norm = parallel.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -116,7 +140,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         n = 0
         for batch in self.eval_data:
-            total += self._loss(batch["tokens"].to(self.device))
+            with self.loss_context():
+                total += _local(self._loss(batch["tokens"].to(self.device)))
             n += 1
             if n == self.cfg.train.eval_batches:
                 break
@@ -154,7 +179,8 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     train_loss = _mean_across_ranks(loss)
                     step_time = time.perf_counter() - tic
-                    record = {"step": self.step, "loss": train_loss, "lr": self.scheduler.get_last_lr()[0],
+                    record = {"step": self.step, "elapsed_s": time.perf_counter() - started,
+                              "loss": train_loss, "lr": self.scheduler.get_last_lr()[0],
                               "grad_norm": float(grad_norm), "step_time_s": step_time,
                               "tokens_per_s": tokens_per_step / step_time,
                               "peak_memory_gb": metrics.peak_memory_gb(self.device)}
@@ -179,6 +205,8 @@ class Trainer:
         if math.isnan(eval_loss):
             eval_loss = self.evaluate()
         elapsed = time.perf_counter() - started
+        peaks = [None] * self.world
+        dist.all_gather_object(peaks, round(metrics.peak_memory_gb(self.device), 4))
         steps_run = self.step - start_step
         summary = {
             "final_eval_loss": eval_loss, "final_train_loss": train_loss, "steps": self.step,
@@ -187,6 +215,7 @@ class Trainer:
             "tokens_per_s": steps_run * tokens_per_step / elapsed if steps_run else 0.0,
             "world_size": self.world, "strategy": cfg.strategy.name,
             "params": models.num_params(self.model), "resumed_from": self.resumed_from,
+            "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:
             with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -8,6 +8,7 @@ Hydra here: the file is already resolved.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -80,25 +81,39 @@ def run(cfg: DictConfig) -> dict:
     env = init_distributed()
     handler = setup_logging(cfg.run_dir, env.rank)
     try:
-        torch.manual_seed(cfg.train.seed)
-        corpus = prepare(cfg.data)
-        mesh = parallel.build_mesh(cfg.strategy, env.world_size, env.device.type)
-        with torch.device("meta"):
-            model = models.build(cfg.model)
-        shapes = models.param_shapes(model)
-        model = parallel.apply(model, mesh, cfg.strategy, env.device)
-        models.init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)
-        log.info("model %s: %.2fM parameters, world size %d, strategy %s, device %s", cfg.model.name,
-                 models.num_params(model) / 1e6, env.world_size, cfg.strategy.name, env.device)
-        trainer = loop.Trainer(cfg, model, env.device, corpus)
-        start = resume_path(cfg)
-        if start is not None:
-            trainer.restore(start)
-        return trainer.fit()
+        summary = _train(cfg, env)
+    except BaseException:
+        if env.world_size == 1:  # no peer to wait for; the driver process may start another run
+            dist.destroy_process_group()
+        raise
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
-        dist.destroy_process_group()
+    # Only after success: destroying the group while a peer is still inside a collective would hang.
+    # The barrier drains every outstanding collective first; gloo threads still holding work when the
+    # interpreter shuts down abort the process.
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _train(cfg: DictConfig, env: DistEnv) -> dict:
+    torch.manual_seed(cfg.train.seed)
+    corpus = prepare(cfg.data)
+    mesh = parallel.build_mesh(cfg.strategy, env.world_size, env.device.type)
+    with torch.device("meta"):
+        model = models.build(cfg.model)
+    shapes = models.param_shapes(model)
+    model = parallel.apply(model, mesh, cfg.strategy, env.device)
+    models.init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)
+    log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s",
+             cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
+             dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device)
+    trainer = loop.Trainer(cfg, model, mesh, env.device, corpus)
+    start = resume_path(cfg)
+    if start is not None:
+        trainer.restore(start)
+    return trainer.fit()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m trainer.worker <run_dir>/config.yaml", file=sys.stderr)
         return 2
+    # A rank that crashes in native code (SIGSEGV, SIGABRT) prints every thread's Python stack first.
+    faulthandler.enable(all_threads=True)
     run(OmegaConf.load(argv[0]))
     return 0
 

@@ -31,7 +31,10 @@ def _compose(overrides: list[str]):
 def test_every_option_of_every_group_composes_and_validates(group):
     for option in _options(group):
         prefix = "+" if group == "runtime" else ""
-        extra = ["data.path=/tmp"] if (group, option) == ("data", "parquet") else []
+        extra = {("data", "parquet"): ["data.path=/tmp"],
+                 ("strategy", "tp"): ["+runtime=torch-distributed", "runtime.nproc_per_node=2"],
+                 ("strategy", "fsdp2_tp"): ["+runtime=torch-distributed", "runtime.nproc_per_node=2"],
+                 }.get((group, option), [])
         cfg = _compose([f"{prefix}{group}={option}", *extra])
         if group != "train":
             assert OmegaConf.select(cfg, f"{group}.name") == option
@@ -50,20 +53,46 @@ def test_world_size_follows_the_runtime():
     config.validate(cfg)
 
 
+def test_tensor_parallel_peers_share_batches():
+    cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp",
+                    "train.global_batch_size=6"])
+    config.validate(cfg)
+    assert config.mesh_degrees(cfg.strategy, 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert config.dp_size(cfg) == 2
+
+
 BAD = [
     (["optim.lr=0"], "optim.lr=0.0: must be > 0"),
     (["optim.lr=-1e-3"], "optim.lr=-0.001: must be > 0"),
     (["train.global_batch_size=10", "train.grad_accum_steps=4"],
-     "train.global_batch_size=10: must be divisible by world size x train.grad_accum_steps = 1 x 4 = 4"),
+     "train.global_batch_size=10: must be divisible by data-parallel size x train.grad_accum_steps = 1 x 4 = 4"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "train.global_batch_size=6",
       "train.grad_accum_steps=2"],
-     "train.global_batch_size=6: must be divisible by world size x train.grad_accum_steps = 2 x 2 = 4"),
+     "train.global_batch_size=6: must be divisible by data-parallel size x train.grad_accum_steps = 2 x 2 = 4"),
     (["model.n_kv_heads=3"], "model.n_kv_heads=3: must divide model.n_heads=4"),
     (["data.seq_len=4096"], "data.seq_len=4096: must be <= model.max_seq_len=2048"),
     (["+runtime=torch-distributed", "runtime.nnodes=2"],
      "runtime.rdzv_endpoint=None: must be host:port of node 0 when runtime.nnodes > 1"),
     (["train.mixed_precision=fp8"], "train.mixed_precision='fp8': must be one of auto, fp32, bf16"),
     (["data=parquet"], "data.path=None: data=parquet needs the Parquet files"),
+    (["strategy=tp"], "strategy='tp': strategy=tp needs more than one process: add +runtime=torch-distributed"),
+    (["strategy=fsdp2_tp"], "strategy='fsdp2_tp': strategy=fsdp2_tp needs more than one process"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2", "strategy.dp_replicate=3"],
+     "strategy.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2", "strategy.dp_shard=3"],
+     "dp_replicate x dp_shard x tp = 3 must equal the world size 4"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=ddp", "strategy.tp=2"],
+     "strategy.tp=2: strategy=ddp uses only strategy.dp_replicate; this must be 1"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp", "model.n_kv_heads=1"],
+     "model.n_kv_heads=1: must be divisible by the tensor-parallel degree strategy.tp=2"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=3", "strategy=tp", "train.global_batch_size=12"],
+     "model.n_heads=4: must be divisible by the tensor-parallel degree strategy.tp=3"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp", "model.tie_embeddings=true"],
+     "model.tie_embeddings=True: tied embeddings cannot be tensor-parallel"),
+    (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp", "train.global_batch_size=5"],
+     "train.global_batch_size=5: must be divisible by data-parallel size x train.grad_accum_steps = 2 x 1 = 2"),
+    (["strategy.activation_checkpointing=some"],
+     "strategy.activation_checkpointing='some': must be one of none, full, selective"),
 ]
 
 
@@ -80,7 +109,8 @@ CLI_BAD = [
     (["optim.foo=1"], "Could not override 'optim.foo'"),
     (["+optim.foo=1"], "invalid config: optim.foo=1: unknown key; optim has betas, eps, grad_clip"),
     (["strategy=nope"], "Could not find 'strategy/nope'"),
-    (["train.global_batch_size=10", "train.grad_accum_steps=4"], "must be divisible by world size"),
+    (["train.global_batch_size=10", "train.grad_accum_steps=4"], "must be divisible by data-parallel size"),
+    (["strategy=tp"], "strategy=tp needs more than one process"),
 ]
 
 

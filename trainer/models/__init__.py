@@ -1,8 +1,8 @@
 """Model construction: build a model from `cfg.model` on the meta device, and initialise it in place.
 
 Initialisation is sharding-invariant: every parameter is drawn whole from a generator seeded by the run
-seed and the parameter's name, then loaded through `set_model_state_dict`, which slices it for DDP,
-FSDP2, TP or any composition. So every strategy and world size starts from the same weights.
+seed and the parameter's name, and each rank keeps the slice its DTensor placement says (DDP, FSDP2, TP
+or any composition). So every strategy and world size starts from the same weights.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import zlib
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.models.llama import Transformer
+
+# What activation-checkpoint wrappers insert into parameter names.
+WRAPPED = "_checkpoint_wrapped_module."
 
 
 def build(cfg) -> Transformer:
@@ -43,15 +46,19 @@ def _draw(name: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: floa
 
 def init_weights(model: nn.Module, shapes: dict, seed: int, std: float, n_layers: int) -> None:
     """Initialise every parameter of `model` (sharded or not) and its rotary tables, in place."""
-    groups: dict[str, list[str]] = {}
-    for name in shapes:
-        groups.setdefault(".".join(name.split(".")[:2]) if name.startswith("layers.") else name, []).append(name)
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    # One block at a time, so that a large model never holds two full copies.
-    for names in groups.values():
-        part = {n: _draw(n, *shapes[n], seed=seed, std=std, n_layers=n_layers) for n in names}
-        set_model_state_dict(model, part, options=options)
-    inner = model.module if hasattr(model, "module") else model
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    with torch.no_grad():
+        for name, param in inner.named_parameters():
+            clean = name.replace(WRAPPED, "")
+            shape, dtype = shapes[clean]
+            full = _draw(clean, shape, dtype, seed, std, n_layers).to(param.device)
+            if isinstance(param, DTensor):
+                # Every rank drew the same full tensor, so each takes its own slice: no communication,
+                # and any placement works (uneven and strided shards included).
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
     inner.init_buffers()
 
 

@@ -91,9 +91,9 @@ class Transformer(nn.Module):
             {str(i): Block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps) for i in range(n_layers)}
         )
         self.norm = RMSNorm(dim, norm_eps)
-        self.output = nn.Linear(dim, vocab_size, bias=False)
-        if tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        # Tied: no separate output layer; the embedding matrix projects back. Sharing one Parameter
+        # between two modules would not survive `to_empty`, which re-creates each module's tensors.
+        self.output = None if tie_embeddings else nn.Linear(dim, vocab_size, bias=False)
         head_dim = dim // n_heads
         self.register_buffer("rope_cos", torch.empty(max_seq_len, head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_seq_len, head_dim), persistent=False)
@@ -117,5 +117,11 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         return self.norm(h)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (vocab, dim) matrix that turns hidden states into logits."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.output(self.hidden_states(tokens))
+        h = self.hidden_states(tokens)
+        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
