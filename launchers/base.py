@@ -20,6 +20,10 @@ WORKER_MODULE = "trainer.worker"
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+class LauncherError(RuntimeError):
+    """A launcher could not do what was asked; the message says what and why."""
+
+
 class JobState(str, enum.Enum):
     PENDING = "Pending"
     RUNNING = "Running"
@@ -47,14 +51,16 @@ def worker_command(config_path: str) -> list[str]:
     return ["-m", WORKER_MODULE, config_path]
 
 
-def torchrun_args(runtime: dict[str, Any], nproc_per_node: int) -> list[str]:
-    """torchrun's options for a `runtime` config; one node without an endpoint uses --standalone."""
+def torchrun_args(runtime: dict[str, Any], nproc_per_node: int, endpoint: str | None = None) -> list[str]:
+    """torchrun's options for a `runtime` config. One node without an endpoint uses --standalone; else a
+    c10d rendezvous at `endpoint` (default: the runtime's rdzv_endpoint), which every node joins."""
     args = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={runtime['nnodes']}",
             f"--max-restarts={runtime['max_restarts']}", f"--monitor-interval={runtime['monitor_interval']}"]
-    if runtime["nnodes"] == 1 and not runtime.get("rdzv_endpoint"):
+    endpoint = endpoint or runtime.get("rdzv_endpoint")
+    if runtime["nnodes"] == 1 and not endpoint:
         return [*args, "--standalone"]
-    return [*args, f"--rdzv-backend={runtime['rdzv_backend']}",
-            f"--rdzv-endpoint={runtime['rdzv_endpoint']}", f"--rdzv-id={runtime['rdzv_id']}"]
+    return [*args, f"--rdzv-backend={runtime['rdzv_backend']}", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={runtime['rdzv_id']}"]
 
 
 def read_summary(run_dir: str) -> dict[str, Any] | None:

@@ -124,4 +124,9 @@ class LocalLauncher(Launcher):
         return list(self._jobs)
 
 
-LAUNCHER = LocalLauncher()
+_LAUNCHER = LocalLauncher()
+
+
+def make(config: dict) -> LocalLauncher:
+    """The one local launcher of this process (it remembers the jobs it started)."""
+    return _LAUNCHER

@@ -59,7 +59,8 @@ def _save_config(resolved: dict, run_dir: str) -> str:
 
 
 def prepare_run(cfg: DictConfig) -> launchers.Run:
-    """Validate and resolve `cfg`, save it into its run directory, and describe the run."""
+    """Validate and resolve `cfg`, save it into its run directory (not for a dry run, which only prints
+    what it would launch), and describe the run."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
         OmegaConf.resolve(cfg)
@@ -70,8 +71,12 @@ def prepare_run(cfg: DictConfig) -> launchers.Run:
         _remove_new_empty_dirs(run_dir)
         raise SystemExit(2) from None
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    os.makedirs(run_dir, exist_ok=True)
-    path = _save_config(resolved, run_dir)
+    if resolved["launcher"].get("dry_run"):
+        _remove_new_empty_dirs(run_dir)
+        path = os.path.join(run_dir, "config.yaml")
+    else:
+        os.makedirs(run_dir, exist_ok=True)
+        path = _save_config(resolved, run_dir)
     return launchers.Run(config=resolved, run_dir=run_dir, config_path=path,
                          world_size=config.world_size(cfg))
 
@@ -81,10 +86,16 @@ def _app(cfg: DictConfig) -> float:
     global _job_started
     _job_started = True
     run = prepare_run(cfg)
-    job = launchers.get(run.config["launcher"]["name"]).launch(run)
+    launcher_cfg = run.config["launcher"]
+    job = launchers.get(launcher_cfg).launch(run)
+    if job is None:  # a dry run: the launcher printed what it would do
+        return float("nan")
+    if not launcher_cfg.get("wait", True):
+        print(f"submitted {job.name} ({launcher_cfg['name']}); run directory: {run.run_dir}", flush=True)
+        return float("nan")
     state = job.wait()
     if state != launchers.JobState.SUCCEEDED:
-        raise RuntimeError(f"run {run.run_dir} ended {state.value}; the rank logs are in {run.run_dir}/logs")
+        raise RuntimeError(f"run {run.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}
     loss = float(summary.get("final_eval_loss", float("nan")))
     print(f"run directory: {run.run_dir}\nfinal eval loss: {loss:.4f} nats/token "

@@ -8,6 +8,7 @@ rule raises `ConfigError` naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -89,13 +90,73 @@ class RuntimeConfig:
 
 
 @dataclass
-class LauncherConfig:
+class LocalLauncherConfig:
+    name: str = "local"
+
+
+@dataclass
+class Resources:
+    cpu: str | None = None
+    memory: str | None = None
+    gpu: int = 0
+
+
+@dataclass
+class DockerLauncherConfig:
+    name: str = "docker"
+    image: str = MISSING
+    network: str | None = None  # null: one per job, named after it
+    gpus_per_node: int = 0
+    shm_size: str = "8g"
+    env: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    wait: bool = True
+
+
+@dataclass
+class Volume:
     name: str = MISSING
+    claim: str = MISSING  # a PersistentVolumeClaim in the job's namespace
+    mount_path: str = MISSING
+    read_only: bool = False
+
+
+@dataclass
+class KubernetesLauncherConfig:
+    name: str = "kubernetes"
+    image: str = MISSING
+    namespace: str = "default"
+    context: str | None = None
+    kubeconfig: str | None = None  # null: $KUBECONFIG or ~/.kube/config, else the in-cluster config
+    # The ClusterTrainingRuntime to run on; null: the runtime's name (torch-distributed).
+    runtime_ref: str | None = None
+    job_name: str | None = None  # null: derived from the run directory's name, plus a unique suffix
+    resources_per_node: Resources = field(default_factory=Resources)
+    env: dict[str, str] = field(default_factory=dict)
+    active_deadline_seconds: int | None = None
+    suspend: bool = False
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    volumes: list[Volume] = field(default_factory=list)
+    service_account: str | None = None
+    # Where the run directory lives in the pods: under run_root, on the claim run_claim when it is set
+    # (shared storage), else on each pod's own disk. local_run_root: the same storage as this machine
+    # mounts it, so that `wait=true` can read each run's summary.json.
+    run_root: str = "/workspace/runs"
+    run_claim: str | None = None
+    local_run_root: str | None = None
+    cache_dir: str = "/workspace/cache"
+    dry_run: bool = False
+    wait: bool = False
+    poll_seconds: float = 10.0
 
 
 @dataclass
 class SchedulerConfig:
     name: str = MISSING
+    queue: str | None = None
+    priority_class: str | None = None
+    schedule_timeout_seconds: int | None = None
 
 
 @dataclass
@@ -139,7 +200,8 @@ class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     strategy: StrategyConfig = MISSING
-    launcher: LauncherConfig = MISSING
+    # Each launcher option has its own schema (LAUNCHER_SCHEMAS), named in its yaml's defaults list.
+    launcher: Any = MISSING
     scheduler: SchedulerConfig = MISSING
     kernels: KernelsConfig = MISSING
     optim: OptimConfig = MISSING
@@ -148,12 +210,17 @@ class Config:
     run_dir: str = "${hydra:runtime.output_dir}"
 
 
+LAUNCHER_SCHEMAS = {
+    "local": LocalLauncherConfig,
+    "docker": DockerLauncherConfig,
+    "kubernetes": KubernetesLauncherConfig,
+}
+
 SCHEMAS = {
     "model": ModelConfig,
     "data": DataConfig,
     "strategy": StrategyConfig,
     "runtime": RuntimeConfig,
-    "launcher": LauncherConfig,
     "scheduler": SchedulerConfig,
     "kernels": KernelsConfig,
     "optim": OptimConfig,
@@ -165,6 +232,8 @@ def register() -> None:
     """Put the schemas into Hydra's ConfigStore; `conf/config.yaml` starts its defaults with `schema`."""
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
+    for name, schema in LAUNCHER_SCHEMAS.items():
+        cs.store(group="launcher", name=f"schema_{name}", node=schema)
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -189,13 +258,24 @@ def local_gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def node_gpus(cfg: DictConfig) -> int:
+    """GPUs per node: those a remote launcher asks for, or those on this machine for the local one."""
+    name = cfg.launcher.name
+    if name == "kubernetes":
+        return int(cfg.launcher.resources_per_node.gpu)
+    if name == "docker":
+        return int(cfg.launcher.gpus_per_node)
+    return local_gpu_count()
+
+
 def nproc_per_node(cfg: DictConfig) -> int:
-    """Processes per node: the runtime's setting, else the GPU count, else 2 on a CPU-only machine."""
+    """Processes per node: the runtime's setting, else one per GPU; without GPUs, 2 on this machine and 1
+    on a remote node (whose cores the launcher does not know)."""
     if cfg.get("runtime") is None:
         return 1
     if cfg.runtime.nproc_per_node is not None:
         return int(cfg.runtime.nproc_per_node)
-    return local_gpu_count() or 2
+    return node_gpus(cfg) or (2 if cfg.launcher.name == "local" else 1)
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -237,8 +317,8 @@ def dp_size(cfg: DictConfig) -> int:
 STRATEGIES = ("ddp", "fsdp2", "tp", "fsdp2_tp")
 AC_MODES = ("none", "full", "selective")
 DTYPES = ("auto", "fp32", "bf16")
-LAUNCHERS = ("local",)
-SCHEDULERS = ("none",)
+LAUNCHERS = tuple(LAUNCHER_SCHEMAS)
+SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
 KERNELS = ("torch",)
 OPTIMIZERS = ("adamw", "sgd")
 DATASETS = ("stdlib", "parquet")
@@ -251,7 +331,10 @@ def _known_keys(cfg: DictConfig) -> None:
     top = {f.name for f in fields(Config)}
     for key in cfg:
         _require(key in top, str(key), cfg.get(key), f"unknown key; the top level has {', '.join(sorted(top))}")
-    for group, schema in SCHEMAS.items():
+    groups = dict(SCHEMAS)
+    if cfg.launcher.get("name") in LAUNCHER_SCHEMAS:
+        groups["launcher"] = LAUNCHER_SCHEMAS[cfg.launcher.name]
+    for group, schema in groups.items():
         node = cfg.get(group)
         if node is None:
             continue
@@ -283,6 +366,44 @@ def _validate_layout(cfg: DictConfig, world: int) -> None:
         _require(not m.tie_embeddings, "model.tie_embeddings", True,
                  "tied embeddings cannot be tensor-parallel (the embedding is sharded by rows); set "
                  "model.tie_embeddings=false")
+
+
+RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+RFC1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _validate_launcher(cfg: DictConfig) -> None:
+    lc, sc = cfg.launcher, cfg.scheduler
+    remote = lc.name in ("docker", "kubernetes")
+    if remote:
+        _require(bool(lc.image), "launcher.image", lc.image, f"launcher={lc.name} needs the image to run")
+        _require(cfg.get("runtime") is not None, "runtime", None,
+                 f"launcher={lc.name} runs torchrun on every node: add +runtime=torch-distributed")
+    if lc.name == "docker":
+        _require(lc.gpus_per_node >= 0, "launcher.gpus_per_node", lc.gpus_per_node, "must be >= 0")
+    if lc.name == "kubernetes":
+        _require(len(lc.namespace) <= 63 and bool(RFC1123.match(lc.namespace)), "launcher.namespace",
+                 lc.namespace, "must be a DNS label: lower-case letters, digits and '-', at most 63 characters")
+        if lc.job_name is not None:
+            _require(len(lc.job_name) <= 52 and bool(RFC1035.match(lc.job_name)), "launcher.job_name",
+                     lc.job_name, "must be an RFC 1035 label (a-z, 0-9, '-', starting with a letter) of at "
+                     "most 52 characters, leaving room for the pods' suffixes")
+        _require(lc.resources_per_node.gpu >= 0, "launcher.resources_per_node.gpu", lc.resources_per_node.gpu,
+                 "must be >= 0")
+        _require(lc.active_deadline_seconds is None or lc.active_deadline_seconds > 0,
+                 "launcher.active_deadline_seconds", lc.active_deadline_seconds, "must be > 0, or null")
+        for key in lc.env:
+            _require(not str(key).startswith("PET_"), f"launcher.env.{key}", lc.env[key],
+                     "PET_* variables are set by the Kubeflow Trainer torch plugin; torchrun reads them")
+        _require(lc.local_run_root is None or lc.run_claim is not None, "launcher.local_run_root",
+                 lc.local_run_root, "is the shared run storage as this machine sees it: set launcher.run_claim too")
+    if sc.name != "none":
+        _require(lc.name == "kubernetes", "scheduler", sc.name,
+                 f"gang schedulers run on Kubernetes: use launcher=kubernetes (launcher is {lc.name})")
+    if sc.name in ("kueue", "kai"):
+        _require(bool(sc.queue), "scheduler.queue", sc.queue, f"scheduler={sc.name} needs the queue to submit to")
+    _require(sc.schedule_timeout_seconds is None or sc.schedule_timeout_seconds > 0,
+             "scheduler.schedule_timeout_seconds", sc.schedule_timeout_seconds, "must be > 0, or null")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -348,9 +469,11 @@ def validate(cfg: DictConfig) -> None:
         _require(0 <= r.node_rank < r.nnodes, "runtime.node_rank", r.node_rank,
                  f"must be in [0, runtime.nnodes={r.nnodes})")
         _require(r.max_restarts >= 0, "runtime.max_restarts", r.max_restarts, "must be >= 0")
-        _require(r.nnodes == 1 or bool(r.rdzv_endpoint), "runtime.rdzv_endpoint", r.rdzv_endpoint,
-                 "must be host:port of node 0 when runtime.nnodes > 1")
+        # Remote launchers know node 0's address (Kubeflow injects it; Docker names the container).
+        _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or cfg.launcher.name != "local", "runtime.rdzv_endpoint",
+                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
 
+    _validate_launcher(cfg)
     world = world_size(cfg)
     _validate_layout(cfg, world)
     dp = dp_size(cfg)

@@ -1,0 +1,12 @@
+# The image that every node of a `launcher=docker` or `launcher=kubernetes` run starts: PyTorch with CUDA
+# (the image Kubeflow Trainer's torch-distributed runtime uses) plus trainjob.
+#   docker build -t <registry>/trainjob:<tag> .
+FROM pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+WORKDIR /opt/trainjob
+COPY pyproject.toml README.md ./
+COPY conf conf
+COPY trainer trainer
+COPY launchers launchers
+COPY datacache datacache
+RUN pip install --no-cache-dir -e .
+ENV PYTHONUNBUFFERED=1

@@ -1,0 +1,364 @@
+"""The Kubernetes launcher: a run becomes a Kubeflow Trainer v2 TrainJob (`trainer.kubeflow.org/v1alpha1`).
+
+Every node runs `torchrun ... -m trainer.worker /etc/trainjob/config.yaml`; torchrun takes the node count,
+processes per node, node rank and master address from the `PET_*` variables that Trainer's torch plugin
+injects. The resolved config travels in a ConfigMap mounted into container `node`, and is owned by the
+TrainJob so that deleting the job deletes it. Gang schedulers (`launchers.schedulers`) add labels, or a
+namespaced TrainingRuntime derived from the cluster's. `launcher.dry_run=true` prints the manifests as
+multi-document YAML for `kubectl apply -f -` and submits nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+
+from launchers import schedulers
+from launchers.base import TORCHRUN_ENV, Job, JobState, Launcher, LauncherError, Run, read_summary, worker_command
+
+GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
+CONFIG_DIR = "/etc/trainjob"
+MANAGER = "trainjob"
+MANAGED_BY = {"app.kubernetes.io/managed-by": MANAGER}
+RUN_LABEL = "trainjob.dev/run"
+
+
+def job_name(run: Run) -> str:
+    """An RFC 1035 label of at most 52 characters: the launcher's job_name, or the run directory's name
+    plus a hash of its path (unique per run, and the same whenever this run is rendered)."""
+    explicit = run.config["launcher"].get("job_name")
+    if explicit:
+        return explicit
+    base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(run.run_dir).lower()).strip("-")
+    suffix = hashlib.sha256(run.run_dir.encode()).hexdigest()[:8]
+    return f"tj-{base}"[:43].rstrip("-") + "-" + suffix
+
+
+def pod_config(run: Run, name: str) -> dict[str, Any]:
+    """The run's config as the pods see it: run directory and data cache at their paths in the pod."""
+    config = copy.deepcopy(run.config)
+    lc = config["launcher"]
+    config["run_dir"] = f"{lc['run_root'].rstrip('/')}/{name}"
+    config["data"]["cache_dir"] = lc["cache_dir"]
+    return config
+
+
+def _quantity(value: Any) -> Any:
+    """CPU counts as numbers (as the SDK sends them); anything else ("500m", "3Gi") as given."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _resources(res: dict[str, Any]) -> dict[str, Any] | None:
+    amounts = {}
+    if res.get("cpu") is not None:
+        amounts["cpu"] = _quantity(res["cpu"])
+    if res.get("memory") is not None:
+        amounts["memory"] = str(res["memory"])
+    if res.get("gpu"):
+        amounts["nvidia.com/gpu"] = int(res["gpu"])
+    return {"limits": dict(amounts), "requests": dict(amounts)} if amounts else None
+
+
+def _pod_patch(lc: dict[str, Any], config_map: str) -> dict[str, Any]:
+    volumes = [{"name": "trainjob-config", "configMap": {"name": config_map}},
+               {"name": "trainjob-cache", "emptyDir": {}},
+               {"name": "trainjob-runs", **({"persistentVolumeClaim": {"claimName": lc["run_claim"]}}
+                                            if lc.get("run_claim") else {"emptyDir": {}})}]
+    mounts = [{"name": "trainjob-config", "mountPath": CONFIG_DIR, "readOnly": True},
+              {"name": "trainjob-cache", "mountPath": lc["cache_dir"]},
+              {"name": "trainjob-runs", "mountPath": lc["run_root"]}]
+    for v in lc.get("volumes") or []:
+        volumes.append({"name": v["name"], "persistentVolumeClaim": {"claimName": v["claim"],
+                                                                     "readOnly": bool(v["read_only"])}})
+        mounts.append({"name": v["name"], "mountPath": v["mount_path"], "readOnly": bool(v["read_only"])})
+    pod: dict[str, Any] = {"volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
+    if lc.get("node_selector"):
+        pod["nodeSelector"] = dict(lc["node_selector"])
+    if lc.get("tolerations"):
+        pod["tolerations"] = [dict(t) for t in lc["tolerations"]]
+    if lc.get("service_account"):
+        pod["serviceAccountName"] = lc["service_account"]
+    return pod
+
+
+def render(run: Run, runtime_spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The manifests for `run`, in the order to create them: [TrainingRuntime,] ConfigMap, TrainJob.
+
+    `runtime_spec` is the cluster runtime's spec, from which a gang scheduler's runtime is derived; None
+    uses Kubeflow Trainer's stock torch-distributed spec.
+    """
+    lc, sc, rt = run.config["launcher"], run.config["scheduler"], run.config["runtime"]
+    name, namespace = job_name(run), lc["namespace"]
+    labels = {**MANAGED_BY, RUN_LABEL: name}
+    cluster_ref = lc.get("runtime_ref") or rt["name"]
+    manifests: list[dict[str, Any]] = []
+
+    ref = {"kind": "ClusterTrainingRuntime", "name": cluster_ref}
+    if sc["name"] in schedulers.NEEDS_RUNTIME:
+        runtime = schedulers.derived_runtime(sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]),
+                                             f"{name}-runtime", namespace, labels)
+        manifests.append(runtime)
+        ref = {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
+
+    config_map = f"{name}-config"
+    manifests.append({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": config_map, "namespace": namespace, "labels": labels},
+        "data": {"config.yaml": yaml.safe_dump(pod_config(run, name), sort_keys=False)},
+    })
+
+    env = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **{str(k): str(v) for k, v in (lc.get("env") or {}).items()}}
+    trainer: dict[str, Any] = {
+        "image": lc["image"],
+        "command": ["torchrun", f"--max-restarts={rt['max_restarts']}",
+                    *worker_command(f"{CONFIG_DIR}/config.yaml")],
+        "numNodes": int(rt["nnodes"]),
+        "numProcPerNode": run.world_size // int(rt["nnodes"]),
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+    }
+    resources = _resources(lc.get("resources_per_node") or {})
+    if resources:
+        trainer["resourcesPerNode"] = resources
+    spec: dict[str, Any] = {
+        "runtimeRef": ref,
+        "trainer": trainer,
+        "runtimePatches": [{"manager": f"{MANAGER}.dev/launcher", "trainingRuntimeSpec": {"template": {"spec": {
+            "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {
+                "spec": _pod_patch(lc, config_map)}}}}]}}}}],
+    }
+    if lc.get("suspend"):
+        spec["suspend"] = True
+    if lc.get("active_deadline_seconds"):
+        spec["activeDeadlineSeconds"] = int(lc["active_deadline_seconds"])
+    trainjob = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob",
+                "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": spec}
+    schedulers.apply_to_trainjob(sc, trainjob)
+    manifests.append(trainjob)
+    return manifests
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the config in the ConfigMap) as literal blocks, readable in `kubectl get -o yaml`."""
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
+                                                             style="|" if "\n" in s else None))
+
+
+def to_yaml(manifests: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False)
+
+
+# --- the API -------------------------------------------------------------------------------------------
+
+def _api_error(e, verb: str, kind: str, name: str, namespace: str) -> LauncherError:
+    what = f"{verb} {kind} {name!r} in namespace {namespace!r}"
+    status = getattr(e, "status", None)
+    detail = ""
+    try:
+        import json
+
+        detail = json.loads(e.body).get("message", "") if getattr(e, "body", None) else ""
+    except (ValueError, AttributeError):
+        detail = str(getattr(e, "body", "") or "")
+    if status == 403:
+        msg = f"forbidden to {what}: the account in your kubeconfig lacks the RBAC permission"
+    elif status == 404 and kind in ("TrainJob", "ClusterTrainingRuntime", "TrainingRuntime"):
+        msg = (f"cannot {what}: not found; is Kubeflow Trainer v2 installed, and does the "
+               f"ClusterTrainingRuntime exist (kubectl get clustertrainingruntimes)?")
+    elif status == 404:
+        msg = f"cannot {what}: not found"
+    elif status == 409:
+        msg = f"cannot {what}: it already exists; delete it or set launcher.job_name to another name"
+    elif status == 422:
+        msg = f"the API server rejected {what} as invalid"
+    else:
+        msg = f"cannot {what}: HTTP {status} {getattr(e, 'reason', '')}".rstrip()
+    return LauncherError(f"Kubernetes API: {msg}" + (f": {detail}" if detail else ""))
+
+
+class Api:
+    """The few calls the launcher makes, through the official `kubernetes` client."""
+
+    def __init__(self, lc: dict[str, Any]):
+        from kubernetes import client, config
+
+        try:
+            if lc.get("kubeconfig") or os.environ.get("KUBECONFIG") or os.path.exists(
+                    os.path.expanduser("~/.kube/config")):
+                api_client = config.new_client_from_config(config_file=lc.get("kubeconfig"),
+                                                           context=lc.get("context"))
+            else:
+                config.load_incluster_config()
+                api_client = client.ApiClient()
+        except config.ConfigException as e:
+            raise LauncherError(f"no usable Kubernetes config (launcher.kubeconfig={lc.get('kubeconfig')!r}, "
+                                f"launcher.context={lc.get('context')!r}): {e}") from None
+        self.client = client
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.ApiException = client.exceptions.ApiException
+
+    def call(self, verb: str, kind: str, name: str, namespace: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except self.ApiException as e:
+            raise _api_error(e, verb, kind, name, namespace) from None
+
+
+def _plural(kind: str) -> str:
+    return {"TrainJob": "trainjobs", "TrainingRuntime": "trainingruntimes"}[kind]
+
+
+class KubernetesJob(Job):
+    def __init__(self, api: Api, run: Run | None, name: str, namespace: str, poll_seconds: float = 10.0):
+        self.api, self.run, self.name, self.namespace, self.poll_seconds = api, run, name, namespace, poll_seconds
+        self._cancelled = False
+
+    def _get(self) -> dict[str, Any]:
+        return self.api.call("get", "TrainJob", self.name, self.namespace,
+                             self.api.custom.get_namespaced_custom_object, GROUP, VERSION, self.namespace,
+                             "trainjobs", self.name)
+
+    def _pods(self, node: int | None = None) -> list:
+        selector = f"jobset.sigs.k8s.io/jobset-name={self.name}"
+        if node is not None:
+            selector += f",jobset.sigs.k8s.io/job-index={node}"
+        pods = self.api.call("list", "Pod", selector, self.namespace, self.api.core.list_namespaced_pod,
+                             self.namespace, label_selector=selector)
+        return list(pods.items)
+
+    def status(self) -> JobState:
+        if self._cancelled:
+            return JobState.CANCELLED
+        conditions = {c["type"]: c.get("status") for c in (self._get().get("status") or {}).get("conditions", [])}
+        if conditions.get("Complete") == "True":
+            return JobState.SUCCEEDED
+        if conditions.get("Failed") == "True":
+            return JobState.FAILED
+        if conditions.get("Suspended") == "True":
+            return JobState.PENDING
+        # No Running condition exists: a job runs once one of its pods does.
+        phases = {p.status.phase for p in self._pods()}
+        return JobState.RUNNING if phases & {"Running", "Succeeded"} else JobState.PENDING
+
+    def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
+        """Lines of node `rank`'s pod (`<job>-node-<rank>-...`, container `node`)."""
+        pods = self._pods(rank)
+        if not pods:
+            raise LauncherError(f"TrainJob {self.name!r} has no pod for node {rank} (yet)")
+        pod = pods[0].metadata.name
+        stream = self.api.call("read logs of", "Pod", pod, self.namespace, self.api.core.read_namespaced_pod_log,
+                               pod, self.namespace, container="node", follow=follow, _preload_content=False)
+        buffer = b""
+        for chunk in stream.stream():
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                yield line.decode("utf-8", errors="replace")
+        if buffer:
+            yield buffer.decode("utf-8", errors="replace")
+
+    def wait(self, timeout: float | None = None) -> JobState:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.status()
+            if state.finished or (deadline is not None and time.monotonic() >= deadline):
+                return state
+            time.sleep(self.poll_seconds)
+
+    def cancel(self) -> None:
+        """Delete the TrainJob; its ConfigMap and runtime follow through their owner references."""
+        self.api.call("delete", "TrainJob", self.name, self.namespace,
+                      self.api.custom.delete_namespaced_custom_object, GROUP, VERSION, self.namespace,
+                      "trainjobs", self.name, propagation_policy="Foreground")
+        self._cancelled = True
+
+    def result(self) -> dict[str, Any] | None:
+        local_root = self.run.config["launcher"].get("local_run_root") if self.run else None
+        return read_summary(os.path.join(local_root, self.name)) if local_root else None
+
+
+class KubernetesLauncher(Launcher):
+    def __init__(self, lc: dict[str, Any] | None = None):
+        self._lc = lc
+
+    def launch(self, run: Run) -> Job | None:
+        lc = run.config["launcher"]
+        if lc.get("dry_run"):
+            sys.stdout.write(to_yaml(render(run)))
+            sys.stdout.flush()
+            return None
+        api = Api(lc)
+        namespace, name = lc["namespace"], job_name(run)
+        runtime_spec = None
+        if run.config["scheduler"]["name"] in schedulers.NEEDS_RUNTIME:
+            ref = lc.get("runtime_ref") or run.config["runtime"]["name"]
+            runtime_spec = api.call("get", "ClusterTrainingRuntime", ref, namespace,
+                                    api.custom.get_cluster_custom_object, GROUP, VERSION,
+                                    "clustertrainingruntimes", ref)["spec"]
+        manifests = render(run, runtime_spec)
+        with open(os.path.join(run.run_dir, "manifests.yaml"), "w") as f:
+            f.write(to_yaml(manifests))
+        companions: list[dict[str, Any]] = []
+        try:
+            for m in manifests:
+                kind, mname = m["kind"], m["metadata"]["name"]
+                if kind == "ConfigMap":
+                    api.call("create", kind, mname, namespace, api.core.create_namespaced_config_map, namespace, m)
+                    companions.append(m)
+                elif kind == "TrainingRuntime":
+                    api.call("create", kind, mname, namespace, api.custom.create_namespaced_custom_object, GROUP,
+                             VERSION, namespace, _plural(kind), m)
+                    companions.append(m)
+                else:
+                    created = api.call("create", kind, mname, namespace,
+                                       api.custom.create_namespaced_custom_object, GROUP, VERSION, namespace,
+                                       _plural(kind), m)
+        except LauncherError:
+            # Nothing half-submitted: remove what this launch created before the failure.
+            for m in companions:
+                try:
+                    if m["kind"] == "ConfigMap":
+                        api.core.delete_namespaced_config_map(m["metadata"]["name"], namespace)
+                    else:
+                        api.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, _plural(m["kind"]),
+                                                                   m["metadata"]["name"])
+                except api.ApiException:
+                    pass
+            raise
+        owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "name": name,
+                 "uid": created["metadata"]["uid"], "blockOwnerDeletion": True}
+        for m in companions:
+            patch = {"metadata": {"ownerReferences": [owner]}}
+            if m["kind"] == "ConfigMap":
+                api.call("patch", "ConfigMap", m["metadata"]["name"], namespace,
+                         api.core.patch_namespaced_config_map, m["metadata"]["name"], namespace, patch)
+            else:
+                api.call("patch", m["kind"], m["metadata"]["name"], namespace,
+                         api.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace,
+                         _plural(m["kind"]), m["metadata"]["name"], patch)
+        return KubernetesJob(api, run, name, namespace, float(lc.get("poll_seconds", 10.0)))
+
+    def list_jobs(self) -> list[Job]:
+        """The TrainJobs this launcher submitted in the configured namespace."""
+        lc = self._lc or {}
+        api, namespace = Api(lc), lc.get("namespace", "default")
+        found = api.call("list", "TrainJob", "*", namespace, api.custom.list_namespaced_custom_object, GROUP,
+                         VERSION, namespace, "trainjobs", label_selector=f"app.kubernetes.io/managed-by={MANAGER}")
+        return [KubernetesJob(api, None, item["metadata"]["name"], namespace) for item in found.get("items", [])]
+
+
+def make(config: dict[str, Any]) -> KubernetesLauncher:
+    return KubernetesLauncher(config)

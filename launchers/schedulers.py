@@ -1,0 +1,76 @@
+"""Gang schedulers for the Kubernetes launcher: what each one adds to a TrainJob, and the namespaced
+TrainingRuntime that those needing a pod group or a scheduler name get, derived from the cluster's.
+
+- kueue: label `kueue.x-k8s.io/queue-name` (and `kueue.x-k8s.io/priority-class`), created suspended;
+  Kueue admits the job by unsuspending it.
+- volcano: `podGroupPolicy.volcano` on the runtime; queue annotation `scheduling.volcano.sh/queue-name`.
+- coscheduling: `podGroupPolicy.coscheduling.scheduleTimeoutSeconds` on the runtime.
+- kai: pods with `schedulerName: kai-scheduler` and label `kai.scheduler/queue` (a runtime patch cannot
+  set a scheduler name, so it goes into the derived runtime).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
+NEEDS_RUNTIME = ("volcano", "coscheduling", "kai")
+
+
+def builtin_torch_runtime(image: str) -> dict[str, Any]:
+    """The spec of Kubeflow Trainer's `torch-distributed` ClusterTrainingRuntime, for when the cluster's
+    own cannot be read (a dry run)."""
+    return {
+        "mlPolicy": {"numNodes": 1, "torch": {}},
+        "template": {"spec": {"replicatedJobs": [{
+            "name": "node",
+            "template": {
+                "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+                "spec": {"template": {"spec": {"containers": [{"name": "node", "image": image}]}}},
+            },
+        }]}},
+    }
+
+
+def _pod_templates(spec: dict[str, Any]):
+    for job in spec["template"]["spec"]["replicatedJobs"]:
+        yield job["template"]["spec"]["template"]
+
+
+def derived_runtime(scheduler: dict[str, Any], base_spec: dict[str, Any], name: str, namespace: str,
+                    labels: dict[str, str]) -> dict[str, Any]:
+    """A namespaced TrainingRuntime: `base_spec` (the cluster runtime's spec) plus the gang policy."""
+    spec = copy.deepcopy(base_spec)
+    kind = scheduler["name"]
+    if kind == "volcano":
+        spec["podGroupPolicy"] = {"volcano": {}}
+    elif kind == "coscheduling":
+        timeout = scheduler.get("schedule_timeout_seconds")
+        spec["podGroupPolicy"] = {"coscheduling": {"scheduleTimeoutSeconds": timeout} if timeout else {}}
+    for template in _pod_templates(spec):
+        pod = template.setdefault("spec", {})
+        if kind == "kai":
+            pod["schedulerName"] = "kai-scheduler"
+            template.setdefault("metadata", {}).setdefault("labels", {})["kai.scheduler/queue"] = scheduler["queue"]
+        if scheduler.get("priority_class") and kind in ("volcano", "kai"):
+            pod["priorityClassName"] = scheduler["priority_class"]
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingRuntime",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {**labels, "trainer.kubeflow.org/framework": "torch"}},
+            "spec": spec}
+
+
+def apply_to_trainjob(scheduler: dict[str, Any], trainjob: dict[str, Any]) -> None:
+    """Add the scheduler's labels, annotations and suspension to `trainjob` in place."""
+    kind = scheduler["name"]
+    meta = trainjob["metadata"]
+    if kind == "kueue":
+        meta.setdefault("labels", {})["kueue.x-k8s.io/queue-name"] = scheduler["queue"]
+        if scheduler.get("priority_class"):
+            meta["labels"]["kueue.x-k8s.io/priority-class"] = scheduler["priority_class"]
+        trainjob["spec"]["suspend"] = True
+    elif kind == "volcano" and scheduler.get("queue"):
+        meta.setdefault("annotations", {})["scheduling.volcano.sh/queue-name"] = scheduler["queue"]
+    elif kind == "kai":
+        meta.setdefault("labels", {})["kai.scheduler/queue"] = scheduler["queue"]

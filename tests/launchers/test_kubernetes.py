@@ -1,0 +1,235 @@
+"""The Kubernetes launcher: manifests valid against the real CRDs, equal to the SDK's where they overlap,
+printed by a dry run, and submitted, watched, read and cancelled through the real `kubernetes` client.
+
+No Kubernetes API server can run here: submission goes to `fake_apiserver.FakeApiServer`, an HTTP test
+double on loopback that validates what it receives against the same CRD schemas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from launchers import JobState, LauncherError
+from launchers import get as get_launcher
+from launchers.kubernetes import job_name, render
+from tests.conftest import REPO
+from tests.launchers import crds
+from tests.launchers.fake_apiserver import FakeApiServer
+from trainer import config
+from trainer.__main__ import prepare_run
+
+SDK = os.path.join(os.path.dirname(crds.DEFAULT_DIR), "sdk-0.5.0-customtrainer-trainjob.json")
+
+
+def make_run(tmp_path, *overrides: str):
+    config.register()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["launcher=kubernetes", "+runtime=torch-distributed", *overrides])
+    cfg.run_dir = str(tmp_path / "run")
+    return prepare_run(cfg)
+
+
+STRATEGY = {"ddp": [], "fsdp2": ["strategy=fsdp2"], "fsdp2_tp": ["strategy=fsdp2_tp", "runtime.nproc_per_node=4",
+                                                                   "launcher.resources_per_node.gpu=4"]}
+MATRIX = list(itertools.product(["none", "kueue", "volcano", "coscheduling", "kai"], STRATEGY, [1, 2, 4]))
+
+
+@pytest.mark.parametrize(("scheduler", "strategy", "nodes"), MATRIX, ids=["-".join(map(str, m)) for m in MATRIX])
+def test_every_manifest_validates_against_the_crds(tmp_path, scheduler, strategy, nodes):
+    run = make_run(tmp_path, f"scheduler={scheduler}", *STRATEGY[strategy], f"runtime.nnodes={nodes}",
+                   "launcher.resources_per_node.cpu=4", "launcher.resources_per_node.memory=16Gi",
+                   "+launcher.node_selector.pool=train", "launcher.active_deadline_seconds=3600",
+                   "+launcher.env.NCCL_DEBUG=WARN",
+                   "launcher.volumes=[{name: data, claim: corpus, mount_path: /data, read_only: true}]",
+                   "launcher.tolerations=[{key: gpu, operator: Exists, effect: NoSchedule}]")
+    manifests = render(run)
+    kinds = [m["kind"] for m in manifests]
+    gang = ["TrainingRuntime"] if scheduler in ("volcano", "coscheduling", "kai") else []
+    expected = [*gang, "ConfigMap", "TrainJob"]
+    assert kinds == expected
+    for m in manifests:
+        if m["kind"] != "ConfigMap":
+            crds.validate(m)
+    trainjob = manifests[-1]
+    assert trainjob["spec"]["trainer"]["numNodes"] == nodes
+    assert trainjob["spec"]["trainer"]["numProcPerNode"] == (4 if strategy == "fsdp2_tp" else 1)
+    assert not any(e["name"].startswith("PET_") for e in trainjob["spec"]["trainer"]["env"])
+    pod_config = yaml.safe_load(manifests[-2]["data"]["config.yaml"])
+    assert pod_config["run_dir"] == f"/workspace/runs/{trainjob['metadata']['name']}"
+    assert pod_config["strategy"]["name"] == strategy
+
+
+def test_scheduler_specifics(tmp_path):
+    kueue = render(make_run(tmp_path, "scheduler=kueue", "scheduler.queue=team-a", "scheduler.priority_class=high"))
+    assert kueue[-1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert kueue[-1]["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"
+    assert kueue[-1]["spec"]["suspend"] is True
+
+    cosched = render(make_run(tmp_path, "scheduler=coscheduling", "scheduler.schedule_timeout_seconds=300"))
+    assert cosched[0]["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 300}}
+    assert cosched[-1]["spec"]["runtimeRef"] == {"kind": "TrainingRuntime", "name": cosched[0]["metadata"]["name"]}
+
+    volcano = render(make_run(tmp_path, "scheduler=volcano", "scheduler.queue=research"))
+    assert volcano[0]["spec"]["podGroupPolicy"] == {"volcano": {}}
+    assert volcano[-1]["metadata"]["annotations"]["scheduling.volcano.sh/queue-name"] == "research"
+
+    kai = render(make_run(tmp_path, "scheduler=kai", "scheduler.queue=gpu-queue"))
+    pod = kai[0]["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert pod["spec"]["schedulerName"] == "kai-scheduler"
+    assert pod["metadata"]["labels"]["kai.scheduler/queue"] == "gpu-queue"
+    assert kai[-1]["metadata"]["labels"]["kai.scheduler/queue"] == "gpu-queue"
+
+
+def test_trainjob_matches_what_the_official_sdk_submits(tmp_path):
+    with open(SDK) as f:
+        sdk = json.load(f)
+    ours = render(make_run(tmp_path, "runtime.nnodes=2", "launcher.resources_per_node.cpu=3",
+                           "launcher.resources_per_node.memory=3Gi"))[-1]
+    assert ours["apiVersion"] == sdk["apiVersion"] and ours["kind"] == sdk["kind"]
+    assert ours["spec"]["runtimeRef"] == sdk["spec"]["runtimeRef"]
+    assert ours["spec"]["trainer"]["numNodes"] == sdk["spec"]["trainer"]["numNodes"]
+    assert ours["spec"]["trainer"]["resourcesPerNode"] == sdk["spec"]["trainer"]["resourcesPerNode"]
+    crds.validate(sdk)  # the reference itself passes the same strict validation
+
+
+def test_job_names_are_rfc1035_unique_and_stable(tmp_path):
+    a = make_run(tmp_path / "a", "hydra.run.dir=ignored")
+    b = make_run(tmp_path / "b")
+    assert job_name(a) != job_name(b) and job_name(a) == job_name(a)
+    for name in (job_name(a), job_name(b)):
+        assert crds.NAME.match(name) and len(name) <= 52
+    assert job_name(make_run(tmp_path, "launcher.job_name=my-run")) == "my-run"
+
+
+def test_dry_run_prints_yaml_for_kubectl_and_writes_nothing(run_cli, tmp_path):
+    proc = run_cli("launcher=kubernetes", "+runtime=torch-distributed", "scheduler=kueue", "launcher.dry_run=true",
+                   timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    docs = list(yaml.safe_load_all(proc.stdout))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "TrainJob"]
+    crds.validate(docs[1])
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["launcher=kubernetes"], "runtime=None: launcher=kubernetes runs torchrun on every node"),
+    (["launcher=kubernetes", "+runtime=torch-distributed", "launcher.job_name=Bad_Name"],
+     "launcher.job_name='Bad_Name': must be an RFC 1035 label"),
+    (["launcher=kubernetes", "+runtime=torch-distributed", "+launcher.env.PET_NNODES=3"],
+     "launcher.env.PET_NNODES='3': PET_* variables are set by the Kubeflow Trainer torch plugin"),
+    (["scheduler=kueue"], "scheduler='kueue': gang schedulers run on Kubernetes"),
+    (["launcher=kubernetes", "+runtime=torch-distributed", "scheduler=kai", "scheduler.queue=null"],
+     "scheduler.queue=None: scheduler=kai needs the queue"),
+])
+def test_bad_launcher_configs_are_refused(overrides, message):
+    config.register()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    cfg.run_dir = "/nonexistent"
+    with pytest.raises(config.ConfigError, match=message.replace("*", r"\*").replace("(", r"\(")):
+        config.validate(cfg)
+
+
+@pytest.fixture
+def apiserver(tmp_path):
+    with FakeApiServer() as server:
+        with open(os.path.join(os.path.dirname(crds.DEFAULT_DIR), "runtimes", "torch_distributed.yaml")) as f:
+            server.objects[("clustertrainingruntimes", "", "torch-distributed")] = yaml.safe_load(f)
+        yield server, server.kubeconfig(str(tmp_path / "kubeconfig"))
+
+
+def test_submit_status_logs_cancel_and_list_through_the_kubernetes_client(tmp_path, apiserver):
+    server, kubeconfig = apiserver
+    run = make_run(tmp_path, "scheduler=volcano", f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=ml",
+                   "runtime.nnodes=2", "launcher.poll_seconds=0.01")
+    launcher = get_launcher(run.config["launcher"])
+    job = launcher.launch(run)
+    name = job.name
+    trainjob = server.objects[("trainjobs", "ml", name)]
+    config_map = server.objects[("configmaps", "ml", f"{name}-config")]
+    runtime = server.objects[("trainingruntimes", "ml", f"{name}-runtime")]
+    for owned in (config_map, runtime):
+        assert owned["metadata"]["ownerReferences"][0]["uid"] == trainjob["metadata"]["uid"]
+    assert runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]["image"].startswith("pytorch/pytorch")  # derived from the cluster's runtime
+    assert os.path.isfile(os.path.join(run.run_dir, "manifests.yaml"))
+
+    assert job.status() == JobState.PENDING
+    server.add_pod("ml", name, 0, "Running", log="step 1 loss 5.5\nstep 2 loss 4.8\n")
+    server.add_pod("ml", name, 1, "Pending")
+    assert job.status() == JobState.RUNNING
+    assert list(job.logs(0)) == ["step 1 loss 5.5", "step 2 loss 4.8"]
+    server.set_conditions("ml", name, Suspended="True")
+    assert job.status() == JobState.PENDING
+    server.set_conditions("ml", name, Complete="True")
+    assert job.wait(timeout=5) == JobState.SUCCEEDED
+    server.set_conditions("ml", name, Failed="True")
+    assert job.status() == JobState.FAILED
+
+    assert [j.name for j in launcher.list_jobs()] == [name]
+    job.cancel()
+    assert job.status() == JobState.CANCELLED
+    assert ("trainjobs", "ml", name) not in server.objects
+    assert ("configmaps", "ml", f"{name}-config") not in server.objects  # garbage-collected with its owner
+
+
+def test_api_errors_become_clear_messages(tmp_path, apiserver):
+    server, kubeconfig = apiserver
+    run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.job_name=taken")
+    get_launcher(run.config["launcher"]).launch(run)
+    with pytest.raises(LauncherError, match="ConfigMap 'taken-config' in namespace 'default': it already exists"):
+        get_launcher(run.config["launcher"]).launch(run)
+
+    server.forbidden_namespaces.add("locked")
+    locked = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=locked")
+    with pytest.raises(LauncherError, match="forbidden to create ConfigMap .* in namespace 'locked'"):
+        get_launcher(locked.config["launcher"]).launch(locked)
+
+    missing = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "scheduler=coscheduling",
+                       "launcher.runtime_ref=no-such-runtime")
+    with pytest.raises(LauncherError, match="get ClusterTrainingRuntime 'no-such-runtime'.*not found; is Kubeflow"):
+        get_launcher(missing.config["launcher"]).launch(missing)
+
+    invalid = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.job_name=bad",
+                       f"launcher.image=registry.example/{'x' * 490}")  # the CRD allows 500 characters
+    with pytest.raises(LauncherError, match="rejected create TrainJob 'bad' in namespace 'default' as invalid: .*"
+                                            "is too long"):
+        get_launcher(invalid.config["launcher"]).launch(invalid)
+    assert ("configmaps", "default", "bad-config") not in server.objects  # rolled back
+
+    with pytest.raises(LauncherError, match="no usable Kubernetes config"):
+        get_launcher({"name": "kubernetes", "kubeconfig": str(tmp_path / "absent")}).list_jobs()
+
+
+def test_sweep_submits_one_trainjob_per_point_and_waits_for_their_losses(run_cli, tmp_path, apiserver):
+    server, kubeconfig = apiserver
+    shared = tmp_path / "shared-runs"
+
+    def cluster_runs(trainjob):  # each job "trains" on the cluster and leaves its summary on shared storage
+        name = trainjob["metadata"]["name"]
+        lr = yaml.safe_load(server.objects[("configmaps", "default", f"{name}-config")]["data"]["config.yaml"])[
+            "optim"]["lr"]
+        os.makedirs(shared / name)
+        (shared / name / "summary.json").write_text(json.dumps({"final_eval_loss": 2.0 + lr, "steps": 5}))
+        trainjob["status"] = {"conditions": [{"type": "Complete", "status": "True", "reason": "Done",
+                                              "message": "done", "lastTransitionTime": "2026-11-29T00:00:00Z"}]}
+
+    server.on_trainjob = cluster_runs
+    proc = run_cli("-m", "launcher=kubernetes", "+runtime=torch-distributed", "optim.lr=1e-3,3e-4",
+                   f"launcher.kubeconfig={kubeconfig}", "launcher.wait=true", "launcher.run_claim=runs",
+                   f"launcher.local_run_root={shared}", "launcher.poll_seconds=0.05",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    jobs = sorted(name for (plural, _, name) in server.objects if plural == "trainjobs")
+    assert len(jobs) == 2
+    assert "final eval loss: 2.0010" in proc.stdout and "final eval loss: 2.0003" in proc.stdout
+    for name in jobs:
+        pod = server.objects[("trainjobs", "default", name)]["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]
+        volumes = pod["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "trainjob-runs", "persistentVolumeClaim": {"claimName": "runs"}} in volumes
