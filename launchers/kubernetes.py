@@ -290,6 +290,12 @@ class KubernetesJob(Job):
         return read_summary(os.path.join(local_root, self.name)) if local_root else None
 
 
+def attach(name: str, namespace: str = "default", kubeconfig: str | None = None,
+           context: str | None = None) -> KubernetesJob:
+    """A handle on a TrainJob submitted earlier (status, logs, wait, cancel)."""
+    return KubernetesJob(Api({"kubeconfig": kubeconfig, "context": context}), None, name, namespace)
+
+
 class KubernetesLauncher(Launcher):
     def __init__(self, lc: dict[str, Any] | None = None):
         self._lc = lc

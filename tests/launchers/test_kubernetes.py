@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.kubernetes import job_name, render
+from launchers.kubernetes import attach, job_name, render
 from tests.conftest import REPO
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
@@ -173,6 +173,7 @@ def test_submit_status_logs_cancel_and_list_through_the_kubernetes_client(tmp_pa
     assert job.status() == JobState.FAILED
 
     assert [j.name for j in launcher.list_jobs()] == [name]
+    assert attach(name, namespace="ml", kubeconfig=kubeconfig).status() == JobState.FAILED
     job.cancel()
     assert job.status() == JobState.CANCELLED
     assert ("trainjobs", "ml", name) not in server.objects
