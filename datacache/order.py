@@ -1,16 +1,19 @@
 """The global sample order and who consumes which part of it.
 
-An epoch is a permutation of the row indices, drawn from (seed, epoch) alone, so every rank computes the
-same one. Global batch `s` is rows `order[s*G:(s+1)*G]` whatever the world size; rank `r` takes the
-`r`-th slice of `G/W` rows of it, and DataLoader worker `w` of `n` serves the steps `s` with
-`s % n == w`, which a DataLoader's round-robin over its workers puts back in order. The rows left over
-after the last full global batch are dropped, so every rank gets the same number of batches per epoch.
-A position is (epoch, step in epoch): a job resumed with another world size or worker count, and the
-same global batch, continues with exactly the rows not yet delivered.
+An epoch's order is drawn from (seed, epoch) alone, so every rank computes the same one. With
+`block_rows=1` it is a full permutation of the rows; with larger blocks, contiguous blocks of rows are
+permuted and then rows are shuffled within windows of `window_blocks` blocks, so that a streaming reader
+fetches long runs of neighbouring rows (the shuffle MosaicML Streaming and WebDataset use).
+
+Global batch `s` is rows `order[s*G:(s+1)*G]` whatever the world size; rank `r` takes the `r`-th slice of
+`G/W` rows of it. With `drop_last` the rows after the last full global batch wait for the next epoch;
+without it the last batch is padded with rows from the start of the epoch's order (seen twice). Either
+way every rank gets the same number of batches, which collective training needs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +27,9 @@ class BatchPlan:
     rank: int = 0
     shuffle: bool = True
     seed: int = 0
+    block_rows: int = 1
+    window_blocks: int = 1
+    drop_last: bool = True
 
     def __post_init__(self):
         if self.global_batch_size % self.world_size:
@@ -31,6 +37,8 @@ class BatchPlan:
                              f"world_size={self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} is not in [0, world_size={self.world_size})")
+        if self.block_rows < 1 or self.window_blocks < 1:
+            raise ValueError(f"block_rows={self.block_rows} and window_blocks={self.window_blocks} must be >= 1")
         if self.batches_per_epoch == 0:
             raise ValueError(f"{self.num_rows} rows make no global batch of {self.global_batch_size}")
 
@@ -40,12 +48,27 @@ class BatchPlan:
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.num_rows // self.global_batch_size
+        if self.drop_last:
+            return self.num_rows // self.global_batch_size
+        return math.ceil(self.num_rows / self.global_batch_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
+        n = self.num_rows
         if not self.shuffle:
-            return np.arange(self.num_rows)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+            order = np.arange(n)
+        else:
+            rng = np.random.default_rng([self.seed, epoch])
+            if self.block_rows == 1:
+                order = rng.permutation(n)
+            else:
+                starts = rng.permutation(np.arange(0, n, self.block_rows))
+                order = np.concatenate([np.arange(s, min(s + self.block_rows, n)) for s in starts])
+                window = self.block_rows * self.window_blocks
+                for lo in range(0, n, window):
+                    rng.shuffle(order[lo:lo + window])
+        if not self.drop_last and n % self.global_batch_size:
+            order = np.concatenate([order, order[:self.global_batch_size - n % self.global_batch_size]])
+        return order
 
     def rows(self, order: np.ndarray, step: int) -> np.ndarray:
         """This rank's row indices for global batch `step` of the epoch whose order is `order`."""

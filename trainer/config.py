@@ -41,6 +41,15 @@ class ModelConfig:
 
 
 @dataclass
+class CacheConfig:
+    # Arrow Flight cache nodes (`python -m datacache serve`) holding the training rows; empty: read the
+    # corpus from disk in process.
+    endpoints: list[str] = field(default_factory=list)
+    token: str | None = None
+    prefetch: int = 2
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     # Parquet files (a path, directory or glob) for `data=parquet`; unused by `stdlib`.
@@ -52,6 +61,7 @@ class DataConfig:
     cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
     shuffle: bool = True
     num_workers: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
 
 @dataclass
@@ -439,6 +449,9 @@ def validate(cfg: DictConfig) -> None:
     _require(0 < cfg.data.eval_percent < 100, "data.eval_percent", cfg.data.eval_percent,
              "must be in (0, 100)")
     _require(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "must be >= 0")
+    for i, endpoint in enumerate(cfg.data.cache.endpoints):
+        _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")), f"data.cache.endpoints[{i}]",
+                 endpoint, "must be a Flight location such as grpc://host:50051")
     if cfg.data.name == "parquet":
         _require(bool(cfg.data.path), "data.path", cfg.data.path,
                  "data=parquet needs the Parquet files: a file, a directory or a glob")

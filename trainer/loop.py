@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from datacache import LocalDataset
+from datacache import LocalDataset, StreamingDataset
 from trainer import checkpoint, metrics, models, parallel
 from trainer.parallel.tp import uses_loss_parallel
 
@@ -78,8 +78,14 @@ class Trainer:
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
-        self.train_data = LocalDataset(os.path.join(corpus, "train"), t.global_batch_size,
-                                       shuffle=cfg.data.shuffle, seed=t.seed, rank=dp_rank, world_size=dp_size)
+        if cfg.data.cache.endpoints:
+            self.train_data = StreamingDataset(list(cfg.data.cache.endpoints), global_batch_size=t.global_batch_size,
+                                               shuffle=cfg.data.shuffle, seed=t.seed, rank=dp_rank,
+                                               world_size=dp_size, token=cfg.data.cache.token,
+                                               prefetch=cfg.data.cache.prefetch)
+        else:
+            self.train_data = LocalDataset(os.path.join(corpus, "train"), t.global_batch_size,
+                                           shuffle=cfg.data.shuffle, seed=t.seed, rank=dp_rank, world_size=dp_size)
         self.eval_data = LocalDataset(os.path.join(corpus, "eval"), t.global_batch_size, shuffle=False,
                                       loop=False, rank=dp_rank, world_size=dp_size)
         self.loss_context = (loss_parallel if uses_loss_parallel(cfg.strategy, cfg.model.vocab_size,
@@ -119,7 +125,7 @@ class Trainer:
 
     def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps
-        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        tokens = batch["tokens"].to(self.device, non_blocking=True).long()
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(tokens.chunk(accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
@@ -152,9 +158,11 @@ class Trainer:
         epoch, step_in_epoch = self.train_data.plan.position(self.step)
         self.train_data.set_position(epoch, step_in_epoch)
         workers = self.cfg.data.num_workers
+        # Streaming workers start from a fork server: gRPC connections do not survive fork.
+        context = "forkserver" if workers and isinstance(self.train_data, StreamingDataset) else None
         return DataLoader(self.train_data, batch_size=None, num_workers=workers,
                           pin_memory=self.device.type == "cuda", persistent_workers=False,
-                          prefetch_factor=4 if workers else None)
+                          prefetch_factor=4 if workers else None, multiprocessing_context=context)
 
     def _checkpoint(self) -> None:
         checkpoint.save(os.path.join(self.cfg.run_dir, "checkpoints"), self.step, self.model,

@@ -127,3 +127,28 @@ def test_relaunch_with_a_new_config_keeps_the_old_one_and_refuses_to_overwrite_c
     assert (run_dir / "config.1.yaml").read_text() == old
     assert "max_steps: 4" in (run_dir / "config.yaml").read_text()
     assert read_summary(str(run_dir))["resumed_from"] == str(run_dir / "checkpoints" / "step-2")
+
+
+def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir):
+    from omegaconf import OmegaConf
+
+    from trainer.data import prepare
+
+    corpus = prepare(OmegaConf.create({"name": "stdlib", "path": None, "text_column": "text", "tokens_column": None,
+                                       "seq_len": 32, "eval_percent": 2.0, "cache_dir": cache_dir}))
+    nodes = [subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", os.path.join(corpus, "train"),
+                               "--port", "0", "--shard", f"{i}/2", "--token", "t"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(2)]
+    try:
+        endpoints = [p.stdout.readline().split()[-1] for p in nodes]
+        proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
+                       "runtime.nproc_per_node=2", f"data.cache.endpoints=[{','.join(endpoints)}]",
+                       "data.cache.token=t", f"hydra.run.dir={tmp_path / 'run'}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:
+        for p in nodes:
+            p.terminate()
+            p.wait(timeout=10)
+    losses = _losses(str(tmp_path / "run"))
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert read_summary(str(tmp_path / "run"))["world_size"] == 2

@@ -1,0 +1,93 @@
+"""`python -m datacache`: run a cache node, describe one, or check that it is ready.
+
+    python -m datacache serve --source 'data/*.parquet' --port 50051 [--shard 0/2] [--columns tokens]
+                              [--filter "split == 'train'"] [--token SECRET] [--tls-cert C --tls-key K]
+    python -m datacache stat grpc://127.0.0.1:50051 [--token SECRET]
+    python -m datacache ready grpc://127.0.0.1:50051 [--token SECRET]    # exit 0 once it serves (a readiness probe)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import pyarrow.flight as flight
+
+from datacache.server import CacheServer, DataCacheError
+
+
+def _options(token: str | None) -> flight.FlightCallOptions:
+    return flight.FlightCallOptions(timeout=10, headers=[(b"authorization", f"Bearer {token}".encode())]
+                                    if token else None)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: give it as i/n, for example 0/2") from None
+    return i, n
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.lower().rstrip("ib")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m datacache", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="load Parquet data into memory and serve it over Arrow Flight")
+    serve.add_argument("--source", required=True, help="a Parquet file, a directory or a glob")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--shard", type=_shard, default=(0, 1), help="i/n: hold the i-th of n equal parts")
+    serve.add_argument("--columns", default=None, help="comma-separated columns to keep (default: all)")
+    serve.add_argument("--filter", default=None, help="rows to keep, e.g. \"split == 'train' and length >= 128\"")
+    serve.add_argument("--batch-bytes", type=_bytes, default=8 << 20, help="record batch size (default 8MiB)")
+    serve.add_argument("--token", default=None, help="a shared secret that clients must send")
+    serve.add_argument("--tls-cert", default=None)
+    serve.add_argument("--tls-key", default=None)
+    for name in ("stat", "ready"):
+        p = sub.add_parser(name, help={"stat": "print a node's rows, bytes, schema and shard",
+                                       "ready": "exit 0 when the node answers its health check"}[name])
+        p.add_argument("endpoint")
+        p.add_argument("--token", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][datacache][%(levelname)s] %(message)s")
+
+    if args.command == "serve":
+        if bool(args.tls_cert) != bool(args.tls_key):
+            parser.error("--tls-cert and --tls-key go together")
+        scheme = "grpc+tls" if args.tls_cert else "grpc+tcp"
+        try:
+            server = CacheServer(args.source, f"{scheme}://{args.host}:{args.port}", shard=args.shard[0],
+                                 num_shards=args.shard[1], columns=args.columns.split(",") if args.columns else None,
+                                 row_filter=args.filter, batch_bytes=args.batch_bytes, token=args.token,
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key)
+        except DataCacheError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"serving on {server.location}", flush=True)
+        server.serve()
+        return 0
+
+    client = flight.FlightClient(args.endpoint)
+    try:
+        if args.command == "ready":
+            result = next(iter(client.do_action(flight.Action("health", b""), _options(args.token))))
+            return 0 if result.body.to_pybytes() == b"ok" else 1
+        result = next(iter(client.do_action(flight.Action("stats", b""), _options(args.token))))
+        stats = json.loads(result.body.to_pybytes())
+        print(json.dumps(stats, indent=2))
+        return 0
+    except flight.FlightError as e:
+        print(f"error: {args.endpoint}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

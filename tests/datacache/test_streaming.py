@@ -1,0 +1,242 @@
+"""The Arrow Flight cache: real Flight servers on loopback, real DataLoader worker processes.
+
+Every row is delivered exactly once per epoch for any world size, worker count, batch, shuffle and node
+count, and every rank gets the same number of batches; resumption continues with exactly the rest; a
+dead node, a wrong token, a corrupt file or mismatched nodes are clear errors, and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from datacache import CacheServer, DataCacheError, LocalDataset, StreamingDataset
+from datacache.dataset import _to_tensor
+
+ROWS = 203  # prime: no batch size divides it
+
+
+def _write(path, rows=ROWS, width=4, dtype=np.int32, extra=None):
+    ids = np.repeat(np.arange(rows, dtype=dtype), width)  # row i holds the value i
+    columns = {"tokens": pa.FixedSizeListArray.from_arrays(pa.array(ids), width)}
+    columns.update(extra or {})
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def _serve(source, shards=1, **kw):
+    servers = [CacheServer(source, shard=i, num_shards=shards, batch_bytes=256, **kw) for i in range(shards)]
+    for s in servers:
+        threading.Thread(target=s.serve, daemon=True).start()
+    return servers
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("data") / "rows.parquet")
+
+
+@pytest.fixture(scope="module")
+def nodes(source):
+    one, three = _serve(source, 1), _serve(source, 3)
+    yield {1: [s.location for s in one], 3: [s.location for s in three]}
+    for s in one + three:
+        s.shutdown()
+
+
+def _dataset(kind, source, nodes, **kw):
+    if kind == "local":
+        return LocalDataset(source, **kw)
+    return StreamingDataset(nodes[int(kind[0])], retries=1, timeout=10, **kw)
+
+
+def _epoch(kind, source, nodes, world, workers, global_batch, shuffle, drop_last=True, start=0):
+    per_rank = []
+    for rank in range(world):
+        ds = _dataset(kind, source, nodes, global_batch_size=global_batch, shuffle=shuffle, seed=3, loop=False,
+                      rank=rank, world_size=world, drop_last=drop_last)
+        ds.set_position(0, start)
+        # gRPC does not survive fork: streaming workers start from a fork server.
+        context = "forkserver" if workers and kind != "local" else None
+        loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context,
+                            timeout=60 if workers else 0)
+        per_rank.append([b["tokens"][:, 0].tolist() for b in loader])
+    return per_rank
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["local", "1-node", "3-node"]), world=st.integers(1, 4), workers=st.integers(0, 3),
+       per_rank=st.integers(1, 9), shuffle=st.booleans(), drop_last=st.booleans())
+def test_every_row_once_per_epoch_and_equal_batches(source, nodes, kind, world, workers, per_rank, shuffle,
+                                                    drop_last):
+    global_batch = per_rank * world
+    ranks = _epoch(kind, source, nodes, world, workers, global_batch, shuffle, drop_last)
+    assert len({len(batches) for batches in ranks}) == 1  # a rank with fewer batches would hang DDP
+    seen = collections.Counter(row for batches in ranks for batch in batches for row in batch)
+    assert all(len(batch) == per_rank for batches in ranks for batch in batches)
+    full = (ROWS // global_batch) * global_batch
+    if drop_last:
+        assert sum(seen.values()) == full and max(seen.values()) == 1
+    else:
+        assert set(seen) == set(range(ROWS))  # every row, the last batch padded from the epoch's start
+        assert sum(seen.values()) == -(-ROWS // global_batch) * global_batch
+
+
+def test_global_batches_do_not_depend_on_world_size_workers_or_nodes(source, nodes):
+    unshuffled = _epoch("local", source, nodes, 1, 0, 10, False)[0]
+    assert _epoch("3-node", source, nodes, 1, 0, 10, False)[0] == unshuffled
+    for kind in ("1-node", "3-node"):
+        a = _epoch(kind, source, nodes, 1, 0, 10, True)[0]
+        b = _epoch(kind, source, nodes, 2, 2, 10, True)
+        assert [x + y for x, y in zip(*b, strict=True)] == a
+
+
+def test_shuffle_is_deterministic_and_changes_per_epoch(nodes):
+    a = StreamingDataset(nodes[3], global_batch_size=10, seed=5)
+    b = StreamingDataset(nodes[1], global_batch_size=10, seed=5)
+    assert np.array_equal(a.plan.epoch_order(0), b.plan.epoch_order(0))
+    assert not np.array_equal(a.plan.epoch_order(0), a.plan.epoch_order(1))
+    assert not np.array_equal(a.plan.epoch_order(0), np.arange(ROWS))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_mid_epoch_exactly(nodes, workers):
+    def loader(state=None):
+        ds = StreamingDataset(nodes[3], global_batch_size=8, seed=1, loop=False)
+        dl = StatefulDataLoader(ds, batch_size=None, num_workers=workers,
+                                multiprocessing_context="forkserver" if workers else None)
+        if state is not None:
+            dl.load_state_dict(state)
+        return dl
+
+    first = loader()
+    it, consumed = iter(first), []
+    for _ in range(7):
+        consumed += next(it)["tokens"][:, 0].tolist()
+    state = first.state_dict()
+    rest = [row for b in loader(state) for row in b["tokens"][:, 0].tolist()]
+    assert sorted(consumed + rest) == sorted(set(consumed + rest))
+    assert len(consumed + rest) == (ROWS // 8) * 8
+
+
+def test_rank_level_position_resumes_with_other_workers_and_world_size(source, nodes):
+    whole = [row for batches in _epoch("3-node", source, nodes, 1, 0, 12, True) for b in batches for row in b]
+    # 5 global batches were consumed by 2 ranks with 1 worker each; 3 ranks x 3 workers finish the epoch.
+    done = [row for batches in _epoch("3-node", source, nodes, 2, 1, 12, True) for b in batches[:5] for row in b]
+    rest = [row for batches in _epoch("3-node", source, nodes, 3, 3, 12, True, start=5) for b in batches for row in b]
+    assert sorted(done + rest) == sorted(whole) and len(set(done + rest)) == len(whole)
+
+
+@pytest.mark.timeout(60)
+def test_forked_workers_get_a_clear_error_not_a_crash(nodes):
+    ds = StreamingDataset(nodes[1], global_batch_size=8)
+    with pytest.raises(Exception, match="cannot run in a forked process .* multiprocessing_context='forkserver'"):
+        next(iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=30)))
+
+
+def test_one_node_contiguous_batch_is_zero_copy(nodes):
+    ds = StreamingDataset(nodes[1], global_batch_size=8, shuffle=False, loop=False)
+    batch = ds._get(ds._nodes[0], [[0, 8]])
+    tensor = _to_tensor(batch.column("tokens"))
+    values = batch.column("tokens").values
+    assert tensor.data_ptr() == values.buffers()[1].address + values.offset * values.type.byte_width
+    assert tensor[:, 0].tolist() == list(range(8))
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_dies_mid_stream_is_a_clear_error(source):
+    servers = _serve(source, 2)
+    ds = StreamingDataset([s.location for s in servers], global_batch_size=8, shuffle=False, retries=2,
+                          backoff=0.05, timeout=5, prefetch=0)
+    it = iter(ds)
+    next(it)
+    servers[1].shutdown()
+    with pytest.raises(DataCacheError, match=re.escape(f"cache node {servers[1].location}: do_get failed 3 times")):
+        for _ in range(ROWS):
+            next(it)
+    servers[0].shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_node_wrong_token_and_mismatched_nodes(source, tmp_path):
+    with pytest.raises(DataCacheError, match="cache node grpc://127.0.0.1:9: get_flight_info failed 2 times"):
+        StreamingDataset(["grpc://127.0.0.1:9"], global_batch_size=8, retries=1, backoff=0.01, timeout=2)
+
+    secured = _serve(source, 1, token="s3cret")[0]
+    with pytest.raises(DataCacheError, match="refused this client: a wrong or missing token"):
+        StreamingDataset([secured.location], global_batch_size=8, token="wrong")
+    with pytest.raises(DataCacheError, match="refused this client"):
+        StreamingDataset([secured.location], global_batch_size=8)
+    ok = StreamingDataset([secured.location], global_batch_size=8, token="s3cret", loop=False)
+    assert sum(1 for _ in ok) == ROWS // 8
+    secured.shutdown()
+
+    other = _write(tmp_path / "other.parquet", width=4, dtype=np.int64)
+    a, b = _serve(source, 2)[0], _serve(other, 2)[1]
+    with pytest.raises(DataCacheError, match="serves schema"):
+        StreamingDataset([a.location, b.location], global_batch_size=8)
+    with pytest.raises(DataCacheError, match="a shard is missing from the endpoints"):
+        StreamingDataset([a.location], global_batch_size=8)
+    a.shutdown()
+    b.shutdown()
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "datacache", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_cli_serve_stat_ready_and_a_corrupt_file(tmp_path, source):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet PAR1")
+    proc = _cli("serve", "--source", str(tmp_path / "*.parquet"), "--port", "0")
+    assert proc.returncode == 2 and f"{bad}: not a readable Parquet file" in proc.stderr
+    proc = _cli("serve", "--source", source, "--port", "0", "--filter", "__import__('os')")
+    assert proc.returncode == 2 and "--filter" in proc.stderr
+
+    os.makedirs(tmp_path / "f")
+    filtered = _write(tmp_path / "f" / "rows.parquet",
+                      extra={"split": pa.array(["train" if i % 4 else "eval" for i in range(ROWS)])})
+    server = subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", filtered, "--port", "0",
+                               "--filter", "split == 'train'", "--columns", "tokens"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        endpoint = server.stdout.readline().split()[-1]
+        assert _cli("ready", endpoint).returncode == 0
+        stat = _cli("stat", endpoint)
+        assert stat.returncode == 0 and '"rows": 152' in stat.stdout and "split" not in stat.stdout
+        rows = [r for b in StreamingDataset([endpoint], global_batch_size=8, shuffle=False, loop=False)
+                for r in b["tokens"][:, 0].tolist()]
+        assert all(r % 4 for r in rows) and len(rows) == 152
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert _cli("ready", endpoint).returncode == 1
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64])
+def test_batches_are_tensors_of_the_stored_type_from_several_nodes(tmp_path, dtype):
+    servers = _serve(_write(tmp_path / "rows.parquet", dtype=dtype), 3)
+    try:
+        batch = next(iter(StreamingDataset([s.location for s in servers], global_batch_size=40, shuffle=True)))
+    finally:
+        for s in servers:
+            s.shutdown()
+    assert batch["tokens"].dtype == torch.from_numpy(np.zeros(1, dtype)).dtype and batch["tokens"].shape == (40, 4)
+    rows = batch["tokens"].long()
+    assert torch.equal(rows, rows[:, :1].expand(40, 4)) and len(set(rows[:, 0].tolist())) == 40
