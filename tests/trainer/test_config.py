@@ -31,10 +31,15 @@ def _compose(overrides: list[str]):
 def test_every_option_of_every_group_composes_and_validates(group):
     for option in _options(group):
         prefix = "+" if group == "runtime" else ""
+        distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
         extra = {("data", "parquet"): ["data.path=/tmp"],
-                 ("strategy", "tp"): ["+runtime=torch-distributed", "runtime.nproc_per_node=2"],
-                 ("strategy", "fsdp2_tp"): ["+runtime=torch-distributed", "runtime.nproc_per_node=2"],
+                 ("strategy", "tp"): distributed,
+                 ("strategy", "fsdp2_tp"): distributed,
+                 ("launcher", "docker"): distributed,
+                 ("launcher", "kubernetes"): distributed,
                  }.get((group, option), [])
+        if group == "scheduler" and option != "none":
+            extra = ["launcher=kubernetes", *distributed]
         cfg = _compose([f"{prefix}{group}={option}", *extra])
         if group != "train":
             assert OmegaConf.select(cfg, f"{group}.name") == option
