@@ -5,8 +5,11 @@ command line and the torchrun options that every launcher uses.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import os
+import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,6 +66,15 @@ def torchrun_args(runtime: dict[str, Any], nproc_per_node: int, endpoint: str | 
             f"--rdzv-id={runtime['rdzv_id']}"]
 
 
+def run_name(run_dir: str, max_len: int = 52) -> str:
+    """A name for the job of the run in `run_dir`: an RFC 1035 label (lower-case letters, digits and '-',
+    starting with a letter) of at most `max_len` characters, from the directory's name plus a hash of its
+    path, so unique per run and the same whenever this run is rendered."""
+    base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(run_dir).lower()).strip("-")
+    suffix = hashlib.sha256(run_dir.encode()).hexdigest()[:8]
+    return f"tj-{base}"[:max_len - len(suffix) - 1].rstrip("-") + "-" + suffix
+
+
 def read_summary(run_dir: str) -> dict[str, Any] | None:
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
@@ -92,6 +104,20 @@ class Job(ABC):
     def result(self) -> dict[str, Any] | None:
         """The run's summary.json, once it exists."""
         return read_summary(self.run.run_dir)
+
+
+class PollingJob(Job):
+    """A job whose `wait` polls `status()` every `poll_seconds` until it finishes or `timeout` passes."""
+
+    poll_seconds: float = 2.0
+
+    def wait(self, timeout: float | None = None) -> JobState:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.status()
+            if state.finished or (deadline is not None and time.monotonic() >= deadline):
+                return state
+            time.sleep(self.poll_seconds)
 
 
 class Launcher(ABC):

@@ -8,24 +8,31 @@ usual ones. It drives the `docker` CLI; `launcher.dry_run=true` prints the comma
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
-from launchers.base import TORCHRUN_ENV, Job, JobState, Launcher, LauncherError, Run, torchrun_args, worker_command
+from launchers.base import (
+    TORCHRUN_ENV,
+    Job,
+    JobState,
+    Launcher,
+    LauncherError,
+    PollingJob,
+    Run,
+    run_name,
+    torchrun_args,
+    worker_command,
+)
 
 RDZV_PORT = 29400
 
 
 def job_name(run: Run) -> str:
-    base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(run.run_dir).lower()).strip("-")
-    return f"tj-{base}"[:40].rstrip("-") + "-" + hashlib.sha256(run.run_dir.encode()).hexdigest()[:8]
+    return run_name(run.run_dir, max_len=49)
 
 
 def commands(run: Run) -> list[list[str]]:
@@ -65,7 +72,7 @@ def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-class DockerJob(Job):
+class DockerJob(PollingJob):
     def __init__(self, run: Run, name: str, nnodes: int, network: str | None):
         self.run, self.name, self.nnodes, self._network = run, name, nnodes, network
         self._cancelled = False
@@ -93,14 +100,6 @@ class DockerJob(Job):
         with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             for line in proc.stdout:
                 yield line.rstrip("\n")
-
-    def wait(self, timeout: float | None = None) -> JobState:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            state = self.status()
-            if state.finished or (deadline is not None and time.monotonic() >= deadline):
-                return state
-            time.sleep(2)
 
     def cancel(self) -> None:
         """Remove the containers, and the network if the job created it."""

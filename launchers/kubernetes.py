@@ -11,18 +11,26 @@ multi-document YAML for `kubectl apply -f -` and submits nothing.
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
-import re
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import yaml
 
 from launchers import schedulers
-from launchers.base import TORCHRUN_ENV, Job, JobState, Launcher, LauncherError, Run, read_summary, worker_command
+from launchers.base import (
+    TORCHRUN_ENV,
+    Job,
+    JobState,
+    Launcher,
+    LauncherError,
+    PollingJob,
+    Run,
+    read_summary,
+    run_name,
+    worker_command,
+)
 
 GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
 CONFIG_DIR = "/etc/trainjob"
@@ -32,14 +40,8 @@ RUN_LABEL = "trainjob.dev/run"
 
 
 def job_name(run: Run) -> str:
-    """An RFC 1035 label of at most 52 characters: the launcher's job_name, or the run directory's name
-    plus a hash of its path (unique per run, and the same whenever this run is rendered)."""
-    explicit = run.config["launcher"].get("job_name")
-    if explicit:
-        return explicit
-    base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(run.run_dir).lower()).strip("-")
-    suffix = hashlib.sha256(run.run_dir.encode()).hexdigest()[:8]
-    return f"tj-{base}"[:43].rstrip("-") + "-" + suffix
+    """The launcher's job_name, or one derived from the run (see `launchers.base.run_name`)."""
+    return run.config["launcher"].get("job_name") or run_name(run.run_dir)
 
 
 def pod_config(run: Run, name: str) -> dict[str, Any]:
@@ -221,7 +223,7 @@ def _plural(kind: str) -> str:
     return {"TrainJob": "trainjobs", "TrainingRuntime": "trainingruntimes"}[kind]
 
 
-class KubernetesJob(Job):
+class KubernetesJob(PollingJob):
     def __init__(self, api: Api, run: Run | None, name: str, namespace: str, poll_seconds: float = 10.0):
         self.api, self.run, self.name, self.namespace, self.poll_seconds = api, run, name, namespace, poll_seconds
         self._cancelled = False
@@ -269,14 +271,6 @@ class KubernetesJob(Job):
                 yield line.decode("utf-8", errors="replace")
         if buffer:
             yield buffer.decode("utf-8", errors="replace")
-
-    def wait(self, timeout: float | None = None) -> JobState:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            state = self.status()
-            if state.finished or (deadline is not None and time.monotonic() >= deadline):
-                return state
-            time.sleep(self.poll_seconds)
 
     def cancel(self) -> None:
         """Delete the TrainJob; its ConfigMap and runtime follow through their owner references."""

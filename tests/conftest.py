@@ -36,6 +36,20 @@ def run_cli(cache_dir, tmp_path):
     return run
 
 
+def compose_run(tmp_path, *overrides: str):
+    """A prepared `Run` (validated, resolved, saved under tmp_path/run) for `python -m trainer *overrides`."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer import config
+    from trainer.__main__ import prepare_run
+
+    config.register()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    cfg.run_dir = str(tmp_path / "run")
+    return prepare_run(cfg)
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -6,20 +6,12 @@ from __future__ import annotations
 import os
 import shlex
 
-from hydra import compose, initialize_config_dir
-
 from launchers.docker import RDZV_PORT, commands, job_name
-from tests.conftest import REPO
-from trainer import config
-from trainer.__main__ import prepare_run
+from tests.conftest import compose_run
 
 
 def make_run(tmp_path, *overrides: str):
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["launcher=docker", "+runtime=torch-distributed", *overrides])
-    cfg.run_dir = str(tmp_path / "run")
-    return prepare_run(cfg)
+    return compose_run(tmp_path, "launcher=docker", "+runtime=torch-distributed", *overrides)
 
 
 def test_one_container_per_node_on_the_jobs_network(tmp_path):

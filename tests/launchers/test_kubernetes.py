@@ -18,21 +18,16 @@ from hydra import compose, initialize_config_dir
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
 from launchers.kubernetes import attach, job_name, render
-from tests.conftest import REPO
+from tests.conftest import REPO, compose_run
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
 from trainer import config
-from trainer.__main__ import prepare_run
 
 SDK = os.path.join(os.path.dirname(crds.DEFAULT_DIR), "sdk-0.5.0-customtrainer-trainjob.json")
 
 
 def make_run(tmp_path, *overrides: str):
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["launcher=kubernetes", "+runtime=torch-distributed", *overrides])
-    cfg.run_dir = str(tmp_path / "run")
-    return prepare_run(cfg)
+    return compose_run(tmp_path, "launcher=kubernetes", "+runtime=torch-distributed", *overrides)
 
 
 STRATEGY = {"ddp": [], "fsdp2": ["strategy=fsdp2"], "fsdp2_tp": ["strategy=fsdp2_tp", "runtime.nproc_per_node=4",
