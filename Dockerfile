@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY conf conf
 COPY trainer trainer
 COPY launchers launchers
+COPY ops ops
 COPY datacache datacache
 RUN pip install --no-cache-dir -e .
 ENV PYTHONUNBUFFERED=1

@@ -172,6 +172,10 @@ class SchedulerConfig:
 @dataclass
 class KernelsConfig:
     name: str = MISSING
+    # triton: which of rms_norm, rotary_embedding, silu_and_mul, fused_linear_cross_entropy to use
+    # (null: all), and which to leave to PyTorch.
+    include: list[str] | None = None
+    exclude: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -329,7 +333,8 @@ AC_MODES = ("none", "full", "selective")
 DTYPES = ("auto", "fp32", "bf16")
 LAUNCHERS = tuple(LAUNCHER_SCHEMAS)
 SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
-KERNELS = ("torch",)
+KERNELS = ("torch", "triton")
+TRITON_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
 OPTIMIZERS = ("adamw", "sgd")
 DATASETS = ("stdlib", "parquet")
 RUNTIMES = ("torch-distributed",)
@@ -376,6 +381,24 @@ def _validate_layout(cfg: DictConfig, world: int) -> None:
         _require(not m.tie_embeddings, "model.tie_embeddings", True,
                  "tied embeddings cannot be tensor-parallel (the embedding is sharded by rows); set "
                  "model.tie_embeddings=false")
+
+
+def _validate_kernels(cfg: DictConfig) -> None:
+    k = cfg.kernels
+    for key in ("include", "exclude"):
+        for op in k.get(key) or []:
+            _require(op in TRITON_OPS, f"kernels.{key}", list(k[key]), f"ops are {', '.join(TRITON_OPS)}")
+    if k.name != "triton":
+        return
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        _require(False, "kernels", "triton", "needs the triton package: pip install triton")
+    if cfg.launcher.name == "local":
+        _require(local_gpu_count() > 0 or os.environ.get("TRITON_INTERPRET") == "1", "kernels", "triton",
+                 "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on the CPU (slowly, for testing)")
+    _require(cfg.strategy.name in ("ddp", "fsdp2"), "kernels", "triton",
+             f"works with strategy=ddp or fsdp2; strategy={cfg.strategy.name} hands the kernels DTensors")
 
 
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -487,6 +510,7 @@ def validate(cfg: DictConfig) -> None:
                  r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
 
     _validate_launcher(cfg)
+    _validate_kernels(cfg)
     world = world_size(cfg)
     _validate_layout(cfg, world)
     dp = dp_size(cfg)

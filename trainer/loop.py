@@ -16,7 +16,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
@@ -117,11 +116,9 @@ class Trainer:
             _keep_metrics_until(os.path.join(self.cfg.run_dir, "metrics.jsonl"), self.step)
 
     def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        with self.autocast:
-            logits = self.model(inputs)
         # Under loss parallelism the logits are vocabulary shards; the caller holds self.loss_context().
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+        with self.autocast:
+            return self.model(tokens[:, :-1], tokens[:, 1:])
 
     def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, loop, models, parallel
+from trainer import checkpoint, kernels, loop, models, parallel
 from trainer.data import prepare
 
 log = logging.getLogger("trainer")
@@ -103,6 +103,7 @@ def _train(cfg: DictConfig, env: DistEnv) -> dict:
     mesh = parallel.build_mesh(cfg.strategy, env.world_size, env.device.type)
     with torch.device("meta"):
         model = models.build(cfg.model)
+    model = kernels.apply(model, cfg.kernels)
     shapes = models.param_shapes(model)
     model = parallel.apply(model, mesh, cfg.strategy, env.device)
     models.init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)

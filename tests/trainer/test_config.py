@@ -28,7 +28,8 @@ def _compose(overrides: list[str]):
 
 @pytest.mark.parametrize("group", ["model", "data", "strategy", "runtime", "launcher", "scheduler",
                                    "kernels", "optim", "train"])
-def test_every_option_of_every_group_composes_and_validates(group):
+def test_every_option_of_every_group_composes_and_validates(group, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels=triton runs here only under the interpreter
     for option in _options(group):
         prefix = "+" if group == "runtime" else ""
         distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
@@ -56,6 +57,18 @@ def test_world_size_follows_the_runtime():
                     "runtime.rdzv_endpoint=node0:29400", "train.global_batch_size=12"])
     assert config.world_size(cfg) == 6
     config.validate(cfg)
+
+
+def test_triton_kernels_need_a_gpu_or_the_interpreter_and_no_dtensors(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(config.ConfigError, match="kernels='triton': needs a CUDA GPU, or TRITON_INTERPRET=1"):
+        config.validate(_compose(["kernels=triton"]))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config.validate(_compose(["kernels=triton", "kernels.exclude=[fused_linear_cross_entropy]"]))
+    with pytest.raises(config.ConfigError, match="strategy=tp hands the kernels DTensors"):
+        config.validate(_compose(["kernels=triton", "strategy=tp", "+runtime=torch-distributed"]))
+    with pytest.raises(config.ConfigError, match="kernels.include=\\['softmax'\\]: ops are rms_norm"):
+        config.validate(_compose(["kernels=triton", "kernels.include=[softmax]"]))
 
 
 def test_tensor_parallel_peers_share_batches():

@@ -152,3 +152,16 @@ def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir
     losses = _losses(str(tmp_path / "run"))
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert read_summary(str(tmp_path / "run"))["world_size"] == 2
+
+
+def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, tmp_path):
+    """`kernels=triton` under Triton's interpreter (CPU) against `kernels=torch`, on the debug model's shape
+    with short sequences (the interpreter is slow). Tolerance: fp32 kernels that sum in other orders."""
+    args = ["model=debug", "data.seq_len=16", "train.global_batch_size=4", "train.max_steps=3",
+            "train.eval_every=3", "train.eval_batches=1", "train.progress=false"]
+    env = {"TRITON_INTERPRET": "1"}
+    torch_run = run_cli(*args, f"hydra.run.dir={tmp_path / 'torch'}", env=env)
+    assert torch_run.returncode == 0, torch_run.stderr[-3000:]
+    triton_run = run_cli(*args, "kernels=triton", f"hydra.run.dir={tmp_path / 'triton'}", env=env)
+    assert triton_run.returncode == 0, triton_run.stderr[-3000:]
+    assert _losses(str(tmp_path / "triton")) == pytest.approx(_losses(str(tmp_path / "torch")), rel=1e-4)

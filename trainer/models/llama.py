@@ -3,6 +3,8 @@
 It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside. Layers are
 kept in a ModuleDict keyed by index so that their names stay stable under any wrapping. The head count
 used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
+The normalisation, rotary, gating and loss functions are attributes (PyTorch's by default) that
+`trainer.kernels` can point at the Triton ops of `ops/`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    norm_fn = staticmethod(F.rms_norm)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.norm_fn(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +38,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 class Attention(nn.Module):
+    rope_fn = staticmethod(apply_rotary)
+
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.head_dim = dim // n_heads
@@ -47,7 +53,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = self.rope_fn(q, k, cos, sin)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             enable_gqa=q.shape[2] != k.shape[2],
@@ -55,7 +61,13 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
+def silu_and_mul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.silu(x) * y
+
+
 class FeedForward(nn.Module):
+    gate_fn = staticmethod(silu_and_mul)
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -63,7 +75,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.gate_fn(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):
@@ -80,6 +92,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    # A function (hidden, weight, targets) -> loss that never materialises the logits, or None.
+    fused_loss_fn = None
+
     def __init__(self, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
                  vocab_size: int, max_seq_len: int, rope_theta: float, norm_eps: float,
                  tie_embeddings: bool):
@@ -122,6 +137,13 @@ class Transformer(nn.Module):
         """The (vocab, dim) matrix that turns hidden states into logits."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits, or with `targets` the mean cross-entropy (computed in fp32). The loss is taken here,
+        inside forward, so that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits."""
         h = self.hidden_states(tokens)
-        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        if targets is not None and self.fused_loss_fn is not None:
+            return self.fused_loss_fn(h, self.output_weight, targets)
+        logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
