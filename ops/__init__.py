@@ -6,10 +6,35 @@ run under Triton's interpreter when TRITON_INTERPRET=1 is set (slow; for tests).
 """
 
 from ops.activations import gelu, gelu_and_mul, silu, silu_and_mul
+from ops.aten import disable, enable, registered, use_kernels
+from ops.blas import addmm
 from ops.losses import cross_entropy, fused_linear_cross_entropy
 from ops.norms import layer_norm, rms_norm
-from ops.pointwise import pointwise
+from ops.pointwise import add, div, maximum, mul, pointwise, sub
 from ops.rope import rotary_embedding
+from ops.softmax import log_softmax, softmax
 
-__all__ = ["cross_entropy", "fused_linear_cross_entropy", "gelu", "gelu_and_mul", "layer_norm", "pointwise",
-           "rms_norm", "rotary_embedding", "silu", "silu_and_mul"]
+__all__ = [
+           "add",
+           "addmm",
+           "cross_entropy",
+           "disable",
+           "div",
+           "enable",
+           "fused_linear_cross_entropy",
+           "gelu",
+           "gelu_and_mul",
+           "layer_norm",
+           "log_softmax",
+           "maximum",
+           "mul",
+           "pointwise",
+           "registered",
+           "rms_norm",
+           "rotary_embedding",
+           "silu",
+           "silu_and_mul",
+           "softmax",
+           "sub",
+           "use_kernels",
+]

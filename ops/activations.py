@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.pointwise import mul as _mul
 from ops.pointwise import pointwise
 
 SQRT_2_OVER_PI = 0.7978845608028654
@@ -113,12 +114,6 @@ def gelu_mul_dx(x, y, g):
 @triton.jit
 def gelu_tanh_mul_dx(x, y, g):
     return g * y * _dgelu_tanh(x)
-
-
-@pointwise(2)
-@triton.jit
-def _mul(a, b):
-    return a * b
 
 
 _GELU = {"none": (gelu_fwd, gelu_bwd, gelu_mul_fwd, gelu_mul_dx),

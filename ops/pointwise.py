@@ -79,3 +79,36 @@ def pointwise(arity: int, promote: str = "default"):
         return op
 
     return wrap
+
+
+# Binary ops generated from scalar functions (torch's promotion: int + int stays int; `div` is true division).
+
+
+@pointwise(2)
+@triton.jit
+def add(x, y):
+    return x + y
+
+
+@pointwise(2)
+@triton.jit
+def sub(x, y):
+    return x - y
+
+
+@pointwise(2)
+@triton.jit
+def mul(x, y):
+    return x * y
+
+
+@pointwise(2, "float")
+@triton.jit
+def div(x, y):
+    return x / y
+
+
+@pointwise(2)
+@triton.jit
+def maximum(x, y):
+    return tl.maximum(x, y)

@@ -56,11 +56,7 @@ def test_activations(dtype):
 
 
 def test_pointwise_broadcasts_promotes_and_takes_strides():
-    @ops.pointwise(2)
-    @triton.jit
-    def add(a, b):
-        return a + b
-
+    add = ops.add
     a = torch.arange(12, dtype=torch.int32).view(3, 4)
     b = torch.randn(4, dtype=torch.float64)[None, :].expand(3, 4)
     out = add(a.t(), torch.ones(3))  # (4, 3) strided, broadcast against (3,)
@@ -69,6 +65,17 @@ def test_pointwise_broadcasts_promotes_and_takes_strides():
     assert add(a, a).dtype == torch.int32 and torch.equal(add(a, a), a * 2)
     with pytest.raises(TypeError, match="takes 2 tensors"):
         add(a)
+    assert ops.div(a, a + 1).dtype == torch.float32 and torch.allclose(ops.div(a, a + 1), a / (a + 1))
+    assert torch.equal(ops.sub(a, 1), a - 1) and torch.equal(ops.mul(a, a), a * a)
+    assert torch.equal(ops.maximum(a, torch.full((4,), 5, dtype=torch.int32)), torch.clamp(a, min=5))
+
+    @ops.pointwise(3, "float")
+    @triton.jit
+    def lerp(x, y, w):
+        return x + w * (y - x)
+
+    x, y = torch.randn(5, 6), torch.randn(6)
+    torch.testing.assert_close(lerp(x, y, torch.tensor(0.25)), torch.lerp(x, y.expand(5, 6), 0.25))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -138,3 +145,42 @@ def test_fused_linear_cross_entropy(bias, reduction):
         return F.cross_entropy(F.linear(h, w, *bb).flatten(0, 1), target.flatten(), reduction=reduction)
 
     _check(ours, ref, inputs, reduced=259, grad=torch.tensor(0.7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_softmax_and_log_softmax(dim):
+    x = _leaf(3, 1100, 5, transpose=True)  # longer than one block
+    _check(lambda a: ops.softmax(a, dim), lambda a: torch.softmax(a, dim), [x], reduced=1100)
+    _check(lambda a: ops.log_softmax(a, dim), lambda a: torch.log_softmax(a, dim), [x], reduced=1100)
+
+
+@pytest.mark.parametrize("bias_shape", [(29,), (37, 29), (37, 1)])
+def test_addmm(bias_shape):
+    bias, a, b = _leaf(*bias_shape), _leaf(37, 50), _leaf(29, 50).detach().t().requires_grad_()
+    b.retain_grad()
+    _check(lambda c, x, y: ops.addmm(c, x, y, beta=0.5, alpha=2.0),
+           lambda c, x, y: torch.addmm(c, x, y, beta=0.5, alpha=2.0), [bias, a, b], reduced=50)
+
+
+def test_aten_ops_route_to_our_kernels_and_back():
+    from ops.aten import calls
+
+    x = _leaf(4, 33)
+    ref = F.silu(x.detach().double())
+    before = dict(calls)
+    with ops.use_kernels(exclude=["addmm"]):
+        assert "silu" in ops.registered() and "addmm" not in ops.registered()
+        y = F.silu(x)
+        y.backward(torch.ones_like(y))
+        z = torch.log_softmax(x.detach(), dim=0)
+        g = F.gelu(x.detach(), approximate="tanh")
+    assert calls["silu"] == before.get("silu", 0) + 1 and calls["silu_backward"] == before.get("silu_backward", 0) + 1
+    assert calls["_log_softmax"] == before.get("_log_softmax", 0) + 1 and calls["gelu"] == before.get("gelu", 0) + 1
+    torch.testing.assert_close(y.double(), ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(z, torch.log_softmax(x.detach(), dim=0))
+    torch.testing.assert_close(g, F.gelu(x.detach(), approximate="tanh"))
+    assert ops.registered() == []
+    F.silu(x.detach())
+    assert calls["silu"] == before.get("silu", 0) + 1  # PyTorch's own kernel again
+    with pytest.raises(ValueError, match="not routable: softmax_v9"):
+        ops.enable(include=["softmax_v9"])
