@@ -9,6 +9,10 @@ import sys
 
 import pytest
 
+# Triton kernels run here under Triton's interpreter on CPU tensors; it must be chosen before triton is
+# imported anywhere in the test session. Tests of what happens without it unset it themselves.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A model and batch small enough that a step takes milliseconds on one CPU core.

@@ -125,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     # A rank that crashes in native code (SIGSEGV, SIGABRT) prints every thread's Python stack first.
     faulthandler.enable(all_threads=True)
     run(OmegaConf.load(argv[0]))
-    return 0
+    # Done, and every output written: leave without the interpreter's teardown, where a collective
+    # backend's threads, destroyed late, have been seen to abort (SIGABRT) a rank that had succeeded.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
