@@ -63,11 +63,22 @@ class InProcessJob(Job):
         """Nothing to cancel: the run finished inside `launch`."""
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, have the kernel send SIGTERM when the driver dies, so that a
+    driver killed outright (SIGKILL) does not leave torchrun and its ranks running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class TorchrunJob(Job):
     def __init__(self, run: Run, command: list[str]):
         self.run, self.name, self.command = run, os.path.basename(run.run_dir), command
         # A session of its own, so that cancel() can stop torchrun and every rank it started.
-        self._proc = subprocess.Popen(command, start_new_session=True, env={**os.environ, **TORCHRUN_ENV})
+        self._proc = subprocess.Popen(command, start_new_session=True, env={**os.environ, **TORCHRUN_ENV},
+                                      preexec_fn=_die_with_parent)
         self._cancelled = False
 
     def status(self) -> JobState:

@@ -165,3 +165,24 @@ def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, tmp_path):
     triton_run = run_cli(*args, "kernels=triton", f"hydra.run.dir={tmp_path / 'triton'}", env=env)
     assert triton_run.returncode == 0, triton_run.stderr[-3000:]
     assert _losses(str(tmp_path / "triton")) == pytest.approx(_losses(str(tmp_path / "torch")), rel=1e-4)
+
+
+def test_killing_the_driver_stops_torchrun_and_its_ranks(tmp_path, cache_dir):
+    from tests.trainer.test_strategies import _worker_pids
+
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen([sys.executable, "-m", "trainer", *TINY, "train.max_steps=100000",
+                               "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run_dir}"],
+                              cwd=tmp_path, env={**os.environ, "TRAINJOB_CACHE": cache_dir},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = run_dir / "logs" / "rank-1.log"
+    deadline = time.time() + 120
+    while not (log.exists() and "model" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(_worker_pids(str(run_dir / "config.yaml"))) == 2
+    driver.kill()
+    driver.wait()
+    deadline = time.time() + 60
+    while _worker_pids(str(run_dir / "config.yaml")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _worker_pids(str(run_dir / "config.yaml")) == []
