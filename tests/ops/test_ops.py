@@ -1,8 +1,8 @@
 """Every op against a float64 PyTorch reference, forward and backward, under Triton's interpreter.
 
-Shapes are small, with non-power-of-two sizes and non-contiguous inputs. fp32 must match within
-atol = 1e-4 x (reduced length) and rtol = 1.3e-6 (FlagGems' bar) or tighter; bf16 within bf16's
-resolution.
+Shapes are small, with non-power-of-two sizes and non-contiguous inputs. fp32 values and gradients
+must match within atol = 1e-4 x (reduced length) and rtol = 1.3e-6 (FlagGems' bar); bf16 within
+atol = 2e-2 and rtol = 1.6e-2 (PyTorch's bf16 rtol: one bf16 rounding of the result).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ def _check(ours, ref, inputs, reduced=1, dtype=torch.float32, grad=None):
     refs = [t.detach().double().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             for t in inputs]
     out, expected = ours(*inputs), ref(*refs)
-    atol, rtol = (1e-4 * reduced, 1.3e-6) if dtype == torch.float32 else (1e-2 * reduced, 1.6e-2)
+    atol, rtol = (1e-4 * reduced, 1.3e-6) if dtype == torch.float32 else (2e-2, 1.6e-2)
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
     g = torch.randn_like(expected) if grad is None else grad
     out.backward(g.to(out.dtype))
     expected.backward(g)
     for t, r in zip(inputs, refs, strict=True):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            torch.testing.assert_close(t.grad.double(), r.grad, atol=atol, rtol=max(rtol, 1e-5))
+            torch.testing.assert_close(t.grad.double(), r.grad, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
