@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 
+from datacache.local import token_matrix
 from datacache.order import BatchPlan
 from datacache.planned import PlannedDataset, rank_and_world
 from datacache.server import DataCacheError
@@ -40,7 +41,7 @@ RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.F
 def _to_numpy(column: pa.Array) -> np.ndarray:
     """A fixed-size list column as a 2-D array, a primitive column as 1-D; zero-copy when possible."""
     if pa.types.is_fixed_size_list(column.type):
-        return column.values.to_numpy(zero_copy_only=False).reshape(len(column), column.type.list_size)
+        return token_matrix(column, "a cached column")
     return column.to_numpy(zero_copy_only=False)
 
 

@@ -18,6 +18,7 @@ Optional token auth (clients send `authorization: Bearer <token>`; anything else
 from __future__ import annotations
 
 import ast
+import bisect
 import json
 import logging
 from typing import Any
@@ -168,8 +169,6 @@ class CacheServer(flight.FlightServerBase):
 
     def _slices(self, start: int, stop: int):
         """Zero-copy slices of the held batches covering local rows [start, stop)."""
-        import bisect
-
         i = bisect.bisect_right(self._starts, start) - 1
         while start < stop:
             b, b0 = self._batches[i], self._starts[i]

@@ -207,7 +207,6 @@ class Api:
         except config.ConfigException as e:
             raise LauncherError(f"no usable Kubernetes config (launcher.kubeconfig={lc.get('kubeconfig')!r}, "
                                 f"launcher.context={lc.get('context')!r}): {e}") from None
-        self.client = client
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.ApiException = client.exceptions.ApiException
