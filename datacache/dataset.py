@@ -2,12 +2,18 @@
 
 Given every node's endpoint, the client sees one dataset: each node says which global rows it holds,
 and all must share one schema and cover the rows without gaps. Each step's rows (by `BatchPlan`: the
-same order, sharding, epochs and resumption as `LocalDataset`) are fetched from the nodes that hold them,
-in parallel, as runs of neighbouring rows; `prefetch` steps are fetched ahead in threads (Flight
-releases the GIL). A batch that one node answers in one piece becomes a torch tensor without a copy.
+same order, sharding, epochs and resumption as `LocalDataset`) are asked of the nodes that hold them as
+runs of neighbouring rows. A thread reads up to `prefetch` steps ahead (Flight releases the GIL) from one
+long Flight stream per node, all nodes sending at once: a gRPC stream starts slowly, so one call carries
+up to `SPAN_STEPS` steps. When `prefetch` steps wait unconsumed the streams close, so that a node never
+sends what is not yet wanted nor waits on a slow consumer, and they reopen at the first step not yet read.
+A batch that one node answers in one piece becomes a torch tensor without a copy. `prefetch=0`: no
+thread, one call per step, made when the step is wanted.
 
-A node that cannot be reached, or fails mid-stream, is retried `retries` times with exponential backoff;
-then the error names the endpoint. A wrong or missing token is refused at once.
+A node that cannot be reached, or fails mid-stream, is retried `retries` times with exponential backoff
+(its stream resumes at the first step it had not delivered); then the error names the endpoint. A call's
+`timeout` is its deadline: a stream that is delivering when it passes goes on in a new call, not counted
+as a failure. A wrong or missing token is refused at once.
 
 gRPC does not survive `fork`: with DataLoader worker processes, pass `multiprocessing_context="forkserver"`
 (or "spawn"); the dataset pickles without its connections. Threads in the rank process (`num_workers=0`
@@ -19,9 +25,10 @@ from __future__ import annotations
 import collections
 import json
 import os
+import queue
+import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,7 +39,10 @@ import torch
 from datacache.local import token_matrix
 from datacache.order import BatchPlan
 from datacache.planned import PlannedDataset, rank_and_world
-from datacache.server import DataCacheError
+from datacache.server import DataCacheError, encode_ticket
+
+# A stream carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
+SPAN_STEPS, SPAN_RUNS = 1024, 65536
 
 RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightInternalError,
              flight.FlightCancelledError, ConnectionError, OSError)
@@ -52,14 +62,14 @@ def _to_tensor(column: pa.Array | np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values)
 
 
-def _runs(rows: np.ndarray) -> list[list[int]]:
-    """[[start, stop], ...] covering `rows` in their order, merging ascending neighbours."""
+def _runs(rows: np.ndarray) -> np.ndarray:
+    """[[start, stop], ...] covering `rows` in their order, merging ascending neighbours: an (n, 2) array."""
     if len(rows) == 0:
-        return []
+        return np.empty((0, 2), dtype=np.int64)
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [len(rows)]])
-    return [[int(rows[a]), int(rows[b - 1]) + 1] for a, b in zip(starts, stops, strict=True)]
+    first = np.concatenate([[0], breaks])
+    last = np.concatenate([breaks, [len(rows)]]) - 1
+    return np.stack([rows[first], rows[last] + 1], axis=1).astype(np.int64)
 
 
 class _Node:
@@ -89,17 +99,88 @@ class _Node:
         return {**self.__dict__, "_client": None, "_options": None}
 
 
+class _Stream:
+    """One node's answer to a run of steps: a record batch per step, read in order."""
+
+    def __init__(self, node: _Node, steps: list[np.ndarray]):
+        self.node, self.steps, self.done = node, steps, 0
+        self.client = self.reader = None
+        self.since_open = 0  # steps read since the call was (re)made
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.steps)
+
+    def open(self, client: flight.FlightClient, columns: list[str]) -> None:
+        """Asks for the steps not yet read."""
+        ticket = flight.Ticket(encode_ticket(self.steps[self.done:], columns))
+        self.client, self.reader, self.since_open = client, client.do_get(ticket, self.node.options), 0
+
+    def close(self) -> None:
+        if self.reader is not None and not self.finished:
+            self.reader.cancel()  # the node stops sending steps nobody will read now
+        self.reader = None
+
+
+class _Span:
+    """A run of steps: which rows each node gives to each step, and one stream per node delivering them."""
+
+    def __init__(self, layouts: list[tuple[int, int, list]], streams: dict[int, _Stream]):
+        self.layouts, self.streams = layouts, streams
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()
+
+
+class _Room:
+    """Steps fetched ahead and not yet consumed, at most `limit`; `close` releases a waiting fetcher."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held, self.closed = limit, 0, False
+        self._cond = threading.Condition()
+
+    def take(self) -> bool:
+        """A place for one more step, if there is one now."""
+        with self._cond:
+            if self.closed or self.held >= self.limit:
+                return False
+            self.held += 1
+            return True
+
+    def take_when_half_empty(self) -> bool:
+        """A place for one more step, once at most half the room is held (False if closed meanwhile)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.closed or self.held <= self.limit // 2)
+            if self.closed:
+                return False
+            self.held += 1
+            return True
+
+    def give(self) -> None:
+        with self._cond:
+            self.held -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
 class StreamingDataset(PlannedDataset):
     def __init__(self, endpoints: list[str], columns: list[str] | tuple[str, ...] = ("tokens",),
                  batch_size: int | None = None, global_batch_size: int | None = None, shuffle: bool = True,
                  seed: int = 0, loop: bool = True, drop_last: bool = True, rank: int | None = None,
                  world_size: int | None = None, block_rows: int = 64, window_blocks: int = 16,
                  token: str | None = None, tls_root_cert: str | None = None, timeout: float = 30.0,
-                 retries: int = 3, backoff: float = 0.2, prefetch: int = 2):
+                 retries: int = 3, backoff: float = 0.2, prefetch: int = 8):
         if (batch_size is None) == (global_batch_size is None):
             raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
         if not endpoints:
             raise ValueError("StreamingDataset needs at least one cache node endpoint")
+        if prefetch < 0:
+            raise ValueError(f"prefetch={prefetch}: give the steps to read ahead, >= 0 (0: none, no thread)")
         env_rank, env_world = rank_and_world()
         rank = env_rank if rank is None else rank
         world = env_world if world_size is None else world_size
@@ -177,49 +258,117 @@ class StreamingDataset(PlannedDataset):
             raise DataCacheError(f"the cache nodes hold rows [0, {end}) of {first_meta['total_rows']}: a shard is "
                                  f"missing from the endpoints")
 
-    def _get(self, node: _Node, ranges: list[list[int]]) -> pa.RecordBatch:
-        ticket = flight.Ticket(json.dumps({"ranges": ranges}).encode())
+    def _read(self, stream: _Stream) -> pa.RecordBatch:
+        """The stream's next step; a stream that fails is reopened from the first step not yet read."""
 
         def read(client):
-            # The node answers with one record batch; reading it as such avoids concatenating a table.
-            reader = client.do_get(ticket, node.options)
-            batches = [chunk.data for chunk in reader]
-            batch = batches[0] if len(batches) == 1 else pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
-            return batch.select(self.columns)
+            while True:
+                if stream.reader is None or stream.client is not client:
+                    stream.open(client, self.columns)
+                try:
+                    batch = stream.reader.read_chunk().data
+                except StopIteration:
+                    raise DataCacheError(f"cache node {stream.node.endpoint} ended a stream after {stream.done} of "
+                                         f"{len(stream.steps)} steps") from None
+                except flight.FlightTimedOutError:
+                    if not stream.since_open:
+                        raise
+                    stream.reader = None  # the call's deadline ended a stream that was delivering: go on anew
+                    continue
+                stream.done += 1
+                stream.since_open += 1
+                return batch
 
-        return self._call(node, "do_get", read)
+        return self._call(stream.node, "do_get", read)
 
     # --- batches ---------------------------------------------------------------------------------------
 
-    def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        owner = np.searchsorted(self._offsets, rows, side="right") - 1
-        parts = [(n, np.flatnonzero(owner == n)) for n in np.unique(owner)]
-        if len(parts) == 1:
-            batch = self._get(self._nodes[parts[0][0]], _runs(rows))
-            return {c: _to_tensor(batch.column(c)) for c in self.columns}
-        with ThreadPoolExecutor(len(parts)) as pool:
-            batches = list(pool.map(lambda p: self._get(self._nodes[p[0]], _runs(rows[p[1]])), parts))
+    def _spans(self, planned, max_steps: int = SPAN_STEPS):
+        """The planned steps in spans of up to `max_steps` steps and about `SPAN_RUNS` row ranges (a ticket)."""
+        while True:
+            layouts, wanted, runs = [], collections.defaultdict(list), 0
+            for g, rows in planned:
+                lo, hi = np.searchsorted(self._offsets, (rows.min(), rows.max()), side="right") - 1
+                if lo == hi:  # one node holds the whole step: the common case, and the zero-copy one
+                    parts = [(int(lo), None)]
+                    wanted[int(lo)].append(_runs(rows))
+                else:
+                    owner = np.searchsorted(self._offsets, rows, side="right") - 1
+                    parts = [(int(n), np.flatnonzero(owner == n)) for n in np.unique(owner)]
+                    for n, where in parts:
+                        wanted[n].append(_runs(rows[where]))
+                runs += sum(len(wanted[n][-1]) for n, _ in parts)
+                layouts.append((g, len(rows), parts))
+                if len(layouts) == max_steps or runs >= SPAN_RUNS:
+                    break
+            if not layouts:
+                return
+            yield _Span(layouts, {n: _Stream(self._nodes[n], steps) for n, steps in wanted.items()})
+
+    def _open_streams(self, span: _Span) -> None:
+        """(Re)opens the span's unfinished streams, so that every node sends before any is read."""
+        for stream in span.streams.values():
+            if stream.reader is None and not stream.finished:
+                self._call(stream.node, "do_get", lambda client, s=stream: s.open(client, self.columns))
+
+    def _steps(self, span: _Span, room: _Room | None = None):
+        """(global step, batch) for each step of the span. With `room`, a step is read only when there is room
+        for it; when there is none the streams close until the consumer has caught up by half the room (a
+        node sends only what is wanted, and a slow consumer costs a call per half room, not per step)."""
+        try:
+            for g, count, parts in span.layouts:
+                if room is not None and not room.take():
+                    span.close()
+                    if not room.take_when_half_empty():
+                        return
+                self._open_streams(span)
+                yield g, self._assemble(count, parts, [self._read(span.streams[n]) for n, _ in parts])
+        finally:
+            span.close()
+
+    def _assemble(self, count: int, parts: list[tuple[int, np.ndarray | None]], batches: list[pa.RecordBatch]):
+        if len(batches) == 1:
+            return {c: _to_tensor(batches[0].column(c)) for c in self.columns}
         out = {}
         for c in self.columns:
             # Assembled in numpy: torch cannot scatter into every dtype Arrow holds (uint16 tokens, say).
             pieces = [_to_numpy(b.column(c)) for b in batches]
-            merged = np.empty((len(rows), *pieces[0].shape[1:]), dtype=pieces[0].dtype)
+            merged = np.empty((count, *pieces[0].shape[1:]), dtype=pieces[0].dtype)
             for (_, where), piece in zip(parts, pieces, strict=True):
                 merged[where] = piece
             out[c] = _to_tensor(merged)
         return out
 
+    def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        return next(self._steps(next(self._spans(iter([(0, rows)])))))[1]
+
     def _fetched(self, planned):
-        if self.prefetch <= 0:
-            yield from super()._fetched(planned)
+        if self.prefetch <= 0:  # a call per step, made when the step is wanted
+            for span in self._spans(planned, max_steps=1):
+                yield from self._steps(span)
             return
-        with ThreadPoolExecutor(self.prefetch) as pool:
-            pending: collections.deque = collections.deque()
-            for g, rows in planned:
-                pending.append((g, pool.submit(self.fetch, rows)))
-                if len(pending) > self.prefetch:
-                    g0, future = pending.popleft()
-                    yield g0, future.result()
-            while pending:
-                g0, future = pending.popleft()
-                yield g0, future.result()
+        # A thread reads ahead, up to `prefetch` steps, from one long stream per node: a new stream starts
+        # slowly (gRPC ramps up over its first few megabytes), so calls are few and long.
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+        room = _Room(self.prefetch)
+
+        def produce():
+            try:
+                for span in self._spans(planned):
+                    for item in self._steps(span, room):
+                        ready.put(item)
+                    if room.closed:
+                        return
+                ready.put(None)
+            except BaseException as e:  # handed to the consumer, which raises it
+                ready.put(e)
+
+        threading.Thread(target=produce, name="datacache-fetch", daemon=True).start()
+        try:
+            while (item := ready.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                room.give()
+                yield item
+        finally:
+            room.close()

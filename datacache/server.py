@@ -1,15 +1,18 @@
 """A cache node: an Arrow Flight server holding its part of a Parquet dataset in memory.
 
 The node reads the dataset with `pyarrow.dataset` (column projection, optional row filter), keeps rows
-`[i*N/n, (i+1)*N/n)` of the N that pass for shard `i/n`, and holds them as record batches of about
-`batch_bytes` each. A client addresses rows by their index in the whole dataset, so a client given every
-node sees one dataset:
+`[i*N/n, (i+1)*N/n)` of the N that pass for shard `i/n`, and holds them in one contiguous record batch.
+A client addresses rows by their index in the whole dataset, so a client given every node sees one
+dataset:
 
 - `list_flights` / `get_flight_info`: the schema, this node's rows and bytes, and its place in the whole
-  (`app_metadata`: JSON with `offset`, `rows`, `total_rows`, `shard`, `num_shards`).
-- `do_get(ticket)`: the ticket is JSON `{"ranges": [[start, stop], ...]}` in global row indices (all on
-  this node); the answer is one record batch holding those rows in that order (slices of the held
-  batches, copied only when a request spans several).
+  (`app_metadata`: JSON with `offset`, `rows`, `total_rows`, `shard`, `num_shards`); its endpoint's ticket
+  streams the whole shard in record batches of about `batch_bytes`.
+- `do_get(ticket)`: the ticket (`encode_ticket`) asks for several steps, each a list of `[start, stop)` row
+  ranges in global indices, all on this node. The answer is one stream with a record batch per step
+  holding its rows in that order: a zero-copy slice when the step is one range, else gathered (`take`),
+  made as the stream goes out. One stream for many steps keeps the connection busy, where a call per
+  step leaves it idle between calls. The ticket may name the columns to send.
 - `do_action`: `health` (b"ok") and `stats` (JSON).
 
 Optional token auth (clients send `authorization: Bearer <token>`; anything else is refused) and TLS.
@@ -18,11 +21,11 @@ Optional token auth (clients send `authorization: Bearer <token>`; anything else
 from __future__ import annotations
 
 import ast
-import bisect
 import json
 import logging
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.flight as flight
@@ -91,8 +94,8 @@ def _check_files(files: list[str]) -> None:
 
 
 def load_shard(source: str, shard: int, num_shards: int, columns: list[str] | None = None,
-               row_filter: str | None = None, batch_bytes: int = 8 << 20) -> tuple[pa.Table, int, int]:
-    """(this shard's rows as a table of record batches, its global row offset, the dataset's total rows)."""
+               row_filter: str | None = None) -> tuple[pa.RecordBatch, int, int]:
+    """(this shard's rows as one contiguous record batch, its global row offset, the dataset's total rows)."""
     files = parquet_files(source)
     if not files:
         raise DataCacheError(f"--source {source!r}: no Parquet files there")
@@ -115,10 +118,31 @@ def load_shard(source: str, shard: int, num_shards: int, columns: list[str] | No
         if seen >= hi:
             break
     schema = dataset.schema if not columns else pa.schema([dataset.schema.field(c) for c in columns])
-    table = pa.Table.from_batches(kept, schema=schema).combine_chunks()
-    row_bytes = max(1, table.nbytes // max(1, table.num_rows))
-    table = pa.Table.from_batches(table.to_batches(max_chunksize=max(1, batch_bytes // row_bytes)), schema=schema)
-    return table, lo, total
+    whole = pa.Table.from_batches(kept, schema=schema).combine_chunks().to_batches()
+    return (whole[0] if whole else pa.RecordBatch.from_pylist([], schema=schema)), lo, total
+
+
+def encode_ticket(steps: list[np.ndarray], columns: list[str] | None = None) -> bytes:
+    """A do_get ticket for `steps`, each an (n, 2) array of [start, stop) global row ranges: a JSON line
+    (`columns`, number of steps), then little-endian int64s: each step's range count, then all ranges."""
+    header = json.dumps({"columns": columns, "steps": len(steps)}).encode()
+    counts = np.array([len(ranges) for ranges in steps], dtype="<i8")
+    return b"\n".join([header, np.concatenate([counts, *(np.asarray(r, "<i8").ravel() for r in steps)]).tobytes()])
+
+
+def decode_ticket(ticket: bytes) -> tuple[list[np.ndarray], list[str] | None]:
+    try:
+        header, body = ticket.split(b"\n", 1)
+        request = json.loads(header)
+        count = int(request["steps"])
+        values = np.frombuffer(body, dtype="<i8")
+        counts = values[:count]
+        ranges = values[count:].reshape(-1, 2)
+        if len(counts) != count or counts.sum() != len(ranges) or (counts < 0).any():
+            raise ValueError("counts")
+    except (ValueError, KeyError, TypeError):
+        raise flight.FlightServerError("datacache: not a datacache ticket (datacache.server.encode_ticket)") from None
+    return np.split(ranges, np.cumsum(counts)[:-1]) if count else [], request.get("columns")
 
 
 class CacheServer(flight.FlightServerBase):
@@ -127,15 +151,9 @@ class CacheServer(flight.FlightServerBase):
                  token: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
         if not 0 <= shard < num_shards:
             raise DataCacheError(f"--shard {shard}/{num_shards}: the shard must be in [0, {num_shards})")
-        self.table, self.offset, self.total_rows = load_shard(source, shard, num_shards, columns, row_filter,
-                                                              batch_bytes)
+        self.rows, self.offset, self.total_rows = load_shard(source, shard, num_shards, columns, row_filter)
         self.shard, self.num_shards = shard, num_shards
-        self._batches = self.table.to_batches()
-        self._starts = []
-        n = 0
-        for b in self._batches:
-            self._starts.append(n)
-            n += b.num_rows
+        self.batch_rows = max(1, batch_bytes * max(1, self.rows.num_rows) // max(1, self.rows.nbytes))
         tls = None
         if tls_cert or tls_key:
             with open(tls_cert, "rb") as c, open(tls_key, "rb") as k:
@@ -145,20 +163,21 @@ class CacheServer(flight.FlightServerBase):
         scheme = "grpc+tls" if tls else "grpc+tcp"
         host = location.split("://", 1)[1].rsplit(":", 1)[0]
         self.location = f"{scheme}://{host}:{self.port}"
-        log.info("cache node %d/%d at %s: rows [%d, %d) of %d, %.1f MB in %d batches", shard, num_shards,
-                 self.location, self.offset, self.offset + self.table.num_rows, self.total_rows,
-                 self.table.nbytes / 1e6, len(self._batches))
+        log.info("cache node %d/%d at %s: rows [%d, %d) of %d, %.1f MB", shard, num_shards, self.location,
+                 self.offset, self.offset + self.rows.num_rows, self.total_rows, self.rows.nbytes / 1e6)
 
     def stats(self) -> dict[str, Any]:
-        return {"offset": self.offset, "rows": self.table.num_rows, "total_rows": self.total_rows,
-                "bytes": self.table.nbytes, "shard": self.shard, "num_shards": self.num_shards,
-                "batches": len(self._batches), "schema": self.table.schema.to_string(show_schema_metadata=False)}
+        return {"offset": self.offset, "rows": self.rows.num_rows, "total_rows": self.total_rows,
+                "bytes": self.rows.nbytes, "shard": self.shard, "num_shards": self.num_shards,
+                "batch_rows": self.batch_rows, "schema": self.rows.schema.to_string(show_schema_metadata=False)}
 
     def _info(self, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
         stats = self.stats()
-        ticket = flight.Ticket(json.dumps({"ranges": [[self.offset, self.offset + self.table.num_rows]]}).encode())
+        starts = np.arange(self.offset, self.offset + self.rows.num_rows, self.batch_rows)
+        stops = np.minimum(starts + self.batch_rows, self.offset + self.rows.num_rows)
+        ticket = flight.Ticket(encode_ticket([np.array([[a, b]]) for a, b in zip(starts, stops, strict=True)]))
         endpoint = flight.FlightEndpoint(ticket, [self.location])
-        return flight.FlightInfo(self.table.schema, descriptor, [endpoint], self.table.num_rows, self.table.nbytes,
+        return flight.FlightInfo(self.rows.schema, descriptor, [endpoint], self.rows.num_rows, self.rows.nbytes,
                                  ordered=True, app_metadata=json.dumps(stats).encode())
 
     def list_flights(self, context, criteria):
@@ -167,36 +186,36 @@ class CacheServer(flight.FlightServerBase):
     def get_flight_info(self, context, descriptor):
         return self._info(descriptor)
 
-    def _slices(self, start: int, stop: int):
-        """Zero-copy slices of the held batches covering local rows [start, stop)."""
-        i = bisect.bisect_right(self._starts, start) - 1
-        while start < stop:
-            b, b0 = self._batches[i], self._starts[i]
-            take = min(stop, b0 + b.num_rows) - start
-            yield b.slice(start - b0, take)
-            start += take
-            i += 1
+    def _request(self, ticket: bytes) -> tuple[list[np.ndarray], pa.RecordBatch]:
+        """The ticket's steps as local row ranges, and the columns asked for; checked before anything is sent."""
+        steps, columns = decode_ticket(ticket)
+        names = self.rows.schema.names
+        missing = [c for c in columns or [] if c not in names]
+        if missing:
+            raise flight.FlightServerError(f"datacache: no column {', '.join(missing)} here (there are "
+                                           f"{', '.join(names)})")
+        held = (self.offset, self.offset + self.rows.num_rows)
+        for ranges in steps:
+            bad = (ranges[:, 0] < held[0]) | (ranges[:, 0] > ranges[:, 1]) | (ranges[:, 1] > held[1])
+            if bad.any():
+                start, stop = ranges[np.argmax(bad)]
+                raise flight.FlightServerError(f"datacache: rows [{start}, {stop}) are not on this node, which "
+                                               f"holds [{held[0]}, {held[1]})")
+        return [ranges - self.offset for ranges in steps], self.rows.select(columns) if columns else self.rows
+
+    @staticmethod
+    def _step_batches(steps: list[np.ndarray], rows: pa.RecordBatch):
+        for ranges in steps:
+            if len(ranges) == 1:
+                yield rows.slice(int(ranges[0, 0]), int(ranges[0, 1] - ranges[0, 0]))
+            else:  # gathered: each row of each range, in order
+                lengths = ranges[:, 1] - ranges[:, 0]
+                yield rows.take(np.repeat(ranges[:, 0] - np.cumsum(lengths) + lengths, lengths)
+                                + np.arange(lengths.sum()))
 
     def do_get(self, context, ticket):
-        try:
-            ranges = json.loads(ticket.ticket)["ranges"]
-        except (ValueError, KeyError, TypeError):
-            raise flight.FlightServerError("datacache: a ticket is JSON {\"ranges\": [[start, stop], ...]}") from None
-        pieces = []
-        for start, stop in ranges:
-            lo, hi = start - self.offset, stop - self.offset
-            if not 0 <= lo <= hi <= self.table.num_rows:
-                raise flight.FlightServerError(
-                    f"datacache: rows [{start}, {stop}) are not on this node, which holds "
-                    f"[{self.offset}, {self.offset + self.table.num_rows})")
-            pieces.extend(self._slices(lo, hi))
-        if not pieces:
-            batch = pa.RecordBatch.from_pylist([], schema=self.table.schema)
-        elif len(pieces) == 1:
-            batch = pieces[0]
-        else:
-            batch = pa.concat_batches(pieces)
-        return flight.RecordBatchStream(pa.Table.from_batches([batch], schema=self.table.schema))
+        steps, rows = self._request(ticket.ticket)
+        return flight.GeneratorStream(rows.schema, self._step_batches(steps, rows))
 
     def do_action(self, context, action):
         if action.type == "health":

@@ -46,7 +46,7 @@ class CacheConfig:
     # corpus from disk in process.
     endpoints: list[str] = field(default_factory=list)
     token: str | None = None
-    prefetch: int = 2
+    prefetch: int = 8  # steps each rank reads ahead (datacache.StreamingDataset's prefetch)
 
 
 @dataclass
@@ -472,6 +472,8 @@ def validate(cfg: DictConfig) -> None:
     _require(0 < cfg.data.eval_percent < 100, "data.eval_percent", cfg.data.eval_percent,
              "must be in (0, 100)")
     _require(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "must be >= 0")
+    _require(cfg.data.cache.prefetch >= 0, "data.cache.prefetch", cfg.data.cache.prefetch,
+             "must be >= 0 (0: no read-ahead thread)")
     for i, endpoint in enumerate(cfg.data.cache.endpoints):
         _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")), f"data.cache.endpoints[{i}]",
                  endpoint, "must be a Flight location such as grpc://host:50051")

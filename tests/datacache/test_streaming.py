@@ -8,14 +8,17 @@ dead node, a wrong token, a corrupt file or mismatched nodes are clear errors, a
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.flight as flight
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -25,7 +28,8 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datacache import CacheServer, DataCacheError, LocalDataset, StreamingDataset
-from datacache.dataset import _to_tensor
+from datacache.dataset import _Stream, _to_tensor
+from datacache.server import encode_ticket
 
 ROWS = 203  # prime: no batch size divides it
 
@@ -150,11 +154,93 @@ def test_forked_workers_get_a_clear_error_not_a_crash(nodes):
 
 def test_one_node_contiguous_batch_is_zero_copy(nodes):
     ds = StreamingDataset(nodes[1], global_batch_size=8, shuffle=False, loop=False)
-    batch = ds._get(ds._nodes[0], [[0, 8]])
+    batch = ds._read(_Stream(ds._nodes[0], [np.array([[0, 8]])]))
     tensor = _to_tensor(batch.column("tokens"))
     values = batch.column("tokens").values
     assert tensor.data_ptr() == values.buffers()[1].address + values.offset * values.type.byte_width
     assert tensor[:, 0].tolist() == list(range(8))
+
+
+class _Node(CacheServer):
+    """A real node that counts its streams and can break the first one after two steps (as a stream does when
+    its node restarts) or take `delay` seconds a step (a slow node)."""
+
+    def __init__(self, *args, break_once=False, delay=0.0, **kw):
+        super().__init__(*args, **kw)
+        self.streams, self.broke, self.break_once, self.delay = 0, False, break_once, delay
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def do_get(self, context, ticket):
+        self.streams += 1
+        return super().do_get(context, ticket)
+
+    def _step_batches(self, steps, schema):
+        for i, batch in enumerate(super()._step_batches(steps, schema)):
+            if self.break_once and i == 2 and not self.broke:
+                self.broke = True
+                raise flight.FlightUnavailableError("restarting")
+            time.sleep(self.delay)
+            yield batch
+
+
+def _rows(ds):
+    return [row for batch in ds for row in batch["tokens"][:, 0].tolist()]
+
+
+@pytest.mark.timeout(60)
+def test_a_broken_stream_resumes_at_the_first_step_it_had_not_delivered(source):
+    node = _Node(source, batch_bytes=256, break_once=True)
+    try:
+        ds = StreamingDataset([node.location], global_batch_size=8, seed=2, loop=False, backoff=0.01, prefetch=6)
+        rows = _rows(ds)
+    finally:
+        node.shutdown()
+    assert node.broke and node.streams == 2
+    assert rows == [int(r) for r in ds.plan.epoch_order(0)[:(ROWS // 8) * 8]]
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_past_its_deadline_goes_on_without_counting_as_a_failure(source):
+    node = _Node(source, batch_bytes=256, delay=0.02)
+    try:
+        # 25 steps of 20 ms under a 0.15 s call deadline: several streams, and no retries to spend.
+        ds = StreamingDataset([node.location], global_batch_size=8, seed=2, loop=False, timeout=0.15, retries=0)
+        rows = _rows(ds)
+    finally:
+        node.shutdown()
+    assert node.streams >= 3
+    assert rows == [int(r) for r in ds.plan.epoch_order(0)[:(ROWS // 8) * 8]]
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_consumer_costs_a_call_per_half_room_not_per_step(source):
+    node = _Node(source, batch_bytes=256)
+    try:
+        ds = StreamingDataset([node.location], global_batch_size=8, seed=2, loop=False, prefetch=6)
+        rows = []
+        for batch in ds:
+            rows += batch["tokens"][:, 0].tolist()
+            time.sleep(0.01)  # the fetcher is far ahead: its room of 6 steps fills, and it waits
+    finally:
+        node.shutdown()
+    # The room fills, the stream closes, and reopens when 3 steps are left: 4 steps or more per call.
+    assert 3 <= node.streams <= -(-25 // 4) + 1
+    assert rows == [int(r) for r in ds.plan.epoch_order(0)[:(ROWS // 8) * 8]]
+
+
+@pytest.mark.timeout(60)
+def test_a_paused_consumer_holds_no_stream_open(tmp_path):
+    # 32 MB, more than gRPC buffers: a stream left open would keep the node's sender waiting on the client.
+    node = _Node(_write(tmp_path / "wide.parquet", rows=512, width=16384), batch_bytes=1 << 20)
+    ds = StreamingDataset([node.location], global_batch_size=8, seed=2, loop=False, prefetch=2)
+    it = iter(ds)
+    first = [next(it)["tokens"][:, 0].tolist() for _ in range(3)]
+    time.sleep(0.2)  # the fetcher fills its room of 2 steps and closes the stream
+    stopper = threading.Thread(target=node.shutdown)
+    stopper.start()
+    stopper.join(10)  # a node's shutdown waits for open streams
+    assert not stopper.is_alive()
+    assert first == np.asarray(ds.plan.epoch_order(0)[:24]).reshape(3, 8).tolist()
 
 
 @pytest.mark.timeout(60)
@@ -193,6 +279,27 @@ def test_unreachable_node_wrong_token_and_mismatched_nodes(source, tmp_path):
         StreamingDataset([a.location], global_batch_size=8)
     a.shutdown()
     b.shutdown()
+
+
+def test_a_plain_flight_client_reads_a_node_and_bad_tickets_are_refused(nodes):
+    client = flight.FlightClient(nodes[3][1])
+    info = client.get_flight_info(flight.FlightDescriptor.for_path("dataset"))
+    table = client.do_get(info.endpoints[0].ticket).read_all()
+    lo, hi = ROWS // 3, 2 * ROWS // 3
+    assert table.column("tokens").combine_chunks().values.to_numpy()[::4].tolist() == list(range(lo, hi))
+    batch_rows = json.loads(info.app_metadata)["batch_rows"]
+    assert table.num_rows == info.total_records and 8 <= batch_rows <= 16  # batches of about 256 bytes
+    assert [len(c) for c in table.column("tokens").chunks] == [batch_rows] * (table.num_rows // batch_rows) + (
+        [table.num_rows % batch_rows] if table.num_rows % batch_rows else [])
+
+    def refused(ticket):
+        with pytest.raises(flight.FlightServerError) as e:
+            client.do_get(flight.Ticket(ticket)).read_all()
+        return str(e.value)
+
+    assert "not a datacache ticket" in refused(b'{"ranges": [[0, 8]]}')
+    assert f"rows [0, 8) are not on this node, which holds [{lo}, {hi})" in refused(encode_ticket([np.array([[0, 8]])]))
+    assert "no column text here (there are tokens)" in refused(encode_ticket([np.array([[lo, lo + 1]])], ["text"]))
 
 
 def _cli(*args, timeout=60):

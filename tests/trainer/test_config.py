@@ -111,6 +111,7 @@ BAD = [
      "train.global_batch_size=5: must be divisible by data-parallel size x train.grad_accum_steps = 2 x 1 = 2"),
     (["strategy.activation_checkpointing=some"],
      "strategy.activation_checkpointing='some': must be one of none, full, selective"),
+    (["data.cache.prefetch=-1"], "data.cache.prefetch=-1: must be >= 0 (0: no read-ahead thread)"),
 ]
 
 
