@@ -131,6 +131,7 @@ def encode_ticket(steps: list[np.ndarray], columns: list[str] | None = None) -> 
 
 
 def decode_ticket(ticket: bytes) -> tuple[list[np.ndarray], list[str] | None]:
+    """`encode_ticket`'s steps (views of the ticket's bytes) and columns; a clear Flight error if malformed."""
     try:
         header, body = ticket.split(b"\n", 1)
         request = json.loads(header)
