@@ -4,11 +4,11 @@ Flight cache node to one client and to two clients, against the raw loopback TCP
 Rows are fixed-length lists of `--tokens` int32 ids (2 KB per row at 512). Every source is read in
 batches of each size in `--batch-mb` (MiB; `--rows` rows in all, unshuffled) and each batch ends as a
 torch tensor; the cache node holds record batches of that size too. The shuffled row reads the same rows
-in `StreamingDataset`'s default order (blocks of 64 rows, then rows within windows of 16 blocks), which
-the node gathers row by row. The cache node and the TCP sender
-run in their own processes, as they would on a cluster; the TCP sender holds as many bytes in memory as
-the node and sends them once, batch by batch, and the receiver reads each batch with `recv_into` straight
-into a fresh torch tensor (no copy after the socket: the least any receiver can do).
+in `StreamingDataset`'s default order, a permutation of them, which the node gathers row by row. The
+cache node and the TCP sender run in their own processes, as they would on a cluster; the TCP sender
+holds as many bytes in memory as the node and sends them once, batch by batch, and the receiver reads
+each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least any
+receiver can do).
 
     python bench/datacache.py [--rows 100000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 8]
 """

@@ -172,7 +172,7 @@ class StreamingDataset(PlannedDataset):
     def __init__(self, endpoints: list[str], columns: list[str] | tuple[str, ...] = ("tokens",),
                  batch_size: int | None = None, global_batch_size: int | None = None, shuffle: bool = True,
                  seed: int = 0, loop: bool = True, drop_last: bool = True, rank: int | None = None,
-                 world_size: int | None = None, block_rows: int = 64, window_blocks: int = 16,
+                 world_size: int | None = None, block_rows: int = 1, window_blocks: int = 1,
                  token: str | None = None, tls_root_cert: str | None = None, timeout: float = 30.0,
                  retries: int = 3, backoff: float = 0.2, prefetch: int = 8):
         if (batch_size is None) == (global_batch_size is None):

@@ -48,13 +48,14 @@ def read_token_rows(path: str, column: str = "tokens") -> np.ndarray:
 class LocalDataset(PlannedDataset):
     def __init__(self, path: str, global_batch_size: int, column: str = "tokens", shuffle: bool = True,
                  seed: int = 0, loop: bool = True, rank: int | None = None, world_size: int | None = None,
-                 drop_last: bool = True):
+                 drop_last: bool = True, block_rows: int = 1, window_blocks: int = 1):
         self.rows = read_token_rows(path, column)
         env_rank, env_world = rank_and_world()
         super().__init__(BatchPlan(
             num_rows=len(self.rows), global_batch_size=global_batch_size,
             world_size=env_world if world_size is None else world_size,
             rank=env_rank if rank is None else rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            block_rows=block_rows, window_blocks=window_blocks,
         ), loop)
 
     def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:

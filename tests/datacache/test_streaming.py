@@ -101,8 +101,8 @@ def test_every_row_once_per_epoch_and_equal_batches(source, nodes, kind, world, 
 
 
 def test_global_batches_do_not_depend_on_world_size_workers_or_nodes(source, nodes):
-    unshuffled = _epoch("local", source, nodes, 1, 0, 10, False)[0]
-    assert _epoch("3-node", source, nodes, 1, 0, 10, False)[0] == unshuffled
+    for shuffle in (False, True):  # and the cache gives the batches LocalDataset gives
+        assert _epoch("3-node", source, nodes, 1, 0, 10, shuffle) == _epoch("local", source, nodes, 1, 0, 10, shuffle)
     for kind in ("1-node", "3-node"):
         a = _epoch(kind, source, nodes, 1, 0, 10, True)[0]
         b = _epoch(kind, source, nodes, 2, 2, 10, True)
@@ -244,10 +244,11 @@ def test_a_paused_consumer_holds_no_stream_open(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_node_that_dies_mid_stream_is_a_clear_error(source):
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_a_node_that_dies_mid_stream_is_a_clear_error(source, prefetch):
     servers = _serve(source, 2)
     ds = StreamingDataset([s.location for s in servers], global_batch_size=8, shuffle=False, retries=2,
-                          backoff=0.05, timeout=5, prefetch=0)
+                          backoff=0.05, timeout=5, prefetch=prefetch)
     it = iter(ds)
     next(it)
     servers[1].shutdown()

@@ -152,6 +152,11 @@ def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir
     losses = _losses(str(tmp_path / "run"))
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert read_summary(str(tmp_path / "run"))["world_size"] == 2
+    # The cache gives the batches the local corpus gives: the same run without it has the same losses.
+    proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
+                   "runtime.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'local'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(str(tmp_path / "local")) == pytest.approx(losses, rel=1e-6)
 
 
 def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, tmp_path):
