@@ -8,7 +8,8 @@ in `StreamingDataset`'s default order, a permutation of them, which the node gat
 cache node and the TCP sender run in their own processes, as they would on a cluster; the TCP sender
 holds as many bytes in memory as the node and sends them once, batch by batch, and the receiver reads
 each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least any
-receiver can do).
+receiver can do). Beside throughput it prints the CPU time each GB cost the reading process and the
+serving one: on a machine whose cores they share, that cost, not the socket, bounds the throughput.
 
     python bench/datacache.py [--rows 100000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 8]
 """
@@ -38,13 +39,30 @@ from datacache import LocalDataset, StreamingDataset  # noqa: E402
 from datacache.local import token_matrix  # noqa: E402
 
 
-def _best(fn, repeats: int) -> float:
+def _process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) another process has used so far; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _best(fn, repeats: int, serving_pid: int | None = None) -> tuple[float, float, float | None]:
+    """Best wall time of `repeats` passes, and the mean CPU time per pass spent in this process (every
+    thread) and in the serving process (the node or TCP sender), if any."""
     times = []
+    here = time.process_time()
+    there = _process_cpu(serving_pid) if serving_pid else None
     for _ in range(repeats):
         tic = time.perf_counter()
         fn()
         times.append(time.perf_counter() - tic)
-    return min(times)
+    here = (time.process_time() - here) / repeats
+    if there is not None:
+        there = (_process_cpu(serving_pid) - there) / repeats
+    return min(times), here, there
 
 
 def _tcp_sender(port: int, total: int, chunk: int, repeats: int, ready) -> None:
@@ -58,7 +76,7 @@ def _tcp_sender(port: int, total: int, chunk: int, repeats: int, ready) -> None:
                     conn.sendall(data[start:start + chunk])
 
 
-def tcp_ceiling(total: int, chunk: int, row_bytes: int, repeats: int) -> float:
+def tcp_ceiling(total: int, chunk: int, row_bytes: int, repeats: int) -> tuple[float, float, float | None]:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     with socket.socket() as probe:
@@ -78,9 +96,9 @@ def tcp_ceiling(total: int, chunk: int, row_bytes: int, repeats: int) -> float:
                     n += conn.recv_into(view[n:])
                 got += len(view)
 
-    seconds = _best(receive, repeats)
+    timing = _best(receive, repeats, sender.pid)
     sender.join(10)
-    return seconds
+    return timing
 
 
 # glibc's largest mmap threshold (32 MiB on 64-bit; larger values are ignored), and no trimming.
@@ -88,7 +106,7 @@ MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": 
 
 
 def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, prefetch: int):
-    """[(source, seconds for all rows)] at one batch size; the TCP ceiling last."""
+    """[(source, (seconds, CPU here, CPU serving))] for all rows at one batch size; the TCP ceiling last."""
     row_bytes = tokens * 4
     path = os.path.join(tmp, f"rows-{batch_rows}.parquet")
     values = np.random.default_rng(0).integers(0, 50_000, rows * tokens, dtype=np.int32)
@@ -113,10 +131,10 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
         endpoint = node.stdout.readline().split()[-1]
         one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
                                prefetch=prefetch)
-        results.append(("1 Flight node -> 1 client", _best(lambda: sum(1 for _ in one), epochs)))
+        results.append(("1 Flight node -> 1 client", _best(lambda: sum(1 for _ in one), epochs, node.pid)))
         shuffled = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=True, loop=False,
                                     prefetch=prefetch)
-        results.append(("  the same, shuffled", _best(lambda: sum(1 for _ in shuffled), epochs)))
+        results.append(("  the same, shuffled", _best(lambda: sum(1 for _ in shuffled), epochs, node.pid)))
 
         halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
                                    rank=r, world_size=2, prefetch=prefetch) for r in range(2)]
@@ -128,7 +146,7 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
             for t in threads:
                 t.join()
 
-        results.append(("1 Flight node -> 2 clients", _best(two_clients, epochs)))
+        results.append(("1 Flight node -> 2 clients", _best(two_clients, epochs, node.pid)))
     finally:
         node.terminate()
         node.wait(10)
@@ -155,16 +173,20 @@ def main() -> None:
     row_bytes = args.tokens * 4
     print(f"{args.rows} rows of {args.tokens} int32 tokens (~{args.rows * row_bytes / 1e9:.2f} GB) into torch "
           f"tensors, best of {args.epochs}, {os.cpu_count()} CPUs")
-    print(f"{'batch':>8}  {'source':<30}{'GB/s':>8}{'rows/s':>12}{'of TCP':>9}")
+    print("CPU: seconds of CPU time per GB delivered (mean over the passes), in the reading process (all its "
+          "threads) and in the serving one (cache node or TCP sender)")
+    print(f"{'batch':>8}  {'source':<30}{'GB/s':>8}{'rows/s':>12}{'of TCP':>9}{'CPU read':>10}{'CPU serve':>11}")
     with tempfile.TemporaryDirectory() as tmp:
         for mb in (float(x) for x in args.batch_mb.split(",")):
             batch_rows = max(1, int(mb * 2**20) // row_bytes)
             rows = (args.rows // batch_rows) * batch_rows
+            gb = rows * row_bytes / 1e9
             results = measure(tmp, rows, args.tokens, batch_rows, args.epochs, args.prefetch)
-            ceiling = results[-1][1]
-            for name, seconds in results:
-                print(f"{batch_rows * row_bytes / 2**20:>5.1f}MiB  {name:<30}{rows * row_bytes / seconds / 1e9:>8.2f}"
-                      f"{rows / seconds:>12.0f}{ceiling / seconds:>9.0%}", flush=True)
+            ceiling = results[-1][1][0]
+            for name, (seconds, cpu_read, cpu_serve) in results:
+                serve = "-" if cpu_serve is None else f"{cpu_serve / gb:.2f}"
+                print(f"{batch_rows * row_bytes / 2**20:>5.1f}MiB  {name:<30}{gb / seconds:>8.2f}"
+                      f"{rows / seconds:>12.0f}{ceiling / seconds:>9.0%}{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
 
 
 if __name__ == "__main__":
