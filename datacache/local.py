@@ -1,7 +1,8 @@
 """`LocalDataset`: fixed-length token rows read straight from Parquet, in process, no server.
 
-Each item is one step's batch for this rank, `{"tokens": LongTensor(local_batch, row_len)}`, so use it
-with `DataLoader(ds, batch_size=None, num_workers=n)`. Order, sharding and resumption are
+Each item is one step's batch for this rank, `{"tokens": Tensor(local_batch, row_len)}` of the stored
+integer type (as `StreamingDataset` gives it: widen it with `.long()` where it is used, on the device), so
+use it with `DataLoader(ds, batch_size=None, num_workers=n)`. Order, sharding and resumption are
 `PlannedDataset`'s, the same as the Flight-backed `StreamingDataset`'s.
 """
 
@@ -59,4 +60,4 @@ class LocalDataset(PlannedDataset):
         ), loop)
 
     def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        return {"tokens": torch.from_numpy(self.rows[rows].astype(np.int64))}
+        return {"tokens": torch.from_numpy(self.rows[rows])}

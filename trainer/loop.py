@@ -144,7 +144,7 @@ class Trainer:
         n = 0
         for batch in self.eval_data:
             with self.loss_context():
-                total += _local(self._loss(batch["tokens"].to(self.device)))
+                total += _local(self._loss(batch["tokens"].to(self.device, non_blocking=True).long()))
             n += 1
             if n == self.cfg.train.eval_batches:
                 break

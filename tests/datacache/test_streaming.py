@@ -340,12 +340,16 @@ def test_cli_serve_stat_ready_and_a_corrupt_file(tmp_path, source):
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64])
 def test_batches_are_tensors_of_the_stored_type_from_several_nodes(tmp_path, dtype):
-    servers = _serve(_write(tmp_path / "rows.parquet", dtype=dtype), 3)
+    path = _write(tmp_path / "rows.parquet", dtype=dtype)
+    servers = _serve(path, 3)
     try:
         batch = next(iter(StreamingDataset([s.location for s in servers], global_batch_size=40, shuffle=True)))
     finally:
         for s in servers:
             s.shutdown()
-    assert batch["tokens"].dtype == torch.from_numpy(np.zeros(1, dtype)).dtype and batch["tokens"].shape == (40, 4)
+    stored = torch.from_numpy(np.zeros(1, dtype)).dtype
+    assert batch["tokens"].dtype == stored and batch["tokens"].shape == (40, 4)
     rows = batch["tokens"].long()
     assert torch.equal(rows, rows[:, :1].expand(40, 4)) and len(set(rows[:, 0].tolist())) == 40
+    local = next(iter(LocalDataset(path, 40, shuffle=True)))["tokens"]  # the same batch, of the same type
+    assert local.dtype == stored and torch.equal(local.long(), rows)
