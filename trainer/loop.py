@@ -115,6 +115,10 @@ class Trainer:
         if self.rank == 0:
             _keep_metrics_until(os.path.join(self.cfg.run_dir, "metrics.jsonl"), self.step)
 
+    def _tokens(self, batch: dict) -> torch.Tensor:
+        """The batch's token ids on the device, widened there (batches keep their stored type, often int32)."""
+        return batch["tokens"].to(self.device, non_blocking=True).long()
+
     def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
         # Under loss parallelism the logits are vocabulary shards; the caller holds self.loss_context().
         with self.autocast:
@@ -122,7 +126,7 @@ class Trainer:
 
     def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps
-        tokens = batch["tokens"].to(self.device, non_blocking=True).long()
+        tokens = self._tokens(batch)
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(tokens.chunk(accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
@@ -144,7 +148,7 @@ class Trainer:
         n = 0
         for batch in self.eval_data:
             with self.loss_context():
-                total += _local(self._loss(batch["tokens"].to(self.device, non_blocking=True).long()))
+                total += _local(self._loss(self._tokens(batch)))
             n += 1
             if n == self.cfg.train.eval_batches:
                 break
