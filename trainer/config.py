@@ -45,6 +45,9 @@ class CacheConfig:
     # Arrow Flight cache nodes (`python -m datacache serve`) holding the training rows; empty: read the
     # corpus from disk in process.
     endpoints: list[str] = field(default_factory=list)
+    # Cache nodes holding the eval rows; empty: the local corpus. With both lists set, no corpus is built
+    # or read where the job runs.
+    eval_endpoints: list[str] = field(default_factory=list)
     token: str | None = None
     prefetch: int = 8  # steps each rank reads ahead (datacache.StreamingDataset's prefetch)
 
@@ -474,9 +477,10 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "must be >= 0")
     _require(cfg.data.cache.prefetch >= 0, "data.cache.prefetch", cfg.data.cache.prefetch,
              "must be >= 0 (0: no read-ahead thread)")
-    for i, endpoint in enumerate(cfg.data.cache.endpoints):
-        _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")), f"data.cache.endpoints[{i}]",
-                 endpoint, "must be a Flight location such as grpc://host:50051")
+    for key in ("endpoints", "eval_endpoints"):
+        for i, endpoint in enumerate(cfg.data.cache[key]):
+            _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")),
+                     f"data.cache.{key}[{i}]", endpoint, "must be a Flight location such as grpc://host:50051")
     if cfg.data.name == "parquet":
         _require(bool(cfg.data.path), "data.path", cfg.data.path,
                  "data=parquet needs the Parquet files: a file, a directory or a glob")

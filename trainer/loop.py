@@ -14,6 +14,7 @@ import math
 import os
 import time
 
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
@@ -21,7 +22,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from datacache import LocalDataset, StreamingDataset
+from datacache.planned import PlannedDataset
 from trainer import checkpoint, metrics, models, parallel
+from trainer.config import ConfigError
 from trainer.parallel.tp import uses_loss_parallel
 
 log = logging.getLogger(__name__)
@@ -67,8 +70,31 @@ def _keep_metrics_until(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+# Which cache nodes, if any, hold each split (keys of data.cache).
+CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
+
+
+def needs_corpus(data_cfg) -> bool:
+    """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
+    return not all(data_cfg.cache[key] for key in CACHE_KEYS.values())
+
+
+def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:
+    """A split's batches: streamed from the cache nodes named for it, else read from the local corpus."""
+    key = CACHE_KEYS[split]
+    endpoints = list(data_cfg.cache[key])
+    if not endpoints:
+        return LocalDataset(os.path.join(corpus, split), **kw)
+    data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch, **kw)
+    rows = data.schema.field("tokens").type
+    if not (pa.types.is_fixed_size_list(rows) and rows.list_size == data_cfg.seq_len + 1):
+        raise ConfigError(f"data.cache.{key}", endpoints, f"the nodes hold {split} rows of type {rows}; "
+                          f"data.seq_len={data_cfg.seq_len} needs rows of {data_cfg.seq_len + 1} token ids")
+    return data
+
+
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, mesh, device: torch.device, corpus: str):
+    def __init__(self, cfg, model: torch.nn.Module, mesh, device: torch.device, corpus: str | None):
         self.cfg, self.model, self.device = cfg, model, device
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -77,16 +103,9 @@ class Trainer:
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
-        if cfg.data.cache.endpoints:
-            self.train_data = StreamingDataset(list(cfg.data.cache.endpoints), global_batch_size=t.global_batch_size,
-                                               shuffle=cfg.data.shuffle, seed=t.seed, rank=dp_rank,
-                                               world_size=dp_size, token=cfg.data.cache.token,
-                                               prefetch=cfg.data.cache.prefetch)
-        else:
-            self.train_data = LocalDataset(os.path.join(corpus, "train"), t.global_batch_size,
-                                           shuffle=cfg.data.shuffle, seed=t.seed, rank=dp_rank, world_size=dp_size)
-        self.eval_data = LocalDataset(os.path.join(corpus, "eval"), t.global_batch_size, shuffle=False,
-                                      loop=False, rank=dp_rank, world_size=dp_size)
+        shard = {"global_batch_size": t.global_batch_size, "seed": t.seed, "rank": dp_rank, "world_size": dp_size}
+        self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, **shard)
+        self.eval_data = split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard)
         self.loss_context = (loss_parallel if uses_loss_parallel(cfg.strategy, cfg.model.vocab_size,
                                                                  mesh["tp"].size())
                              else contextlib.nullcontext)

@@ -99,7 +99,7 @@ def run(cfg: DictConfig) -> dict:
 
 def _train(cfg: DictConfig, env: DistEnv) -> dict:
     torch.manual_seed(cfg.train.seed)
-    corpus = prepare(cfg.data)
+    corpus = prepare(cfg.data) if loop.needs_corpus(cfg.data) else None
     mesh = parallel.build_mesh(cfg.strategy, env.world_size, env.device.type)
     with torch.device("meta"):
         model = models.build(cfg.model)

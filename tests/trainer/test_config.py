@@ -112,6 +112,8 @@ BAD = [
     (["strategy.activation_checkpointing=some"],
      "strategy.activation_checkpointing='some': must be one of none, full, selective"),
     (["data.cache.prefetch=-1"], "data.cache.prefetch=-1: must be >= 0 (0: no read-ahead thread)"),
+    (["data.cache.eval_endpoints=[http://node:50051]"],
+     "data.cache.eval_endpoints[0]='http://node:50051': must be a Flight location such as grpc://host:50051"),
 ]
 
 

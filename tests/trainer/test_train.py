@@ -136,19 +136,29 @@ def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir
 
     corpus = prepare(OmegaConf.create({"name": "stdlib", "path": None, "text_column": "text", "tokens_column": None,
                                        "seq_len": 32, "eval_percent": 2.0, "cache_dir": cache_dir}))
-    nodes = [subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", os.path.join(corpus, "train"),
-                               "--port", "0", "--shard", f"{i}/2", "--token", "t"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(2)]
+    sources = [os.path.join(corpus, "train")] * 2 + [os.path.join(corpus, "eval")]
+    nodes = [subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", source, "--port", "0",
+                               "--shard", f"{i % 2}/{2 if i < 2 else 1}", "--token", "t"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for i, source in enumerate(sources)]
+    empty = tmp_path / "empty-cache"  # the run gets every row from the nodes: it builds no corpus here
     try:
         endpoints = [p.stdout.readline().split()[-1] for p in nodes]
         proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
-                       "runtime.nproc_per_node=2", f"data.cache.endpoints=[{','.join(endpoints)}]",
-                       "data.cache.token=t", f"hydra.run.dir={tmp_path / 'run'}")
+                       "runtime.nproc_per_node=2", f"data.cache.endpoints=[{endpoints[0]},{endpoints[1]}]",
+                       f"data.cache.eval_endpoints=[{endpoints[2]}]", "data.cache.token=t",
+                       f"hydra.run.dir={tmp_path / 'run'}", env={"TRAINJOB_CACHE": str(empty)})
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # Rows of another length than data.seq_len + 1 are refused, naming the key.
+        wrong = run_cli(*TINY, "data.seq_len=16", "train.max_steps=1", "data.cache.token=t",
+                        f"data.cache.endpoints=[{endpoints[0]},{endpoints[1]}]", f"hydra.run.dir={tmp_path / 'wrong'}")
     finally:
         for p in nodes:
             p.terminate()
             p.wait(timeout=10)
+    assert not (empty / "corpus").exists()
+    assert wrong.returncode != 0 and "data.cache.endpoints" in wrong.stderr
+    assert "data.seq_len=16 needs rows of 17 token ids" in wrong.stderr
     losses = _losses(str(tmp_path / "run"))
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert read_summary(str(tmp_path / "run"))["world_size"] == 2
@@ -157,6 +167,8 @@ def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir
                    "runtime.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'local'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(str(tmp_path / "local")) == pytest.approx(losses, rel=1e-6)
+    assert read_summary(str(tmp_path / "local"))["final_eval_loss"] == pytest.approx(
+        read_summary(str(tmp_path / "run"))["final_eval_loss"], rel=1e-6)
 
 
 def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, tmp_path):
