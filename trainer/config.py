@@ -40,6 +40,10 @@ class ModelConfig:
     init_std: float = 0.02
 
 
+# The data.cache keys naming the cache nodes that hold each split.
+CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
+
+
 @dataclass
 class CacheConfig:
     # Arrow Flight cache nodes (`python -m datacache serve`) holding the training rows; empty: read the
@@ -477,7 +481,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "must be >= 0")
     _require(cfg.data.cache.prefetch >= 0, "data.cache.prefetch", cfg.data.cache.prefetch,
              "must be >= 0 (0: no read-ahead thread)")
-    for key in ("endpoints", "eval_endpoints"):
+    for key in CACHE_KEYS.values():
         for i, endpoint in enumerate(cfg.data.cache[key]):
             _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")),
                      f"data.cache.{key}[{i}]", endpoint, "must be a Flight location such as grpc://host:50051")

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from datacache import LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
 from trainer import checkpoint, metrics, models, parallel
-from trainer.config import ConfigError
+from trainer.config import CACHE_KEYS, ConfigError
 from trainer.parallel.tp import uses_loss_parallel
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,6 @@ def _keep_metrics_until(path: str, step: int) -> None:
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
-
-
-# Which cache nodes, if any, hold each split (keys of data.cache).
-CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
 
 
 def needs_corpus(data_cfg) -> bool:
