@@ -8,17 +8,21 @@ import subprocess
 import sys
 
 import pytest
+import torch  # importing torch does not import triton
 
-# Triton kernels run here under Triton's interpreter on CPU tensors; it must be chosen before triton is
-# imported anywhere in the test session. Tests of what happens without it unset it themselves.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors; it must be chosen before
+# triton is imported anywhere in the test session. Tests of what happens without it unset it themselves.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A model and batch small enough that a step takes milliseconds on one CPU core.
+# A model and batch small enough that a step takes milliseconds on one CPU core; a metrics line every
+# step, so that tests compare whole loss curves.
 TINY = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
     "data.seq_len=32", "train.global_batch_size=8", "optim.warmup_steps=2", "train.progress=false",
+    "train.log_every=1",
 ]
 
 

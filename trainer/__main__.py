@@ -2,8 +2,9 @@
 resolved `<run_dir>/config.yaml`, hand it to the launcher, and return the final eval loss (so that Hydra
 sweepers can optimise it).
 
-A config that cannot run (Hydra's composition errors, and every rule in `trainer.config.validate`) ends
-the process with exit code 2 before anything is launched, and leaves no run directory behind.
+A config that cannot run (Hydra's composition errors, every rule in `trainer.config.validate`, and, for the
+local launcher, what the data, the checkpoint or the cache nodes say: `trainer.worker.check_inputs`) ends
+the process with exit code 2 and one line before anything is launched, and leaves no run directory behind.
 """
 
 from __future__ import annotations
@@ -58,14 +59,25 @@ def _save_config(resolved: dict, run_dir: str) -> str:
     return path
 
 
+def check(cfg: DictConfig) -> None:
+    """Resolve `cfg` in place and check it: the rules, then (where the ranks run on this machine) what the
+    data, the checkpoint and the cache nodes say. Raises ConfigError; writes nothing but the corpus cache."""
+    run_dir = os.path.abspath(cfg.run_dir)
+    OmegaConf.resolve(cfg)
+    cfg.run_dir = run_dir
+    config.validate(cfg)
+    if cfg.launcher.name == "local":
+        from trainer import worker
+
+        worker.check_inputs(cfg)
+
+
 def prepare_run(cfg: DictConfig) -> launchers.Run:
-    """Validate and resolve `cfg`, save it into its run directory (not for a dry run, which only prints
-    what it would launch), and describe the run."""
+    """Check `cfg`, save it into its run directory (not for a dry run, which only prints what it would
+    launch), and describe the run."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
-        OmegaConf.resolve(cfg)
-        cfg.run_dir = run_dir
-        config.validate(cfg)
+        check(cfg)
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         _remove_new_empty_dirs(run_dir)
@@ -87,7 +99,11 @@ def _app(cfg: DictConfig) -> float:
     _job_started = True
     run = prepare_run(cfg)
     launcher_cfg = run.config["launcher"]
-    job = launchers.get(launcher_cfg).launch(run)
+    try:
+        job = launchers.get(launcher_cfg).launch(run)
+    except config.ConfigError as e:  # in process, what the worker found that the checks could not see
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if job is None:  # a dry run: the launcher printed what it would do
         return float("nan")
     if not launcher_cfg.get("wait", True):

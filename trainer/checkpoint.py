@@ -4,6 +4,13 @@
 rank killed mid-save never leaves a half-written checkpoint where resume would find it. Model and
 optimizer go through `get_state_dict`/`set_state_dict`, so a checkpoint saved under one strategy and
 world size loads under another (DCP reshards).
+
+`checkpoints/` holds one line of training: resuming from an earlier checkpoint than the newest starts a
+new line, and the later checkpoints of the old one are moved aside into `checkpoints/abandoned-<time>/`
+(and logged), where neither `resume=auto` nor pruning looks. So along the directory's `step-<N>`
+folders a higher step is always a newer checkpoint, and `keep_latest_k` keeps the newest of this line.
+
+Loading unpickles the checkpoint's metadata: a checkpoint is trusted like code.
 """
 
 from __future__ import annotations
@@ -12,11 +19,15 @@ import logging
 import os
 import re
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -28,7 +39,7 @@ def _steps(root: str) -> list[tuple[int, str]]:
     found = []
     for name in os.listdir(root):
         m = STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, ".metadata")):
+        if m and is_checkpoint(os.path.join(root, name)):
             found.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(found)
 
@@ -37,6 +48,47 @@ def latest(root: str) -> str | None:
     """The newest complete checkpoint under `root`, or None."""
     steps = _steps(root)
     return steps[-1][1] if steps else None
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def set_aside_later(root: str, start: str) -> list[str]:
+    """Resuming from `start` continues the line it is on: move the checkpoints of `root` that are not on
+    it (those after `start` when it is in `root`, else all) into `root/abandoned-<time>/`, and say so.
+    Returns the names moved."""
+    own = os.path.realpath(os.path.dirname(start)) == os.path.realpath(root)
+    from_step = int(STEP_DIR.match(os.path.basename(start)).group(1)) if own else -1
+    later = [path for step, path in _steps(root) if step > from_step]
+    if not later:
+        return []
+    aside = os.path.join(root, time.strftime("abandoned-%Y%m%d-%H%M%S", time.gmtime()))
+    os.makedirs(aside)
+    for path in later:
+        os.rename(path, os.path.join(aside, os.path.basename(path)))
+    names = [os.path.basename(p) for p in later]
+    log.warning("resuming from %s starts a new line: %s, of the line it leaves, moved to %s "
+                "(resume=auto and pruning no longer see them; delete them yourself when not needed)",
+                start, ", ".join(names), aside)
+    return names
+
+
+def check_model(path: str, model_cfg, key: str, value) -> None:
+    """Raise ConfigError (on `key`=`value`) unless checkpoint `path` holds the model `model_cfg` describes:
+    the same tensors with the same full shapes."""
+    from trainer import models
+
+    with torch.device("meta"):
+        wanted = {name: tuple(t.shape) for name, t in models.build(model_cfg).state_dict().items()}
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    for name in sorted(saved.keys() | wanted.keys()):
+        if saved.get(name) != wanted.get(name):
+            raise ConfigError(key, value, f"the checkpoint {path} holds model tensor {name} of shape "
+                              f"{saved.get(name)}, this config's model {wanted.get(name)}: set the model.* "
+                              "keys it was saved with")
 
 
 def _rng_key() -> str:
@@ -66,6 +118,7 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+        # One line per directory (set_aside_later), so the lowest steps are the oldest checkpoints.
         for _, old in _steps(root)[:-keep_latest_k]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

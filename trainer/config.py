@@ -7,9 +7,12 @@ rule raises `ConfigError` naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -206,7 +209,8 @@ class TrainConfig:
     grad_accum_steps: int = 1
     # auto: bf16 autocast on CUDA, fp32 on CPU.
     mixed_precision: str = "auto"
-    log_every: int = 1
+    # Steps between metrics lines (TorchTitan's default); only a line waits for the device.
+    log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
     checkpoint_every: int = 100
@@ -255,6 +259,36 @@ def register() -> None:
     cs.store(name="schema", node=Config)
     for name, schema in LAUNCHER_SCHEMAS.items():
         cs.store(group="launcher", name=f"schema_{name}", node=schema)
+
+
+def numeric_keys(schema: type, prefix: str) -> list[tuple[str, type]]:
+    """(dotted key, int or float) for every number-valued field of `schema` (a dataclass), nested ones too."""
+    keys = []
+    for name, hint in typing.get_type_hints(schema).items():
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
+        if len(kinds) == 1 and kinds[0] in (int, float):
+            keys.append((f"{prefix}.{name}", kinds[0]))
+        elif len(kinds) == 1 and is_dataclass(kinds[0]):
+            keys.extend(numeric_keys(kinds[0], f"{prefix}.{name}"))
+    return keys
+
+
+def schemas(cfg: DictConfig) -> dict[str, type]:
+    """The schema of each section of `cfg`, the chosen launcher's included."""
+    chosen = dict(SCHEMAS)
+    if cfg.launcher.get("name") in LAUNCHER_SCHEMAS:
+        chosen["launcher"] = LAUNCHER_SCHEMAS[cfg.launcher.name]
+    return chosen
+
+
+def _finite(cfg: DictConfig) -> None:
+    for group, schema in schemas(cfg).items():
+        if cfg.get(group) is None:
+            continue
+        for key, kind in numeric_keys(schema, group):
+            value = OmegaConf.select(cfg, key)
+            _require(kind is int or value is None or math.isfinite(value), key, value, "must be a finite number")
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -353,10 +387,7 @@ def _known_keys(cfg: DictConfig) -> None:
     top = {f.name for f in fields(Config)}
     for key in cfg:
         _require(key in top, str(key), cfg.get(key), f"unknown key; the top level has {', '.join(sorted(top))}")
-    groups = dict(SCHEMAS)
-    if cfg.launcher.get("name") in LAUNCHER_SCHEMAS:
-        groups["launcher"] = LAUNCHER_SCHEMAS[cfg.launcher.name]
-    for group, schema in groups.items():
+    for group, schema in schemas(cfg).items():
         node = cfg.get(group)
         if node is None:
             continue
@@ -430,6 +461,7 @@ def _validate_launcher(cfg: DictConfig) -> None:
                      "most 52 characters, leaving room for the pods' suffixes")
         _require(lc.resources_per_node.gpu >= 0, "launcher.resources_per_node.gpu", lc.resources_per_node.gpu,
                  "must be >= 0")
+        _positive(cfg, "launcher.poll_seconds")
         _require(lc.active_deadline_seconds is None or lc.active_deadline_seconds > 0,
                  "launcher.active_deadline_seconds", lc.active_deadline_seconds, "must be > 0, or null")
         for key in lc.env:
@@ -449,6 +481,7 @@ def _validate_launcher(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> None:
     """Check every rule that the types alone cannot; raise ConfigError on the first one broken."""
     _known_keys(cfg)
+    _finite(cfg)
     _one_of(cfg, "strategy.name", STRATEGIES)
     _one_of(cfg, "launcher.name", LAUNCHERS)
     _one_of(cfg, "scheduler.name", SCHEDULERS)
@@ -459,10 +492,11 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "strategy.activation_checkpointing", AC_MODES)
     _one_of(cfg, "strategy.param_dtype", DTYPES)
     _one_of(cfg, "strategy.reduce_dtype", DTYPES[1:])
+    _positive(cfg, "strategy.bucket_cap_mb")
 
     m = cfg.model
     _positive(cfg, "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim")
-    _positive(cfg, "model.vocab_size", "model.max_seq_len", "model.rope_theta", "model.norm_eps")
+    _positive(cfg, "model.vocab_size", "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std")
     _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
     _require((m.dim // m.n_heads) % 2 == 0, "model.dim", m.dim,
              f"model.dim / model.n_heads must be even for rotary embeddings (is {m.dim / m.n_heads:g})")
@@ -492,7 +526,8 @@ def validate(cfg: DictConfig) -> None:
                  cfg.data.tokens_column, "set exactly one of data.text_column and data.tokens_column")
 
     o = cfg.optim
-    _positive(cfg, "optim.lr")
+    _positive(cfg, "optim.lr", "optim.eps")
+    _require(o.momentum >= 0, "optim.momentum", o.momentum, "must be >= 0")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
@@ -502,6 +537,7 @@ def validate(cfg: DictConfig) -> None:
              "must be > 0, or null for no clipping")
 
     t = cfg.train
+    _require(0 <= t.seed < 2**32, "train.seed", t.seed, "must be in [0, 2**32)")
     _positive(cfg, "train.max_steps", "train.global_batch_size", "train.grad_accum_steps",
               "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
               "train.keep_latest_k")
@@ -515,6 +551,7 @@ def validate(cfg: DictConfig) -> None:
         _require(0 <= r.node_rank < r.nnodes, "runtime.node_rank", r.node_rank,
                  f"must be in [0, runtime.nnodes={r.nnodes})")
         _require(r.max_restarts >= 0, "runtime.max_restarts", r.max_restarts, "must be >= 0")
+        _positive(cfg, "runtime.monitor_interval")
         # Remote launchers know node 0's address (Kubeflow injects it; Docker names the container).
         _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or cfg.launcher.name != "local", "runtime.rdzv_endpoint",
                  r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
@@ -530,8 +567,9 @@ def validate(cfg: DictConfig) -> None:
              f" = {per_step}")
 
     if t.resume not in ("auto", "never"):
-        _require(os.path.isdir(t.resume), "train.resume", t.resume,
-                 "must be auto, never, or the path of an existing checkpoint directory")
+        _require(os.path.isfile(os.path.join(t.resume, ".metadata")), "train.resume", t.resume,
+                 "must be auto, never, or a checkpoint directory (such as <run_dir>/checkpoints/step-100, "
+                 "which holds a .metadata file)")
     if t.resume == "never":
         ckpt = os.path.join(cfg.run_dir, "checkpoints")
         _require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,

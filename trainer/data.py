@@ -6,6 +6,9 @@ ends with EOS, and goes to the eval split when a hash of its id says so (so no d
 splits); each split's token stream is cut into rows of `seq_len + 1` tokens (inputs and shifted targets)
 that overlap by one token. The result lives in `<cache_dir>/corpus/<name>-<key>/{train,eval}/*.parquet`,
 where the key hashes the source's fingerprint and the settings, so a change rebuilds it.
+
+A source that cannot make a corpus (no files, a column of the wrong type, token ids that do not fit the
+uint16 rows) raises ConfigError naming the key; `check_corpus` says whether a built corpus can feed a job.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from datacache.local import parquet_files
+from trainer.config import CACHE_KEYS, ConfigError
 from trainer.models import tokenizer
 
 log = logging.getLogger(__name__)
 ROWS_PER_SHARD = 8192
+MAX_TOKEN_ID = np.iinfo(np.uint16).max  # rows store uint16 ids
 
 
 def _stdlib_files() -> list[str]:
@@ -47,7 +53,8 @@ def _fingerprint(cfg) -> dict:
                 "bytes": sum(os.path.getsize(f) for f in files)}
     files = parquet_files(cfg.path)
     if not files:
-        raise FileNotFoundError(f"data.path={cfg.path!r}: no Parquet files there")
+        raise ConfigError("data.path", cfg.path, "no Parquet files there: give a .parquet file, a directory "
+                          "holding some, or a glob")
     return {"files": [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files],
             "text_column": cfg.text_column, "tokens_column": cfg.tokens_column}
 
@@ -60,19 +67,47 @@ def _documents(cfg) -> Iterator[tuple[str, np.ndarray]]:
             with open(path, "rb") as f:
                 yield os.path.relpath(path, root), tokenizer.encode(f.read())
         return
-    column = cfg.tokens_column or cfg.text_column
+    key, column = ("data.tokens_column", cfg.tokens_column) if cfg.tokens_column else ("data.text_column",
+                                                                                        cfg.text_column)
     for path in parquet_files(cfg.path):
-        pf = pq.ParquetFile(path)
+        try:
+            pf = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise ConfigError("data.path", cfg.path, f"{path} is not a readable Parquet file ({e})") from None
         if column not in pf.schema_arrow.names:
-            raise KeyError(f"{path}: no column {column!r}; it has {', '.join(pf.schema_arrow.names)}")
+            raise ConfigError(key, column, f"{path} has no such column; it has {', '.join(pf.schema_arrow.names)}")
+        _check_column_type(key, column, pf.schema_arrow.field(column).type, path)
         row = 0
         for batch in pf.iter_batches(columns=[column]):
+            if cfg.tokens_column:
+                _check_token_ids(batch.column(0), column, path)
             for value in batch.column(0).to_pylist():
                 if value is not None:
                     ids = (np.append(np.asarray(value, dtype=np.uint16), tokenizer.EOS) if cfg.tokens_column
                            else tokenizer.encode(value))
                     yield f"{path}:{row}", ids
                 row += 1
+
+
+def _check_column_type(key: str, column: str, kind: pa.DataType, path: str) -> None:
+    if key == "data.text_column":
+        ok, wanted = pa.types.is_string(kind) or pa.types.is_large_string(kind), "text (string)"
+    else:
+        ok = ((pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
+              and pa.types.is_integer(kind.value_type))
+        wanted = "lists of integer token ids"
+    if not ok:
+        other = "data.tokens_column for token ids" if key == "data.text_column" else "data.text_column for text"
+        raise ConfigError(key, column, f"{path} holds {kind} there, not {wanted}: name another column, or "
+                          f"use {other}")
+
+
+def _check_token_ids(lists: pa.Array, column: str, path: str) -> None:
+    ids = pc.min_max(pc.list_flatten(lists))
+    low, high = ids["min"].as_py(), ids["max"].as_py()
+    if low is not None and (low < 0 or high > MAX_TOKEN_ID):
+        raise ConfigError("data.tokens_column", column, f"{path} holds token id {low if low < 0 else high}: "
+                          f"ids must be in [0, {MAX_TOKEN_ID}]")
 
 
 def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:
@@ -95,7 +130,7 @@ def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:
 def prepare(cfg) -> str:
     """The corpus directory for `cfg` (a DataConfig), building it first if it is missing."""
     settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": cfg.eval_percent,
-                "source": _fingerprint(cfg), "format": 1}
+                "source": _fingerprint(cfg), "format": 2}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = os.path.join(os.path.expanduser(cfg.cache_dir), "corpus")
     target = os.path.join(root, f"{cfg.name}-{key}")
@@ -116,10 +151,33 @@ def prepare(cfg) -> str:
                 splits["eval" if in_eval else "train"].append(ids)
             counts = {name: _write_rows(docs, cfg.seq_len, os.path.join(tmp, name))
                       for name, docs in splits.items()}
+            top = max((int(ids.max()) for docs in splits.values() for ids in docs if len(ids)), default=0)
             with open(os.path.join(tmp, "corpus.json"), "w") as f:
-                json.dump({**settings, "rows": counts}, f, indent=2)
+                json.dump({**settings, "rows": counts, "max_token_id": top}, f, indent=2)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("corpus rows: %s", counts)
     return target
+
+
+def check_corpus(corpus: str, cfg) -> None:
+    """Raise ConfigError unless the corpus can feed the job `cfg`: every split read from it holds at least
+    one global batch, and the model has an embedding for every token id in it."""
+    with open(os.path.join(corpus, "corpus.json")) as f:
+        info = json.load(f)
+    d, batch = cfg.data, cfg.train.global_batch_size
+    for split, endpoints_key in CACHE_KEYS.items():
+        rows = info["rows"][split]
+        if d.cache[endpoints_key] or rows >= batch:
+            continue
+        fix = ("raise data.eval_percent" if split == "eval" else "lower data.eval_percent") + " or use more data"
+        if rows == 0 and split == "eval":
+            raise ConfigError("data.eval_percent", d.eval_percent, f"leaves the eval split no rows: {fix}")
+        raise ConfigError("train.global_batch_size", batch, f"the {split} split holds {rows} rows of "
+                          f"data.seq_len={d.seq_len} (data.eval_percent={d.eval_percent}), fewer than one "
+                          f"global batch: must be <= {rows}, or {fix}")
+    if info["max_token_id"] >= cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"the corpus holds token id "
+                          f"{info['max_token_id']} ({d.tokens_column or d.text_column!r} of data.path={d.path}): "
+                          f"must be > {info['max_token_id']}")

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from datacache import LocalDataset, StreamingDataset
+from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
 from trainer import checkpoint, metrics, models, parallel
 from trainer.config import CACHE_KEYS, ConfigError
@@ -60,11 +60,27 @@ def _mean_across_ranks(value: torch.Tensor) -> float:
 
 
 def _keep_metrics_until(path: str, step: int) -> None:
-    """Drop the records after `step`: a restart resumes there, and what followed was never kept."""
+    """Drop the records after `step`, where this run goes on from: what followed was never kept (a
+    failed attempt, or a line abandoned by resuming from an earlier checkpoint). A line cut short (a
+    kill, a full disk) is dropped too, and said so."""
     if not os.path.exists(path):
         return
+    kept, after, broken = [], 0, 0
     with open(path) as f:
-        kept = [line for line in f if json.loads(line)["step"] <= step]
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                broken += 1
+                continue
+            if record["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                after += 1
+    if broken:
+        log.warning("%s: dropped %d unreadable line(s) (cut short by a kill or a full disk?)", path, broken)
+    if after:
+        log.info("%s: dropped %d record(s) after step %d, where this run goes on from", path, after, step)
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
@@ -81,7 +97,10 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
     endpoints = list(data_cfg.cache[key])
     if not endpoints:
         return LocalDataset(os.path.join(corpus, split), **kw)
-    data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch, **kw)
+    try:
+        data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch, **kw)
+    except (DataCacheError, ValueError) as e:  # unreachable nodes; fewer rows than one global batch
+        raise ConfigError(f"data.cache.{key}", endpoints, str(e)) from None
     rows = data.schema.field("tokens").type
     if not (pa.types.is_fixed_size_list(rows) and rows.list_size == data_cfg.seq_len + 1):
         raise ConfigError(f"data.cache.{key}", endpoints, f"the nodes hold {split} rows of type {rows}; "
@@ -127,8 +146,6 @@ class Trainer:
         self.step = int(state["step"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.resumed_from = path
-        if self.rank == 0:
-            _keep_metrics_until(os.path.join(self.cfg.run_dir, "metrics.jsonl"), self.step)
 
     def _tokens(self, batch: dict) -> torch.Tensor:
         """The batch's token ids on the device, widened there (batches keep their stored type, often int32)."""
@@ -184,33 +201,45 @@ class Trainer:
         checkpoint.save(os.path.join(self.cfg.run_dir, "checkpoints"), self.step, self.model,
                         self.optimizer, self._train_state(), self.cfg.train.keep_latest_k, self.device)
 
+    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, steps: int, seconds: float) -> dict:
+        """The metrics line for this step: the one place a step waits for the device (and the other ranks).
+        Times and throughput are the mean over the `steps` steps since the previous line."""
+        step_time = seconds / steps
+        tokens_per_s = self.cfg.train.global_batch_size * self.cfg.data.seq_len / step_time
+        record = {"step": self.step, "loss": _mean_across_ranks(loss), "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": float(grad_norm), "step_time_s": step_time, "tokens_per_s": tokens_per_s,
+                  "peak_memory_gb": metrics.peak_memory_gb(self.device)}
+        if self.peak_flops:
+            record["mfu"] = tokens_per_s / self.world * self.flops_per_token / self.peak_flops
+        return record
+
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         run_dir = cfg.run_dir
-        writer = metrics.JsonlWriter(os.path.join(run_dir, "metrics.jsonl")) if self.rank == 0 else None
+        writer = None
+        if self.rank == 0:
+            path = os.path.join(run_dir, "metrics.jsonl")
+            _keep_metrics_until(path, self.step)
+            writer = metrics.JsonlWriter(path)
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         bar = tqdm(total=t.max_steps, initial=self.step, disable=self.rank != 0 or not t.progress,
                    desc="train", unit="step", dynamic_ncols=True)
         start_step, started = self.step, time.perf_counter()
+        logged_step, logged_at = self.step, started
         train_loss = eval_loss = float("nan")
         self.model.train()
         data = iter(self._loader())
         try:
             while self.step < t.max_steps:
-                tic = time.perf_counter()
+                # Loss and norm stay on the device; only a logged line waits for them.
                 loss, grad_norm = self._train_step(next(data))
                 self.step += 1
-                if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    train_loss = _mean_across_ranks(loss)
-                    step_time = time.perf_counter() - tic
-                    record = {"step": self.step, "elapsed_s": time.perf_counter() - started,
-                              "loss": train_loss, "lr": self.scheduler.get_last_lr()[0],
-                              "grad_norm": float(grad_norm), "step_time_s": step_time,
-                              "tokens_per_s": tokens_per_step / step_time,
-                              "peak_memory_gb": metrics.peak_memory_gb(self.device)}
-                    if self.peak_flops:
-                        per_device = tokens_per_step / step_time / self.world
-                        record["mfu"] = per_device * self.flops_per_token / self.peak_flops
+                log_line = self.step % t.log_every == 0 or self.step == t.max_steps
+                if log_line:
+                    now = time.perf_counter()
+                    record = self._record(loss, grad_norm, self.step - logged_step, now - logged_at)
+                    record["elapsed_s"] = now - started
+                    train_loss = record["loss"]
                     if self.step % t.eval_every == 0 or self.step == t.max_steps:
                         eval_loss = record["eval_loss"] = self.evaluate()
                     if writer:
@@ -222,6 +251,9 @@ class Trainer:
                 bar.update(1)
                 if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
                     self._checkpoint()
+                if log_line:
+                    # The next line's step time counts training only, not this line's eval or checkpoint.
+                    logged_step, logged_at = self.step, time.perf_counter()
         finally:
             bar.close()
             if writer:

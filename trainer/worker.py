@@ -4,6 +4,11 @@ Every rank, wherever it runs, rebuilds the same job from the same resolved confi
 from the environment (torchrun or the Kubeflow `PET_*` variables through torchrun; a one-rank group when
 there is none), mesh, model on the meta device, strategy, initialisation, data, and then the loop. No
 Hydra here: the file is already resolved.
+
+What only the data, the checkpoints or the cache nodes can tell (`check_inputs`: too few rows for a
+global batch, token ids beyond the vocabulary, a checkpoint of another model, nodes that do not answer) is
+a ConfigError before the first step: one line, exit code 2. The local driver runs the same checks before
+it launches anything.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, kernels, loop, models, parallel
-from trainer.data import prepare
+from trainer import checkpoint, data, kernels, loop, models, parallel
+from trainer.config import ConfigError, dp_size
 
 log = logging.getLogger("trainer")
 
@@ -68,12 +73,42 @@ def setup_logging(run_dir: str, rank: int) -> logging.Handler:
     return handler
 
 
-def resume_path(cfg: DictConfig) -> str | None:
+def _resume_candidate(cfg: DictConfig) -> str | None:
     if cfg.train.resume == "never":
         return None
-    if cfg.train.resume == "auto":
+    if cfg.train.resume == "auto":  # only this run directory's own checkpoints
         return checkpoint.latest(os.path.join(cfg.run_dir, "checkpoints"))
     return cfg.train.resume
+
+
+def resume_path(cfg: DictConfig) -> str | None:
+    """The checkpoint to start from. Rank 0 chooses it, sets aside the checkpoints of the line it leaves
+    (see `checkpoint.set_aside_later`), and broadcasts it: the ranks never choose one each."""
+    choice = [None]
+    if dist.get_rank() == 0:
+        choice[0] = _resume_candidate(cfg)
+        if choice[0] is not None:
+            checkpoint.set_aside_later(os.path.join(cfg.run_dir, "checkpoints"), choice[0])
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def check_inputs(cfg: DictConfig) -> str | None:
+    """Build or find the corpus and check everything the job will read before its first step: the corpus
+    (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError;
+    returns the corpus directory (None when every split comes from cache nodes)."""
+    corpus = data.prepare(cfg.data) if loop.needs_corpus(cfg.data) else None
+    if corpus is not None:
+        data.check_corpus(corpus, cfg)
+    dp = dp_size(cfg)
+    for split, key in loop.CACHE_KEYS.items():
+        if cfg.data.cache[key]:
+            loop.split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
+                               rank=0, world_size=dp, loop=False)
+    start = _resume_candidate(cfg)
+    if start is not None:
+        checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
+    return corpus
 
 
 def run(cfg: DictConfig) -> dict:
@@ -99,7 +134,7 @@ def run(cfg: DictConfig) -> dict:
 
 def _train(cfg: DictConfig, env: DistEnv) -> dict:
     torch.manual_seed(cfg.train.seed)
-    corpus = prepare(cfg.data) if loop.needs_corpus(cfg.data) else None
+    corpus = check_inputs(cfg)
     mesh = parallel.build_mesh(cfg.strategy, env.world_size, env.device.type)
     with torch.device("meta"):
         model = models.build(cfg.model)
@@ -124,13 +159,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # A rank that crashes in native code (SIGSEGV, SIGABRT) prints every thread's Python stack first.
     faulthandler.enable(all_threads=True)
-    run(OmegaConf.load(argv[0]))
-    # Done, and every output written: leave without the interpreter's teardown, where a collective
-    # backend's threads, destroyed late, have been seen to abort (SIGABRT) a rank that had succeeded.
+    code = 0
+    try:
+        run(OmegaConf.load(argv[0]))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    # Done: leave without the interpreter's teardown, where a collective backend's threads, destroyed
+    # late, have been seen to abort (SIGABRT) a rank that had succeeded.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

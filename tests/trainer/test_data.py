@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from datacache.local import read_token_rows
+from trainer.config import ConfigError
 from trainer.data import prepare
 from trainer.models import tokenizer
 
@@ -64,5 +65,5 @@ def test_parquet_token_column_and_rebuild_on_change(tmp_path):
 
 def test_missing_column_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")
-    with pytest.raises(KeyError, match="no column 'text'; it has body"):
+    with pytest.raises(ConfigError, match="data.text_column='text': .*a.parquet has no such column; it has body"):
         prepare(_cfg(tmp_path, path=str(tmp_path / "a.parquet")))

@@ -1,0 +1,61 @@
+"""Resume picks the right checkpoint: resuming from an earlier step starts a new line and sets the old
+line's later checkpoints aside (never resumed by resume=auto, never pruned in place of the new ones), and a
+metrics.jsonl whose last line was cut short does not stop the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import TINY, read_metrics, read_summary
+
+pytestmark = pytest.mark.slow
+
+
+def test_resuming_from_an_earlier_step_sets_the_later_checkpoints_aside(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    first = run_cli(*TINY, "train.max_steps=8", "train.checkpoint_every=4", "train.keep_latest_k=2",
+                    f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(os.listdir(ckpts)) == ["step-4", "step-8"]
+    old_line = read_metrics(str(run_dir))
+
+    # From step 4, with another data order, on two ranks: rank 0 chooses and sets aside, both load.
+    branch = run_cli(*TINY, f"train.resume={ckpts / 'step-4'}", "train.max_steps=6", "train.checkpoint_every=2",
+                     "train.keep_latest_k=1", "train.seed=1", "+runtime=torch-distributed",
+                     "runtime.nproc_per_node=2", f"hydra.run.dir={run_dir}")
+    assert branch.returncode == 0, branch.stderr[-3000:]
+    aside = [name for name in os.listdir(ckpts) if name.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(os.listdir(ckpts)) == sorted([aside[0], "step-6"])
+    assert os.listdir(ckpts / aside[0]) == ["step-8"]
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"step-8, of the line it leaves, moved to {ckpts / aside[0]}" in log
+    for rank in (0, 1):
+        assert f"resumed from {ckpts / 'step-4'} (step 4)" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
+    new_line = read_metrics(str(run_dir))
+    assert [m["step"] for m in new_line] == [1, 2, 3, 4, 5, 6]
+    assert new_line[:4] == old_line[:4] and new_line[4]["loss"] != pytest.approx(old_line[4]["loss"], rel=1e-6)
+
+    # resume=auto continues the new line, not the abandoned step-8.
+    auto = run_cli(*TINY, "train.max_steps=8", "train.checkpoint_every=2", "train.keep_latest_k=1",
+                   "train.seed=1", f"hydra.run.dir={run_dir}")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    summary = read_summary(str(run_dir))
+    assert summary["resumed_from"] == str(ckpts / "step-6") and summary["steps_this_run"] == 2
+    assert [m["step"] for m in read_metrics(str(run_dir))] == list(range(1, 9))
+    assert os.listdir(ckpts / aside[0]) == ["step-8"]
+
+
+def test_a_metrics_line_cut_short_is_dropped_and_the_run_goes_on(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_cli(*TINY, "train.max_steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 5.1')  # a kill, or a full disk, mid-write
+    again = run_cli(*TINY, "train.max_steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(str(run_dir))] == [1, 2, 3, 4]
+    assert "dropped 1 unreadable line(s)" in (run_dir / "logs" / "rank-0.log").read_text()
