@@ -54,15 +54,16 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def set_aside_later(root: str, start: str) -> list[str]:
+def set_aside_later(root: str, start: str) -> None:
     """Resuming from `start` continues the line it is on: move the checkpoints of `root` that are not on
-    it (those after `start` when it is in `root`, else all) into `root/abandoned-<time>/`, and say so.
-    Returns the names moved."""
-    own = os.path.realpath(os.path.dirname(start)) == os.path.realpath(root)
-    from_step = int(STEP_DIR.match(os.path.basename(start)).group(1)) if own else -1
+    it (those after `start` when it is in `root`, else all) into `root/abandoned-<time>/`, and say so."""
+    start = os.path.realpath(start)
+    m = STEP_DIR.match(os.path.basename(start))
+    own = m is not None and os.path.dirname(start) == os.path.realpath(root)
+    from_step = int(m.group(1)) if own else -1
     later = [path for step, path in _steps(root) if step > from_step]
     if not later:
-        return []
+        return
     aside = os.path.join(root, time.strftime("abandoned-%Y%m%d-%H%M%S", time.gmtime()))
     os.makedirs(aside)
     for path in later:
@@ -71,7 +72,6 @@ def set_aside_later(root: str, start: str) -> list[str]:
     log.warning("resuming from %s starts a new line: %s, of the line it leaves, moved to %s "
                 "(resume=auto and pruning no longer see them; delete them yourself when not needed)",
                 start, ", ".join(names), aside)
-    return names
 
 
 def check_model(path: str, model_cfg, key: str, value) -> None:

@@ -99,9 +99,9 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
         return LocalDataset(os.path.join(corpus, split), **kw)
     try:
         data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch, **kw)
+        rows, _ = data.schema.field("tokens").type, data.plan  # the nodes are asked what they hold
     except (DataCacheError, ValueError) as e:  # unreachable nodes; fewer rows than one global batch
         raise ConfigError(f"data.cache.{key}", endpoints, str(e)) from None
-    rows = data.schema.field("tokens").type
     if not (pa.types.is_fixed_size_list(rows) and rows.list_size == data_cfg.seq_len + 1):
         raise ConfigError(f"data.cache.{key}", endpoints, f"the nodes hold {split} rows of type {rows}; "
                           f"data.seq_len={data_cfg.seq_len} needs rows of {data_cfg.seq_len + 1} token ids")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, data, kernels, loop, models, parallel
-from trainer.config import ConfigError, dp_size
+from trainer.config import CACHE_KEYS, ConfigError, dp_size
 
 log = logging.getLogger("trainer")
 
@@ -101,7 +101,7 @@ def check_inputs(cfg: DictConfig) -> str | None:
     if corpus is not None:
         data.check_corpus(corpus, cfg)
     dp = dp_size(cfg)
-    for split, key in loop.CACHE_KEYS.items():
+    for split, key in CACHE_KEYS.items():
         if cfg.data.cache[key]:
             loop.split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
                                rank=0, world_size=dp, loop=False)

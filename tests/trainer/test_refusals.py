@@ -85,8 +85,7 @@ ROWS = {
          "data.text_column=null"],
         "data.tokens_column='ids': {parquet}/beyond_uint16.parquet holds token id 70000: ids must be in [0, 65535]"),
     "unreachable cache node": (["data.cache.endpoints=[grpc://127.0.0.1:1]"],
-                               "data.cache.endpoints=['grpc://127.0.0.1:1']: cache node grpc://127.0.0.1:1: "
-                               "get_flight_info failed"),
+                               "data.cache.endpoints=['grpc://127.0.0.1:1']: cache node grpc://127.0.0.1:1"),
 }
 
 
@@ -144,9 +143,12 @@ DEFAULT_GROUPS = ("model", "data", "strategy", "optim", "train")
 
 
 def _value(kind: type, small: bool):
+    """Edge values often (where most rules draw their lines), any others too; `small` keeps a run cheap."""
     if kind is int:
-        return st.integers(-3, 24) if small else st.one_of(st.integers(-3, 64), st.integers(-2**63, 2**63))
-    return st.floats(allow_nan=True, allow_infinity=True)
+        edges = st.sampled_from([-1, 0, 1, 2])
+        return st.one_of(edges, st.integers(-3, 24) if small else st.integers(-2**63, 2**63))
+    edges = st.sampled_from([-1.0, 0.0, 1.0, float("nan"), float("inf"), 1e-300])
+    return st.one_of(edges, st.floats(allow_nan=True, allow_infinity=True))
 
 
 def _override(key: str, value) -> str:
@@ -155,7 +157,7 @@ def _override(key: str, value) -> str:
 
 @st.composite
 def _numeric_overrides(draw, keys, small: bool) -> list[str]:
-    chosen = draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3, unique_by=lambda k: k[0]))
+    chosen = draw(st.lists(st.sampled_from(keys), min_size=1, max_size=4, unique_by=lambda k: k[0]))
     extra = sorted({o for _, _, more in chosen for o in more})
     return [*extra, *(_override(key, draw(_value(kind, small))) for key, kind, _ in chosen)]
 
@@ -195,7 +197,7 @@ _runs = itertools.count()
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides=_numeric_overrides([k for k in NUMERIC_KEYS if k[0].split(".")[0] in DEFAULT_GROUPS], small=True))
 def test_any_numbers_train_or_are_refused_in_one_line_never_a_traceback(overrides, run_cli, tmp_path, parquet_dir):
     chosen = {o.split("=")[0] for o in overrides}
