@@ -5,6 +5,7 @@ Usable on its own (it never imports `trainer` or `launchers`). On a machine with
 run under Triton's interpreter when TRITON_INTERPRET=1 is set (slow; for tests).
 """
 
+from ops import interpreter
 from ops.activations import gelu, gelu_and_mul, silu, silu_and_mul
 from ops.aten import disable, enable, registered, use_kernels
 from ops.blas import addmm
@@ -13,6 +14,8 @@ from ops.norms import layer_norm, rms_norm
 from ops.pointwise import add, div, maximum, mul, pointwise, sub
 from ops.rope import rotary_embedding
 from ops.softmax import log_softmax, softmax
+
+interpreter.install()
 
 __all__ = [
            "add",

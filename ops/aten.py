@@ -10,50 +10,52 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import warnings
 
 import torch
 
-from ops import activations, blas, softmax
+from ops import activations
+from ops.blas import matmul
+from ops.softmax import softmax_backward, softmax_forward
 
 calls: collections.Counter = collections.Counter()
 
 
-def _gelu_fwd(self, *, approximate="none"):
+def _gelu(self, *, approximate="none"):
     return activations.gelu_fwd(self) if approximate == "none" else activations.gelu_tanh_fwd(self)
 
 
-def _gelu_bwd(grad_output, self, *, approximate="none"):
+def _gelu_backward(grad_output, self, *, approximate="none"):
     bwd = activations.gelu_bwd if approximate == "none" else activations.gelu_tanh_bwd
     return bwd(self, grad_output).to(self.dtype)
 
 
-def _softmax(log: bool):
-    def fwd(self, dim, half_to_float):
-        return softmax.softmax_forward(self, dim % max(self.dim(), 1), log,
-                                       torch.float32 if half_to_float else None)
-
-    def bwd(grad_output, output, dim, input_dtype):
-        return softmax.softmax_backward(grad_output, output, dim % max(output.dim(), 1), log, input_dtype)
-
-    return fwd, bwd
+def _softmax(self, dim, half_to_float, log=False):
+    return softmax_forward(self, dim % max(self.dim(), 1), log, torch.float32 if half_to_float else None)
 
 
-_SOFTMAX, _SOFTMAX_BWD = _softmax(False)
-_LOG_SOFTMAX, _LOG_SOFTMAX_BWD = _softmax(True)
+def _softmax_backward_data(grad_output, output, dim, input_dtype, log=False):
+    return softmax_backward(grad_output, output, dim % max(output.dim(), 1), log, input_dtype)
 
-OPS = {
-    "silu": lambda self: activations.silu_fwd(self),
-    "silu_backward": lambda grad_output, self: activations.silu_bwd(self, grad_output).to(self.dtype),
-    "gelu": _gelu_fwd,
-    "gelu_backward": _gelu_bwd,
-    "_softmax": _SOFTMAX,
-    "_softmax_backward_data": _SOFTMAX_BWD,
-    "_log_softmax": _LOG_SOFTMAX,
-    "_log_softmax_backward_data": _LOG_SOFTMAX_BWD,
-    "addmm": lambda self, mat1, mat2, *, beta=1, alpha=1: blas.matmul(mat1, mat2, self, alpha, beta),
-}
+
+# (our public op, the ATen op it routes, our function with the ATen op's signature)
+TABLE = [
+    ("silu", "silu", lambda self: activations.silu_fwd(self)),
+    ("silu", "silu_backward", lambda grad_output, self: activations.silu_bwd(self, grad_output).to(self.dtype)),
+    ("gelu", "gelu", _gelu),
+    ("gelu", "gelu_backward", _gelu_backward),
+    ("softmax", "_softmax", _softmax),
+    ("softmax", "_softmax_backward_data", _softmax_backward_data),
+    ("log_softmax", "_log_softmax", functools.partial(_softmax, log=True)),
+    ("log_softmax", "_log_softmax_backward_data", functools.partial(_softmax_backward_data, log=True)),
+    ("addmm", "addmm", lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta)),
+]
+OPS = {aten: fn for _, aten, fn in TABLE}
+# A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).
+NAMES = {**{aten: (aten,) for _, aten, _ in TABLE},
+         **{public: tuple(aten for p, aten, _ in TABLE if p == public) for public, _, _ in TABLE}}
 
 _library: torch.library.Library | None = None
 _routed: list[str] = []
@@ -67,14 +69,21 @@ def _counted(name, fn):
     return impl
 
 
-def enable(include: list[str] | None = None, exclude: list[str] | None = None) -> None:
-    """Route the ATen ops named in `include` (default: all of `OPS`), less `exclude`, to our kernels."""
-    global _library, _routed
-    unknown = sorted(set(include or []) | set(exclude or []) - set(OPS))
+def _aten_names(names: list[str]) -> list[str]:
+    unknown = sorted(set(names) - set(NAMES))
     if unknown:
-        raise ValueError(f"not routable: {', '.join(unknown)}; the ops are {', '.join(sorted(OPS))}")
+        raise ValueError(f"not routable: {', '.join(unknown)}; the ops are {', '.join(sorted(NAMES))}")
+    return [aten for name in names for aten in NAMES[name]]
+
+
+def enable(include: list[str] | None = None, exclude: list[str] | None = None) -> None:
+    """Route the ops named in `include` (default: all), less `exclude`, to our kernels. A name is our op's
+    (`softmax`, `log_softmax`, `silu`, `gelu`, `addmm`: forward and backward) or an ATen op's (`_softmax`)."""
+    global _library, _routed
+    chosen = _aten_names(list(include)) if include else list(OPS)
+    excluded = set(_aten_names(list(exclude or [])))
     disable()
-    names = [n for n in (include or OPS) if n not in set(exclude or [])]
+    names = list(dict.fromkeys(n for n in chosen if n not in excluded))
     keys = ["CUDA"] + (["CPU"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
     _library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():

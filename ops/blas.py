@@ -1,7 +1,8 @@
 """addmm: beta * bias + alpha * (mat1 @ mat2), forward and backward with one tiled Triton matmul kernel.
 
-The kernel takes strides, so transposed operands in the backward (g @ mat2ᵀ, mat1ᵀ @ g) cost no copy;
-it accumulates in fp32 and adds a broadcast bias (stride 0 along broadcast dimensions).
+The kernel takes strides, so transposed operands in the backward (g @ mat2ᵀ, mat1ᵀ @ g) cost no copy.
+bf16/fp16 operands run on the tensor cores with fp32 accumulation; fp32 operands use TF32 exactly when
+`torch.backends.cuda.matmul.allow_tf32` allows it. A broadcast bias is read with stride 0.
 """
 
 from __future__ import annotations
@@ -13,19 +14,37 @@ import triton.language as tl
 
 @triton.jit
 def _matmul(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn, sbm, sbn2, alpha, beta,
-            HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # Programs walk the output in groups of GROUP_M tile rows, so that the tiles running together share
+    # their rows of `a` and columns of `b` in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None] * sam + rk[None, :] * sak
+    b_ptrs = b_ptr + rk[:, None] * sbk + rn[None, :] * sbn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        a_mask = (rm[:, None] < M) & ((k + rk)[None, :] < K)
-        b_mask = ((k + rk)[:, None] < K) & (rn[None, :] < N)
-        a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + (k + rk)[:, None] * sbk + rn[None, :] * sbn, mask=b_mask, other=0.0).to(tl.float32)
-        acc += tl.dot(a, b, input_precision="ieee")
+    for k in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(b_ptrs, mask=rn[None, :] < N, other=0.0)
+        else:
+            k_left = K - k * BK
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
+        # bf16/fp16 tiles go to the tensor cores as they are, accumulating in fp32; fp32 tiles use TF32
+        # or full fp32 as PRECISION says.
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK * sak
+        b_ptrs += BK * sbk
     acc = acc * alpha
     c_mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_BIAS:
@@ -34,29 +53,43 @@ def _matmul(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn
     tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _blocks(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """Tile sizes from the shape: large tiles for large GPU matmuls, small ones for small or interpreted."""
-    if device.type != "cuda":
-        return 32, 32, 32
-    big = 128 if min(m, n) >= 2048 else 64
-    return min(big, max(16, triton.next_power_of_2(m))), min(big, max(16, triton.next_power_of_2(n))), \
-        min(64, max(16, triton.next_power_of_2(k)))
+def _settings(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+    """Tiles, warps and pipeline depth from the shape and dtype (the Triton matmul tutorial's choices for
+    Hopper and Ampere: 128x256x64 for large 16-bit products, 128x128x32 for fp32), smaller tiles for small
+    products. The largest fits sm_80's shared memory (3 stages of 48 KiB)."""
+    wide = dtype.itemsize == 2
+    if min(m, n) >= 1024:
+        bm, bn, bk = (128, 256, 64) if wide else (128, 128, 32)
+        return {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    bm = min(128, max(16, triton.next_power_of_2(m)))
+    bn = min(128, max(16, triton.next_power_of_2(n)))
+    bk = min(64 if wide else 32, max(16, triton.next_power_of_2(k)))
+    return {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 products use TF32 exactly when PyTorch's own matmuls would."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alpha: float = 1.0,
            beta: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """alpha * (a @ b) + beta * bias for 2-D a (M, K), b (K, N); bias broadcastable to (M, N)."""
+    """alpha * (a @ b) + beta * bias for 2-D a (M, K), b (K, N) of one dtype; bias broadcastable to (M, N)."""
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         raise ValueError(f"mat1 {tuple(a.shape)} and mat2 {tuple(b.shape)} cannot be multiplied")
+    if a.dtype != b.dtype:
+        raise ValueError(f"mat1 ({a.dtype}) and mat2 ({b.dtype}) must have the same dtype")
     c = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
     bias_full = bias.expand(m, n) if bias is not None else c
-    bm, bn, bk = _blocks(m, n, k, a.device)
     if c.numel():
-        _matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            a, b, c, bias_full, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
-            c.stride(1), bias_full.stride(0), bias_full.stride(1), float(alpha), float(beta),
-            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk)
+        meta = _settings(m, n, k, a.dtype)
+        grid = (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
+        _matmul[grid](a, b, c, bias_full, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+                      c.stride(1), bias_full.stride(0), bias_full.stride(1), float(alpha), float(beta),
+                      HAS_BIAS=bias is not None, PRECISION=_precision(a.dtype), EVEN_K=k % meta["BK"] == 0, **meta)
     return c
 
 

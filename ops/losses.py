@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_V = 1024
+from ops.settings import MAX_ROW_BLOCK, warps
+
+# The fused op's logits of one chunk take at most this share of the weight's size, and at least
+# MIN_CHUNK_BYTES: few chunks keep the weight gradient's read-modify-write cheap, a small share keeps
+# the peak memory near the weight gradient's own.
+CHUNK_SHARE = 8
+MIN_CHUNK_BYTES = 64 * 2**20
 
 
 @triton.jit
@@ -58,21 +64,26 @@ def _ce_grad(x_ptr, stride, grad_ptr, gstride, target_ptr, lse_ptr, scale_ptr, n
         tl.store(grad_ptr + row * gstride + cols, (g * scale).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+def _block(vocab: int) -> dict:
+    block = min(MAX_ROW_BLOCK, triton.next_power_of_2(max(1, vocab)))
+    return {"BLOCK": block, "num_warps": warps(block)}
+
+
 def _rows_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float):
     rows, vocab = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows:
+    if rows and vocab:
         _ce_loss[(rows,)](logits, logits.stride(0), target, loss, lse, vocab, ignore_index, smoothing,
-                          BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)))
+                          **_block(vocab))
     return loss, lse
 
 
 def _rows_grad(logits, target, lse, scale, ignore_index, smoothing, out):
     rows, vocab = logits.shape
-    if rows:
+    if rows and vocab:
         _ce_grad[(rows,)](logits, logits.stride(0), out, out.stride(0), target, lse, scale, vocab, ignore_index,
-                          smoothing, PER_ROW_SCALE=scale.numel() > 1, BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)))
+                          smoothing, PER_ROW_SCALE=scale.numel() > 1, **_block(vocab))
     return out
 
 
@@ -123,7 +134,17 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     return out.view(shape) if reduction == "none" else out
 
 
+def _chunk_rows(hidden: torch.Tensor, weight: torch.Tensor) -> int:
+    budget = max(weight.numel() * weight.element_size() // CHUNK_SHARE, MIN_CHUNK_BYTES)
+    return max(1, budget // (weight.shape[0] * hidden.element_size()))
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Liger-Kernel's layout: per chunk of rows, the logits by cuBLAS in the input dtype, their loss and
+    gradient by our kernels (the gradient overwrites the logits), then cuBLAS folds that gradient into
+    the hidden states' gradient and accumulates the weight's, in the weight's dtype. The gradients are
+    complete after forward; backward scales them by the incoming gradient."""
+
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, chunk_rows):
         rows = hidden.shape[0]
@@ -132,44 +153,50 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         scale = (1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)).reshape(1)
         loss = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-                     if bias is not None else None)
-        for start in range(0, rows, chunk_rows):
-            h = hidden[start:start + chunk_rows]
-            t = target[start:start + chunk_rows]
-            logits = h @ weight.t()
-            if bias is not None:
-                logits += bias
+                     if bias is not None and ctx.needs_input_grad[3] else None)
+        w = weight.to(hidden.dtype)
+        step = chunk_rows or _chunk_rows(hidden, weight)
+        for start in range(0, rows, step):
+            end = min(rows, start + step)
+            h, t = hidden[start:end], target[start:end]
+            logits = h @ w.t() if bias is None else torch.addmm(bias.to(h.dtype), h, w.t())
             part, lse = _rows_loss(logits, t, ignore_index, 0.0)
-            loss[start:start + chunk_rows] = part
-            # The chunk's logits are not needed again: their gradient overwrites them.
-            _rows_grad(logits, t, lse, scale.float().contiguous(), ignore_index, 0.0, logits)
-            grad_hidden[start:start + chunk_rows] = logits @ weight
-            grad_weight += logits.t().float() @ h.float()
+            loss[start:end] = part
+            _rows_grad(logits, t, lse, scale, ignore_index, 0.0, logits)  # the logits become their gradient
+            torch.mm(logits, w, out=grad_hidden[start:end])
+            if grad_weight is not None:
+                grad_weight.addmm_(logits.t().to(weight.dtype), h.to(weight.dtype))
             if grad_bias is not None:
-                grad_bias += logits.float().sum(0)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.reduction = reduction
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+                grad_bias += logits.sum(0, dtype=torch.float32)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return _reduce(loss, count, reduction).to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, g):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_cross_entropy computes its gradients once: a second backward "
+                               "through the same call (retain_graph) is not supported")
+        grad_hidden, grad_weight, grad_bias = ctx.grads
+        ctx.grads = None  # scaled in place below, so they must never be used again
         g = g.float()
-        gh = grad_hidden * g.to(grad_hidden.dtype)
-        gw = (grad_weight * g).to(ctx.dtypes[0])
-        gb = (grad_bias * g).to(ctx.dtypes[1]) if grad_bias is not None else None
+        gh = grad_hidden.mul_(g.to(grad_hidden.dtype))
+        gw = grad_weight.mul_(g.to(grad_weight.dtype)) if grad_weight is not None else None
+        gb = (grad_bias * g).to(ctx.bias_dtype) if grad_bias is not None else None
         return gh, gw, None, gb, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                bias: torch.Tensor | None = None, ignore_index: int = -100,
-                               reduction: str = "mean", chunk_rows: int = 1024) -> torch.Tensor:
+                               reduction: str = "mean", chunk_rows: int | None = None) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T + bias, target) without materialising the logits. hidden: (..., H),
-    weight: (V, H), target: (...). Reductions `mean` and `sum` (the gradients are computed in forward)."""
+    weight: (V, H), target: (...). Reductions `mean` and `sum` (the gradients are computed in forward).
+    `chunk_rows` rows of logits exist at a time (default: chosen from the weight's size)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}: the fused op computes gradients in forward, for 'mean' or 'sum'")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows}: give a positive number of rows, or None to choose")
     return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
                                           ignore_index, reduction, chunk_rows)

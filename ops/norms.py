@@ -1,8 +1,10 @@
 """RMSNorm and LayerNorm over the trailing `normalized_shape` dimensions, forward and backward in Triton.
 
-One program normalises one row (held whole in a block); the backward computes the input gradient per
-row and the weight (and bias) gradients as per-program partial sums over a group of rows, added up at
-the end. Statistics are computed in fp32 whatever the input dtype.
+A row that fits one block is held in registers, and narrow rows are taken several at a time (a 2-D
+block); longer rows are walked in blocks, in passes. The forward writes each row's mean and 1/std; the
+backward runs one program per share of the device (Liger-Kernel's layout): each walks its rows, writes
+their input gradients and keeps the weight and bias gradients as a partial sum, and the partial sums are
+added at the end. Statistics and sums are fp32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -13,65 +15,146 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_PROGRAM = 16
+from ops.settings import programs, row_settings
 
 
 @triton.jit
-def _norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps,
-              RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if RMS:
-        mean = 0.0
-        xc = x
-    else:
-        mean = tl.sum(x, axis=0) / n_cols
-        xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-    y = xc * rstd
-    if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+def _norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, n_cols, eps, RMS: tl.constexpr,
+              HAS_W: tl.constexpr, HAS_B: tl.constexpr, WHOLE: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    base = rows[:, None] * n_cols
+    if WHOLE:  # the row is in registers: one read, one write
+        cols = tl.arange(0, BLOCK)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if RMS:
+            mean = tl.zeros([ROWS], dtype=tl.float32)
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / n_cols
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        y = xc * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + base + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:  # a long row: the mean, then the variance about it, then the output
+        mean = tl.zeros([ROWS], dtype=tl.float32)
+        if not RMS:
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                mean += tl.sum(tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32), axis=1)
+            mean = mean / n_cols
+        sq = tl.zeros([ROWS], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            sq += tl.sum(xc * xc, axis=1)
+        rstd = tl.math.rsqrt(sq / n_cols + eps)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_W:
+                y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_B:
+                y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + base + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
 def _norm_bwd(x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, n_cols,
-              RMS: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+              RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, WHOLE: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) if HAS_W else tl.where(mask, 1.0, 0.0)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    db = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ROWS):
-        row = (pid * ROWS + i).to(tl.int64)
-        m = mask & ((row + cols * 0) < n_rows)  # a vector mask: the row may be past the end
-        x = tl.load(x_ptr + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        # Row statistics at a clamped index: scalar masks are not portable (the interpreter rejects them),
-        # and rows past the end contribute nothing through the masked x and g.
-        safe = tl.minimum(row, n_rows - 1)
-        mean = tl.load(mean_ptr + safe)
-        rstd = tl.load(rstd_ptr + safe)
-        xhat = tl.where(m, (x - mean) * rstd, 0.0)
-        wg = g * w
-        c1 = tl.sum(xhat * wg, axis=0) / n_cols
-        if RMS:
-            dx = (wg - xhat * c1) * rstd
-        else:
-            c2 = tl.sum(wg, axis=0) / n_cols
-            dx = (wg - c2 - xhat * c1) * rstd
-        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
-        dw += g * xhat
-        db += g
-    tl.store(dw_ptr + pid * n_cols + cols, dw, mask=mask)
-    tl.store(db_ptr + pid * n_cols + cols, db, mask=mask)
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    partial = pid.to(tl.int64) * n_cols  # this program's row of the partial weight/bias gradients
+    if WHOLE:
+        cols = tl.arange(0, BLOCK)
+        col_mask = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else tl.where(col_mask, 1.0, 0.0)
+        dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        db = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for tile in range(pid, n_tiles, tl.num_programs(0)):
+            rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+            row_mask = rows < n_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows[:, None] * n_cols + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            wg = g * w[None, :]
+            c1 = tl.sum(xhat * wg, axis=1) / n_cols
+            if RMS:
+                dx = (wg - xhat * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = tl.sum(wg, axis=1) / n_cols
+                dx = (wg - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_W:
+                dw += g * xhat
+            if HAS_B:
+                db += g
+        if HAS_W:
+            tl.store(dw_ptr + partial + cols, tl.sum(dw, axis=0), mask=col_mask)
+        if HAS_B:
+            tl.store(db_ptr + partial + cols, tl.sum(db, axis=0), mask=col_mask)
+    else:  # long rows, one at a time: the row's sums, then its gradients
+        for tile in range(pid, n_tiles, tl.num_programs(0)):
+            rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+            row_mask = rows < n_rows
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            c1 = tl.zeros([ROWS], dtype=tl.float32)
+            c2 = tl.zeros([ROWS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                offs = rows[:, None] * n_cols + cols[None, :]
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_W:
+                    g = g * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                c1 += tl.sum(xhat * g, axis=1)
+                c2 += tl.sum(g, axis=1)
+            c1 = c1 / n_cols
+            c2 = c2 / n_cols
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                offs = rows[:, None] * n_cols + cols[None, :]
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                wg = g * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] if HAS_W else g
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                if RMS:
+                    dx = (wg - xhat * c1[:, None]) * rstd[:, None]
+                else:
+                    dx = (wg - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if HAS_W:
+                    dw = tl.load(dw_ptr + partial + cols, mask=col_mask, other=0.0)
+                    tl.store(dw_ptr + partial + cols, dw + tl.sum(g * xhat, axis=0), mask=col_mask)
+                if HAS_B:
+                    db = tl.load(db_ptr + partial + cols, mask=col_mask, other=0.0)
+                    tl.store(db_ptr + partial + cols, db + tl.sum(g, axis=0), mask=col_mask)
 
 
 class _Norm(torch.autograd.Function):
@@ -82,37 +165,40 @@ class _Norm(torch.autograd.Function):
             raise ValueError(f"normalized_shape {tuple(normalized_shape)} does not end the input's shape "
                              f"{tuple(x.shape)}")
         x2 = x.contiguous().view(-1, n_cols)
-        rows = x2.shape[0]
+        n_rows = x2.shape[0]
         y = torch.empty_like(x2)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         w = weight.contiguous().view(-1) if weight is not None else x2
         b = bias.contiguous().view(-1) if bias is not None else x2
-        block = triton.next_power_of_2(n_cols)
-        if rows:
-            _norm_fwd[(rows,)](x2, w, b, y, mean, rstd, n_cols, eps, RMS=rms, HAS_W=weight is not None,
-                               HAS_B=bias is not None, BLOCK=block)
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.meta = (x.shape, n_cols, rms, bias is not None, bias.shape if bias is not None else None)
+        rows, block, num_warps = row_settings(n_cols)
+        if n_rows and n_cols:
+            _norm_fwd[(triton.cdiv(n_rows, rows),)](
+                x2, w, b, y, mean, rstd, n_rows, n_cols, eps, RMS=rms, HAS_W=weight is not None,
+                HAS_B=bias is not None, WHOLE=block >= n_cols, ROWS=rows, BLOCK=block, num_warps=num_warps)
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        ctx.meta = (x.shape, n_cols, rms)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, g):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        shape, n_cols, rms, has_bias, bias_shape = ctx.meta
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        shape, n_cols, rms = ctx.meta
         g2 = g.contiguous().view(-1, n_cols)
-        rows = x2.shape[0]
-        programs = max(1, triton.cdiv(rows, ROWS_PER_PROGRAM))
+        n_rows = x2.shape[0]
+        rows, block, num_warps = row_settings(n_cols)
+        grid = max(1, min(programs(x2.device), triton.cdiv(n_rows, rows)))
         dx = torch.empty_like(x2)
-        dw = torch.zeros((programs, n_cols), dtype=torch.float32, device=x2.device)
-        db = torch.zeros((programs, n_cols), dtype=torch.float32, device=x2.device)
-        w = weight.contiguous().view(-1) if weight is not None else x2
-        if rows:
-            _norm_bwd[(programs,)](x2, w, g2, mean, rstd, dx, dw, db, rows, n_cols, RMS=rms,
-                                   HAS_W=weight is not None, ROWS=ROWS_PER_PROGRAM,
-                                   BLOCK=triton.next_power_of_2(n_cols))
+        # Partial sums per program; the long-row path adds into them, so they start at zero.
+        dw = torch.zeros((grid, n_cols), dtype=torch.float32, device=x2.device) if weight is not None else None
+        db = torch.zeros((grid, n_cols), dtype=torch.float32, device=x2.device) if bias is not None else None
+        if n_rows and n_cols:
+            _norm_bwd[(grid,)](x2, weight.contiguous().view(-1) if weight is not None else x2, g2, mean, rstd, dx,
+                               dw if dw is not None else x2, db if db is not None else x2, n_rows, n_cols,
+                               RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, WHOLE=block >= n_cols,
+                               ROWS=rows, BLOCK=block, num_warps=num_warps)
         gw = dw.sum(0).view(weight.shape).to(weight.dtype) if weight is not None else None
-        gb = db.sum(0).view(bias_shape).to(weight.dtype if weight is not None else x2.dtype) if has_bias else None
+        gb = db.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else None
         return dx.view(shape), None, gw, gb, None, None
 
 

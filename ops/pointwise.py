@@ -1,81 +1,164 @@
 """`@pointwise`: a scalar `@triton.jit` function becomes a whole elementwise op, as FlagGems'
 `pointwise_dynamic` does.
 
-The op broadcasts its tensor inputs, takes inputs of any strides (gathering strided ones into one
-contiguous buffer first), promotes their dtypes by torch's rules (`promote="float"`: integer results
-become the default float dtype, as for activations), allocates the output, and runs the function in fp32
-over blocks of elements. The scalar function receives fp32 values and returns one fp32 value.
+The op's arity is the function's: each argument is a tensor (broadcast against the others, read through
+its strides, never copied) or a Python number (passed to the kernel as a scalar). Dtypes are promoted by
+torch's rules (`promote="float"`: integer results become the default float dtype, as for activations);
+the function receives fp32 values and returns one fp32 value, or a tuple of `outputs` values, each
+written to a new tensor of the promoted dtype.
+
+One kernel is generated per (which arguments are tensors, number of outputs, rank after merging the
+dimensions that every operand walks contiguously), so a contiguous op runs one flat loop and a broadcast
+one a rank-2 or rank-3 index. Generated kernels live in this module under their names
+(`_pw_<T|S per argument>_o<outputs>_r<rank>`), and `getattr` on the module makes any of them.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import linecache
+import re
 
 import torch
 import triton
 import triton.language as tl
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-BLOCK = 1024
+from ops.settings import POINTWISE_BLOCK, warps
 
-
-@triton.jit
-def _unary(x_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, FN(x).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _binary(x_ptr, y_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, FN(x, y).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _ternary(x_ptr, y_ptr, z_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, FN(x, y, z).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_KERNELS = {1: _unary, 2: _binary, 3: _ternary}
 # torch's own n-ary promotion rules, as its reference ops use them.
 KIND = {"default": ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT, "float": ELEMENTWISE_TYPE_PROMOTION_KIND.INT_TO_FLOAT}
+_NAME = re.compile(r"_pw_([TS]+)_o([1-9])_r([1-9][0-9]?)$")
+_INT32_LIMIT = 2**31
 
 
-def pointwise(arity: int, promote: str = "default"):
-    """Decorate a scalar `@triton.jit` function of `arity` fp32 arguments into an elementwise op."""
+def _source(kinds: str, outputs: int, rank: int) -> str:
+    """The Triton source of the kernel named `_pw_{kinds}_o{outputs}_r{rank}`."""
+    tensors = [i for i, k in enumerate(kinds) if k == "T"]
+    params = [f"in{i}" if k == "T" else f"s{i}" for i, k in enumerate(kinds)]
+    params += [f"out{j}" for j in range(outputs)] + ["n"] + [f"size{d}" for d in range(rank)]
+    params += [f"stride{i}_{d}" for i in tensors for d in range(rank)]
+    params += ["FN: tl.constexpr", "WIDE: tl.constexpr", "BLOCK: tl.constexpr"]
+    lines = [f"def _pw_{kinds}_o{outputs}_r{rank}({', '.join(params)}):",
+             "    if WIDE:",
+             "        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)",
+             "    else:",
+             "        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+             "    mask = offs < n"]
+    # Unravel the flat output index into one index per dimension, last dimension fastest.
+    rest = "offs"
+    for d in reversed(range(rank)):
+        if d == 0:
+            lines.append(f"    i0 = {rest}")
+        else:
+            lines.append(f"    i{d} = {rest} % size{d}")
+            lines.append(f"    rest{d} = {rest} // size{d}")
+            rest = f"rest{d}"
+    args = []
+    for i, k in enumerate(kinds):
+        if k == "T":
+            address = " + ".join(f"i{d} * stride{i}_{d}" for d in range(rank))
+            lines.append(f"    v{i} = tl.load(in{i} + {address}, mask=mask, other=0).to(tl.float32)")
+        else:
+            lines.append(f"    v{i} = tl.cast(s{i}, tl.float32)")
+        args.append(f"v{i}")
+    results = ", ".join(f"r{j}" for j in range(outputs))
+    lines.append(f"    {results} = FN({', '.join(args)})")
+    for j in range(outputs):
+        lines.append(f"    tl.store(out{j} + offs, r{j}.to(out{j}.dtype.element_ty), mask=mask)")
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def _kernel(name: str):
+    match = _NAME.match(name)
+    if match is None:
+        raise AttributeError(name)
+    kinds, outputs, rank = match.group(1), int(match.group(2)), int(match.group(3))
+    source = _source(kinds, outputs, rank)
+    # Triton reads a kernel's source through `inspect`: give the generated text a file name of its own.
+    filename = f"<ops.pointwise {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"tl": tl, "__name__": __name__}
+    exec(compile(source, filename, "exec"), namespace)
+    fn = namespace[name]
+    fn.__module__ = __name__
+    fn.__qualname__ = name
+    return triton.jit(fn)
+
+
+def __getattr__(name: str):
+    """Generated kernels, by name (how a recorded launch finds its kernel again)."""
+    if name.startswith("_pw_"):
+        return _kernel(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _merge(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dimensions and merge neighbours that every operand walks as one (TensorIterator's
+    coalescing): the output is contiguous, so its strides merge whenever the inputs' do."""
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    sizes = [shape[d] for d in dims]
+    merged = [[s[d] for d in dims] for s in strides]
+    d = len(sizes) - 1
+    while d > 0:
+        if all(st[d - 1] == st[d] * sizes[d] for st in merged):
+            sizes[d - 1] *= sizes[d]
+            del sizes[d]
+            for st in merged:
+                st[d - 1] = st[d]
+                del st[d]
+        d -= 1
+    if not sizes:
+        return [1], [[0] for _ in strides]
+    return sizes, merged
+
+
+def _launch(fn, args, dtype: torch.dtype, outputs: int):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        raise TypeError(f"{fn.__name__} needs at least one tensor argument")
+    device = next((t.device for t in tensors if t.dim() > 0), tensors[0].device)
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    outs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(outputs)]
+    n = outs[0].numel()
+    if n:
+        operands = [t.to(device).expand(shape) for t in tensors]
+        sizes, strides = _merge(tuple(shape), [tuple(t.stride()) for t in operands])
+        reach = max(sum((size - 1) * st for size, st in zip(sizes, s, strict=True)) for s in strides)
+        kinds = "".join("T" if isinstance(a, torch.Tensor) else "S" for a in args)
+        kernel = _kernel(f"_pw_{kinds}_o{outputs}_r{len(sizes)}")
+        it = iter(operands)
+        values = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
+        flat_strides = [st for s in strides for st in s]
+        kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](
+            *values, *outs, n, *sizes, *flat_strides, FN=fn, WIDE=max(n, reach + 1) >= _INT32_LIMIT,
+            BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
+    return outs[0] if outputs == 1 else tuple(outs)
+
+
+def pointwise(arity: int | None = None, promote: str = "default", outputs: int = 1):
+    """Decorate a scalar `@triton.jit` function into an elementwise op. `arity`, when given, must equal
+    the function's number of arguments; `outputs` is how many values it returns."""
     if promote not in KIND:
         raise ValueError(f"promote={promote!r}: use 'default' or 'float'")
-    if arity not in _KERNELS:
-        raise ValueError(f"pointwise ops take 1 to 3 tensors, not {arity}")
-    kernel = _KERNELS[arity]
+    if not 1 <= outputs <= 9:
+        raise ValueError(f"outputs={outputs}: a pointwise op returns 1 to 9 tensors")
 
     def wrap(fn):
+        names = list(inspect.signature(fn.fn if hasattr(fn, "fn") else fn).parameters)
+        if arity is not None and arity != len(names):
+            raise ValueError(f"{fn.__name__} takes {len(names)} arguments ({', '.join(names)}), not arity={arity}")
+
         @functools.wraps(fn)
         def op(*args):
-            if len(args) != arity:
-                raise TypeError(f"{fn.__name__} takes {arity} tensors, got {len(args)}")
-            tensors = [a if isinstance(a, torch.Tensor) else torch.tensor(a) for a in args]
-            device = next((t.device for t in tensors if t.dim() > 0), tensors[0].device)
+            if len(args) != len(names):
+                raise TypeError(f"{fn.__name__} takes {len(names)} tensors or numbers ({', '.join(names)}), "
+                                f"got {len(args)}")
             _, dtype = elementwise_dtypes(*args, type_promotion_kind=KIND[promote])
-            shaped = torch.broadcast_tensors(*[t.to(device) for t in tensors])
-            out = torch.empty(shaped[0].shape, dtype=dtype, device=device)
-            n = out.numel()
-            if n:
-                flat = [t.contiguous().view(-1) for t in shaped]
-                kernel[(triton.cdiv(n, BLOCK),)](*flat, out.view(-1), n, FN=fn, BLOCK=BLOCK)
-            return out
+            return _launch(fn, args, dtype, outputs)
 
-        op.scalar_fn = fn
         return op
 
     return wrap
@@ -84,31 +167,31 @@ def pointwise(arity: int, promote: str = "default"):
 # Binary ops generated from scalar functions (torch's promotion: int + int stays int; `div` is true division).
 
 
-@pointwise(2)
+@pointwise()
 @triton.jit
 def add(x, y):
     return x + y
 
 
-@pointwise(2)
+@pointwise()
 @triton.jit
 def sub(x, y):
     return x - y
 
 
-@pointwise(2)
+@pointwise()
 @triton.jit
 def mul(x, y):
     return x * y
 
 
-@pointwise(2, "float")
+@pointwise(promote="float")
 @triton.jit
 def div(x, y):
     return x / y
 
 
-@pointwise(2)
+@pointwise()
 @triton.jit
 def maximum(x, y):
     return tl.maximum(x, y)

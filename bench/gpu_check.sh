@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One prepared GPU check that fits a short lease (about 8 minutes on one H200), printing one report:
+#   1. pytest tests/ops on CUDA tensors with compiled kernels (fp32, bf16, fp16);
+#   2. bench/kernels.py --check: every op against eager and torch.compile, bf16 and fp32 rows;
+#   3. end to end, model=1b (FSDP2 on one GPU, seq 2048, batch 16) and model=small: tokens/s and MFU
+#      for kernels=torch and kernels=triton;
+#   4. bench/step_overhead.py: the worker against a hand-written loop.
+#
+# Here, on a machine with PyPI (once):   bash bench/gpu_check.sh --prepare
+#   downloads what the GPU machine lacks (Hydra, OmegaConf, antlr4) as wheels into .whl/ (git-ignored).
+# There, through the device tool:        run(command="bash bench/gpu_check.sh", carry=[".whl"])
+#   the report is printed and written to $OUT/gpu_check.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--prepare" ]; then
+    set -e
+    mkdir -p .whl
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.2 omegaconf==2.3.0
+    python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3   # sdist only: build a py3 wheel
+    ls .whl
+    exit 0
+fi
+
+if ! python3 -c "import hydra, omegaconf" 2>/dev/null; then
+    [ -d .whl ] || { echo "no .whl/: run 'bash bench/gpu_check.sh --prepare' first and carry .whl" >&2; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 2
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 TRAINJOB_CACHE=/tmp/trainjob-cache
+unset TRITON_INTERPRET
+report="${OUT:-/tmp}/gpu_check.txt"
+
+section() { printf '\n## %s\n' "$*"; }
+
+e2e() {  # model, kernels, extra overrides...: one line of tokens/s and MFU from the run's own files
+    local model=$1 kernels=$2; shift 2
+    local dir="/tmp/gpu_check/$model-$kernels"
+    rm -rf "$dir"
+    if timeout 240 python3 -m trainer "model=$model" "kernels=$kernels" "hydra.run.dir=$dir" \
+            train.progress=false train.eval_every=1000 train.checkpoint_every=1000 "$@" > "$dir.log" 2>&1; then
+        python3 - "$dir" "$model" "$kernels" <<'PY'
+import json, sys
+run, model, kernels = sys.argv[1:]
+rows = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if '"tokens_per_s"' in l]
+steady = rows[len(rows) // 2:]  # the second half: compiled, warmed up
+tok = sum(r["tokens_per_s"] for r in steady) / len(steady)
+mfu = sum(r.get("mfu", 0.0) for r in steady) / len(steady)
+print(f"{model:<8}{kernels:<8}{tok:>12.0f}{mfu:>8.1%}  (mean of {len(steady)} logged steps)")
+PY
+    else
+        echo "$model $kernels: failed (exit $?), last lines:"; tail -5 "$dir.log"
+    fi
+}
+
+{
+    echo "# bench/gpu_check.sh on $(hostname), $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+
+    section "pytest tests/ops (CUDA tensors, compiled kernels)"
+    timeout 200 python3 -m pytest tests/ops -q -p no:cacheprovider -x 2>&1 | tail -15
+
+    section "python bench/kernels.py --check (Llama-3-8B shapes, 4096 tokens)"
+    timeout 200 python3 bench/kernels.py --check --dtypes bf16,fp32
+
+    section "end to end: tokens/s and MFU (mean over the second half of the logged steps)"
+    printf '%-8s%-8s%12s%8s\n' model kernels "tokens/s" MFU
+    mkdir -p /tmp/gpu_check
+    for kernels in torch triton; do
+        e2e 1b "$kernels" +runtime=torch-distributed runtime.nproc_per_node=1 strategy=fsdp2 data.seq_len=2048 \
+            train.global_batch_size=16 train.max_steps=30 train.log_every=2
+    done
+    for kernels in torch triton; do
+        e2e small "$kernels" train.max_steps=60 train.log_every=5
+    done
+
+    section "python bench/step_overhead.py (worker vs hand-written loop)"
+    timeout 100 python3 bench/step_overhead.py 2>&1 | tail -8
+} 2>&1 | tee "$report"

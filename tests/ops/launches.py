@@ -1,0 +1,162 @@
+"""Every Triton kernel specialisation the op tests launch, recorded under the interpreter and compiled for
+real GPUs on a machine without one.
+
+As a pytest plugin (`-p tests.ops.launches`, with TRAINJOB_RECORD_LAUNCHES=<file>), it records each
+launch the interpreter runs: the kernel, each argument's Triton type and 16-byte divisibility (as a GPU
+launch would specialise them), the constexpr values and the launch options (`num_warps`,
+`num_stages`). As a program (`python -m tests.ops.launches <file> 90 80`, TRITON_INTERPRET unset), it
+compiles each recorded specialisation with `triton.compile` for those architectures down to a cubin,
+checks that its shared memory fits the architecture, and prints one line per failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+RECORD_ENV = "TRAINJOB_RECORD_LAUNCHES"
+# Shared memory one program may use (bytes), as `cudaDevAttrMaxSharedMemoryPerBlockOptin` reports it.
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+OPTIONS = ("num_warps", "num_stages")
+
+
+def _ref(fn) -> dict:
+    """Where a @triton.jit function can be found again: module and qualified name."""
+    inner = getattr(fn, "fn", fn)
+    return {"module": inner.__module__, "name": inner.__qualname__}
+
+
+def _resolve(ref: dict):
+    """The @triton.jit function a recorded reference names (a pointwise op gives its scalar function)."""
+    obj = importlib.import_module(ref["module"])
+    for part in ref["name"].split("."):
+        if part == "<locals>":
+            raise LookupError(f"{ref['module']}:{ref['name']} is local to a function: define it at module level "
+                              "so that its launches can be compiled")
+        obj = getattr(obj, part)
+    return getattr(obj, "__wrapped__", obj)
+
+
+def _describe(value):
+    """A constexpr value as JSON: plain values as they are, jit functions by reference."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "fn") or hasattr(value, "arg_names"):
+        return {"jit": _ref(value)}
+    raise TypeError(f"cannot record constexpr value {value!r}")
+
+
+class Recorder:
+    """Wraps the interpreter's launch to write each new specialisation to a JSON-lines file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: set[str] = set()
+
+    def install(self) -> None:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run = InterpretedFunction.run
+        recorder = self
+
+        def recording_run(fn, *args, grid, warmup, **kwargs):
+            import inspect
+
+            params = inspect.signature(fn.fn).parameters
+            bound = dict(zip(fn.arg_names, args, strict=False))  # the rest come as keywords
+            bound.update({k: v for k, v in kwargs.items() if k in params})
+            signature, constexprs, aligned = {}, {}, []
+            for i, (name, param) in enumerate(params.items()):
+                value = bound.get(name, param.default)
+                if "constexpr" in str(param.annotation):
+                    signature[name] = "constexpr"
+                    constexprs[name] = _describe(value)
+                    continue
+                kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+                signature[name] = kind
+                if kind == "constexpr":  # an int equal to 1 is specialised as a constant, as on a GPU
+                    constexprs[name] = value
+                elif attr == "D":
+                    aligned.append(i)
+            options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
+            spec = {"kernel": _ref(fn), "signature": signature, "constexprs": constexprs, "aligned": aligned,
+                    "options": options}
+            key = json.dumps(spec, sort_keys=True)
+            if key not in recorder.seen:
+                recorder.seen.add(key)
+                with open(recorder.path, "a") as f:
+                    f.write(key + "\n")
+            return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = recording_run
+
+
+def pytest_configure(config) -> None:
+    path = os.environ.get(RECORD_ENV)
+    if path:
+        Recorder(path).install()
+
+
+def _reason(error: Exception) -> str:
+    """The compiler's own complaint: a CompilationError wraps it (NameError, ...) under a source excerpt."""
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+
+
+def compile_spec(spec: dict, archs: list[int]) -> list[str]:
+    """Compile one recorded specialisation for each architecture; one line per failure."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    label = f"{spec['kernel']['module']}:{spec['kernel']['name']} {spec['constexprs']} {spec['options']}"
+    try:
+        kernel = _resolve(spec["kernel"])
+        constexprs = {k: _resolve(v["jit"]) if isinstance(v, dict) else v for k, v in spec["constexprs"].items()}
+    except (LookupError, AttributeError, ImportError) as e:
+        return [f"{label}: {e}"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in spec["aligned"]}
+    failures = []
+    for arch in archs:
+        source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=constexprs, attrs=attrs)
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=spec["options"])
+        except Exception as e:  # every compiler error is a finding, reported with its kernel
+            failures.append(f"sm_{arch} {label}: {_reason(e)}")
+            continue
+        if "cubin" not in compiled.asm:
+            failures.append(f"sm_{arch} {label}: no cubin produced")
+        elif compiled.metadata.shared > SHARED_MEMORY[arch]:
+            failures.append(f"sm_{arch} {label}: needs {compiled.metadata.shared} bytes of shared memory, "
+                            f"the device has {SHARED_MEMORY[arch]}")
+    return failures
+
+
+def compile_all(path: str, archs: list[int]) -> list[str]:
+    """Compile every recorded specialisation for each architecture, on every core; one line per failure."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with open(path) as f:
+        specs = [json.loads(line) for line in f if line.strip()]
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return [line for lines in pool.map(compile_spec, specs, [archs] * len(specs)) for line in lines]
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("compile with TRITON_INTERPRET unset: the interpreter replaces @triton.jit")
+    path, archs = sys.argv[1], [int(a) for a in sys.argv[2:]]
+    with open(path) as f:
+        count = sum(1 for line in f if line.strip())
+    problems = compile_all(path, archs)
+    for line in problems:
+        print(line)
+    print(f"{count} specialisations x {len(archs)} architectures: {len(problems)} failed")
+    sys.exit(1 if problems else 0)
