@@ -138,6 +138,19 @@ def _launch(fn, args, dtype: torch.dtype, outputs: int):
     return outs[0] if outputs == 1 else tuple(outs)
 
 
+def _launch_flat(fn, args, outputs: int):
+    """Same-shape, same-dtype, contiguous float tensors: one flat loop."""
+    first = args[0]
+    outs = [torch.empty_like(first) for _ in range(outputs)]
+    n = first.numel()
+    if n:
+        kernel = _kernel(f"_pw_{'T' * len(args)}_o{outputs}_r1")
+        kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](*args, *outs, n, n, *([1] * len(args)), FN=fn,
+                                                    WIDE=n >= _INT32_LIMIT, BLOCK=POINTWISE_BLOCK,
+                                                    num_warps=warps(POINTWISE_BLOCK))
+    return outs[0] if outputs == 1 else tuple(outs)
+
+
 def pointwise(arity: int | None = None, promote: str = "default", outputs: int = 1):
     """Decorate a scalar `@triton.jit` function into an elementwise op. `arity`, when given, must equal
     the function's number of arguments; `outputs` is how many values it returns."""
@@ -156,6 +169,13 @@ def pointwise(arity: int | None = None, promote: str = "default", outputs: int =
             if len(args) != len(names):
                 raise TypeError(f"{fn.__name__} takes {len(names)} tensors or numbers ({', '.join(names)}), "
                                 f"got {len(args)}")
+            first = args[0]
+            if (isinstance(first, torch.Tensor) and first.is_floating_point() and first.is_contiguous()
+                    and all(isinstance(a, torch.Tensor) and a.shape == first.shape and a.dtype == first.dtype
+                            and a.device == first.device and a.is_contiguous() for a in args)):
+                # The common case (an activation of a layer's output), without promotion or merging:
+                # Python time per call is what small models pay.
+                return _launch_flat(fn, args, outputs)
             _, dtype = elementwise_dtypes(*args, type_promotion_kind=KIND[promote])
             return _launch(fn, args, dtype, outputs)
 
