@@ -1,9 +1,12 @@
 """`python -m datacache`: run a cache node, describe one, or check that it is ready.
 
     python -m datacache serve --source 'data/*.parquet' --port 50051 [--shard 0/2] [--columns tokens]
-                              [--filter "split == 'train'"] [--token SECRET] [--tls-cert C --tls-key K]
-    python -m datacache stat grpc://127.0.0.1:50051 [--token SECRET]
-    python -m datacache ready grpc://127.0.0.1:50051 [--token SECRET]    # exit 0 once it serves (a readiness probe)
+                              [--filter "split == 'train'"] [--token-file PATH] [--tls-cert C --tls-key K]
+    python -m datacache stat grpc://127.0.0.1:50051 [--token-file PATH]
+    python -m datacache ready grpc://127.0.0.1:50051 [--token-file PATH]    # exit 0 once it serves (a readiness probe)
+
+The token (clients send it; the node refuses calls without it) comes from `--token-file`, or `--token`
+(which every user of the machine sees in `ps`), else the TRAINJOB_CACHE_TOKEN environment variable.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import pyarrow.flight as flight
 
-from datacache.server import CacheServer, DataCacheError
+from datacache.server import TOKEN_ENV, CacheServer, DataCacheError
 
 
 def _options(token: str | None) -> flight.FlightCallOptions:
@@ -37,6 +41,27 @@ def _bytes(text: str) -> int:
     return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
 
 
+def _add_token(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", default=None, help=f"a file holding the shared secret (else ${TOKEN_ENV})")
+    parser.add_argument("--token", default=None, help="the shared secret itself: visible to every user in `ps`; "
+                                                      f"prefer --token-file or ${TOKEN_ENV}")
+
+
+def _token(args, parser: argparse.ArgumentParser) -> str | None:
+    if args.token is not None and args.token_file is not None:
+        parser.error("--token and --token-file: give one")
+    if args.token_file is not None:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            parser.error(f"--token-file {args.token_file}: {e.strerror}")
+        if not token:
+            parser.error(f"--token-file {args.token_file}: the file is empty")
+        return token
+    return args.token or os.environ.get(TOKEN_ENV) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m datacache", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,15 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--columns", default=None, help="comma-separated columns to keep (default: all)")
     serve.add_argument("--filter", default=None, help="rows to keep, e.g. \"split == 'train' and length >= 128\"")
     serve.add_argument("--batch-bytes", type=_bytes, default=8 << 20, help="record batch size (default 8MiB)")
-    serve.add_argument("--token", default=None, help="a shared secret that clients must send")
+    _add_token(serve)
     serve.add_argument("--tls-cert", default=None)
     serve.add_argument("--tls-key", default=None)
     for name in ("stat", "ready"):
         p = sub.add_parser(name, help={"stat": "print a node's rows, bytes, schema and shard",
                                        "ready": "exit 0 when the node answers its health check"}[name])
         p.add_argument("endpoint")
-        p.add_argument("--token", default=None)
+        _add_token(p)
     args = parser.parse_args(argv)
+    token = _token(args, parser)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][datacache][%(levelname)s] %(message)s")
 
     if args.command == "serve":
@@ -66,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server = CacheServer(args.source, f"{scheme}://{args.host}:{args.port}", shard=args.shard[0],
                                  num_shards=args.shard[1], columns=args.columns.split(",") if args.columns else None,
-                                 row_filter=args.filter, batch_bytes=args.batch_bytes, token=args.token,
+                                 row_filter=args.filter, batch_bytes=args.batch_bytes, token=token,
                                  tls_cert=args.tls_cert, tls_key=args.tls_key)
         except DataCacheError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -78,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     client = flight.FlightClient(args.endpoint)
     try:
         if args.command == "ready":
-            result = next(iter(client.do_action(flight.Action("health", b""), _options(args.token))))
+            result = next(iter(client.do_action(flight.Action("health", b""), _options(token))))
             return 0 if result.body.to_pybytes() == b"ok" else 1
-        result = next(iter(client.do_action(flight.Action("stats", b""), _options(args.token))))
+        result = next(iter(client.do_action(flight.Action("stats", b""), _options(token))))
         stats = json.loads(result.body.to_pybytes())
         print(json.dumps(stats, indent=2))
         return 0

@@ -3,21 +3,27 @@
 Given every node's endpoint, the client sees one dataset: each node says which global rows it holds,
 and all must share one schema and cover the rows without gaps. Each step's rows (by `BatchPlan`: the
 same order, sharding, epochs and resumption as `LocalDataset`) are asked of the nodes that hold them as
-runs of neighbouring rows. A thread reads up to `prefetch` steps ahead (Flight releases the GIL) from one
-long Flight stream per node, all nodes sending at once: a gRPC stream starts slowly, so one call carries
-up to `SPAN_STEPS` steps. When `prefetch` steps wait unconsumed the streams close, so that a node never
-sends what is not yet wanted nor waits on a slow consumer, and they reopen at the first step not yet read.
-A batch that one node answers in one piece becomes a torch tensor without a copy. `prefetch=0`: no
-thread, one call per step, made when the step is wanted.
+runs of neighbouring rows.
 
-A node that cannot be reached, or fails mid-stream, is retried `retries` times with exponential backoff
-(its stream resumes at the first step it had not delivered); then the error names the endpoint. A call's
-`timeout` is its deadline: a stream that is delivering when it passes goes on in a new call, not counted
-as a failure. A wrong or missing token is refused at once.
+Nothing connects until the dataset is iterated (or its `plan`/`schema` is read, or `describe()` called):
+the process that iterates it, a DataLoader worker say, asks the nodes what they hold and opens its own
+connections. gRPC does not survive `fork`, so a worker forked from a process that had already connected
+is refused with an error saying so; forked workers of a parent that never iterated the dataset work.
 
-gRPC does not survive `fork`: with DataLoader worker processes, pass `multiprocessing_context="forkserver"`
-(or "spawn"); the dataset pickles without its connections. Threads in the rank process (`num_workers=0`
-and `prefetch`) are faster still, and start at once.
+Reading ahead: a thread keeps up to `prefetch` steps asked for and not yet consumed. It asks each node,
+in one Flight call, for its part of as many steps as there is room for (at least half the room, so calls
+are few: a gRPC stream starts slowly), all nodes sending at once, and reads every call to its end. A node
+so sends only what is wanted and each step once, never waits on a slow consumer, and holds no stream
+that nobody reads: it goes idle when its clients do. `prefetch=0`: no thread, a call per step, made when
+the step is wanted. A batch that one node answers in one piece becomes a torch tensor without a copy.
+
+Every step is checked as it arrives: its row count, column names and types; a node that answers
+otherwise is an error naming it. A node that cannot be reached, or fails mid-stream, is retried
+`retries` times with exponential backoff (its call resumes at the first step it had not delivered); then
+the error names the endpoint. A call's `timeout` is its deadline: a call that is delivering when it
+passes goes on in a new call, not counted as a failure. A wrong or missing token is refused at once. The
+consumer waits for a batch at most `patience` seconds (what the retries can take), then raises: an
+epoch ends, or fails with an error, whatever happens to the connection.
 """
 
 from __future__ import annotations
@@ -39,13 +45,27 @@ import torch
 from datacache.local import token_matrix
 from datacache.order import BatchPlan
 from datacache.planned import PlannedDataset, rank_and_world
-from datacache.server import DataCacheError, encode_ticket
+from datacache.server import TOKEN_ENV, DataCacheError, encode_ticket
 
-# A stream carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
+# A call carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
 SPAN_STEPS, SPAN_RUNS = 1024, 65536
 
 RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightInternalError,
              flight.FlightCancelledError, ConnectionError, OSError)
+
+FORKED = ("StreamingDataset: this process was forked from one that had already connected to cache nodes, and "
+          "gRPC does not survive fork: iterate the dataset only in the DataLoader's workers (not in the parent "
+          "before they start), or give the DataLoader multiprocessing_context='forkserver' (or 'spawn')")
+
+_grpc_pid: int | None = None  # the process that opened this module's first Flight client (copied by fork)
+
+
+def _flight_client(endpoint: str, tls_root: bytes | None) -> flight.FlightClient:
+    global _grpc_pid
+    if _grpc_pid not in (None, os.getpid()):
+        raise DataCacheError(FORKED)
+    _grpc_pid = os.getpid()
+    return flight.FlightClient(endpoint, tls_root_certs=tls_root)
 
 
 def _to_numpy(column: pa.Array) -> np.ndarray:
@@ -88,8 +108,8 @@ class _Node:
 
     @property
     def client(self) -> flight.FlightClient:
-        if self._client is None:
-            self._client = flight.FlightClient(self.endpoint, tls_root_certs=self.tls_root)
+        if self._client is None or _grpc_pid != os.getpid():
+            self._client = _flight_client(self.endpoint, self.tls_root)
         return self._client
 
     def reset(self) -> None:
@@ -100,7 +120,7 @@ class _Node:
 
 
 class _Stream:
-    """One node's answer to a run of steps: a record batch per step, read in order."""
+    """One node's part of a window's steps: one call, a record batch per step, read in order to its end."""
 
     def __init__(self, node: _Node, steps: list[np.ndarray]):
         self.node, self.steps, self.done = node, steps, 0
@@ -118,15 +138,18 @@ class _Stream:
 
     def close(self) -> None:
         if self.reader is not None and not self.finished:
-            self.reader.cancel()  # the node stops sending steps nobody will read now
+            self.reader.cancel()  # only when the consumer stopped: the node stops sending what nobody reads
         self.reader = None
 
 
-class _Span:
-    """A run of steps: which rows each node gives to each step, and one stream per node delivering them."""
+class _Window:
+    """Consecutive steps asked for together: which rows each node gives to each step, and a call per node."""
 
-    def __init__(self, layouts: list[tuple[int, int, list]], streams: dict[int, _Stream]):
-        self.layouts, self.streams = layouts, streams
+    def __init__(self, layouts: list[tuple[int, int, list]], streams: dict[int, _Stream], last: bool):
+        self.layouts, self.streams, self.last, self.read = layouts, streams, last, 0
+
+    def __len__(self) -> int:
+        return len(self.layouts)
 
     def close(self) -> None:
         for stream in self.streams.values():
@@ -134,32 +157,26 @@ class _Span:
 
 
 class _Room:
-    """Steps fetched ahead and not yet consumed, at most `limit`; `close` releases a waiting fetcher."""
+    """Places for steps asked for and not yet consumed, at most `limit`; `close` releases a waiting fetcher."""
 
     def __init__(self, limit: int):
-        self.limit, self.held, self.closed = limit, 0, False
+        self.limit, self.free, self.closed = limit, limit, False
+        self.least = (limit + 1) // 2  # a call asks for at least half the room: few calls, each long
         self._cond = threading.Condition()
 
-    def take(self) -> bool:
-        """A place for one more step, if there is one now."""
+    def reserve(self, wait: bool) -> int:
+        """Every free place, once at least half the room is free (waiting for that if `wait`); else 0."""
         with self._cond:
-            if self.closed or self.held >= self.limit:
-                return False
-            self.held += 1
-            return True
+            if wait:
+                self._cond.wait_for(lambda: self.closed or self.free >= self.least)
+            if self.closed or self.free < self.least:
+                return 0
+            taken, self.free = self.free, 0
+            return taken
 
-    def take_when_half_empty(self) -> bool:
-        """A place for one more step, once at most half the room is held (False if closed meanwhile)."""
+    def release(self, places: int = 1) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self.closed or self.held <= self.limit // 2)
-            if self.closed:
-                return False
-            self.held += 1
-            return True
-
-    def give(self) -> None:
-        with self._cond:
-            self.held -= 1
+            self.free += places
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -185,35 +202,51 @@ class StreamingDataset(PlannedDataset):
         rank = env_rank if rank is None else rank
         world = env_world if world_size is None else world_size
         self.columns, self.retries, self.backoff, self.prefetch = list(columns), retries, backoff, prefetch
+        self.timeout = timeout
         tls_root = None
         if tls_root_cert:
             with open(tls_root_cert, "rb") as f:
                 tls_root = f.read()
+        token = (os.environ.get(TOKEN_ENV) or None) if token is None else token
         self._nodes = [_Node(e, token, timeout, tls_root) for e in endpoints]
-        self._pid = os.getpid()
+        self._plan_args = dict(global_batch_size=global_batch_size or batch_size * world, world_size=world, rank=rank,
+                               shuffle=shuffle, seed=seed, block_rows=block_rows, window_blocks=window_blocks,
+                               drop_last=drop_last)
+        BatchPlan(num_rows=self._plan_args["global_batch_size"], **self._plan_args)  # the checks rows cannot fail
+        self._offsets = self._schema = self._sent = None
+        super().__init__(None, loop)
+
+    @property
+    def patience(self) -> float:
+        """Seconds the consumer waits for a batch before it gives up: what a step's retries can take."""
+        return 2 * (self.retries + 1) * self.timeout + self.backoff * 2 ** (self.retries + 1) + 5
+
+    @property
+    def schema(self) -> pa.Schema:
+        self.describe()
+        return self._schema
+
+    def describe(self) -> None:
+        """Asks every node what it holds, once: from then on `plan` and `schema` are known. Raises
+        DataCacheError for an unreachable, refusing or mismatched node, ValueError for too few rows."""
+        if self._schema is not None:
+            return
         layout = [self._describe(node) for node in self._nodes]
         self._check(layout)
         order = np.argsort([m["offset"] for m, _ in layout])
         self._nodes = [self._nodes[i] for i in order]
         self._offsets = np.array([layout[i][0]["offset"] for i in order] + [layout[order[-1]][0]["total_rows"]])
-        self.schema = layout[0][1]
-        total = int(self._offsets[-1])
-        super().__init__(BatchPlan(
-            num_rows=total, global_batch_size=global_batch_size or batch_size * world, world_size=world,
-            rank=rank, shuffle=shuffle, seed=seed, block_rows=block_rows, window_blocks=window_blocks,
-            drop_last=drop_last), loop)
+        self._plan = BatchPlan(num_rows=int(self._offsets[-1]), **self._plan_args)
+        self._sent = pa.schema([layout[0][1].field(c) for c in self.columns])  # what each step must hold
+        self._schema = layout[0][1]
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._pid = os.getpid()  # unpickled in a fresh process: its own connections, made on first use
+    def _make_plan(self) -> BatchPlan:
+        self.describe()
+        return self._plan
 
     # --- talking to nodes ------------------------------------------------------------------------------
 
     def _call(self, node: _Node, what: str, fn):
-        if os.getpid() != self._pid:
-            raise DataCacheError("StreamingDataset cannot run in a forked process (gRPC does not survive fork): "
-                                 "give the DataLoader multiprocessing_context='forkserver' (or 'spawn'), or use "
-                                 "num_workers=0 and the dataset's prefetch threads")
         for attempt in range(self.retries + 1):
             try:
                 return fn(node.client)
@@ -281,50 +314,55 @@ class StreamingDataset(PlannedDataset):
 
         return self._call(stream.node, "do_get", read)
 
+    def _checked(self, stream: _Stream, batch: pa.RecordBatch, rows: int) -> pa.RecordBatch:
+        """`batch` if it is what was asked of the node: `rows` rows of the columns and types it described."""
+        expected = self._sent
+        if batch.num_rows != rows:
+            raise DataCacheError(f"cache node {stream.node.endpoint} answered a step with {batch.num_rows} rows where "
+                                 f"{rows} were asked for")
+        if not batch.schema.equals(expected):
+            got = ", ".join(f"{f.name}: {f.type}" for f in batch.schema)
+            raise DataCacheError(f"cache node {stream.node.endpoint} answered with columns {got}; asked for "
+                                 f"{', '.join(f'{f.name}: {f.type}' for f in expected)}")
+        return batch
+
     # --- batches ---------------------------------------------------------------------------------------
 
-    def _spans(self, planned, max_steps: int = SPAN_STEPS):
-        """The planned steps in spans of up to `max_steps` steps and about `SPAN_RUNS` row ranges (a ticket)."""
-        while True:
-            layouts, wanted, runs = [], collections.defaultdict(list), 0
-            for g, rows in planned:
-                lo, hi = np.searchsorted(self._offsets, (rows.min(), rows.max()), side="right") - 1
-                if lo == hi:  # one node holds the whole step: the common case, and the zero-copy one
-                    parts = [(int(lo), None)]
-                    wanted[int(lo)].append(_runs(rows))
-                else:
-                    owner = np.searchsorted(self._offsets, rows, side="right") - 1
-                    parts = [(int(n), np.flatnonzero(owner == n)) for n in np.unique(owner)]
-                    for n, where in parts:
-                        wanted[n].append(_runs(rows[where]))
-                runs += sum(len(wanted[n][-1]) for n, _ in parts)
-                layouts.append((g, len(rows), parts))
-                if len(layouts) == max_steps or runs >= SPAN_RUNS:
-                    break
-            if not layouts:
-                return
-            yield _Span(layouts, {n: _Stream(self._nodes[n], steps) for n, steps in wanted.items()})
+    def _window(self, planned, max_steps: int) -> _Window:
+        """The next planned steps, up to `max_steps` and about `SPAN_RUNS` row ranges, as one call per node."""
+        layouts, wanted, runs, last = [], collections.defaultdict(list), 0, False
+        while len(layouts) < max_steps and runs < SPAN_RUNS:
+            try:
+                g, rows = next(planned)
+            except StopIteration:
+                last = True
+                break
+            lo, hi = np.searchsorted(self._offsets, (rows.min(), rows.max()), side="right") - 1
+            if lo == hi:  # one node holds the whole step: the common case, and the zero-copy one
+                parts = [(int(lo), None)]
+                wanted[int(lo)].append(_runs(rows))
+            else:
+                owner = np.searchsorted(self._offsets, rows, side="right") - 1
+                parts = [(int(n), np.flatnonzero(owner == n)) for n in np.unique(owner)]
+                for n, where in parts:
+                    wanted[n].append(_runs(rows[where]))
+            runs += sum(len(wanted[n][-1]) for n, _ in parts)
+            layouts.append((g, len(rows), parts))
+        return _Window(layouts, {n: _Stream(self._nodes[n], steps) for n, steps in wanted.items()}, last)
 
-    def _open_streams(self, span: _Span) -> None:
-        """(Re)opens the span's unfinished streams, so that every node sends before any is read."""
-        for stream in span.streams.values():
-            if stream.reader is None and not stream.finished:
-                self._call(stream.node, "do_get", lambda client, s=stream: s.open(client, self.columns))
+    def _open(self, window: _Window) -> None:
+        """Makes the window's calls, so that every node sends before any is read."""
+        for stream in window.streams.values():
+            self._call(stream.node, "do_get", lambda client, s=stream: s.open(client, self.columns))
 
-    def _steps(self, span: _Span, room: _Room | None = None):
-        """(global step, batch) for each step of the span. With `room`, a step is read only when there is room
-        for it; when there is none the streams close until the consumer has caught up by half the room (a
-        node sends only what is wanted, and a slow consumer costs a call per half room, not per step)."""
-        try:
-            for g, count, parts in span.layouts:
-                if room is not None and not room.take():
-                    span.close()
-                    if not room.take_when_half_empty():
-                        return
-                self._open_streams(span)
-                yield g, self._assemble(count, parts, [self._read(span.streams[n]) for n, _ in parts])
-        finally:
-            span.close()
+    def _next_step(self, window: _Window) -> tuple[int, dict[str, torch.Tensor]]:
+        g, count, parts = window.layouts[window.read]
+        batches = []
+        for n, where in parts:
+            stream = window.streams[n]
+            batches.append(self._checked(stream, self._read(stream), count if where is None else len(where)))
+        window.read += 1
+        return g, self._assemble(count, parts, batches)
 
     def _assemble(self, count: int, parts: list[tuple[int, np.ndarray | None]], batches: list[pa.RecordBatch]):
         if len(batches) == 1:
@@ -340,36 +378,71 @@ class StreamingDataset(PlannedDataset):
         return out
 
     def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        return next(self._steps(next(self._spans(iter([(0, rows)])))))[1]
+        self.describe()
+        window = self._window(iter([(0, rows)]), 1)
+        try:
+            self._open(window)
+            return self._next_step(window)[1]
+        finally:
+            window.close()
 
     def _fetched(self, planned):
+        self.describe()
+        planned = iter(planned)
         if self.prefetch <= 0:  # a call per step, made when the step is wanted
-            for span in self._spans(planned, max_steps=1):
-                yield from self._steps(span)
+            while len(window := self._window(planned, 1)):
+                try:
+                    self._open(window)
+                    step = self._next_step(window)
+                finally:
+                    window.close()
+                yield step
             return
-        # A thread reads ahead, up to `prefetch` steps, from one long stream per node: a new stream's first
-        # messages come several times slower than the rest (measured: 3-6 ms against 1.5 for 4 MiB), so
-        # calls are few and long.
         ready: queue.SimpleQueue = queue.SimpleQueue()
         room = _Room(self.prefetch)
-
-        def produce():
-            try:
-                for span in self._spans(planned):
-                    for item in self._steps(span, room):
-                        ready.put(item)
-                    if room.closed:
-                        return
-                ready.put(None)
-            except BaseException as e:  # handed to the consumer, which raises it
-                ready.put(e)
-
-        threading.Thread(target=produce, name="datacache-fetch", daemon=True).start()
+        threading.Thread(target=self._produce, args=(planned, room, ready), name="datacache-fetch",
+                         daemon=True).start()
         try:
-            while (item := ready.get()) is not None:
+            while True:
+                try:
+                    item = ready.get(timeout=self.patience)
+                except queue.Empty:
+                    raise DataCacheError(
+                        f"no batch from the cache nodes {', '.join(n.endpoint for n in self._nodes)} in "
+                        f"{self.patience:.0f} s (timeout={self.timeout} s, retries={self.retries})") from None
+                if item is None:
+                    return
                 if isinstance(item, BaseException):
                     raise item
-                room.give()
+                room.release()
                 yield item
         finally:
             room.close()
+
+    def _produce(self, planned, room: _Room, ready: queue.SimpleQueue) -> None:
+        """The read-ahead thread: asks for windows of steps as the room allows and reads them in order, each
+        call to its end; hands the consumer each step, then None at the end, or the error that stopped it."""
+        windows: collections.deque[_Window] = collections.deque()
+        last = False
+        try:
+            while True:
+                if not last and (places := room.reserve(wait=not windows)):
+                    window = self._window(planned, places)
+                    room.release(places - len(window))
+                    last = window.last
+                    if len(window):
+                        self._open(window)
+                        windows.append(window)
+                if room.closed:
+                    return
+                if not windows:
+                    ready.put(None)
+                    return
+                ready.put(self._next_step(windows[0]))
+                if windows[0].read == len(windows[0]):
+                    windows.popleft().close()
+        except BaseException as e:  # handed to the consumer, which raises it
+            ready.put(e)
+        finally:
+            for window in windows:
+                window.close()

@@ -5,7 +5,9 @@ which the DataLoader's round-robin over its workers puts back in order. The posi
 global step `epoch * batches_per_epoch + step`: `set_position(epoch, step)` starts any loader (any worker
 count, any world size with the same global batch) exactly there, and `state_dict()`/`load_state_dict()`
 carry each iterator's own next step, as torchdata's StatefulDataLoader expects of a dataset.
-Subclasses say how to fetch rows: `fetch(row_indices) -> {"tokens": tensor}`.
+Subclasses say how to fetch rows: `fetch(row_indices) -> {"tokens": tensor}`, and may give their plan
+later (`_make_plan`, called where the plan is first needed: a dataset that must ask servers how many rows
+there are asks in the process that iterates it).
 """
 
 from __future__ import annotations
@@ -30,11 +32,21 @@ def rank_and_world() -> tuple[int, int]:
 
 
 class PlannedDataset(IterableDataset, abc.ABC):
-    def __init__(self, plan: BatchPlan, loop: bool):
-        self.plan, self.loop = plan, loop
+    def __init__(self, plan: BatchPlan | None, loop: bool):
+        self._plan, self.loop = plan, loop
         self._start = 0          # absolute global step where the next iteration starts
+        self._position = None    # (epoch, step) from set_position, made absolute once the plan is known
         self._resumed = False    # True when _start is this worker's own next step (from load_state_dict)
         self._next = 0
+
+    @property
+    def plan(self) -> BatchPlan:
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> BatchPlan:
+        raise NotImplementedError("give PlannedDataset a plan, or override _make_plan")
 
     @abc.abstractmethod
     def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -44,17 +56,26 @@ class PlannedDataset(IterableDataset, abc.ABC):
         self.set_position(epoch, 0)
 
     def set_position(self, epoch: int, step: int) -> None:
-        """Start the next iteration at global batch `step` of `epoch`."""
+        """Start the next iteration at global batch `step` of `epoch` (checked now if the plan is known, else
+        when the iteration starts)."""
+        self._position, self._resumed = (epoch, step), False
+        if self._plan is not None:
+            self._apply_position()
+
+    def _apply_position(self) -> None:
+        if self._position is None:
+            return
+        (epoch, step), self._position = self._position, None
         if not 0 <= step < self.plan.batches_per_epoch:
             raise ValueError(f"step {step} is outside the epoch's {self.plan.batches_per_epoch} batches")
-        self._start, self._resumed = epoch * self.plan.batches_per_epoch + step, False
+        self._start = epoch * self.plan.batches_per_epoch + step
 
     def state_dict(self) -> dict[str, Any]:
         epoch, step = divmod(self._next, self.plan.batches_per_epoch)
         return {"next_step": self._next, "epoch": epoch, "step": step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._start, self._resumed = int(state["next_step"]), True
+        self._start, self._resumed, self._position = int(state["next_step"]), True, None
         self._next = self._start
 
     def _planned(self, first: int, stride: int, end: int | None):
@@ -75,6 +96,7 @@ class PlannedDataset(IterableDataset, abc.ABC):
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        self._apply_position()
         per_epoch = self.plan.batches_per_epoch
         first = self._start if self._resumed else self._start + worker
         end = (self._start // per_epoch + 1) * per_epoch if not self.loop else None

@@ -15,12 +15,19 @@ dataset:
   step leaves it idle between calls. The ticket may name the columns to send.
 - `do_action`: `health` (b"ok") and `stats` (JSON).
 
-Optional token auth (clients send `authorization: Bearer <token>`; anything else is refused) and TLS.
+A request is bounded before anything is sent: at most `MAX_TICKET_STEPS` steps and `MAX_TICKET_RANGES`
+ranges a ticket, every range non-empty and on this node, no step longer than the node. A malformed
+ticket, or anything else a request gets wrong, is a `FlightServerError` that says what, with no
+traceback or path of the node's.
+
+Optional token auth (clients send `authorization: Bearer <token>`; anything else is refused, compared in
+constant time) and TLS.
 """
 
 from __future__ import annotations
 
 import ast
+import hmac
 import json
 import logging
 from typing import Any
@@ -35,6 +42,11 @@ from datacache.local import parquet_files
 
 log = logging.getLogger(__name__)
 
+TOKEN_ENV = "TRAINJOB_CACHE_TOKEN"  # where `python -m datacache` and StreamingDataset find a token not given
+
+# What one ticket may ask for: steps, and [start, stop) row ranges (16 bytes each: 16 MiB of ticket).
+MAX_TICKET_STEPS, MAX_TICKET_RANGES = 1 << 16, 1 << 20
+
 
 class DataCacheError(RuntimeError):
     """The cache cannot serve: a bad source, an unreachable node, a refused token, mismatched nodes."""
@@ -44,11 +56,11 @@ class TokenAuth(flight.ServerMiddlewareFactory):
     """Refuses every call that does not carry `authorization: Bearer <token>`."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
     def start_call(self, info, headers):
         values = headers.get("authorization") or headers.get("Authorization") or []
-        if self._expected not in [v.decode() if isinstance(v, bytes) else v for v in values]:
+        if not any(hmac.compare_digest(v if isinstance(v, bytes) else v.encode(), self._expected) for v in values):
             raise flight.FlightUnauthenticatedError("datacache: missing or wrong token")
         return None  # accepted; nothing more to do for this call
 
@@ -130,20 +142,42 @@ def encode_ticket(steps: list[np.ndarray], columns: list[str] | None = None) -> 
     return b"\n".join([header, np.concatenate([counts, *(np.asarray(r, "<i8").ravel() for r in steps)]).tobytes()])
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a ticket may hold")
+
+
+def _decode(ticket: bytes) -> tuple[list[np.ndarray], list[str] | None]:
+    header, newline, body = ticket.partition(b"\n")
+    if not newline:
+        raise ValueError("no JSON header line")
+    request = json.loads(header, parse_constant=_no_constant)
+    if not isinstance(request, dict):
+        raise ValueError("the header is not a JSON object")
+    count, columns = request.get("steps"), request.get("columns")
+    if type(count) is not int or not 0 <= count <= MAX_TICKET_STEPS:
+        raise ValueError(f'"steps" must be an integer in [0, {MAX_TICKET_STEPS}], not {json.dumps(count)[:40]}')
+    if columns is not None and not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+        raise ValueError(f'"columns" must be a list of column names or null, not {json.dumps(columns)[:40]}')
+    if len(body) % 8 or len(body) < count * 8 or (len(body) // 8 - count) % 2:
+        raise ValueError(f"the body is not {count} range counts and [start, stop) pairs of int64")
+    values = np.frombuffer(body, dtype="<i8")
+    counts, ranges = values[:count], values[count:].reshape(-1, 2)
+    if len(ranges) > MAX_TICKET_RANGES:
+        raise ValueError(f"{len(ranges)} row ranges; a ticket may hold at most {MAX_TICKET_RANGES}")
+    if (counts < 0).any() or counts.sum() != len(ranges):
+        raise ValueError(f"the steps' range counts add up to {counts.sum()}, but the ticket holds {len(ranges)} ranges")
+    return (np.split(ranges, np.cumsum(counts)[:-1]) if count else []), columns
+
+
 def decode_ticket(ticket: bytes) -> tuple[list[np.ndarray], list[str] | None]:
-    """`encode_ticket`'s steps (views of the ticket's bytes) and columns; a clear Flight error if malformed."""
+    """`encode_ticket`'s steps (views of the ticket's bytes) and columns; a `FlightServerError` saying what is
+    wrong with a malformed one."""
     try:
-        header, body = ticket.split(b"\n", 1)
-        request = json.loads(header)
-        count = int(request["steps"])
-        values = np.frombuffer(body, dtype="<i8")
-        counts = values[:count]
-        ranges = values[count:].reshape(-1, 2)
-        if len(counts) != count or counts.sum() != len(ranges) or (counts < 0).any():
-            raise ValueError("counts")
-    except (ValueError, KeyError, TypeError):
-        raise flight.FlightServerError("datacache: not a datacache ticket (datacache.server.encode_ticket)") from None
-    return np.split(ranges, np.cumsum(counts)[:-1]) if count else [], request.get("columns")
+        return _decode(ticket)
+    except Exception as e:  # json and numpy raise several types on bad input; all of them are the client's
+        problem = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise flight.FlightServerError(f"datacache: not a datacache ticket (datacache.server.encode_ticket): "
+                                       f"{problem}") from None
 
 
 class CacheServer(flight.FlightServerBase):
@@ -196,13 +230,24 @@ class CacheServer(flight.FlightServerBase):
             raise flight.FlightServerError(f"datacache: no column {', '.join(missing)} here (there are "
                                            f"{', '.join(names)})")
         held = (self.offset, self.offset + self.rows.num_rows)
-        for ranges in steps:
-            bad = (ranges[:, 0] < held[0]) | (ranges[:, 0] > ranges[:, 1]) | (ranges[:, 1] > held[1])
-            if bad.any():
-                start, stop = ranges[np.argmax(bad)]
-                raise flight.FlightServerError(f"datacache: rows [{start}, {stop}) are not on this node, which "
-                                               f"holds [{held[0]}, {held[1]})")
-        return [ranges - self.offset for ranges in steps], self.rows.select(columns) if columns else self.rows
+        ranges = np.concatenate(steps) if steps else np.empty((0, 2), np.int64)
+        empty = ranges[:, 0] >= ranges[:, 1]
+        if empty.any():
+            start, stop = ranges[np.argmax(empty)]
+            raise flight.FlightServerError(f"datacache: rows [{start}, {stop}) are no rows: give [start, stop) with "
+                                           f"start < stop")
+        bad = (ranges[:, 0] < held[0]) | (ranges[:, 1] > held[1])
+        if bad.any():
+            start, stop = ranges[np.argmax(bad)]
+            raise flight.FlightServerError(f"datacache: rows [{start}, {stop}) are not on this node, which holds "
+                                           f"[{held[0]}, {held[1]})")
+        ends = np.cumsum([len(r) for r in steps], dtype=np.int64)
+        total = np.concatenate([[0], np.cumsum(ranges[:, 1] - ranges[:, 0])])
+        step_rows = total[ends] - total[np.concatenate([[0], ends[:-1]])]
+        if (step_rows > self.rows.num_rows).any():
+            raise flight.FlightServerError(f"datacache: a step of {step_rows.max()} rows is more than this node "
+                                           f"holds ({self.rows.num_rows})")
+        return [r - self.offset for r in steps], self.rows.select(columns) if columns else self.rows
 
     @staticmethod
     def _step_batches(steps: list[np.ndarray], rows: pa.RecordBatch):
@@ -215,7 +260,13 @@ class CacheServer(flight.FlightServerBase):
                                 + np.arange(lengths.sum()))
 
     def do_get(self, context, ticket):
-        steps, rows = self._request(ticket.ticket)
+        try:
+            steps, rows = self._request(ticket.ticket)
+        except flight.FlightError:
+            raise
+        except Exception:  # a bug of ours: the client hears what kind, the node's log has the traceback
+            log.exception("do_get")
+            raise flight.FlightServerError("datacache: the node failed on this ticket; its log says why") from None
         return flight.GeneratorStream(rows.schema, self._step_batches(steps, rows))
 
     def do_action(self, context, action):

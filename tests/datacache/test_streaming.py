@@ -29,7 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datacache import CacheServer, DataCacheError, LocalDataset, StreamingDataset
 from datacache.dataset import _Stream, _to_tensor
-from datacache.server import encode_ticket
+from datacache.server import decode_ticket, encode_ticket
 
 ROWS = 203  # prime: no batch size divides it
 
@@ -82,8 +82,8 @@ def _epoch(kind, source, nodes, world, workers, global_batch, shuffle, drop_last
     return per_rank
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["local", "1-node", "3-node"]), world=st.integers(1, 4), workers=st.integers(0, 3),
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["local", "1-node", "3-node"]), world=st.integers(1, 4), workers=st.integers(0, 2),
        per_rank=st.integers(1, 9), shuffle=st.booleans(), drop_last=st.booleans())
 def test_every_row_once_per_epoch_and_equal_batches(source, nodes, kind, world, workers, per_rank, shuffle,
                                                     drop_last):
@@ -145,13 +145,6 @@ def test_rank_level_position_resumes_with_other_workers_and_world_size(source, n
     assert sorted(done + rest) == sorted(whole) and len(set(done + rest)) == len(whole)
 
 
-@pytest.mark.timeout(60)
-def test_forked_workers_get_a_clear_error_not_a_crash(nodes):
-    ds = StreamingDataset(nodes[1], global_batch_size=8)
-    with pytest.raises(Exception, match="cannot run in a forked process .* multiprocessing_context='forkserver'"):
-        next(iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=30)))
-
-
 def test_one_node_contiguous_batch_is_zero_copy(nodes):
     ds = StreamingDataset(nodes[1], global_batch_size=8, shuffle=False, loop=False)
     batch = ds._read(_Stream(ds._nodes[0], [np.array([[0, 8]])]))
@@ -168,16 +161,18 @@ class _Node(CacheServer):
     def __init__(self, *args, break_once=False, delay=0.0, **kw):
         super().__init__(*args, **kw)
         self.streams, self.broke, self.break_once, self.delay = 0, False, break_once, delay
+        self.tickets = []  # each call's steps
         threading.Thread(target=self.serve, daemon=True).start()
 
     def do_get(self, context, ticket):
         self.streams += 1
+        self.tickets.append([r.tolist() for r in decode_ticket(ticket.ticket)[0]])
         return super().do_get(context, ticket)
 
     def _step_batches(self, steps, rows):
         for i, batch in enumerate(super()._step_batches(steps, rows)):
             if self.break_once and i == 2 and not self.broke:
-                self.broke = True
+                self.broke = len(self.tickets)  # the call that broke
                 raise flight.FlightUnavailableError("restarting")
             time.sleep(self.delay)
             yield batch
@@ -195,7 +190,8 @@ def test_a_broken_stream_resumes_at_the_first_step_it_had_not_delivered(source):
         rows = _rows(ds)
     finally:
         node.shutdown()
-    assert node.broke and node.streams == 2
+    broken = node.tickets[node.broke - 1]
+    assert node.tickets[node.broke] == broken[2:]  # the next call asks again for what was not delivered
     assert rows == [int(r) for r in ds.plan.epoch_order(0)[:(ROWS // 8) * 8]]
 
 
@@ -262,13 +258,13 @@ def test_a_node_that_dies_mid_stream_is_a_clear_error(source, prefetch):
 @pytest.mark.timeout(60)
 def test_unreachable_node_wrong_token_and_mismatched_nodes(source, tmp_path):
     with pytest.raises(DataCacheError, match="cache node grpc://127.0.0.1:9: get_flight_info failed 2 times"):
-        StreamingDataset(["grpc://127.0.0.1:9"], global_batch_size=8, retries=1, backoff=0.01, timeout=2)
+        StreamingDataset(["grpc://127.0.0.1:9"], global_batch_size=8, retries=1, backoff=0.01, timeout=2).describe()
 
     secured = _serve(source, 1, token="s3cret")[0]
     with pytest.raises(DataCacheError, match="refused this client: a wrong or missing token"):
-        StreamingDataset([secured.location], global_batch_size=8, token="wrong")
+        StreamingDataset([secured.location], global_batch_size=8, token="wrong").describe()
     with pytest.raises(DataCacheError, match="refused this client"):
-        StreamingDataset([secured.location], global_batch_size=8)
+        next(iter(StreamingDataset([secured.location], global_batch_size=8)))
     ok = StreamingDataset([secured.location], global_batch_size=8, token="s3cret", loop=False)
     assert sum(1 for _ in ok) == ROWS // 8
     secured.shutdown()
@@ -276,9 +272,9 @@ def test_unreachable_node_wrong_token_and_mismatched_nodes(source, tmp_path):
     other = _write(tmp_path / "other.parquet", width=4, dtype=np.int64)
     a, b = _serve(source, 2)[0], _serve(other, 2)[1]
     with pytest.raises(DataCacheError, match="serves schema"):
-        StreamingDataset([a.location, b.location], global_batch_size=8)
+        StreamingDataset([a.location, b.location], global_batch_size=8).describe()
     with pytest.raises(DataCacheError, match="a shard is missing from the endpoints"):
-        StreamingDataset([a.location], global_batch_size=8)
+        StreamingDataset([a.location], global_batch_size=8).plan  # noqa: B018 - reading it asks the nodes
     a.shutdown()
     b.shutdown()
 
