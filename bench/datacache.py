@@ -1,5 +1,6 @@
 """Data throughput into torch tensors: Parquet read directly, the in-process LocalDataset, one Arrow
-Flight cache node to one client and to two clients, against the raw loopback TCP ceiling.
+Flight cache node to one client and to two clients, two nodes to two clients, against the raw loopback
+TCP ceiling; then small batches (100 rows of 16 tokens) in rows/s.
 
 Rows are fixed-length lists of `--tokens` int32 ids (2 KB per row at 512). Every source is read in
 batches of each size in `--batch-mb` (MiB; `--rows` rows in all, unshuffled) and each batch ends as a
@@ -9,9 +10,16 @@ cache node and the TCP sender run in their own processes, as they would on a clu
 holds as many bytes in memory as the node and sends them once, batch by batch, and the receiver reads
 each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least any
 receiver can do). Beside throughput it prints the CPU time each GB cost the reading process and the
-serving one: on a machine whose cores they share, that cost, not the socket, bounds the throughput.
+serving one: on a machine whose cores they share, that cost, not the socket, bounds the throughput. The
+two-node row serves the rows as two shards, one node process each, read by two clients (ranks 0 and 1 of
+2) in threads of this process, in blocks of a batch (`block_rows`): every step is one node's slice, and
+both nodes serve at once; its serving CPU is both nodes'.
+
+The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows
+(the shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
 
     python bench/datacache.py [--rows 100000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 8]
+                              [--small-rows 240000]
 """
 
 from __future__ import annotations
@@ -49,19 +57,24 @@ def _process_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _best(fn, repeats: int, serving_pid: int | None = None) -> tuple[float, float, float | None]:
+def _best(fn, repeats: int, serving_pid: int | list[int] | None = None) -> tuple[float, float, float | None]:
     """Best wall time of `repeats` passes, and the mean CPU time per pass spent in this process (every
-    thread) and in the serving process (the node or TCP sender), if any."""
+    thread) and in the serving processes (nodes or TCP sender), if any."""
+    pids = [serving_pid] if isinstance(serving_pid, int) else serving_pid or []
+
+    def serving() -> float | None:
+        used = [_process_cpu(pid) for pid in pids]
+        return None if not used or None in used else sum(used)
+
     times = []
-    here = time.process_time()
-    there = _process_cpu(serving_pid) if serving_pid else None
+    here, there = time.process_time(), serving()
     for _ in range(repeats):
         tic = time.perf_counter()
         fn()
         times.append(time.perf_counter() - tic)
     here = (time.process_time() - here) / repeats
     if there is not None:
-        there = (_process_cpu(serving_pid) - there) / repeats
+        there = (serving() - there) / repeats
     return min(times), here, there
 
 
@@ -124,9 +137,7 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
     local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
     results.append(("LocalDataset (in process)", _best(lambda: sum(1 for _ in local), epochs)))
 
-    node = subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", path, "--port", "0",
-                             "--batch-bytes", str(batch_rows * row_bytes)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    node = _node(path, batch_rows * row_bytes)
     try:
         endpoint = node.stdout.readline().split()[-1]
         one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
@@ -139,21 +150,73 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
         halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
                                    rank=r, world_size=2, prefetch=prefetch) for r in range(2)]
 
-        def two_clients():
-            threads = [threading.Thread(target=lambda d=d: sum(1 for _ in d)) for d in halves]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-
-        results.append(("1 Flight node -> 2 clients", _best(two_clients, epochs, node.pid)))
+        results.append(("1 Flight node -> 2 clients", _best(lambda: _together(halves), epochs, node.pid)))
     finally:
         node.terminate()
         node.wait(10)
+    nodes = [_node(path, batch_rows * row_bytes, f"{i}/2") for i in range(2)]
+    try:
+        endpoints = [n.stdout.readline().split()[-1] for n in nodes]
+        pair = [StreamingDataset(endpoints, global_batch_size=2 * batch_rows, shuffle=True, block_rows=batch_rows,
+                                 loop=False, rank=r, world_size=2, prefetch=prefetch) for r in range(2)]
+        results.append(("2 Flight nodes -> 2 clients", _best(lambda: _together(pair), epochs, [n.pid for n in nodes])))
+    finally:
+        for n in nodes:
+            n.terminate()
+            n.wait(10)
     os.remove(path)
     total = rows * row_bytes
     results.append(("raw loopback TCP (ceiling)", tcp_ceiling(total, batch_rows * row_bytes, row_bytes, epochs)))
     return results
+
+
+def _node(path: str, batch_bytes: int, shard: str = "0/1") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", path, "--port", "0",
+                             "--batch-bytes", str(batch_bytes), "--shard", shard], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _together(datasets) -> None:
+    """Reads each dataset to its end, all at once, a thread each."""
+    threads = [threading.Thread(target=lambda d=d: sum(1 for _ in d)) for d in datasets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def small_batches(tmp: str, rows: int, epochs: int, prefetch: int, batch_rows: int = 100) -> None:
+    """Rows/s for batches of 100 rows of an int64 id and 16 int32 tokens (per-step costs, not bytes)."""
+    path = os.path.join(tmp, "small.parquet")
+    ids = np.arange(rows, dtype=np.int64)
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids.astype(np.int32), 16)), 16)
+    pq.write_table(pa.table({"id": ids, "tokens": tokens}), path, row_group_size=3000)
+    results = []
+
+    def parquet():
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+            torch.from_numpy(token_matrix(batch.column(1), "tokens"))
+
+    results.append(("Parquet file, read directly", _best(parquet, epochs)))
+    local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
+    results.append(("LocalDataset (in process)", _best(lambda: sum(1 for _ in local), epochs)))
+    node = _node(path, 8 << 20)
+    try:
+        endpoint = node.stdout.readline().split()[-1]
+        for name, shuffle in (("1 Flight node -> 1 client", False), ("  the same, shuffled", True)):
+            ds = StreamingDataset([endpoint], columns=["id", "tokens"], batch_size=batch_rows, shuffle=shuffle,
+                                  loop=False, prefetch=prefetch)
+            results.append((name, _best(lambda d=ds: sum(1 for _ in d), epochs, node.pid)))
+    finally:
+        node.terminate()
+        node.wait(10)
+    print(f"\n{rows} rows of an int64 id and 16 int32 tokens in batches of {batch_rows} rows, best of {epochs}")
+    print(f"{'source':<30}{'rows/s':>12}{'steps/s':>10}{'CPU read ms/1k steps':>22}{'CPU serve':>11}")
+    steps = rows // batch_rows
+    for name, (seconds, cpu_read, cpu_serve) in results:
+        serve = "-" if cpu_serve is None else f"{cpu_serve / steps * 1e6:.1f}"
+        print(f"{name:<30}{rows / seconds:>12.0f}{steps / seconds:>10.0f}{cpu_read / steps * 1e6:>22.1f}{serve:>11}",
+              flush=True)
 
 
 def main() -> None:
@@ -169,6 +232,7 @@ def main() -> None:
     parser.add_argument("--batch-mb", default="2,4,8,16", help="batch sizes in MiB, comma-separated")
     parser.add_argument("--epochs", type=int, default=5, help="repeats; the best is reported")
     parser.add_argument("--prefetch", type=int, default=8, help="StreamingDataset's steps read ahead")
+    parser.add_argument("--small-rows", type=int, default=240_000, help="rows for the 100-row batch table")
     args = parser.parse_args()
     row_bytes = args.tokens * 4
     print(f"{args.rows} rows of {args.tokens} int32 tokens (~{args.rows * row_bytes / 1e9:.2f} GB) into torch "
@@ -187,6 +251,7 @@ def main() -> None:
                 serve = "-" if cpu_serve is None else f"{cpu_serve / gb:.2f}"
                 print(f"{batch_rows * row_bytes / 2**20:>5.1f}MiB  {name:<30}{gb / seconds:>8.2f}"
                       f"{rows / seconds:>12.0f}{ceiling / seconds:>9.0%}{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
+        small_batches(tmp, args.small_rows, args.epochs, args.prefetch)
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ class StreamingDataset(PlannedDataset):
     @property
     def patience(self) -> float:
         """Seconds the consumer waits for a batch before it gives up: what a step's retries can take."""
-        return 2 * (self.retries + 1) * self.timeout + self.backoff * 2 ** (self.retries + 1) + 5
+        return 2 * (self.retries + 1) * self.timeout + self.backoff * 2 ** (self.retries + 1) + 2
 
     @property
     def schema(self) -> pa.Schema:

@@ -6,6 +6,7 @@ timeout; a node sends each step once, even to a slow reader, and goes idle when 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from datacache import CacheServer, StreamingDataset
+from datacache import CacheServer, DataCacheError, StreamingDataset
+from datacache.dataset import _Stream
 
 # (rows, rows per Parquet row group, nodes): row groups smaller and larger than the batches drawn below.
 DATASETS = [(1, 1, 1), (7, 3, 1), (203, 16, 3), (24_000, 3000, 1), (50_000, 128, 1)]
@@ -172,3 +174,26 @@ def test_a_node_goes_idle_when_its_clients_close(clusters):
     finally:
         stop([node])
 
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_stuck_where_no_deadline_reaches_fails_within_its_patience(clusters, monkeypatch):
+    # Fault injection: the read-ahead thread blocks for good on its second call, past every gRPC deadline
+    # (as it did in do_get in the reported hang). The consumer gives up after `patience`, naming the node.
+    ds = StreamingDataset(clusters[24_000][1], columns=["id"], batch_size=100, shuffle=False, prefetch=2,
+                          timeout=0.5, retries=1, backoff=0.01)
+    opened, real_open = [], _Stream.open
+
+    def open_once_then_block(self, client, columns):
+        opened.append(1)
+        if len(opened) > 1:
+            threading.Event().wait()
+        real_open(self, client, columns)
+
+    monkeypatch.setattr(_Stream, "open", open_once_then_block)
+    tic, got = time.monotonic(), 0
+    with pytest.raises(DataCacheError, match=re.escape(f"no batch from the cache nodes {clusters[24_000][1][0]} in "
+                                                       f"{ds.patience:.0f} s (timeout=0.5 s, retries=1)")):
+        for _ in ds:
+            got += 1
+    assert got == 2 and time.monotonic() - tic < ds.patience + 2
