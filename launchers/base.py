@@ -12,7 +12,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 WORKER_MODULE = "trainer.worker"
@@ -41,12 +41,27 @@ class JobState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Run:
-    """One resolved run: its config (a plain dict, as saved), where it lives, and its world size."""
+    """One resolved run: its config (a plain dict, as saved: never a secret), where it lives, its world
+    size, and `secrets`: environment variables the ranks need that are never written or printed (the
+    config refers to them as `${oc.env:NAME}`). Each launcher hands them to the ranks its own way."""
 
     config: dict[str, Any]
     run_dir: str
     config_path: str
     world_size: int
+    secrets: dict[str, str] = field(default_factory=dict)
+
+
+MASK = "********"
+
+
+def write_private(path: str, text: str) -> None:
+    """Write `path` readable by its owner only (0600), replacing it whole."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def worker_command(config_path: str) -> list[str]:

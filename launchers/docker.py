@@ -3,7 +3,12 @@
 Node `i` is container `<job>-node-<i>`; torchrun on every node meets at a c10d rendezvous on node 0,
 reached by its container name on the job's network. The run directory and the data cache are mounted
 at the same paths as on this host, so the resolved config and the worker command are the launcher's
-usual ones. It drives the `docker` CLI; `launcher.dry_run=true` prints the commands instead.
+usual ones. Node `i` gets GPUs `i*g .. i*g+g-1` of the host (`launcher.gpus_per_node=g`). Secrets
+reach the containers as environment variables named on the command line and valued from the docker
+CLI's own environment, so no value shows in `ps` or in the printed commands. A relaunch of the same run
+directory first removes the last attempt's stopped containers and network; a launch that fails half way
+removes what it started; containers are removed once the job has finished (the logs are in the run
+directory). It drives the `docker` CLI; `launcher.dry_run=true` prints the commands instead.
 """
 
 from __future__ import annotations
@@ -35,8 +40,36 @@ def job_name(run: Run) -> str:
     return run_name(run.run_dir, max_len=49)
 
 
+def check(run: Run) -> None:
+    """What Docker would misread: an image that looks like a flag, a run directory with ':' (the volume
+    separator)."""
+    image = str(run.config["launcher"].get("image") or "")
+    if not image or image.startswith("-") or any(c.isspace() for c in image):
+        raise LauncherError(f"launcher.image={image!r}: give an image reference such as 'trainjob:latest' "
+                            "(not empty, no leading '-', no spaces)")
+    for path in (run.run_dir, os.path.expanduser(run.config["data"]["cache_dir"])):
+        if ":" in path:
+            raise LauncherError(f"{path!r} holds ':', which docker reads as a volume separator: choose a run "
+                                "directory (hydra.run.dir) and data.cache_dir without ':'")
+
+
+def gpu_devices(node: int, per_node: int) -> str:
+    """The `--gpus` value that gives node `node` its own GPUs (docker's CSV form needs the quotes)."""
+    return '"device=' + ",".join(str(node * per_node + i) for i in range(per_node)) + '"'
+
+
+def host_gpus() -> int | None:
+    """How many GPUs this host has, when nvidia-smi can tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else None
+
+
 def commands(run: Run) -> list[list[str]]:
     """The docker commands that start `run`: the network, then one detached container per node."""
+    check(run)
     lc, rt = run.config["launcher"], run.config["runtime"]
     name = job_name(run)
     network = lc.get("network") or name
@@ -53,18 +86,21 @@ def commands(run: Run) -> list[list[str]]:
                "--shm-size", lc["shm_size"], "--volume", f"{run.run_dir}:{run.run_dir}",
                "--volume", f"{cache}:{cache}"]
         if lc.get("gpus_per_node"):
-            cmd += ["--gpus", str(lc["gpus_per_node"])]
+            cmd += ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
         for key, value in env.items():
             cmd += ["--env", f"{key}={value}"]
+        for key in sorted(run.secrets):
+            cmd += ["--env", key]  # the value comes from the docker CLI's environment
         cmd += [lc["image"], "torchrun", *torchrun_args(rt, nproc, endpoint=endpoint),
                 *worker_command(run.config_path)]
         cmds.append(cmd)
     return cmds
 
 
-def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _docker(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(["docker", *args], capture_output=True, text=True)
+        proc = subprocess.run(["docker", *args], capture_output=True, text=True,
+                              env={**os.environ, **env} if env else None)
     except FileNotFoundError:
         raise LauncherError("launcher=docker needs the docker CLI on PATH") from None
     if check and proc.returncode != 0:
@@ -72,17 +108,41 @@ def _docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def _remove(name: str, containers: list[str], network: str | None) -> None:
+    """Remove `containers`, and the job's own network (`network` None) once nothing uses it."""
+    if containers:
+        _docker("rm", "--force", *containers, check=False)
+    if network is None:
+        _docker("network", "rm", name, check=False)
+
+
+def _leftovers(name: str) -> list[tuple[str, str]]:
+    """(container, state) of every container an earlier attempt of this run left."""
+    out = _docker("ps", "--all", "--filter", f"label=trainjob.run={name}", "--format", "{{.Names}} {{.State}}")
+    return [tuple(line.split()[:2]) for line in out.stdout.splitlines() if line.strip()]
+
+
 class DockerJob(PollingJob):
     def __init__(self, run: Run, name: str, nnodes: int, network: str | None):
         self.run, self.name, self.nnodes, self._network = run, name, nnodes, network
         self._cancelled = False
+        self._final: JobState | None = None
 
     def _container(self, node: int) -> str:
         return f"{self.name}-node-{node}"
 
+    def wait(self, timeout: float | None = None) -> JobState:
+        state = super().wait(timeout)
+        if state.finished and self._final is None:
+            self._final = state
+            _remove(self.name, [self._container(n) for n in range(self.nnodes)], self._network)
+        return state
+
     def status(self) -> JobState:
         if self._cancelled:
             return JobState.CANCELLED
+        if self._final is not None:
+            return self._final
         states = []
         for node in range(self.nnodes):
             out = _docker("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", self._container(node),
@@ -103,9 +163,7 @@ class DockerJob(PollingJob):
 
     def cancel(self) -> None:
         """Remove the containers, and the network if the job created it."""
-        _docker("rm", "--force", *[self._container(n) for n in range(self.nnodes)], check=False)
-        if self._network is None:
-            _docker("network", "rm", self.name, check=False)
+        _remove(self.name, [self._container(n) for n in range(self.nnodes)], self._network)
         self._cancelled = True
 
 
@@ -118,9 +176,31 @@ class DockerLauncher(Launcher):
         if run.config["launcher"].get("dry_run"):
             sys.stdout.write("".join(shlex.join(c) + "\n" for c in cmds))
             return None
+        lc, name = run.config["launcher"], job_name(run)
+        nnodes = int(run.config["runtime"]["nnodes"])
+        if lc.get("gpus_per_node"):
+            have, want = host_gpus(), nnodes * int(lc["gpus_per_node"])
+            if have is not None and want > have:
+                raise LauncherError(f"runtime.nnodes={nnodes} x launcher.gpus_per_node={lc['gpus_per_node']} = "
+                                    f"{want} GPUs, and this host has {have}")
+        leftovers = _leftovers(name)
+        running = [c for c, state in leftovers if state in ("running", "restarting", "paused")]
+        if running:
+            raise LauncherError(f"an earlier attempt of this run is still running ({', '.join(running)}): "
+                                "stop it first (docker rm -f ...)")
+        _remove(name, [c for c, _ in leftovers], lc.get("network"))
+        started: list[str] = []
         for cmd in cmds:
-            _docker(*cmd[1:])
-        job = DockerJob(run, job_name(run), int(run.config["runtime"]["nnodes"]), run.config["launcher"].get("network"))
+            container = cmd[cmd.index("--name") + 1] if cmd[1] == "run" else None
+            proc = _docker(*cmd[1:], env=run.secrets, check=False)
+            if proc.returncode != 0:
+                _remove(name, started, lc.get("network"))  # nothing half-started stays behind
+                what = f"container {container}" if container else f"network {cmd[-1]}"
+                raise LauncherError(f"docker could not start {what}: {proc.stderr.strip()}; removed what this "
+                                    "launch had started")
+            if container:
+                started.append(container)
+        job = DockerJob(run, name, nnodes, lc.get("network"))
         self._jobs.append(job)
         return job
 

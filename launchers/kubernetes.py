@@ -3,9 +3,12 @@
 Every node runs `torchrun ... -m trainer.worker /etc/trainjob/config.yaml`; torchrun takes the node count,
 processes per node, node rank and master address from the `PET_*` variables that Trainer's torch plugin
 injects. The resolved config travels in a ConfigMap mounted into container `node`, and is owned by the
-TrainJob so that deleting the job deletes it. Gang schedulers (`launchers.schedulers`) add labels, or a
-namespaced TrainingRuntime derived from the cluster's. `launcher.dry_run=true` prints the manifests as
-multi-document YAML for `kubectl apply -f -` and submits nothing.
+TrainJob so that deleting the job deletes it; the run's secrets (the data cache token) travel in a
+Secret, owned the same way, that the pods read through `secretKeyRef`. Gang schedulers
+(`launchers.schedulers`) add labels, or a namespaced TrainingRuntime derived from the cluster's.
+`launcher.dry_run=true` prints the manifests as multi-document YAML for `kubectl apply -f -` (secret
+values masked) and submits nothing. A submission that fails removes whatever it had created, and only a
+submitted job leaves `<run_dir>/manifests.yaml` (mode 0600, secret values masked).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import yaml
 
 from launchers import schedulers
 from launchers.base import (
+    MASK,
     TORCHRUN_ENV,
     Job,
     JobState,
@@ -30,6 +34,7 @@ from launchers.base import (
     read_summary,
     run_name,
     worker_command,
+    write_private,
 )
 
 GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
@@ -94,11 +99,11 @@ def _pod_patch(lc: dict[str, Any], config_map: str) -> dict[str, Any]:
     return pod
 
 
-def render(run: Run, runtime_spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The manifests for `run`, in the order to create them: [TrainingRuntime,] ConfigMap, TrainJob.
+def render(run: Run, runtime_spec: dict[str, Any] | None = None, reveal: bool = False) -> list[dict[str, Any]]:
+    """The manifests for `run`, in the order to create them: [TrainingRuntime,] ConfigMap, [Secret,] TrainJob.
 
     `runtime_spec` is the cluster runtime's spec, from which a gang scheduler's runtime is derived; None
-    uses Kubeflow Trainer's stock torch-distributed spec.
+    uses Kubeflow Trainer's stock torch-distributed spec. Secret values are masked unless `reveal`.
     """
     lc, sc, rt = run.config["launcher"], run.config["scheduler"], run.config["runtime"]
     name, namespace = job_name(run), lc["namespace"]
@@ -120,6 +125,13 @@ def render(run: Run, runtime_spec: dict[str, Any] | None = None) -> list[dict[st
         "data": {"config.yaml": yaml.safe_dump(pod_config(run, name), sort_keys=False)},
     })
 
+    secret = f"{name}-secrets"
+    if run.secrets:
+        manifests.append({
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": secret, "namespace": namespace, "labels": labels},
+            "stringData": {k: (v if reveal else MASK) for k, v in sorted(run.secrets.items())},
+        })
     env = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **{str(k): str(v) for k, v in (lc.get("env") or {}).items()}}
     trainer: dict[str, Any] = {
         "image": lc["image"],
@@ -127,7 +139,8 @@ def render(run: Run, runtime_spec: dict[str, Any] | None = None) -> list[dict[st
                     *worker_command(f"{CONFIG_DIR}/config.yaml")],
         "numNodes": int(rt["nnodes"]),
         "numProcPerNode": run.world_size // int(rt["nnodes"]),
-        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "env": [{"name": k, "value": v} for k, v in env.items()]
+        + [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(run.secrets)],
     }
     resources = _resources(lc.get("resources_per_node") or {})
     if resources:
@@ -207,15 +220,23 @@ class Api:
         except config.ConfigException as e:
             raise LauncherError(f"no usable Kubernetes config (launcher.kubeconfig={lc.get('kubeconfig')!r}, "
                                 f"launcher.context={lc.get('context')!r}): {e}") from None
+        api_client.configuration.retries = 1  # an unreachable server: one clear error, soon
+        self.host = api_client.configuration.host
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.ApiException = client.exceptions.ApiException
 
     def call(self, verb: str, kind: str, name: str, namespace: str, fn, *args, **kwargs):
+        import urllib3
+
         try:
             return fn(*args, **kwargs)
         except self.ApiException as e:
             raise _api_error(e, verb, kind, name, namespace) from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise LauncherError(f"Kubernetes API: cannot reach the API server at {self.host} to {verb} {kind} "
+                                f"{name!r}: {reason}") from None
 
 
 def _plural(kind: str) -> str:
@@ -289,6 +310,44 @@ def attach(name: str, namespace: str = "default", kubeconfig: str | None = None,
     return KubernetesJob(Api({"kubeconfig": kubeconfig, "context": context}), None, name, namespace)
 
 
+def _create(api: Api, m: dict[str, Any], namespace: str) -> Any:
+    kind, name = m["kind"], m["metadata"]["name"]
+    if kind == "ConfigMap":
+        return api.call("create", kind, name, namespace, api.core.create_namespaced_config_map, namespace, m)
+    if kind == "Secret":
+        return api.call("create", kind, name, namespace, api.core.create_namespaced_secret, namespace, m)
+    return api.call("create", kind, name, namespace, api.custom.create_namespaced_custom_object, GROUP, VERSION,
+                    namespace, _plural(kind), m)
+
+
+def _own(api: Api, m: dict[str, Any], namespace: str, owner: dict[str, Any]) -> None:
+    """Make the TrainJob own `m`, so that deleting the job deletes it."""
+    kind, name = m["kind"], m["metadata"]["name"]
+    patch = {"metadata": {"ownerReferences": [owner]}}
+    if kind == "ConfigMap":
+        api.call("patch", kind, name, namespace, api.core.patch_namespaced_config_map, name, namespace, patch)
+    elif kind == "Secret":
+        api.call("patch", kind, name, namespace, api.core.patch_namespaced_secret, name, namespace, patch)
+    else:
+        api.call("patch", kind, name, namespace, api.custom.patch_namespaced_custom_object, GROUP, VERSION,
+                 namespace, _plural(kind), name, patch)
+
+
+def _delete(api: Api, m: dict[str, Any], namespace: str) -> None:
+    """Best effort: the launch is already failing with its own error."""
+    kind, name = m["kind"], m["metadata"]["name"]
+    try:
+        if kind == "ConfigMap":
+            api.call("delete", kind, name, namespace, api.core.delete_namespaced_config_map, name, namespace)
+        elif kind == "Secret":
+            api.call("delete", kind, name, namespace, api.core.delete_namespaced_secret, name, namespace)
+        else:
+            api.call("delete", kind, name, namespace, api.custom.delete_namespaced_custom_object, GROUP, VERSION,
+                     namespace, _plural(kind), name)
+    except LauncherError:
+        pass
+
+
 class KubernetesLauncher(Launcher):
     def __init__(self, lc: dict[str, Any] | None = None):
         self._lc = lc
@@ -307,47 +366,21 @@ class KubernetesLauncher(Launcher):
             runtime_spec = api.call("get", "ClusterTrainingRuntime", ref, namespace,
                                     api.custom.get_cluster_custom_object, GROUP, VERSION,
                                     "clustertrainingruntimes", ref)["spec"]
-        manifests = render(run, runtime_spec)
-        with open(os.path.join(run.run_dir, "manifests.yaml"), "w") as f:
-            f.write(to_yaml(manifests))
-        companions: list[dict[str, Any]] = []
+        created: list[dict[str, Any]] = []
         try:
-            for m in manifests:
-                kind, mname = m["kind"], m["metadata"]["name"]
-                if kind == "ConfigMap":
-                    api.call("create", kind, mname, namespace, api.core.create_namespaced_config_map, namespace, m)
-                    companions.append(m)
-                elif kind == "TrainingRuntime":
-                    api.call("create", kind, mname, namespace, api.custom.create_namespaced_custom_object, GROUP,
-                             VERSION, namespace, _plural(kind), m)
-                    companions.append(m)
-                else:
-                    created = api.call("create", kind, mname, namespace,
-                                       api.custom.create_namespaced_custom_object, GROUP, VERSION, namespace,
-                                       _plural(kind), m)
+            for m in render(run, runtime_spec, reveal=True):
+                trainjob = _create(api, m, namespace)  # the TrainJob comes last
+                created.append(m)
+            owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "name": name,
+                     "uid": trainjob["metadata"]["uid"], "blockOwnerDeletion": True}
+            for m in created[:-1]:
+                _own(api, m, namespace, owner)
         except LauncherError:
-            # Nothing half-submitted: remove what this launch created before the failure.
-            for m in companions:
-                try:
-                    if m["kind"] == "ConfigMap":
-                        api.core.delete_namespaced_config_map(m["metadata"]["name"], namespace)
-                    else:
-                        api.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, _plural(m["kind"]),
-                                                                   m["metadata"]["name"])
-                except api.ApiException:
-                    pass
+            # Nothing half-submitted: remove what this launch created, newest first.
+            for m in reversed(created):
+                _delete(api, m, namespace)
             raise
-        owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "name": name,
-                 "uid": created["metadata"]["uid"], "blockOwnerDeletion": True}
-        for m in companions:
-            patch = {"metadata": {"ownerReferences": [owner]}}
-            if m["kind"] == "ConfigMap":
-                api.call("patch", "ConfigMap", m["metadata"]["name"], namespace,
-                         api.core.patch_namespaced_config_map, m["metadata"]["name"], namespace, patch)
-            else:
-                api.call("patch", m["kind"], m["metadata"]["name"], namespace,
-                         api.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace,
-                         _plural(m["kind"]), m["metadata"]["name"], patch)
+        write_private(os.path.join(run.run_dir, "manifests.yaml"), to_yaml(render(run, runtime_spec)))
         return KubernetesJob(api, run, name, namespace, float(lc.get("poll_seconds", 10.0)))
 
     def list_jobs(self) -> list[Job]:

@@ -43,6 +43,7 @@ class InProcessJob(Job):
 
         from trainer import worker
 
+        os.environ.update(run.secrets)  # the config refers to them as ${oc.env:...}
         try:
             worker.run(OmegaConf.create(run.config))
             self._state = JobState.SUCCEEDED
@@ -77,8 +78,8 @@ class TorchrunJob(Job):
     def __init__(self, run: Run, command: list[str]):
         self.run, self.name, self.command = run, os.path.basename(run.run_dir), command
         # A session of its own, so that cancel() can stop torchrun and every rank it started.
-        self._proc = subprocess.Popen(command, start_new_session=True, env={**os.environ, **TORCHRUN_ENV},
-                                      preexec_fn=_die_with_parent)
+        self._proc = subprocess.Popen(command, start_new_session=True,
+                                      env={**os.environ, **TORCHRUN_ENV, **run.secrets}, preexec_fn=_die_with_parent)
         self._cancelled = False
 
     def status(self) -> JobState:

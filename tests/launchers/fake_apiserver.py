@@ -21,7 +21,7 @@ from tests.launchers import crds
 
 CUSTOM = re.compile(r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)"
                     r"(?:/(?P<name>[^/]+))?$")
-CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|pods)(?:/(?P<name>[^/]+))?"
+CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|secrets|pods)(?:/(?P<name>[^/]+))?"
                   r"(?P<log>/log)?$")
 KINDS = {"trainjobs": "TrainJob", "trainingruntimes": "TrainingRuntime",
          "clustertrainingruntimes": "ClusterTrainingRuntime"}

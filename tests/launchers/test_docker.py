@@ -1,11 +1,21 @@
-"""The Docker launcher's commands. No Docker engine runs on these machines, so what is checked is what
-the launcher would run: the network, one container per node, the mounts, GPUs and torchrun's rendezvous."""
+"""The Docker launcher. No Docker engine runs on these machines, so what is checked is what the launcher
+would run (the network, one container per node, the mounts, each node's own GPUs, torchrun's
+rendezvous) and, against `fake_docker.py` (a test double of the docker CLI on PATH), what it does when a
+node fails to start, when a run is launched again, and once a job has finished."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shlex
+import stat
+import sys
 
+import pytest
+
+from launchers import JobState, LauncherError
+from launchers import get as get_launcher
 from launchers.docker import RDZV_PORT, commands, job_name
 from tests.conftest import compose_run
 
@@ -25,7 +35,7 @@ def test_one_container_per_node_on_the_jobs_network(tmp_path):
     for i, cmd in enumerate(nodes):
         assert cmd[:4] == ["docker", "run", "--detach", "--name"] and cmd[4] == f"{name}-node-{i}"
         assert cmd[cmd.index("--network") + 1] == name
-        assert cmd[cmd.index("--gpus") + 1] == "2"
+        assert cmd[cmd.index("--gpus") + 1] == f'"device={2 * i},{2 * i + 1}"'  # its own GPUs
         assert f"{run.run_dir}:{run.run_dir}" in cmd
         assert "NCCL_DEBUG=WARN" in cmd and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in cmd
         tail = cmd[cmd.index("me/trainjob:1") + 1:]
@@ -50,3 +60,86 @@ def test_dry_run_prints_the_commands(run_cli, tmp_path):
     assert [line[:3] for line in lines] == [["docker", "network", "create"], ["docker", "run", "--detach"],
                                             ["docker", "run", "--detach"]]
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.fixture
+def docker(tmp_path, monkeypatch):
+    """`docker` (and a 4-GPU `nvidia-smi`) on PATH as test doubles; returns (state, calls)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    double = os.path.join(os.path.dirname(__file__), "fake_docker.py")
+    for name, body in (("docker", f'exec {sys.executable} {double} "$@"'),
+                       ("nvidia-smi", "for i in 0 1 2 3; do echo \"GPU $i: NVIDIA H200 (UUID: GPU-$i)\"; done")):
+        path = bin_dir / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    state, log = tmp_path / "docker-state.json", tmp_path / "docker-calls.jsonl"
+    state.write_text(json.dumps({"containers": {}, "networks": []}))
+    log.write_text("")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DOCKER_STATE", str(state))
+    monkeypatch.setenv("FAKE_DOCKER_LOG", str(log))
+
+    def read_state():
+        return json.loads(state.read_text())
+
+    def set_state(**changes):
+        state.write_text(json.dumps({**read_state(), **changes}))
+
+    def calls():
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    return read_state, set_state, calls
+
+
+def test_a_node_that_fails_to_start_removes_the_others_and_the_network(tmp_path, docker):
+    read_state, set_state, calls = docker
+    run = make_run(tmp_path, "runtime.nnodes=3", "train.global_batch_size=12")
+    name = job_name(run)
+    set_state(fail=[f"{name}-node-1"])
+    with pytest.raises(LauncherError, match="could not start container .*-node-1: .*could not select device"):
+        get_launcher(run.config["launcher"]).launch(run)
+    assert read_state()["containers"] == {} and read_state()["networks"] == []
+    assert not any(c["argv"][0] == "run" and f"{name}-node-2" in c["argv"] for c in calls())  # stopped at node 1
+
+
+def test_a_relaunch_removes_the_last_attempts_containers_and_finished_jobs_clean_up(tmp_path, docker):
+    read_state, set_state, calls = docker
+    run = dataclasses.replace(make_run(tmp_path, "runtime.nnodes=2"), secrets={"TRAINJOB_CACHE_TOKEN": "s3cret"})
+    name = job_name(run)
+    launcher = get_launcher(run.config["launcher"])
+    set_state(containers={f"{name}-node-0": {"state": "exited", "labels": {"trainjob.run": name}},
+                          "someone-else": {"state": "exited", "labels": {"trainjob.run": "other"}}},
+              networks=[name])
+    job = launcher.launch(run)
+    assert set(read_state()["containers"]) == {f"{name}-node-0", f"{name}-node-1", "someone-else"}
+    runs = [c for c in calls() if c["argv"][0] == "run"]
+    assert len(runs) == 2 and all(c["token"] == "s3cret" for c in runs)  # from the environment ...
+    assert all("s3cret" not in " ".join(c["argv"]) for c in calls())  # ... never on a command line
+    assert all(c["argv"][c["argv"].index("TRAINJOB_CACHE_TOKEN") - 1] == "--env" for c in runs)
+
+    with pytest.raises(LauncherError, match="still running"):
+        launcher.launch(run)  # node containers of this run are running
+
+    job.poll_seconds = 0.01
+    assert job.wait(timeout=10) == JobState.SUCCEEDED
+    assert set(read_state()["containers"]) == {"someone-else"} and read_state()["networks"] == []
+    assert job.status() == JobState.SUCCEEDED
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["launcher.image=--privileged"], "launcher.image='--privileged': give an image reference"),
+    (["runtime.nnodes=2", "launcher.gpus_per_node=4"], "= 8 GPUs, and this host has 4"),
+])
+def test_what_docker_would_misread_is_refused_before_anything_starts(tmp_path, docker, overrides, message):
+    _, _, calls = docker
+    run = make_run(tmp_path, *overrides)
+    with pytest.raises(LauncherError, match=message.replace("(", r"\(")):
+        get_launcher(run.config["launcher"]).launch(run)
+    assert not any(c["argv"][0] in ("run", "network") for c in calls())
+
+
+def test_a_run_directory_with_a_colon_is_refused(tmp_path):
+    run = make_run(tmp_path)
+    with pytest.raises(LauncherError, match="holds ':', which docker reads as a volume separator"):
+        commands(dataclasses.replace(run, run_dir=str(tmp_path / "a:b")))

@@ -7,9 +7,11 @@ double on loopback that validates what it receives against the same CRD schemas.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
+import socket
 
 import pytest
 import yaml
@@ -17,7 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.kubernetes import attach, job_name, render
+from launchers.kubernetes import attach, job_name, render, to_yaml
 from tests.conftest import REPO, compose_run
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
@@ -229,3 +231,60 @@ def test_sweep_submits_one_trainjob_per_point_and_waits_for_their_losses(run_cli
         pod = server.objects[("trainjobs", "default", name)]["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]
         volumes = pod["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"]
         assert {"name": "trainjob-runs", "persistentVolumeClaim": {"claimName": "runs"}} in volumes
+
+
+def _with_token(run):
+    return dataclasses.replace(run, secrets={"TRAINJOB_CACHE_TOKEN": "s3cret-t0ken"})
+
+
+def test_secrets_travel_in_a_secret_owned_by_the_trainjob_and_are_never_written(tmp_path, apiserver):
+    server, kubeconfig = apiserver
+    run = _with_token(make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=ml"))
+    printed = to_yaml(render(run))
+    assert "s3cret-t0ken" not in printed
+    docs = render(run)
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "TrainJob"]
+    crds.validate(docs[-1])
+    name = job_name(run)
+    env = {e["name"]: e for e in docs[-1]["spec"]["trainer"]["env"]}
+    assert env["TRAINJOB_CACHE_TOKEN"] == {"name": "TRAINJOB_CACHE_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": f"{name}-secrets", "key": "TRAINJOB_CACHE_TOKEN"}}}
+
+    get_launcher(run.config["launcher"]).launch(run)
+    secret = server.objects[("secrets", "ml", f"{name}-secrets")]
+    assert secret["stringData"] == {"TRAINJOB_CACHE_TOKEN": "s3cret-t0ken"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == server.objects[("trainjobs", "ml", name)]["metadata"][
+        "uid"]
+    manifests = os.path.join(run.run_dir, "manifests.yaml")
+    assert os.stat(manifests).st_mode & 0o777 == 0o600
+    with open(manifests) as f:
+        text = f.read()
+    assert "s3cret-t0ken" not in text and "kind: Secret" in text
+
+
+def test_a_failed_submit_removes_what_it_created_and_writes_no_manifests(tmp_path, apiserver):
+    server, kubeconfig = apiserver
+    run = _with_token(make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.job_name=bad",
+                               f"launcher.image=registry.example/{'x' * 490}"))  # the CRD allows 500 characters
+    with pytest.raises(LauncherError, match="rejected create TrainJob 'bad'"):
+        get_launcher(run.config["launcher"]).launch(run)
+    assert [key for key in server.objects if key[0] in ("configmaps", "secrets", "trainjobs")] == []
+    assert ("DELETE", "/api/v1/namespaces/default/secrets/bad-secrets") in server.requests
+    assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))
+
+
+def test_an_unreachable_api_server_is_one_clear_error(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}")
+    with pytest.raises(LauncherError, match=rf"cannot reach the API server at http://127.0.0.1:{port} to create "
+                                            r"ConfigMap '[a-z0-9-]+-config'"):
+        get_launcher(run.config["launcher"]).launch(run)
+    assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))

@@ -1,0 +1,62 @@
+"""A test double of the `docker` CLI: no Docker engine runs on these machines, so this stands in for one.
+
+It keeps its containers and networks in a JSON file ($FAKE_DOCKER_STATE), logs every call with the
+secrets it could read from its environment ($FAKE_DOCKER_LOG, one JSON line per call), and answers the
+few commands the launcher runs (network create/rm, run, ps, inspect, rm) as the real CLI would. A
+container named in the state's `fail` list fails to start; `exit_code` sets how started containers end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    path = os.environ["FAKE_DOCKER_STATE"]
+    with open(path) as f:
+        state = json.load(f)
+    with open(os.environ["FAKE_DOCKER_LOG"], "a") as f:
+        f.write(json.dumps({"argv": argv, "token": os.environ.get("TRAINJOB_CACHE_TOKEN")}) + "\n")
+    code, out, err = 0, "", ""
+    if argv[:2] == ["network", "create"]:
+        state["networks"].append(argv[-1])
+    elif argv[:2] == ["network", "rm"]:
+        if argv[2] in state["networks"]:
+            state["networks"].remove(argv[2])
+        else:
+            code, err = 1, f"Error response from daemon: network {argv[2]} not found"
+    elif argv[0] == "run":
+        name = argv[argv.index("--name") + 1]
+        labels = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--label")
+        if name in state.get("fail", []):
+            code, err = 125, "docker: Error response from daemon: could not select device driver"
+        else:
+            state["containers"][name] = {"state": "running", "labels": labels}
+            out = f"{abs(hash(name)):x}\n"
+    elif argv[0] == "ps":
+        wanted = dict([argv[argv.index("--filter") + 1].removeprefix("label=").split("=", 1)])
+        out = "".join(f"{n} {c['state']}\n" for n, c in state["containers"].items()
+                      if all(c["labels"].get(k) == v for k, v in wanted.items()))
+    elif argv[0] == "inspect":
+        name = argv[-1]
+        if name in state["containers"]:
+            state["containers"][name]["state"] = "exited"  # the job ran to its end
+            out = f"exited {state.get('exit_code', 0)}\n"
+        else:
+            code, err = 1, f"Error: No such object: {name}"
+    elif argv[0] == "rm":
+        for name in argv[2:]:
+            state["containers"].pop(name, None)
+    else:
+        code, err = 1, f"fake docker: unknown command {argv}"
+    with open(path, "w") as f:
+        json.dump(state, f)
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
