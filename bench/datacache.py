@@ -11,9 +11,9 @@ holds as many bytes in memory as the node and sends them once, batch by batch, a
 each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least any
 receiver can do). Beside throughput it prints the CPU time each GB cost the reading process and the
 serving one: on a machine whose cores they share, that cost, not the socket, bounds the throughput. The
-two-node row serves the rows as two shards, one node process each, read by two clients (ranks 0 and 1 of
-2) in threads of this process, in blocks of a batch (`block_rows`): every step is one node's slice, and
-both nodes serve at once; its serving CPU is both nodes'.
+two-node row serves the rows as two shards, one node process each, read by two clients in threads of this
+process, one from the start of the epoch and one from its middle (`set_position`), half the epoch each:
+both nodes serve at once, each to one client; its serving CPU is both nodes'.
 
 The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows
 (the shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
@@ -25,6 +25,7 @@ The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -157,9 +158,12 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
     nodes = [_node(path, batch_rows * row_bytes, f"{i}/2") for i in range(2)]
     try:
         endpoints = [n.stdout.readline().split()[-1] for n in nodes]
-        pair = [StreamingDataset(endpoints, global_batch_size=2 * batch_rows, shuffle=True, block_rows=batch_rows,
-                                 loop=False, rank=r, world_size=2, prefetch=prefetch) for r in range(2)]
-        results.append(("2 Flight nodes -> 2 clients", _best(lambda: _together(pair), epochs, [n.pid for n in nodes])))
+        pair = [StreamingDataset(endpoints, global_batch_size=batch_rows, shuffle=False, loop=False,
+                                 prefetch=prefetch) for _ in range(2)]
+        half = rows // batch_rows // 2
+        pair[1].set_position(0, half)  # in node 1's shard, as pair[0] starts in node 0's
+        results.append(("2 Flight nodes -> 2 clients", _best(lambda: _together(pair, half), epochs,
+                                                             [n.pid for n in nodes])))
     finally:
         for n in nodes:
             n.terminate()
@@ -176,9 +180,9 @@ def _node(path: str, batch_bytes: int, shard: str = "0/1") -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-def _together(datasets) -> None:
-    """Reads each dataset to its end, all at once, a thread each."""
-    threads = [threading.Thread(target=lambda d=d: sum(1 for _ in d)) for d in datasets]
+def _together(datasets, steps: int | None = None) -> None:
+    """Reads each dataset to its end (or `steps` batches of it), all at once, a thread each."""
+    threads = [threading.Thread(target=lambda d=d: sum(1 for _ in itertools.islice(d, steps))) for d in datasets]
     for t in threads:
         t.start()
     for t in threads:

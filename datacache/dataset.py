@@ -21,9 +21,10 @@ Every step is checked as it arrives: its row count, column names and types; a no
 otherwise is an error naming it. A node that cannot be reached, or fails mid-stream, is retried
 `retries` times with exponential backoff (its call resumes at the first step it had not delivered); then
 the error names the endpoint. A call's `timeout` is its deadline: a call that is delivering when it
-passes goes on in a new call, not counted as a failure. A wrong or missing token is refused at once. The
-consumer waits for a batch at most `patience` seconds (what the retries can take), then raises: an
-epoch ends, or fails with an error, whatever happens to the connection.
+passes goes on in a new call, not counted as a failure. A wrong or missing token (`token=`, else
+$TRAINJOB_CACHE_TOKEN) is refused at once. The consumer waits for a batch at most `patience` seconds
+(what the retries can take), then raises: an epoch ends, or fails with an error, whatever happens to
+the connection.
 """
 
 from __future__ import annotations
@@ -427,7 +428,7 @@ class StreamingDataset(PlannedDataset):
         try:
             while True:
                 if not last and (places := room.reserve(wait=not windows)):
-                    window = self._window(planned, places)
+                    window = self._window(planned, min(places, SPAN_STEPS))
                     room.release(places - len(window))
                     last = window.last
                     if len(window):

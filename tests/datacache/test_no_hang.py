@@ -84,7 +84,7 @@ def reads(draw):
 
 
 @pytest.mark.timeout(150)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=reads())
 def test_every_epoch_ends_with_every_row_whatever_the_sizes(clusters, case):
     rows, batch, columns, prefetch, shuffle, drop_last = case
