@@ -3,19 +3,22 @@
 
 Both train the same model on batches of the same shape with AdamW and gradient clipping, on this
 machine's CPU or first GPU (bf16 autocast there, as the worker's `mixed_precision=auto`). The worker runs
-with its default settings (a metrics line every `train.log_every` steps); its step time is the time between
-its first metrics line after the warmup and its last, per step, so data loading, metrics, logging and the
-progress bar all count against it. The hand loop moves each batch to the device, steps, and waits for the
-device once, at the end; it runs before and after the worker, and their mean is the baseline.
+with its default metrics interval (a line every 10 steps, the only place it waits for the device), so
+data loading, metrics, logging and the progress bar all count against it; the hand loop moves each batch
+to the device and steps, and waits for the device where the worker writes a line. Each reports the median
+over those 10-step intervals after the warmup (robust to a shared, busy machine) of the time per step. The
+hand loop runs before and after the worker, and their mean is the baseline.
 
-    python bench/step_overhead.py [--models debug,small] [--steps 40] [--warmup 10] [override ...]
+    python bench/step_overhead.py [--models debug,small] [--steps 50] [--warmup 10] [override ...]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+LOG_EVERY = 10  # the worker's default train.log_every
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -49,11 +53,11 @@ def hand_loop(cfg, steps: int, warmup: int) -> float:
         batches = [b.pin_memory() for b in batches]
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
-    tic = 0.0
+    marks = []
     for step in range(steps):
-        if step == warmup:
-            sync(device)
-            tic = time.perf_counter()
+        if step >= warmup and (step - warmup) % LOG_EVERY == 0:
+            sync(device)  # where the worker's metrics line waits
+            marks.append((step, time.perf_counter()))
         tokens = batches[step % len(batches)].to(device, non_blocking=True).long()
         with autocast:
             logits = model(tokens[:, :-1])
@@ -62,8 +66,14 @@ def hand_loop(cfg, steps: int, warmup: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    loss.item()
-    return (time.perf_counter() - tic) / (steps - warmup)
+    sync(device)
+    marks.append((steps, time.perf_counter()))
+    return median_step(marks)
+
+
+def median_step(marks: list[tuple[int, float]]) -> float:
+    """The median over intervals of the time per step, from (step, time) marks: robust to a busy machine."""
+    return statistics.median((t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(marks))
 
 
 def sync(device: torch.device) -> None:
@@ -79,6 +89,7 @@ def compose_config(overrides: list[str]):
 
 def worker(overrides: list[str], steps: int, warmup: int, run_dir: str) -> float:
     cfg = compose_config([*overrides, f"train.max_steps={steps}", f"train.eval_every={steps}",
+                          f"train.log_every={LOG_EVERY}",
                           f"train.checkpoint_every={steps * 10}", "train.resume=never"])
     cfg.run_dir = run_dir
     run = prepare_run(cfg)
@@ -86,11 +97,10 @@ def worker(overrides: list[str], steps: int, warmup: int, run_dir: str) -> float
                    stderr=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
-    first = next(m for m in lines if m["step"] >= warmup)
-    last = lines[-1]
-    if last["step"] == first["step"]:
-        raise SystemExit(f"--steps {steps} leaves no metrics line after the first one past --warmup {warmup}")
-    return (last["elapsed_s"] - first["elapsed_s"]) / (last["step"] - first["step"])
+    marks = [(m["step"], m["elapsed_s"]) for m in lines if m["step"] >= warmup]
+    if len(marks) < 2:
+        raise SystemExit(f"--steps {steps} leaves fewer than two metrics lines after --warmup {warmup}")
+    return median_step(marks)
 
 
 def measure(model: str, overrides: list[str], steps: int, warmup: int) -> None:
@@ -115,7 +125,7 @@ def measure(model: str, overrides: list[str], steps: int, warmup: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="debug,small")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
