@@ -201,14 +201,15 @@ class Trainer:
         checkpoint.save(os.path.join(self.cfg.run_dir, "checkpoints"), self.step, self.model,
                         self.optimizer, self._train_state(), self.cfg.train.keep_latest_k, self.device)
 
-    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, steps: int, seconds: float) -> dict:
-        """The metrics line for this step: the one place a step waits for the device (and the other ranks).
-        Times and throughput are the mean over the `steps` steps since the previous line."""
-        step_time = seconds / steps
+    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, steps: int, since: float, started: float) -> dict:
+        """The metrics line for this step: where a step waits for the device (and the other ranks). Step time
+        and throughput are the means over the `steps` steps since `since`, measured once the device is done."""
+        record = {"step": self.step, "loss": _mean_across_ranks(loss), "grad_norm": float(grad_norm)}
+        now = time.perf_counter()
+        step_time = (now - since) / steps
         tokens_per_s = self.cfg.train.global_batch_size * self.cfg.data.seq_len / step_time
-        record = {"step": self.step, "loss": _mean_across_ranks(loss), "lr": self.scheduler.get_last_lr()[0],
-                  "grad_norm": float(grad_norm), "step_time_s": step_time, "tokens_per_s": tokens_per_s,
-                  "peak_memory_gb": metrics.peak_memory_gb(self.device)}
+        record.update(lr=self.scheduler.get_last_lr()[0], step_time_s=step_time, tokens_per_s=tokens_per_s,
+                      peak_memory_gb=metrics.peak_memory_gb(self.device), elapsed_s=now - started)
         if self.peak_flops:
             record["mfu"] = tokens_per_s / self.world * self.flops_per_token / self.peak_flops
         return record
@@ -236,9 +237,7 @@ class Trainer:
                 self.step += 1
                 log_line = self.step % t.log_every == 0 or self.step == t.max_steps
                 if log_line:
-                    now = time.perf_counter()
-                    record = self._record(loss, grad_norm, self.step - logged_step, now - logged_at)
-                    record["elapsed_s"] = now - started
+                    record = self._record(loss, grad_norm, self.step - logged_step, logged_at, started)
                     train_loss = record["loss"]
                     if self.step % t.eval_every == 0 or self.step == t.max_steps:
                         eval_loss = record["eval_loss"] = self.evaluate()
