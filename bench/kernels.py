@@ -77,17 +77,20 @@ def _step(fn, inputs, grad=None):
 
 def measure(fn, inputs):
     """Milliseconds per forward + backward (triton's do_bench: median, L2 flushed), and GB of peak memory
-    above what was allocated before (inputs, and the gradients the step leaves)."""
+    of one step above what was allocated before it (the inputs; their gradients are released first)."""
     from triton.testing import do_bench
 
     for _ in range(3):  # compile, autotune, allocate
         _step(fn, inputs)
-    torch.cuda.synchronize()
+    ms = do_bench(lambda: _step(fn, inputs), warmup=10, rep=50)
     for t in inputs:
         t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ms = do_bench(lambda: _step(fn, inputs), warmup=10, rep=50)
+    _step(fn, inputs)  # measured apart from do_bench, whose L2-flush buffer would count otherwise
+    torch.cuda.synchronize()
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 

@@ -89,7 +89,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
         grid = (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
         _matmul[grid](a, b, c, bias_full, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
                       c.stride(1), bias_full.stride(0), bias_full.stride(1), float(alpha), float(beta),
-                      HAS_BIAS=bias is not None, PRECISION=_precision(a.dtype), EVEN_K=k % meta["BK"] == 0, **meta)
+                      HAS_BIAS=bias is not None and beta != 0, PRECISION=_precision(a.dtype),
+                      EVEN_K=k % meta["BK"] == 0, **meta)
     return c
 
 

@@ -36,13 +36,16 @@ def _ce_loss(x_ptr, stride, target_ptr, loss_ptr, lse_ptr, n_cols, ignore_index,
         mask = cols < n_cols
         x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a block of -inf so far: no NaN from inf - inf
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
         m = m_new
         total += tl.sum(tl.where(mask, x, 0.0), axis=0)
     lse = m + tl.log(s)
     ignored = target == ignore_index
-    x_t = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
-    loss = (1.0 - smoothing) * (lse - x_t) + smoothing * (lse - total / n_cols)
+    # A target outside [0, n_cols) reads column 0 rather than past the row (PyTorch raises there).
+    x_t = tl.load(base + tl.where(ignored | (target < 0) | (target >= n_cols), 0, target)).to(tl.float32)
+    # The smoothing term only where smoothing is on: 0 * inf (a row with -inf logits) would be NaN.
+    loss = (1.0 - smoothing) * (lse - x_t) + tl.where(smoothing > 0, smoothing * (lse - total / n_cols), 0.0)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
     tl.store(lse_ptr + row, lse)
 
@@ -139,40 +142,58 @@ def _chunk_rows(hidden: torch.Tensor, weight: torch.Tensor) -> int:
     return max(1, budget // (weight.shape[0] * hidden.element_size()))
 
 
+def _accumulate(grad_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """grad_weight += a @ b, accumulating in fp32, whatever grad_weight's dtype."""
+    if grad_weight.dtype == a.dtype:
+        grad_weight.addmm_(a, b)
+    elif grad_weight.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.addmm(grad_weight, a, b, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        grad_weight.add_(a @ b)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Liger-Kernel's layout: per chunk of rows, the logits by cuBLAS in the input dtype, their loss and
+    """Liger-Kernel's layout: per chunk of rows, the logits by cuBLAS in the compute dtype, their loss and
     gradient by our kernels (the gradient overwrites the logits), then cuBLAS folds that gradient into
     the hidden states' gradient and accumulates the weight's, in the weight's dtype. The gradients are
-    complete after forward; backward scales them by the incoming gradient."""
+    complete after forward; backward scales them by the incoming gradient.
+
+    The compute dtype is autocast's when autocast is on (as `F.linear` would run), else the hidden
+    states'; the body runs with autocast off, so every matmul and its output buffer agree on it."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, chunk_rows):
-        rows = hidden.shape[0]
-        target = target.contiguous()
-        count = (target != ignore_index).sum().clamp(min=1).to(torch.float32)
-        scale = (1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)).reshape(1)
-        loss = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-                     if bias is not None and ctx.needs_input_grad[3] else None)
-        w = weight.to(hidden.dtype)
-        step = chunk_rows or _chunk_rows(hidden, weight)
-        for start in range(0, rows, step):
-            end = min(rows, start + step)
-            h, t = hidden[start:end], target[start:end]
-            logits = h @ w.t() if bias is None else torch.addmm(bias.to(h.dtype), h, w.t())
-            part, lse = _rows_loss(logits, t, ignore_index, 0.0)
-            loss[start:end] = part
-            _rows_grad(logits, t, lse, scale, ignore_index, 0.0, logits)  # the logits become their gradient
-            torch.mm(logits, w, out=grad_hidden[start:end])
-            if grad_weight is not None:
-                grad_weight.addmm_(logits.t().to(weight.dtype), h.to(weight.dtype))
-            if grad_bias is not None:
-                grad_bias += logits.sum(0, dtype=torch.float32)
+        device = hidden.device.type
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        with torch.autocast(device, enabled=False):
+            h_all, w = hidden.to(compute), weight.to(compute)
+            b = bias.to(compute) if bias is not None else None
+            rows = h_all.shape[0]
+            target = target.contiguous()
+            count = (target != ignore_index).sum().clamp(min=1).to(torch.float32)
+            scale = (1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)).reshape(1)
+            loss = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(h_all)
+            grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+            grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+                         if bias is not None and ctx.needs_input_grad[3] else None)
+            step = chunk_rows or _chunk_rows(h_all, w)
+            for start in range(0, rows, step):
+                end = min(rows, start + step)
+                h, t = h_all[start:end], target[start:end]
+                logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())
+                part, lse = _rows_loss(logits, t, ignore_index, 0.0)
+                loss[start:end] = part
+                _rows_grad(logits, t, lse, scale, ignore_index, 0.0, logits)  # the logits become their gradient
+                torch.mm(logits, w, out=grad_hidden[start:end])
+                if grad_weight is not None:
+                    _accumulate(grad_weight, logits.t(), h)
+                if grad_bias is not None:
+                    grad_bias += logits.sum(0, dtype=torch.float32)
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return _reduce(loss, count, reduction).to(hidden.dtype)
+        ctx.dtypes = (hidden.dtype, bias.dtype if bias is not None else None)
+        out_dtype = torch.float32 if compute != hidden.dtype else hidden.dtype  # autocast's losses are fp32
+        return _reduce(loss, count, reduction).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -181,10 +202,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                                "through the same call (retain_graph) is not supported")
         grad_hidden, grad_weight, grad_bias = ctx.grads
         ctx.grads = None  # scaled in place below, so they must never be used again
+        hidden_dtype, bias_dtype = ctx.dtypes
         g = g.float()
-        gh = grad_hidden.mul_(g.to(grad_hidden.dtype))
+        gh = grad_hidden.mul_(g.to(grad_hidden.dtype)).to(hidden_dtype)
         gw = grad_weight.mul_(g.to(grad_weight.dtype)) if grad_weight is not None else None
-        gb = (grad_bias * g).to(ctx.bias_dtype) if grad_bias is not None else None
+        gb = (grad_bias * g).to(bias_dtype) if grad_bias is not None else None
         return gh, gw, None, gb, None, None, None
 
 

@@ -4,8 +4,8 @@
 The op's arity is the function's: each argument is a tensor (broadcast against the others, read through
 its strides, never copied) or a Python number (passed to the kernel as a scalar). Dtypes are promoted by
 torch's rules (`promote="float"`: integer results become the default float dtype, as for activations);
-the function receives fp32 values and returns one fp32 value, or a tuple of `outputs` values, each
-written to a new tensor of the promoted dtype.
+the function receives fp32 values (int64 ones when the result is an integer: exact) and returns one
+value, or a tuple of `outputs` values, each written to a new tensor of the promoted dtype.
 
 One kernel is generated per (which arguments are tensors, number of outputs, rank after merging the
 dimensions that every operand walks contiguously), so a contiguous op runs one flat loop and a broadcast
@@ -39,7 +39,7 @@ def _source(kinds: str, outputs: int, rank: int) -> str:
     params = [f"in{i}" if k == "T" else f"s{i}" for i, k in enumerate(kinds)]
     params += [f"out{j}" for j in range(outputs)] + ["n"] + [f"size{d}" for d in range(rank)]
     params += [f"stride{i}_{d}" for i in tensors for d in range(rank)]
-    params += ["FN: tl.constexpr", "WIDE: tl.constexpr", "BLOCK: tl.constexpr"]
+    params += ["FN: tl.constexpr", "COMPUTE: tl.constexpr", "WIDE: tl.constexpr", "BLOCK: tl.constexpr"]
     lines = [f"def _pw_{kinds}_o{outputs}_r{rank}({', '.join(params)}):",
              "    if WIDE:",
              "        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)",
@@ -59,9 +59,9 @@ def _source(kinds: str, outputs: int, rank: int) -> str:
     for i, k in enumerate(kinds):
         if k == "T":
             address = " + ".join(f"i{d} * stride{i}_{d}" for d in range(rank))
-            lines.append(f"    v{i} = tl.load(in{i} + {address}, mask=mask, other=0).to(tl.float32)")
+            lines.append(f"    v{i} = tl.load(in{i} + {address}, mask=mask, other=0).to(COMPUTE)")
         else:
-            lines.append(f"    v{i} = tl.cast(s{i}, tl.float32)")
+            lines.append(f"    v{i} = tl.cast(s{i}, COMPUTE)")
         args.append(f"v{i}")
     results = ", ".join(f"r{j}" for j in range(outputs))
     lines.append(f"    {results} = FN({', '.join(args)})")
@@ -115,6 +115,11 @@ def _merge(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list
     return sizes, merged
 
 
+def _compute(dtype: torch.dtype):
+    """Floating results are computed in fp32; integer and bool results exactly, in int64."""
+    return tl.float32 if dtype.is_floating_point else tl.int64
+
+
 def _launch(fn, args, dtype: torch.dtype, outputs: int):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
@@ -133,8 +138,9 @@ def _launch(fn, args, dtype: torch.dtype, outputs: int):
         values = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
         flat_strides = [st for s in strides for st in s]
         kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](
-            *values, *outs, n, *sizes, *flat_strides, FN=fn, WIDE=max(n, reach + 1) >= _INT32_LIMIT,
-            BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
+            *values, *outs, n, *sizes, *flat_strides, FN=fn, COMPUTE=_compute(dtype),
+            WIDE=max(n, reach + 1) + POINTWISE_BLOCK > _INT32_LIMIT, BLOCK=POINTWISE_BLOCK,
+            num_warps=warps(POINTWISE_BLOCK))
     return outs[0] if outputs == 1 else tuple(outs)
 
 
@@ -146,7 +152,8 @@ def _launch_flat(fn, args, outputs: int):
     if n:
         kernel = _kernel(f"_pw_{'T' * len(args)}_o{outputs}_r1")
         kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](*args, *outs, n, n, *([1] * len(args)), FN=fn,
-                                                    WIDE=n >= _INT32_LIMIT, BLOCK=POINTWISE_BLOCK,
+                                                    COMPUTE=tl.float32, WIDE=n + POINTWISE_BLOCK > _INT32_LIMIT,
+                                                    BLOCK=POINTWISE_BLOCK,
                                                     num_warps=warps(POINTWISE_BLOCK))
     return outs[0] if outputs == 1 else tuple(outs)
 

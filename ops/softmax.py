@@ -38,8 +38,9 @@ def _softmax_fwd(x_ptr, y_ptr, n_rows, n_cols, LOG: tl.constexpr, WHOLE: tl.cons
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
             x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, axis=1))
-            m_new = tl.where(row_mask, m_new, 0.0)
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+            # Rows past the end, and blocks of -inf so far, subtract 0: no NaN from inf - inf.
+            m_safe = tl.where(row_mask & (m_new != -float("inf")), m_new, 0.0)
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
             m = m_new
         lse = m + tl.log(tl.where(row_mask, s, 1.0))
         for start in range(0, n_cols, BLOCK):

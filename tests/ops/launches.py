@@ -2,10 +2,11 @@
 real GPUs on a machine without one.
 
 As a pytest plugin (`-p tests.ops.launches`, with TRAINJOB_RECORD_LAUNCHES=<file>), it records each
-launch the interpreter runs: the kernel, each argument's Triton type and 16-byte divisibility (as a GPU
-launch would specialise them), the constexpr values and the launch options (`num_warps`,
-`num_stages`). As a program (`python -m tests.ops.launches <file> 90 80`, TRITON_INTERPRET unset), it
-compiles each recorded specialisation with `triton.compile` for those architectures down to a cubin,
+launch the interpreter runs (and `python -m tests.ops.launches record-model-shapes <file>` records,
+without running them, the launches at a real model's shapes): the kernel, each argument's Triton type
+and 16-byte divisibility (as a GPU launch would specialise them), the constexpr values and the launch
+options (`num_warps`, `num_stages`). As a program (`python -m tests.ops.launches <file> 90 80`,
+TRITON_INTERPRET unset), it compiles each recorded specialisation with `triton.compile` for those architectures down to a cubin,
 checks that its shared memory fits the architecture, and prints one line per failure.
 """
 
@@ -17,6 +18,9 @@ import os
 import sys
 
 RECORD_ENV = "TRAINJOB_RECORD_LAUNCHES"
+# With this set too, recorded launches are not run: how launches at full model shapes are recorded
+# without the interpreter spending hours on them (their outputs are then garbage, which nothing reads).
+RECORD_ONLY_ENV = "TRAINJOB_RECORD_ONLY"
 # Shared memory one program may use (bytes), as `cudaDevAttrMaxSharedMemoryPerBlockOptin` reports it.
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 OPTIONS = ("num_warps", "num_stages")
@@ -41,11 +45,26 @@ def _resolve(ref: dict):
 
 def _describe(value):
     """A constexpr value as JSON: plain values as they are, jit functions by reference."""
+    import triton.language as tl
+
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, tl.dtype):
+        return {"dtype": value.name}
     if hasattr(value, "fn") or hasattr(value, "arg_names"):
         return {"jit": _ref(value)}
     raise TypeError(f"cannot record constexpr value {value!r}")
+
+
+def _constant(value):
+    """A recorded constexpr value as the compiler takes it."""
+    import triton.language as tl
+
+    if isinstance(value, dict) and "jit" in value:
+        return _resolve(value["jit"])
+    if isinstance(value, dict) and "dtype" in value:
+        return tl.dtype(value["dtype"])
+    return value
 
 
 class Recorder:
@@ -90,6 +109,8 @@ class Recorder:
                 recorder.seen.add(key)
                 with open(recorder.path, "a") as f:
                     f.write(key + "\n")
+            if os.environ.get(RECORD_ONLY_ENV) == "1":
+                return None
             return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = recording_run
@@ -119,7 +140,7 @@ def compile_spec(spec: dict, archs: list[int]) -> list[str]:
     label = f"{spec['kernel']['module']}:{spec['kernel']['name']} {spec['constexprs']} {spec['options']}"
     try:
         kernel = _resolve(spec["kernel"])
-        constexprs = {k: _resolve(v["jit"]) if isinstance(v, dict) else v for k, v in spec["constexprs"].items()}
+        constexprs = {k: _constant(v) for k, v in spec["constexprs"].items()}
     except (LookupError, AttributeError, ImportError) as e:
         return [f"{label}: {e}"]
     attrs = {(i,): [["tt.divisibility", 16]] for i in spec["aligned"]}
@@ -139,6 +160,43 @@ def compile_spec(spec: dict, archs: list[int]) -> list[str]:
     return failures
 
 
+def record_model_shapes(path: str) -> None:
+    """Record, without running, every op forward and backward at Llama-3-8B's row lengths (hidden 4096,
+    FFN 14336, vocabulary 128256, 32/8 heads of 128) and a 1024-cube matmul, in bf16 and fp32: the
+    block sizes, warps and tiles a GPU uses at those shapes, which the op tests' small shapes never
+    reach. (The fused linear cross-entropy's kernels are the cross-entropy ones at the same vocabulary.)"""
+    import torch
+
+    import ops
+
+    Recorder(path).install()
+    os.environ[RECORD_ONLY_ENV] = "1"
+    tokens, dim, ffn, vocab, heads, kv_heads, head_dim = 64, 4096, 14336, 128256, 32, 8, 128
+    target = torch.zeros(tokens, dtype=torch.long)
+    cos = sin = torch.zeros(tokens, head_dim)
+    for dtype in (torch.bfloat16, torch.float32):
+        def leaf(*shape, dtype=dtype):
+            return torch.zeros(*shape, dtype=dtype).requires_grad_()
+
+        calls = [
+            (lambda x, w: ops.rms_norm(x, (dim,), w, 1e-5), [leaf(tokens, dim), leaf(dim)]),
+            (lambda x, w, b: ops.layer_norm(x, (dim,), w, b), [leaf(tokens, dim), leaf(dim), leaf(dim)]),
+            (lambda q, k: torch.cat([t.flatten() for t in ops.rotary_embedding(q, k, cos, sin)]),
+             [leaf(1, tokens, heads, head_dim), leaf(1, tokens, kv_heads, head_dim)]),
+            (ops.silu_and_mul, [leaf(tokens, ffn), leaf(tokens, ffn)]),
+            (ops.gelu_and_mul, [leaf(tokens, ffn), leaf(tokens, ffn)]),
+            (ops.silu, [leaf(tokens, ffn)]),
+            (ops.gelu, [leaf(tokens, ffn)]),
+            (lambda x: ops.softmax(x, -1), [leaf(tokens, vocab)]),
+            (lambda x: ops.log_softmax(x, -1), [leaf(tokens, vocab)]),
+            (lambda x: ops.cross_entropy(x, target), [leaf(tokens, vocab)]),
+            (ops.addmm, [leaf(1024), leaf(1024, 1024), leaf(1024, 1024)]),
+        ]
+        for fn, inputs in calls:
+            out = fn(*inputs)
+            out.backward(torch.ones_like(out))
+
+
 def compile_all(path: str, archs: list[int]) -> list[str]:
     """Compile every recorded specialisation for each architecture, on every core; one line per failure."""
     from concurrent.futures import ProcessPoolExecutor
@@ -150,6 +208,11 @@ def compile_all(path: str, archs: list[int]) -> list[str]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "record-model-shapes":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("record with TRITON_INTERPRET=1: launches are recorded where the interpreter runs them")
+        record_model_shapes(sys.argv[2])
+        sys.exit(0)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("compile with TRITON_INTERPRET unset: the interpreter replaces @triton.jit")
     path, archs = sys.argv[1], [int(a) for a in sys.argv[2:]]

@@ -1,6 +1,7 @@
 """Every Triton kernel specialisation the op tests launch compiles for Hopper (sm_90) and Ampere (sm_80),
 on a machine without a GPU: the op tests run once more under the interpreter with the launch recorder
-(tests/ops/launches.py), then `triton.compile` builds each recorded launch down to a cubin.
+(tests/ops/launches.py), the launches at Llama-3-8B's shapes are recorded (not run), then
+`triton.compile` builds each recorded launch down to a cubin.
 
 The interpreter accepts code that the compiler refuses (a plain module global read by a kernel, for one),
 so this is the check that keeps such code from reaching a GPU first. On a machine with a GPU the op
@@ -39,6 +40,15 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80(tmp_path):
         cwd=REPO, env=_env(TRITON_INTERPRET="1", **{RECORD_ENV: str(record)}), capture_output=True, text=True,
         timeout=900)
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-3000:]
+    shapes = subprocess.run([sys.executable, "-m", "tests.ops.launches", "record-model-shapes", str(record)],
+                            cwd=REPO, env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert shapes.returncode == 0, shapes.stdout[-3000:] + shapes.stderr[-3000:]
+    specs = [json.loads(line) for line in record.read_text().splitlines()]
+    # The model's shapes reach the settings the small test shapes do not: rows held whole at 4096
+    # columns, 16 warps over the vocabulary, the largest matmul tiles.
+    assert any(s["kernel"]["name"] == "_matmul" and s["constexprs"]["BN"] == 256 for s in specs)
+    assert any(s["kernel"]["name"] == "_norm_fwd" and s["constexprs"]["BLOCK"] == 4096 for s in specs)
+    assert any(s["kernel"]["name"] == "_ce_loss" and s["options"]["num_warps"] == 16 for s in specs)
     kernels = {json.loads(line)["kernel"]["name"] for line in record.read_text().splitlines()}
     # Every family of kernels was seen, generated pointwise kernels included.
     for name in ("_norm_fwd", "_norm_bwd", "_softmax_fwd", "_softmax_bwd", "_rope", "_ce_loss", "_ce_grad",

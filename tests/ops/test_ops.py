@@ -460,3 +460,46 @@ def test_use_kernels_takes_our_public_names():
     with ops.use_kernels(include=["_log_softmax"]):
         assert ops.registered() == ["_log_softmax"]
     assert ops.registered() == []
+
+
+def test_fused_linear_cross_entropy_under_autocast():
+    """The trainer's bf16 autocast hands fp32 hidden states and weights: the fused op computes as F.linear
+    would under autocast (bf16 matmuls) and gives fp32-typed gradients, like eager."""
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    hidden, weight = _leaf(37, 24), _leaf(259, 24, scale=0.5)
+    target = torch.randint(0, 259, (37,), device=DEVICE)
+    results = []
+    for fn in (lambda h, w: ops.fused_linear_cross_entropy(h, w, target, chunk_rows=16),
+               lambda h, w: F.cross_entropy(F.linear(h, w), target)):
+        hidden.grad = weight.grad = None
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = fn(hidden, weight)
+        loss.backward()
+        results.append((loss.float(), hidden.grad.clone(), weight.grad.clone()))
+    (ours, gh, gw), (eager, eh, ew) = results
+    assert ours.dtype == eager.dtype == torch.float32 and gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(ours, eager, atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(gh, eh, atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(gw, ew, atol=2e-2, rtol=1.6e-2)
+
+
+def test_rows_that_start_with_a_block_of_minus_infinity():
+    """The online max over blocks of a long row must not turn -inf - -inf into NaN (masked vocabularies)."""
+    x = torch.randn(2, 9000, device=DEVICE)
+    x[:, :8192] = float("-inf")
+    torch.testing.assert_close(ops.softmax(x, -1), torch.softmax(x, -1))
+    torch.testing.assert_close(ops.log_softmax(x, -1), torch.log_softmax(x, -1))
+    target = torch.tensor([8500, 8999], device=DEVICE)
+    torch.testing.assert_close(ops.cross_entropy(x, target), F.cross_entropy(x, target))
+
+
+def test_addmm_ignores_the_bias_when_beta_is_zero():
+    bias = torch.full((3, 5), float("nan"), device=DEVICE)
+    a, b = torch.randn(3, 4, device=DEVICE), torch.randn(4, 5, device=DEVICE)
+    torch.testing.assert_close(ops.addmm(bias, a, b, beta=0), torch.addmm(bias, a, b, beta=0))
+
+
+def test_integer_pointwise_results_are_exact():
+    a = torch.tensor([2**30 + 1, -(2**40) - 3, 7], dtype=torch.int64, device=DEVICE)
+    assert torch.equal(ops.add(a, a), a + a) and torch.equal(ops.mul(a, 3), a * 3)
+    assert torch.equal(ops.maximum(a, torch.tensor(0, device=DEVICE)), torch.clamp(a, min=0))
