@@ -6,8 +6,9 @@ launch the interpreter runs (and `python -m tests.ops.launches record-model-shap
 without running them, the launches at a real model's shapes): the kernel, each argument's Triton type
 and 16-byte divisibility (as a GPU launch would specialise them), the constexpr values and the launch
 options (`num_warps`, `num_stages`). As a program (`python -m tests.ops.launches <file> 90 80`,
-TRITON_INTERPRET unset), it compiles each recorded specialisation with `triton.compile` for those architectures down to a cubin,
-checks that its shared memory fits the architecture, and prints one line per failure.
+TRITON_INTERPRET unset), it compiles each recorded specialisation with `triton.compile` for those
+architectures down to a cubin, checks that its shared memory fits the architecture, and prints one line
+per failure.
 """
 
 from __future__ import annotations
