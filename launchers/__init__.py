@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from launchers.base import Job, JobState, Launcher, LauncherError, Run
+from launchers.base import CacheNodes, Job, JobState, Launcher, LauncherError, Run
 
-__all__ = ["Job", "JobState", "Launcher", "LauncherError", "Run", "get"]
+__all__ = ["CacheNodes", "Job", "JobState", "Launcher", "LauncherError", "Run", "get"]
 
 _MODULES = {"local": "launchers.local", "docker": "launchers.docker", "kubernetes": "launchers.kubernetes"}
 

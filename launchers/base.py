@@ -40,6 +40,32 @@ class JobState(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class CacheNodes:
+    """Data cache nodes to start beside the ranks (`data.cache.nodes`). Node i runs the interpreter with
+    `command`, whose `{config}`, `{index}`, `{count}`, `{host}`, `{port}` and `{eval_port}` the launcher
+    fills in; it serves its share of the training rows on `port` (and node 0 the eval rows on
+    `eval_port`) once `python -m datacache ready` answers there. The ranks find them through ENDPOINTS_ENV
+    and EVAL_ENDPOINTS_ENV, lists the run's config reads with `${oc.decode:${oc.env:...}}`."""
+
+    count: int
+    command: list[str]
+    port: int = 50051
+    eval_port: int = 50052
+
+    ENDPOINTS_ENV = "TRAINJOB_CACHE_ENDPOINTS"
+    EVAL_ENDPOINTS_ENV = "TRAINJOB_CACHE_EVAL_ENDPOINTS"
+
+    def argv(self, config: str, index: int, host: str, port: int, eval_port: int) -> list[str]:
+        values = {"config": config, "index": index, "count": self.count, "host": host, "port": port,
+                  "eval_port": eval_port}
+        return [part.format(**values) for part in self.command]
+
+    def env(self, train: list[str], eval_: list[str]) -> dict[str, str]:
+        """The ranks' environment naming the nodes (lists in OmegaConf's syntax, for oc.decode)."""
+        return {self.ENDPOINTS_ENV: "[" + ",".join(train) + "]", self.EVAL_ENDPOINTS_ENV: "[" + ",".join(eval_) + "]"}
+
+
+@dataclass(frozen=True)
 class Run:
     """One resolved run: its config (a plain dict, as saved: never a secret), where it lives, its world
     size, and `secrets`: environment variables the ranks need that are never written or printed (the
@@ -50,6 +76,7 @@ class Run:
     config_path: str
     world_size: int
     secrets: dict[str, str] = field(default_factory=dict)
+    cache_nodes: CacheNodes | None = None
 
 
 MASK = "********"

@@ -9,8 +9,10 @@ the process with exit code 2 and one line before anything is launched, and leave
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import re
 import sys
 import time
 
@@ -18,6 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import launchers
+from datacache.server import TOKEN_ENV
 from trainer import config
 
 log = logging.getLogger("trainer")
@@ -66,6 +69,11 @@ def check(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     cfg.run_dir = run_dir
     config.validate(cfg)
+    c = cfg.data.cache
+    plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
+    if c.token and plain:
+        print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
+              "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
     if cfg.launcher.name == "local":
         from trainer import worker
 
@@ -83,14 +91,35 @@ def prepare_run(cfg: DictConfig) -> launchers.Run:
         _remove_new_empty_dirs(run_dir)
         raise SystemExit(2) from None
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    saved, secrets, cache_nodes = _as_launched(resolved)
     if resolved["launcher"].get("dry_run"):
         _remove_new_empty_dirs(run_dir)
         path = os.path.join(run_dir, "config.yaml")
     else:
         os.makedirs(run_dir, exist_ok=True)
-        path = _save_config(resolved, run_dir)
-    return launchers.Run(config=resolved, run_dir=run_dir, config_path=path,
-                         world_size=config.world_size(cfg))
+        path = _save_config(saved, run_dir)
+    return launchers.Run(config=saved, run_dir=run_dir, config_path=path, world_size=config.world_size(cfg),
+                         secrets=secrets, cache_nodes=cache_nodes)
+
+
+def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheNodes | None]:
+    """The config as saved and sent (no secret in it), the secrets the ranks get as environment variables,
+    and the cache nodes to start: the config reads the token and the nodes' endpoints from the variables
+    the launcher sets (`${oc.env:...}`)."""
+    saved = copy.deepcopy(resolved)
+    cache = saved["data"]["cache"]
+    secrets = {}
+    if cache.get("token"):
+        secrets[TOKEN_ENV] = str(cache["token"])
+        cache["token"] = f"${{oc.env:{TOKEN_ENV}}}"
+    nodes = None
+    if cache.get("nodes"):
+        nodes = launchers.CacheNodes(count=int(cache["nodes"]), command=[
+            "-m", "trainer.cache_node", "{config}", "--shard", "{index}/{count}", "--host", "{host}",
+            "--port", "{port}", "--eval-port", "{eval_port}"])
+        cache["endpoints"] = f"${{oc.decode:${{oc.env:{nodes.ENDPOINTS_ENV}}}}}"
+        cache["eval_endpoints"] = f"${{oc.decode:${{oc.env:{nodes.EVAL_ENDPOINTS_ENV}}}}}"
+    return saved, secrets, nodes
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -101,15 +130,18 @@ def _app(cfg: DictConfig) -> float:
     launcher_cfg = run.config["launcher"]
     try:
         job = launchers.get(launcher_cfg).launch(run)
+        if job is None:  # a dry run: the launcher printed what it would do
+            return float("nan")
+        if not launcher_cfg.get("wait", True):
+            print(f"submitted {job.name} ({launcher_cfg['name']}); run directory: {run.run_dir}", flush=True)
+            return float("nan")
+        state = job.wait()
     except config.ConfigError as e:  # in process, what the worker found that the checks could not see
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if job is None:  # a dry run: the launcher printed what it would do
-        return float("nan")
-    if not launcher_cfg.get("wait", True):
-        print(f"submitted {job.name} ({launcher_cfg['name']}); run directory: {run.run_dir}", flush=True)
-        return float("nan")
-    state = job.wait()
+    except launchers.LauncherError as e:  # the cluster, Docker or a cache node said no: one line
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     if state != launchers.JobState.SUCCEEDED:
         raise RuntimeError(f"run {run.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}
@@ -119,7 +151,25 @@ def _app(cfg: DictConfig) -> float:
     return loss
 
 
+_TOKEN_OVERRIDE = re.compile(r"^(?P<prefix>[+~]{0,2})data\.cache\.token=(?P<value>.*)$", re.DOTALL)
+
+
+def hide_secrets(argv: list[str]) -> list[str]:
+    """Overrides with the cache token's value moved into TRAINJOB_CACHE_TOKEN and referred to as
+    `${oc.env:...}`, so that Hydra never holds it: not in its echo of a sweep's overrides, not in
+    multirun.yaml, not in an error message."""
+    hidden = []
+    for arg in argv:
+        match = _TOKEN_OVERRIDE.match(arg)
+        if match and match["value"] and not match["value"].startswith("${"):
+            os.environ[TOKEN_ENV] = match["value"]
+            arg = f"{match['prefix']}data.cache.token=${{oc.env:{TOKEN_ENV}}}"
+        hidden.append(arg)
+    return hidden
+
+
 def main() -> None:
+    sys.argv[1:] = hide_secrets(sys.argv[1:])
     try:
         _app()
     except SystemExit as e:

@@ -55,8 +55,15 @@ class CacheConfig:
     # Cache nodes holding the eval rows; empty: the local corpus. With both lists set, no corpus is built
     # or read where the job runs.
     eval_endpoints: list[str] = field(default_factory=list)
+    # Shared secret the nodes ask for. Never written: config.yaml, manifests and printed commands refer to
+    # it as ${oc.env:TRAINJOB_CACHE_TOKEN}, and launchers hand it to the ranks in that variable.
     token: str | None = None
     prefetch: int = 8  # steps each rank reads ahead (datacache.StreamingDataset's prefetch)
+    # PEM file of the CA that signed grpc+tls nodes' certificates (a private CA); null: the system's.
+    tls_root_cert: str | None = None
+    # Cache nodes the launcher starts beside the ranks over this run's corpus (0: none); they replace
+    # endpoints and eval_endpoints, and stop when the run ends.
+    nodes: int = 0
 
 
 @dataclass
@@ -462,6 +469,10 @@ def _validate_launcher(cfg: DictConfig) -> None:
         _require(lc.resources_per_node.gpu >= 0, "launcher.resources_per_node.gpu", lc.resources_per_node.gpu,
                  "must be >= 0")
         _positive(cfg, "launcher.poll_seconds")
+        nnodes = cfg.runtime.nnodes if cfg.get("runtime") is not None else 1
+        _require(nnodes == 1 or bool(lc.run_claim), "launcher.run_claim", lc.run_claim,
+                 f"runtime.nnodes={nnodes} needs a shared PersistentVolumeClaim for the run directory: checkpoints "
+                 "written on each pod's own disk cannot be resumed")
         _require(lc.active_deadline_seconds is None or lc.active_deadline_seconds > 0,
                  "launcher.active_deadline_seconds", lc.active_deadline_seconds, "must be > 0, or null")
         for key in lc.env:
@@ -515,10 +526,19 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "must be >= 0")
     _require(cfg.data.cache.prefetch >= 0, "data.cache.prefetch", cfg.data.cache.prefetch,
              "must be >= 0 (0: no read-ahead thread)")
+    c = cfg.data.cache
     for key in CACHE_KEYS.values():
-        for i, endpoint in enumerate(cfg.data.cache[key]):
+        for i, endpoint in enumerate(c[key]):
             _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")),
                      f"data.cache.{key}[{i}]", endpoint, "must be a Flight location such as grpc://host:50051")
+    _require(c.nodes >= 0, "data.cache.nodes", c.nodes, "must be >= 0 (0: start no cache nodes)")
+    _require(not c.nodes or cfg.launcher.name == "local", "data.cache.nodes", c.nodes,
+             f"launcher={cfg.launcher.name} does not start cache nodes yet (launcher=local does): serve the corpus "
+             "with `python -m datacache serve` and set data.cache.endpoints and eval_endpoints")
+    _require(not (c.nodes and (c.endpoints or c.eval_endpoints)), "data.cache.nodes", c.nodes,
+             "the run starts its own cache nodes: leave data.cache.endpoints and eval_endpoints empty")
+    _require(c.tls_root_cert is None or os.path.isfile(os.path.expanduser(c.tls_root_cert)),
+             "data.cache.tls_root_cert", c.tls_root_cert, "must be a readable PEM file")
     if cfg.data.name == "parquet":
         _require(bool(cfg.data.path), "data.path", cfg.data.path,
                  "data=parquet needs the Parquet files: a file, a directory or a glob")

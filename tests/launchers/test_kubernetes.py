@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -29,7 +30,10 @@ SDK = os.path.join(os.path.dirname(crds.DEFAULT_DIR), "sdk-0.5.0-customtrainer-t
 
 
 def make_run(tmp_path, *overrides: str):
-    return compose_run(tmp_path, "launcher=kubernetes", "+runtime=torch-distributed", *overrides)
+    """A Kubernetes run; several nodes share a claim for the run directory, as they must."""
+    several = any(o.startswith("runtime.nnodes=") and o != "runtime.nnodes=1" for o in overrides)
+    claim = ["launcher.run_claim=runs"] if several and not any("run_claim" in o for o in overrides) else []
+    return compose_run(tmp_path, "launcher=kubernetes", "+runtime=torch-distributed", *claim, *overrides)
 
 
 STRATEGY = {"ddp": [], "fsdp2": ["strategy=fsdp2"], "fsdp2_tp": ["strategy=fsdp2_tp", "runtime.nproc_per_node=4",
@@ -123,6 +127,8 @@ def test_dry_run_prints_yaml_for_kubectl_and_writes_nothing(run_cli, tmp_path):
     (["scheduler=kueue"], "scheduler='kueue': gang schedulers run on Kubernetes"),
     (["launcher=kubernetes", "+runtime=torch-distributed", "scheduler=kai", "scheduler.queue=null"],
      "scheduler.queue=None: scheduler=kai needs the queue"),
+    (["launcher=kubernetes", "+runtime=torch-distributed", "runtime.nnodes=2"],
+     "launcher.run_claim=None: runtime.nnodes=2 needs a shared PersistentVolumeClaim"),
 ])
 def test_bad_launcher_configs_are_refused(overrides, message):
     config.register()
@@ -288,3 +294,22 @@ def test_an_unreachable_api_server_is_one_clear_error(tmp_path):
                                             r"ConfigMap '[a-z0-9-]+-config'"):
         get_launcher(run.config["launcher"]).launch(run)
     assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))
+
+
+def test_an_unreachable_api_server_ends_the_cli_with_one_line_and_exit_1(run_cli, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    proc = run_cli("launcher=kubernetes", "+runtime=torch-distributed", f"launcher.kubeconfig={kubeconfig}",
+                   f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"error: Kubernetes API: cannot reach the API server at "
+                                        rf"http://127.0.0.1:{port} to create ConfigMap '[a-z0-9-]+-config': ", lines[0])
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "manifests.yaml").exists()

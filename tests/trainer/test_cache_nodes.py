@@ -1,0 +1,95 @@
+"""A run's own data cache nodes (`data.cache.nodes`), and the cache token kept out of every file and
+printout: real torchrun ranks reading from real Arrow Flight nodes that the local launcher starts."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from tests.conftest import TINY, read_metrics, read_summary
+
+TOKEN = "s3cret-t0ken-42"
+
+
+def _losses(run_dir: str) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def _cache_node_pids(config_path: str) -> list[int]:
+    pids = []
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"trainer.cache_node" in args and config_path.encode() in args:
+            pids.append(int(cmdline.split("/")[2]))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_run_starts_its_cache_nodes_reads_from_them_and_stops_them(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
+                   "runtime.nproc_per_node=2", "data.cache.nodes=2", f"data.cache.token={TOKEN}",
+                   f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i in range(2):  # each node served its shard (its log says where)
+        with open(run_dir / "logs" / f"cache-node-{i}.log") as f:
+            assert "serving grpc+tcp://127.0.0.1:" in f.read()
+    assert _cache_node_pids(str(run_dir / "config.yaml")) == []  # no node outlives the run
+    with open(run_dir / "config.yaml") as f:
+        saved = f.read()
+    assert TOKEN not in saved and TOKEN not in proc.stdout + proc.stderr
+    cache = yaml.safe_load(saved)["data"]["cache"]
+    assert cache["token"] == "${oc.env:TRAINJOB_CACHE_TOKEN}"
+    assert cache["endpoints"] == "${oc.decode:${oc.env:TRAINJOB_CACHE_ENDPOINTS}}"
+
+    # The nodes give the batches the local corpus gives: the same run without them has the same losses.
+    local = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
+                    "runtime.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'local'}")
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert _losses(str(run_dir)) == pytest.approx(_losses(str(tmp_path / "local")), rel=1e-6)
+    assert read_summary(str(run_dir))["final_eval_loss"] == pytest.approx(
+        read_summary(str(tmp_path / "local"))["final_eval_loss"], rel=1e-6)
+
+
+def test_the_cache_token_is_never_printed_or_written(run_cli, tmp_path):
+    dry = run_cli("launcher=kubernetes", "+runtime=torch-distributed", "launcher.dry_run=true",
+                  "data.cache.endpoints=[grpc://cache-0:50051]", "data.cache.eval_endpoints=[grpc://cache-0:50052]",
+                  f"data.cache.token={TOKEN}", timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert TOKEN not in dry.stdout + dry.stderr
+    assert "warning: data.cache.token goes in clear to grpc://cache-0:50051" in dry.stderr
+    docs = list(yaml.safe_load_all(dry.stdout))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "TrainJob"]
+    assert yaml.safe_load(docs[0]["data"]["config.yaml"])["data"]["cache"]["token"] == \
+        "${oc.env:TRAINJOB_CACHE_TOKEN}"
+
+    # A sweep: Hydra's echo of each job's overrides and its multirun.yaml hold the variable, not the token.
+    sweep = run_cli("-m", *TINY, "train.max_steps=0,1", "data.cache.endpoints=[grpc://127.0.0.1:1]",
+                    f"data.cache.token={TOKEN}", f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=120)
+    assert sweep.returncode == 2
+    assert "TRAINJOB_CACHE_TOKEN" in sweep.stdout  # Hydra's echo (it escapes the braces)
+    assert TOKEN not in sweep.stdout + sweep.stderr
+    for path in glob.glob(str(tmp_path / "sweep" / "**"), recursive=True):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                assert TOKEN not in f.read(), path
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.cache.nodes=-1"], "data.cache.nodes=-1: must be >= 0"),
+    (["data.cache.nodes=2", "data.cache.endpoints=[grpc://h:1]"], "leave data.cache.endpoints and eval_endpoints"),
+    (["data.cache.nodes=2", "launcher=docker", "+runtime=torch-distributed"],
+     "launcher=docker does not start cache nodes yet"),
+    (["data.cache.tls_root_cert=/nonexistent/ca.pem"], "data.cache.tls_root_cert='/nonexistent/ca.pem': must be"),
+])
+def test_bad_cache_settings_are_refused(run_cli, tmp_path, overrides, message):
+    proc = run_cli(*TINY, "train.max_steps=1", *overrides, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,62 @@
+"""One data cache node of a run (`data.cache.nodes=N`), started by the run's launcher beside its ranks:
+
+    python -m trainer.cache_node <config.yaml> --shard i/N --host H --port P [--eval-port Q]
+
+It builds the run's corpus (or finds it in `data.cache_dir`), then serves shard i of N of its training rows
+on port P, and with `--eval-port` all of its eval rows on port Q, over Arrow Flight until it is stopped.
+The token, if any, comes from TRAINJOB_CACHE_TOKEN, as for the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from omegaconf import OmegaConf
+
+from datacache.server import TOKEN_ENV, CacheServer
+from trainer import data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.cache_node", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the run's resolved config.yaml")
+    parser.add_argument("--shard", required=True, help="i/N: serve the i-th of N parts of the training rows")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--eval-port", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        index, count = (int(x) for x in args.shard.split("/"))
+    except ValueError:
+        parser.error(f"--shard {args.shard!r}: give it as i/N, for example 0/2")
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][cache-node][%(levelname)s] %(message)s")
+    cfg = OmegaConf.load(args.config)
+    corpus = data.prepare(cfg.data)
+    token = os.environ.get(TOKEN_ENV) or None
+    servers = [CacheServer(os.path.join(corpus, "train"), f"grpc://{args.host}:{args.port}", shard=index,
+                           num_shards=count, token=token)]
+    if args.eval_port is not None:
+        servers.append(CacheServer(os.path.join(corpus, "eval"), f"grpc://{args.host}:{args.eval_port}",
+                                   token=token))
+
+    def stop(*_):
+        for server in servers:
+            threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    threads = [threading.Thread(target=server.serve) for server in servers]
+    for thread in threads:
+        thread.start()
+    print(f"serving {', '.join(s.location for s in servers)}", flush=True)
+    for thread in threads:
+        thread.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
