@@ -3,9 +3,11 @@
 Node `i` is container `<job>-node-<i>`; torchrun on every node meets at a c10d rendezvous on node 0,
 reached by its container name on the job's network. The run directory and the data cache are mounted
 at the same paths as on this host, so the resolved config and the worker command are the launcher's
-usual ones. Node `i` gets GPUs `i*g .. i*g+g-1` of the host (`launcher.gpus_per_node=g`). Secrets
-reach the containers as environment variables named on the command line and valued from the docker
-CLI's own environment, so no value shows in `ps` or in the printed commands. A relaunch of the same run
+usual ones. Data cache nodes (`data.cache.nodes`) run as containers `<job>-cache-<i>` of the same image
+on the network, and the ranks start once each answers `python -m datacache ready`. Node `i` gets GPUs
+`i*g .. i*g+g-1` of the host (`launcher.gpus_per_node=g`). Secrets reach the containers as environment
+variables named on the command line and valued from the docker CLI's own environment, so no value shows
+in `ps` or in the printed commands. A relaunch of the same run
 directory first removes the last attempt's stopped containers and network; a launch that fails half way
 removes what it started; containers are removed once the job has finished (the logs are in the run
 directory). It drives the `docker` CLI; `launcher.dry_run=true` prints the commands instead.
@@ -17,6 +19,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,8 +70,13 @@ def host_gpus() -> int | None:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else None
 
 
+def cache_containers(run: Run) -> list[str]:
+    return [f"{job_name(run)}-cache-{i}" for i in range(run.cache_nodes.count if run.cache_nodes else 0)]
+
+
 def commands(run: Run) -> list[list[str]]:
-    """The docker commands that start `run`: the network, then one detached container per node."""
+    """The docker commands that start `run`: the network, the data cache nodes (`data.cache.nodes`), then
+    one detached container per node."""
     check(run)
     lc, rt = run.config["launcher"], run.config["runtime"]
     name = job_name(run)
@@ -79,22 +87,49 @@ def commands(run: Run) -> list[list[str]]:
     env = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, "TRAINJOB_CACHE": cache,
            **{str(k): str(v) for k, v in (lc.get("env") or {}).items()}}
     cmds = [] if lc.get("network") else [["docker", "network", "create", "--label", f"trainjob.run={name}", network]]
-    endpoint = f"{name}-node-0:{RDZV_PORT}"
-    for node in range(nnodes):
-        cmd = ["docker", "run", "--detach", "--name", f"{name}-node-{node}", "--hostname", f"{name}-node-{node}",
-               "--network", network, "--label", f"trainjob.run={name}", "--label", f"trainjob.node={node}",
-               "--shm-size", lc["shm_size"], "--volume", f"{run.run_dir}:{run.run_dir}",
-               "--volume", f"{cache}:{cache}"]
-        if lc.get("gpus_per_node"):
-            cmd += ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
+
+    def container(cname: str, role: str) -> list[str]:
+        cmd = ["docker", "run", "--detach", "--name", cname, "--hostname", cname, "--network", network,
+               "--label", f"trainjob.run={name}", "--label", f"trainjob.role={role}", "--shm-size", lc["shm_size"],
+               "--volume", f"{run.run_dir}:{run.run_dir}", "--volume", f"{cache}:{cache}"]
         for key, value in env.items():
             cmd += ["--env", f"{key}={value}"]
         for key in sorted(run.secrets):
             cmd += ["--env", key]  # the value comes from the docker CLI's environment
-        cmd += [lc["image"], "torchrun", *torchrun_args(rt, nproc, endpoint=endpoint),
-                *worker_command(run.config_path)]
-        cmds.append(cmd)
+        return cmd
+
+    nodes = run.cache_nodes
+    for i, cname in enumerate(cache_containers(run)):
+        cmds.append([*container(cname, "cache"), lc["image"], "python",
+                     *nodes.argv(run.config_path, i, "0.0.0.0", nodes.port, nodes.eval_port)])
+    if nodes:
+        env.update(nodes.env([f"grpc://{c}:{nodes.port}" for c in cache_containers(run)],
+                             [f"grpc://{cache_containers(run)[0]}:{nodes.eval_port}"]))
+    endpoint = f"{name}-node-0:{RDZV_PORT}"
+    for node in range(nnodes):
+        cmd = container(f"{name}-node-{node}", "node")
+        if lc.get("gpus_per_node"):
+            at = cmd.index("--shm-size")
+            cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
+        cmds.append([*cmd, lc["image"], "torchrun", *torchrun_args(rt, nproc, endpoint=endpoint),
+                     *worker_command(run.config_path)])
     return cmds
+
+
+def _wait_ready(run: Run, timeout: float = 600.0) -> None:
+    """Until every cache container answers `python -m datacache ready` from inside itself."""
+    nodes, deadline = run.cache_nodes, time.monotonic() + timeout
+    for i, cname in enumerate(cache_containers(run)):
+        ports = [nodes.port] + ([nodes.eval_port] if i == 0 else [])
+        for port in ports:
+            while _docker("exec", cname, "python", "-m", "datacache", "ready", f"grpc://127.0.0.1:{port}",
+                          check=False, env=run.secrets).returncode != 0:
+                state = _docker("inspect", "--format", "{{.State.Status}}", cname, check=False).stdout.strip()
+                if state != "running" or time.monotonic() > deadline:
+                    logs = _docker("logs", "--tail", "3", cname, check=False)
+                    raise LauncherError(f"cache node {cname} is {state or 'gone'} and not serving: "
+                                        + " | ".join((logs.stdout + logs.stderr).strip().splitlines()))
+                time.sleep(1.0)
 
 
 def _docker(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -123,8 +158,9 @@ def _leftovers(name: str) -> list[tuple[str, str]]:
 
 
 class DockerJob(PollingJob):
-    def __init__(self, run: Run, name: str, nnodes: int, network: str | None):
+    def __init__(self, run: Run, name: str, nnodes: int, network: str | None, caches: list[str] | None = None):
         self.run, self.name, self.nnodes, self._network = run, name, nnodes, network
+        self._caches = list(caches or [])
         self._cancelled = False
         self._final: JobState | None = None
 
@@ -135,7 +171,7 @@ class DockerJob(PollingJob):
         state = super().wait(timeout)
         if state.finished and self._final is None:
             self._final = state
-            _remove(self.name, [self._container(n) for n in range(self.nnodes)], self._network)
+            _remove(self.name, [self._container(n) for n in range(self.nnodes)] + self._caches, self._network)
         return state
 
     def status(self) -> JobState:
@@ -163,7 +199,7 @@ class DockerJob(PollingJob):
 
     def cancel(self) -> None:
         """Remove the containers, and the network if the job created it."""
-        _remove(self.name, [self._container(n) for n in range(self.nnodes)], self._network)
+        _remove(self.name, [self._container(n) for n in range(self.nnodes)] + self._caches, self._network)
         self._cancelled = True
 
 
@@ -190,8 +226,15 @@ class DockerLauncher(Launcher):
                                 "stop it first (docker rm -f ...)")
         _remove(name, [c for c, _ in leftovers], lc.get("network"))
         started: list[str] = []
+        caches = cache_containers(run)
         for cmd in cmds:
             container = cmd[cmd.index("--name") + 1] if cmd[1] == "run" else None
+            if container == f"{name}-node-0" and caches:
+                try:
+                    _wait_ready(run)  # the ranks start once their cache nodes serve
+                except LauncherError:
+                    _remove(name, started, lc.get("network"))
+                    raise
             proc = _docker(*cmd[1:], env=run.secrets, check=False)
             if proc.returncode != 0:
                 _remove(name, started, lc.get("network"))  # nothing half-started stays behind
@@ -200,7 +243,7 @@ class DockerLauncher(Launcher):
                                     "launch had started")
             if container:
                 started.append(container)
-        job = DockerJob(run, name, nnodes, lc.get("network"))
+        job = DockerJob(run, name, nnodes, lc.get("network"), caches)
         self._jobs.append(job)
         return job
 

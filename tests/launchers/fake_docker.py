@@ -2,7 +2,7 @@
 
 It keeps its containers and networks in a JSON file ($FAKE_DOCKER_STATE), logs every call with the
 secrets it could read from its environment ($FAKE_DOCKER_LOG, one JSON line per call), and answers the
-few commands the launcher runs (network create/rm, run, ps, inspect, rm) as the real CLI would. A
+few commands the launcher runs (network create/rm, run, ps, inspect, exec, logs, rm) as the real CLI would. A
 container named in the state's `fail` list fails to start; `exit_code` sets how started containers end.
 """
 
@@ -46,6 +46,11 @@ def main(argv: list[str]) -> int:
             out = f"exited {state.get('exit_code', 0)}\n"
         else:
             code, err = 1, f"Error: No such object: {name}"
+    elif argv[0] == "exec":  # only `python -m datacache ready ...` is run inside: a running node answers
+        if state["containers"].get(argv[1], {}).get("state") != "running":
+            code, err = 1, f"Error response from daemon: container {argv[1]} is not running"
+    elif argv[0] == "logs":
+        pass
     elif argv[0] == "rm":
         for name in argv[2:]:
             state["containers"].pop(name, None)

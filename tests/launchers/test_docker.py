@@ -143,3 +143,28 @@ def test_a_run_directory_with_a_colon_is_refused(tmp_path):
     run = make_run(tmp_path)
     with pytest.raises(LauncherError, match="holds ':', which docker reads as a volume separator"):
         commands(dataclasses.replace(run, run_dir=str(tmp_path / "a:b")))
+
+
+def test_cache_nodes_run_as_containers_and_the_ranks_start_once_they_serve(tmp_path, docker):
+    read_state, _, calls = docker
+    run = make_run(tmp_path, "runtime.nnodes=2", "data.cache.nodes=2", "data.cache.token=s3cret")
+    name = job_name(run)
+    cmds = commands(run)
+    caches = [c for c in cmds if "trainjob.role=cache" in c]
+    assert [c[c.index("--name") + 1] for c in caches] == [f"{name}-cache-0", f"{name}-cache-1"]
+    assert caches[1][caches[1].index("python"):] == [
+        "python", "-m", "trainer.cache_node", run.config_path, "--shard", "1/2", "--host", "0.0.0.0",
+        "--port", "50051", "--eval-port", "50052"]
+    ranks = [c for c in cmds if "trainjob.role=node" in c]
+    assert all(f"TRAINJOB_CACHE_ENDPOINTS=[grpc://{name}-cache-0:50051,grpc://{name}-cache-1:50051]" in c
+               and f"TRAINJOB_CACHE_EVAL_ENDPOINTS=[grpc://{name}-cache-0:50052]" in c for c in ranks)
+    assert all("s3cret" not in " ".join(c) for c in cmds)
+
+    job = get_launcher(run.config["launcher"]).launch(run)
+    order = [c["argv"][0] + " " + (c["argv"][c["argv"].index("--name") + 1] if "--name" in c["argv"] else
+                                   c["argv"][1]) for c in calls() if c["argv"][0] in ("run", "exec")]
+    assert order == [f"run {name}-cache-0", f"run {name}-cache-1", f"exec {name}-cache-0", f"exec {name}-cache-0",
+                     f"exec {name}-cache-1", f"run {name}-node-0", f"run {name}-node-1"]
+    job.poll_seconds = 0.01
+    assert job.wait(timeout=10) == JobState.SUCCEEDED
+    assert read_state()["containers"] == {}  # the cache nodes went with the job
