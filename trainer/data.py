@@ -162,11 +162,15 @@ def prepare(cfg) -> str:
 
 
 def check_corpus(corpus: str, cfg) -> None:
-    """Raise ConfigError unless the corpus can feed the job `cfg`: every split read from it holds at least
-    one global batch, and the model has an embedding for every token id in it."""
+    """Raise ConfigError unless the corpus can feed the job `cfg`: the model has an embedding for every
+    token id in it, and every split read from it holds at least one global batch."""
     with open(os.path.join(corpus, "corpus.json")) as f:
         info = json.load(f)
     d, batch = cfg.data, cfg.train.global_batch_size
+    if info["max_token_id"] >= cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"the corpus holds token id "
+                          f"{info['max_token_id']} ({d.tokens_column or d.text_column!r} of data.path={d.path}): "
+                          f"must be > {info['max_token_id']}")
     for split, endpoints_key in CACHE_KEYS.items():
         rows = info["rows"][split]
         if d.cache[endpoints_key] or rows >= batch:
@@ -177,7 +181,3 @@ def check_corpus(corpus: str, cfg) -> None:
         raise ConfigError("train.global_batch_size", batch, f"the {split} split holds {rows} rows of "
                           f"data.seq_len={d.seq_len} (data.eval_percent={d.eval_percent}), fewer than one "
                           f"global batch: must be <= {rows}, or {fix}")
-    if info["max_token_id"] >= cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"the corpus holds token id "
-                          f"{info['max_token_id']} ({d.tokens_column or d.text_column!r} of data.path={d.path}): "
-                          f"must be > {info['max_token_id']}")

@@ -43,8 +43,8 @@ def parquet_dir(tmp_path_factory):
     """Parquet files a new user might point data.path at, the wrong way or the right one."""
     root = tmp_path_factory.mktemp("parquet")
     pq.write_table(pa.table({"text": list(range(100))}), root / "ints.parquet")
-    pq.write_table(pa.table({"ids": [[1, 2, 300] * 40] * 200}), root / "beyond_vocab.parquet")
-    pq.write_table(pa.table({"ids": [[1, 2, 70000] * 40] * 200}), root / "beyond_uint16.parquet")
+    pq.write_table(pa.table({"ids": [[1, 2, 300] * 40] * 1000}), root / "beyond_vocab.parquet")
+    pq.write_table(pa.table({"ids": [[1, 2, 70000] * 40] * 1000}), root / "beyond_uint16.parquet")
     docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (5 + i % 30) for i in range(600)]
     pq.write_table(pa.table({"text": docs}), root / "text.parquet")
     return root
@@ -158,6 +158,8 @@ def _override(key: str, value) -> str:
 @st.composite
 def _numeric_overrides(draw, keys, small: bool) -> list[str]:
     chosen = draw(st.lists(st.sampled_from(keys), min_size=1, max_size=4, unique_by=lambda k: k[0]))
+    launcher = next((o for _, _, more in chosen for o in more if o.startswith("launcher=")), None)
+    chosen = [k for k in chosen if all(not o.startswith("launcher=") or o == launcher for o in k[2])]
     extra = sorted({o for _, _, more in chosen for o in more})
     return [*extra, *(_override(key, draw(_value(kind, small))) for key, kind, _ in chosen)]
 
