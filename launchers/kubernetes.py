@@ -4,7 +4,9 @@ Every node runs `torchrun ... -m trainer.worker /etc/trainjob/config.yaml`; torc
 processes per node, node rank and master address from the `PET_*` variables that Trainer's torch plugin
 injects. The resolved config travels in a ConfigMap mounted into container `node`, and is owned by the
 TrainJob so that deleting the job deletes it; the run's secrets (the data cache token) travel in a
-Secret, owned the same way, that the pods read through `secretKeyRef`. Gang schedulers
+Secret, owned the same way, that the pods read through `secretKeyRef`. Data cache nodes
+(`data.cache.nodes`) are a StatefulSet behind a headless Service, owned the same way; the TrainJob is
+created once their pods are ready. Gang schedulers
 (`launchers.schedulers`) add labels, or a namespaced TrainingRuntime derived from the cluster's.
 `launcher.dry_run=true` prints the manifests as multi-document YAML for `kubectl apply -f -` (secret
 values masked) and submits nothing. A submission that fails removes whatever it had created, and only a
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,15 +135,18 @@ def render(run: Run, runtime_spec: dict[str, Any] | None = None, reveal: bool = 
             "metadata": {"name": secret, "namespace": namespace, "labels": labels},
             "stringData": {k: (v if reveal else MASK) for k, v in sorted(run.secrets.items())},
         })
+    secret_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(run.secrets)]
     env = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **{str(k): str(v) for k, v in (lc.get("env") or {}).items()}}
+    if run.cache_nodes:
+        manifests += cache_manifests(run, name, namespace, labels, config_map, secret_env)
+        env.update(cache_endpoints(run, name, namespace))
     trainer: dict[str, Any] = {
         "image": lc["image"],
         "command": ["torchrun", f"--max-restarts={rt['max_restarts']}",
                     *worker_command(f"{CONFIG_DIR}/config.yaml")],
         "numNodes": int(rt["nnodes"]),
         "numProcPerNode": run.world_size // int(rt["nnodes"]),
-        "env": [{"name": k, "value": v} for k, v in env.items()]
-        + [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(run.secrets)],
+        "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,
     }
     resources = _resources(lc.get("resources_per_node") or {})
     if resources:
@@ -161,6 +167,49 @@ def render(run: Run, runtime_spec: dict[str, Any] | None = None, reveal: bool = 
     schedulers.apply_to_trainjob(sc, trainjob)
     manifests.append(trainjob)
     return manifests
+
+
+def cache_endpoints(run: Run, name: str, namespace: str) -> dict[str, str]:
+    """The ranks' environment naming the cache pods by their stable DNS names (`<pod>.<service>`)."""
+    nodes, service = run.cache_nodes, f"{name}-cache"
+    pods = [f"{service}-{i}.{service}.{namespace}.svc" for i in range(nodes.count)]
+    return nodes.env([f"grpc://{p}:{nodes.port}" for p in pods], [f"grpc://{pods[0]}:{nodes.eval_port}"])
+
+
+def cache_manifests(run: Run, name: str, namespace: str, labels: dict[str, str], config_map: str,
+                    secret_env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A headless Service and a StatefulSet of `data.cache.nodes` pods, pod i serving shard i of the
+    training rows (the index from the pod's `apps.kubernetes.io/pod-index` label), ready once `python -m
+    datacache ready` answers inside it; the same image, config and volumes as the ranks."""
+    lc, nodes, service = run.config["launcher"], run.cache_nodes, f"{name}-cache"
+    selector = {"trainjob.dev/cache": name}
+    pod = _pod_patch(lc, config_map)
+    mounts = pod.pop("containers")[0]["volumeMounts"]
+    index = {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
+    container = {
+        "name": "cache", "image": lc["image"],
+        "command": ["python", *nodes.argv(f"{CONFIG_DIR}/config.yaml", "$(POD_INDEX)", "0.0.0.0", nodes.port,
+                                          nodes.eval_port)],
+        "env": [index, {"name": "PYTHONUNBUFFERED", "value": "1"}, *secret_env],
+        "ports": [{"name": "train", "containerPort": nodes.port}, {"name": "eval", "containerPort": nodes.eval_port}],
+        "readinessProbe": {"exec": {"command": ["python", "-m", "datacache", "ready",
+                                                f"grpc://127.0.0.1:{nodes.port}"]},
+                           "periodSeconds": 5, "timeoutSeconds": 30},
+        "volumeMounts": mounts,
+    }
+    return [
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": service, "namespace": namespace, "labels": labels},
+         "spec": {"clusterIP": "None", "selector": selector,
+                  "ports": [{"name": "train", "port": nodes.port}, {"name": "eval", "port": nodes.eval_port}]}},
+        {"apiVersion": "apps/v1", "kind": "StatefulSet",
+         "metadata": {"name": service, "namespace": namespace, "labels": labels},
+         "spec": {"serviceName": service, "replicas": nodes.count, "podManagementPolicy": "Parallel",
+                  "selector": {"matchLabels": selector},
+                  "template": {"metadata": {"labels": {**labels, **selector}},
+                               "spec": {**pod, "containers": [container]}}}},
+    ]
 
 
 class _Dumper(yaml.SafeDumper):
@@ -223,6 +272,7 @@ class Api:
         api_client.configuration.retries = 1  # an unreachable server: one clear error, soon
         self.host = api_client.configuration.host
         self.custom = client.CustomObjectsApi(api_client)
+        self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
         self.ApiException = client.exceptions.ApiException
 
@@ -316,8 +366,29 @@ def _create(api: Api, m: dict[str, Any], namespace: str) -> Any:
         return api.call("create", kind, name, namespace, api.core.create_namespaced_config_map, namespace, m)
     if kind == "Secret":
         return api.call("create", kind, name, namespace, api.core.create_namespaced_secret, namespace, m)
+    if kind == "Service":
+        return api.call("create", kind, name, namespace, api.core.create_namespaced_service, namespace, m)
+    if kind == "StatefulSet":
+        return api.call("create", kind, name, namespace, api.apps.create_namespaced_stateful_set, namespace, m)
     return api.call("create", kind, name, namespace, api.custom.create_namespaced_custom_object, GROUP, VERSION,
                     namespace, _plural(kind), m)
+
+
+CACHE_READY_TIMEOUT = 1800.0  # each cache pod builds the corpus before it serves
+
+
+def _wait_for_cache(api: Api, name: str, namespace: str, count: int, poll_seconds: float) -> None:
+    """Until the cache StatefulSet's pods are all ready (their `python -m datacache ready` probe answers)."""
+    deadline = time.monotonic() + CACHE_READY_TIMEOUT
+    while True:
+        status = api.call("read", "StatefulSet", name, namespace, api.apps.read_namespaced_stateful_set_status,
+                          name, namespace).status
+        if (status.ready_replicas or 0) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise LauncherError(f"the {count} cache pods of StatefulSet {name!r} are not ready after "
+                                f"{CACHE_READY_TIMEOUT:.0f} s (kubectl describe statefulset {name} -n {namespace})")
+        time.sleep(poll_seconds)
 
 
 def _own(api: Api, m: dict[str, Any], namespace: str, owner: dict[str, Any]) -> None:
@@ -328,6 +399,10 @@ def _own(api: Api, m: dict[str, Any], namespace: str, owner: dict[str, Any]) -> 
         api.call("patch", kind, name, namespace, api.core.patch_namespaced_config_map, name, namespace, patch)
     elif kind == "Secret":
         api.call("patch", kind, name, namespace, api.core.patch_namespaced_secret, name, namespace, patch)
+    elif kind == "Service":
+        api.call("patch", kind, name, namespace, api.core.patch_namespaced_service, name, namespace, patch)
+    elif kind == "StatefulSet":
+        api.call("patch", kind, name, namespace, api.apps.patch_namespaced_stateful_set, name, namespace, patch)
     else:
         api.call("patch", kind, name, namespace, api.custom.patch_namespaced_custom_object, GROUP, VERSION,
                  namespace, _plural(kind), name, patch)
@@ -341,6 +416,10 @@ def _delete(api: Api, m: dict[str, Any], namespace: str) -> None:
             api.call("delete", kind, name, namespace, api.core.delete_namespaced_config_map, name, namespace)
         elif kind == "Secret":
             api.call("delete", kind, name, namespace, api.core.delete_namespaced_secret, name, namespace)
+        elif kind == "Service":
+            api.call("delete", kind, name, namespace, api.core.delete_namespaced_service, name, namespace)
+        elif kind == "StatefulSet":
+            api.call("delete", kind, name, namespace, api.apps.delete_namespaced_stateful_set, name, namespace)
         else:
             api.call("delete", kind, name, namespace, api.custom.delete_namespaced_custom_object, GROUP, VERSION,
                      namespace, _plural(kind), name)
@@ -369,6 +448,9 @@ class KubernetesLauncher(Launcher):
         created: list[dict[str, Any]] = []
         try:
             for m in render(run, runtime_spec, reveal=True):
+                if m["kind"] == "TrainJob" and run.cache_nodes:
+                    _wait_for_cache(api, f"{name}-cache", namespace, run.cache_nodes.count,
+                                    float(lc.get("poll_seconds", 10.0)))
                 trainjob = _create(api, m, namespace)  # the TrainJob comes last
                 created.append(m)
             owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "name": name,

@@ -532,9 +532,6 @@ def validate(cfg: DictConfig) -> None:
             _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")),
                      f"data.cache.{key}[{i}]", endpoint, "must be a Flight location such as grpc://host:50051")
     _require(c.nodes >= 0, "data.cache.nodes", c.nodes, "must be >= 0 (0: start no cache nodes)")
-    _require(not c.nodes or cfg.launcher.name != "kubernetes", "data.cache.nodes", c.nodes,
-             f"launcher={cfg.launcher.name} does not start cache nodes yet (local and docker do): serve the "
-             "corpus with `python -m datacache serve` and set data.cache.endpoints and eval_endpoints")
     _require(not (c.nodes and (c.endpoints or c.eval_endpoints)), "data.cache.nodes", c.nodes,
              "the run starts its own cache nodes: leave data.cache.endpoints and eval_endpoints empty")
     _require(c.tls_root_cert is None or os.path.isfile(os.path.expanduser(c.tls_root_cert)),

@@ -3,7 +3,8 @@
 No Kubernetes API server can run on these machines, so this stands in for one on loopback; the launcher
 talks to it through the real `kubernetes` client and a real kubeconfig file. Like the real server it
 validates TrainJobs and TrainingRuntimes against their CRD schemas (422 when invalid), refuses a name
-that exists (409), answers 404 for what is missing and 403 in a namespace marked forbidden.
+that exists (409), answers 404 for what is missing and 403 in a namespace marked forbidden. A
+StatefulSet it creates is at once fully ready, as a cluster whose pods pass their probes would make it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import jsonschema
 from tests.launchers import crds
 
 CUSTOM = re.compile(r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)"
-                    r"(?:/(?P<name>[^/]+))?$")
-CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|secrets|pods)(?:/(?P<name>[^/]+))?"
+                    r"(?:/(?P<name>[^/]+))?(?P<status>/status)?$")
+CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|secrets|services|pods)(?:/(?P<name>[^/]+))?"
                   r"(?P<log>/log)?$")
 KINDS = {"trainjobs": "TrainJob", "trainingruntimes": "TrainingRuntime",
          "clustertrainingruntimes": "ClusterTrainingRuntime"}
@@ -78,6 +79,9 @@ class FakeApiServer:
                         except (jsonschema.ValidationError, AssertionError) as e:
                             return self._status(422, "Invalid", f"{KINDS[plural]} {name!r} is invalid: {e}")
                     body["metadata"]["uid"] = str(uuid.uuid4())
+                    if plural == "statefulsets":  # the cluster starts its pods, and their probes pass
+                        replicas = body["spec"]["replicas"]
+                        body["status"] = {"replicas": replicas, "readyReplicas": replicas}
                     server.objects[(plural, ns, name)] = body
                     if plural == "trainjobs" and server.on_trainjob:
                         server.on_trainjob(body)

@@ -313,3 +313,49 @@ def test_an_unreachable_api_server_ends_the_cli_with_one_line_and_exit_1(run_cli
     assert len(lines) == 1 and re.match(rf"error: Kubernetes API: cannot reach the API server at "
                                         rf"http://127.0.0.1:{port} to create ConfigMap '[a-z0-9-]+-config': ", lines[0])
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "manifests.yaml").exists()
+
+
+def _validated_by_the_client(manifest: dict) -> None:
+    """The `kubernetes` client's own model of the kind takes the manifest whole: nothing dropped, misnamed
+    or of the wrong type (the model's serialisation gives back exactly what went in)."""
+    from kubernetes import client
+
+    api = client.ApiClient()
+    model = api.deserialize(json.dumps(manifest), f"V1{manifest['kind']}", "application/json")
+    assert api.sanitize_for_serialization(model) == manifest
+
+
+def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_trainjob(tmp_path, apiserver):
+    server, kubeconfig = apiserver
+    run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=ml", "data.cache.nodes=3",
+                   "data.cache.token=s3cret", "runtime.nnodes=2")
+    name = job_name(run)
+    docs = render(run)
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "Service", "StatefulSet", "TrainJob"]
+    for doc in docs[:-1]:
+        _validated_by_the_client(doc)
+    crds.validate(docs[-1])
+    sts = docs[3]
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == f"{name}-cache"
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "trainer.cache_node", "/etc/trainjob/config.yaml", "--shard",
+                                    "$(POD_INDEX)/3", "--host", "0.0.0.0", "--port", "50051", "--eval-port", "50052"]
+    assert container["readinessProbe"]["exec"]["command"] == ["python", "-m", "datacache", "ready",
+                                                             "grpc://127.0.0.1:50051"]
+    assert {"name": "TRAINJOB_CACHE_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": f"{name}-secrets", "key": "TRAINJOB_CACHE_TOKEN"}}} in container["env"]
+    env = {e["name"]: e.get("value") for e in docs[-1]["spec"]["trainer"]["env"]}
+    pods = [f"grpc://{name}-cache-{i}.{name}-cache.ml.svc:50051" for i in range(3)]
+    assert env["TRAINJOB_CACHE_ENDPOINTS"] == "[" + ",".join(pods) + "]"
+    assert env["TRAINJOB_CACHE_EVAL_ENDPOINTS"] == f"[grpc://{name}-cache-0.{name}-cache.ml.svc:50052]"
+    assert "s3cret" not in to_yaml(docs)
+
+    job = get_launcher(run.config["launcher"]).launch(run)
+    uid = server.objects[("trainjobs", "ml", name)]["metadata"]["uid"]
+    for plural in ("services", "statefulsets"):
+        assert server.objects[(plural, "ml", f"{name}-cache")]["metadata"]["ownerReferences"][0]["uid"] == uid
+    posts = [path for method, path in server.requests if method == "POST"]
+    assert posts.index("/apis/apps/v1/namespaces/ml/statefulsets") < posts.index(
+        "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml/trainjobs")
+    job.cancel()
+    assert not [key for key in server.objects if key[0] in ("services", "statefulsets")]  # deleted with the job

@@ -85,8 +85,6 @@ def test_the_cache_token_is_never_printed_or_written(run_cli, tmp_path):
 @pytest.mark.parametrize(("overrides", "message"), [
     (["data.cache.nodes=-1"], "data.cache.nodes=-1: must be >= 0"),
     (["data.cache.nodes=2", "data.cache.endpoints=[grpc://h:1]"], "leave data.cache.endpoints and eval_endpoints"),
-    (["data.cache.nodes=2", "launcher=kubernetes", "+runtime=torch-distributed"],
-     "launcher=kubernetes does not start cache nodes yet"),
     (["data.cache.tls_root_cert=/nonexistent/ca.pem"], "data.cache.tls_root_cert='/nonexistent/ca.pem': must be"),
 ])
 def test_bad_cache_settings_are_refused(run_cli, tmp_path, overrides, message):
