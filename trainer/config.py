@@ -454,11 +454,17 @@ def _validate_launcher(cfg: DictConfig) -> None:
     lc, sc = cfg.launcher, cfg.scheduler
     remote = lc.name in ("docker", "kubernetes")
     if remote:
-        _require(bool(lc.image), "launcher.image", lc.image, f"launcher={lc.name} needs the image to run")
+        _require(bool(lc.image) and not str(lc.image).startswith("-") and not any(ch.isspace() for ch in str(lc.image)),
+                 "launcher.image", lc.image, f"launcher={lc.name} needs an image reference such as "
+                 "'trainjob:latest' (no leading '-', no spaces)")
         _require(cfg.get("runtime") is not None, "runtime", None,
                  f"launcher={lc.name} runs torchrun on every node: add +runtime=torch-distributed")
     if lc.name == "docker":
         _require(lc.gpus_per_node >= 0, "launcher.gpus_per_node", lc.gpus_per_node, "must be >= 0")
+        for key in ("run_dir", "data.cache_dir"):  # docker reads ':' in a --volume as its separator
+            value = os.path.abspath(os.path.expanduser(str(OmegaConf.select(cfg, key))))
+            _require(":" not in value, "hydra.run.dir" if key == "run_dir" else key, value,
+                     "must not hold ':' with launcher=docker (docker's volume separator)")
     if lc.name == "kubernetes":
         _require(len(lc.namespace) <= 63 and bool(RFC1123.match(lc.namespace)), "launcher.namespace",
                  lc.namespace, "must be a DNS label: lower-case letters, digits and '-', at most 63 characters")

@@ -128,7 +128,6 @@ def test_a_relaunch_removes_the_last_attempts_containers_and_finished_jobs_clean
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["launcher.image=--privileged"], "launcher.image='--privileged': give an image reference"),
     (["runtime.nnodes=2", "launcher.gpus_per_node=4"], "= 8 GPUs, and this host has 4"),
 ])
 def test_what_docker_would_misread_is_refused_before_anything_starts(tmp_path, docker, overrides, message):
@@ -168,3 +167,15 @@ def test_cache_nodes_run_as_containers_and_the_ranks_start_once_they_serve(tmp_p
     job.poll_seconds = 0.01
     assert job.wait(timeout=10) == JobState.SUCCEEDED
     assert read_state()["containers"] == {}  # the cache nodes went with the job
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["launcher.image=--privileged"], "launcher.image='--privileged': launcher=docker needs an image reference"),
+    (["hydra.run.dir=runs/a:b"], "hydra.run.dir='"),
+])
+def test_what_docker_would_misread_ends_the_cli_with_exit_2_and_no_run_directory(run_cli, tmp_path, overrides,
+                                                                                 message):
+    proc = run_cli("launcher=docker", "+runtime=torch-distributed", *overrides, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()
