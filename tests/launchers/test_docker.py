@@ -171,7 +171,7 @@ def test_cache_nodes_run_as_containers_and_the_ranks_start_once_they_serve(tmp_p
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["launcher.image=--privileged"], "launcher.image='--privileged': launcher=docker needs an image reference"),
-    (["hydra.run.dir=runs/a:b"], "hydra.run.dir='"),
+    (["hydra.run.dir=runs/a:b"], "a:b': must not hold ':' with launcher=docker"),
 ])
 def test_what_docker_would_misread_ends_the_cli_with_exit_2_and_no_run_directory(run_cli, tmp_path, overrides,
                                                                                  message):
