@@ -23,11 +23,13 @@ from tqdm import tqdm
 
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
-from trainer import checkpoint, metrics, models, parallel
+from trainer import checkpoint, metrics, models, parallel, progress
 from trainer.config import CACHE_KEYS, ConfigError
 from trainer.parallel.tp import uses_loss_parallel
 
 log = logging.getLogger(__name__)
+# What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
+PROGRESS_METRICS = ("loss", "eval_loss", "tokens_per_s", "mfu", "lr", "grad_norm")
 
 
 def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -218,11 +220,12 @@ class Trainer:
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         run_dir = cfg.run_dir
-        writer = None
+        writer = reporter = None
         if self.rank == 0:
             path = os.path.join(run_dir, "metrics.jsonl")
             _keep_metrics_until(path, self.step)
             writer = metrics.JsonlWriter(path)
+            reporter = progress.ProgressReporter.from_env(t.max_steps)  # on a TrainJob that asks for it
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         bar = tqdm(total=t.max_steps, initial=self.step, disable=self.rank != 0 or not t.progress,
                    desc="train", unit="step", dynamic_ncols=True)
@@ -244,6 +247,8 @@ class Trainer:
                         eval_loss = record["eval_loss"] = self.evaluate()
                     if writer:
                         writer.write(record)
+                    if reporter:
+                        reporter.update(self.step, {k: record.get(k) for k in PROGRESS_METRICS})
                     bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                     refresh=False)
                 elif self.step % t.eval_every == 0:
@@ -258,6 +263,8 @@ class Trainer:
             bar.close()
             if writer:
                 writer.close()
+            if reporter:
+                reporter.close()
         if math.isnan(eval_loss):
             eval_loss = self.evaluate()
         elapsed = time.perf_counter() - started
