@@ -279,24 +279,8 @@ def test_a_failed_submit_removes_what_it_created_and_writes_no_manifests(tmp_pat
     assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))
 
 
-def test_an_unreachable_api_server_is_one_clear_error(tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
-    run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}")
-    with pytest.raises(LauncherError, match=rf"cannot reach the API server at http://127.0.0.1:{port} to create "
-                                            r"ConfigMap '[a-z0-9-]+-config'"):
-        get_launcher(run.config["launcher"]).launch(run)
-    assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))
-
-
-def test_an_unreachable_api_server_ends_the_cli_with_one_line_and_exit_1(run_cli, tmp_path):
+def _closed_port_kubeconfig(tmp_path) -> tuple[str, int]:
+    """A kubeconfig whose API server is a loopback port nothing listens on."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -306,6 +290,20 @@ def test_an_unreachable_api_server_ends_the_cli_with_one_line_and_exit_1(run_cli
         "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    return str(kubeconfig), port
+
+
+def test_an_unreachable_api_server_is_one_clear_error(tmp_path):
+    kubeconfig, port = _closed_port_kubeconfig(tmp_path)
+    run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}")
+    with pytest.raises(LauncherError, match=rf"cannot reach the API server at http://127.0.0.1:{port} to create "
+                                            r"ConfigMap '[a-z0-9-]+-config'"):
+        get_launcher(run.config["launcher"]).launch(run)
+    assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))
+
+
+def test_an_unreachable_api_server_ends_the_cli_with_one_line_and_exit_1(run_cli, tmp_path):
+    kubeconfig, port = _closed_port_kubeconfig(tmp_path)
     proc = run_cli("launcher=kubernetes", "+runtime=torch-distributed", f"launcher.kubeconfig={kubeconfig}",
                    f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode == 1
