@@ -15,6 +15,7 @@ Loading unpickles the checkpoint's metadata: a checkpoint is trusted like code.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -72,6 +73,26 @@ def set_aside_later(root: str, start: str) -> None:
     log.warning("resuming from %s starts a new line: %s, of the line it leaves, moved to %s "
                 "(resume=auto and pruning no longer see them; delete them yourself when not needed)",
                 start, ", ".join(names), aside)
+
+
+BRANCH_FILE = ".branch"
+
+
+def record_branch(root: str, start: str) -> None:
+    """Note in `root` that this run's line starts at checkpoint `start` (an explicit train.resume), so that a
+    restart with the same config goes on along the line instead of branching again."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, BRANCH_FILE), "w") as f:
+        json.dump({"from": os.path.realpath(start)}, f)
+
+
+def branched_from(root: str) -> str | None:
+    """The checkpoint this run's line started from (see `record_branch`), or None."""
+    try:
+        with open(os.path.join(root, BRANCH_FILE)) as f:
+            return json.load(f)["from"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def check_model(path: str, model_cfg, key: str, value) -> None:

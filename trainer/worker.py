@@ -24,7 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, data, kernels, loop, models, parallel
-from trainer.config import CACHE_KEYS, ConfigError, dp_size
+from trainer.config import CACHE_KEYS, ConfigError, dp_size, mesh_degrees, world_size
 
 log = logging.getLogger("trainer")
 
@@ -74,10 +74,15 @@ def setup_logging(run_dir: str, rank: int) -> logging.Handler:
 
 
 def _resume_candidate(cfg: DictConfig) -> str | None:
+    own = os.path.join(cfg.run_dir, "checkpoints")
     if cfg.train.resume == "never":
         return None
     if cfg.train.resume == "auto":  # only this run directory's own checkpoints
-        return checkpoint.latest(os.path.join(cfg.run_dir, "checkpoints"))
+        return checkpoint.latest(own)
+    # A restart of a line that began at this explicit checkpoint (torchrun's restart, a pod's, the same
+    # config run again) goes on from the line's newest checkpoint rather than branching again.
+    if checkpoint.branched_from(own) == os.path.realpath(cfg.train.resume) and checkpoint.latest(own):
+        return checkpoint.latest(own)
     return cfg.train.resume
 
 
@@ -88,15 +93,45 @@ def resume_path(cfg: DictConfig) -> str | None:
     if dist.get_rank() == 0:
         choice[0] = _resume_candidate(cfg)
         if choice[0] is not None:
-            checkpoint.set_aside_later(os.path.join(cfg.run_dir, "checkpoints"), choice[0])
+            own = os.path.join(cfg.run_dir, "checkpoints")
+            checkpoint.set_aside_later(own, choice[0])
+            if choice[0] == cfg.train.resume:  # an explicit start: later restarts continue this line
+                checkpoint.record_branch(own, choice[0])
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
+
+
+# Bytes per parameter a rank holds at the least: fp32 weights, gradients and AdamW's two moments.
+BYTES_PER_PARAM = 16
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """Raise ConfigError when this machine cannot hold the model's weights, gradients and optimizer state
+    (sharded over dp_shard x tp ranks, shared by this machine's ranks): a model that cannot fit is a config
+    error, not an allocation failure minutes later."""
+    with torch.device("meta"):
+        params = models.num_params(models.build(cfg.model))
+    degrees = mesh_degrees(cfg.strategy, world_size(cfg))
+    per_rank = params * BYTES_PER_PARAM / (degrees["dp_shard"] * degrees["tp"])
+    if torch.cuda.is_available():
+        available, where = torch.cuda.mem_get_info()[1], "GPU"
+    else:
+        ranks_here = cfg.runtime.nproc_per_node if cfg.get("runtime") is not None and cfg.runtime.nproc_per_node \
+            else 1
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / ranks_here
+        where = "share of this machine's memory"
+    if per_rank > available:
+        raise ConfigError("model", f"{params / 1e9:.3g}B parameters",
+                          f"needs at least {per_rank / 2**30:.1f} GiB per rank for weights, gradients and AdamW "
+                          f"state, more than a rank's {where} ({available / 2**30:.1f} GiB): choose a smaller "
+                          "model.* or shard it over more ranks (strategy=fsdp2)")
 
 
 def check_inputs(cfg: DictConfig) -> str | None:
     """Build or find the corpus and check everything the job will read before its first step: the corpus
     (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError;
     returns the corpus directory (None when every split comes from cache nodes)."""
+    check_memory(cfg)
     corpus = data.prepare(cfg.data) if loop.needs_corpus(cfg.data) else None
     if corpus is not None:
         data.check_corpus(corpus, cfg)
@@ -107,6 +142,9 @@ def check_inputs(cfg: DictConfig) -> str | None:
                                rank=0, world_size=dp, loop=False)
     start = _resume_candidate(cfg)
     if start is not None:
+        if not checkpoint.is_checkpoint(start):
+            raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "
+                              "moved?): give another, or train.resume=auto")
         checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
     return corpus
 

@@ -86,6 +86,8 @@ ROWS = {
         "data.tokens_column='ids': {parquet}/beyond_uint16.parquet holds token id 70000: ids must be in [0, 65535]"),
     "unreachable cache node": (["data.cache.endpoints=[grpc://127.0.0.1:1]"],
                                "data.cache.endpoints=['grpc://127.0.0.1:1']: cache node grpc://127.0.0.1:1"),
+    "a model larger than memory": (["model.vocab_size=1000000000"],
+                                   "model='128B parameters': needs at least 1907.3 GiB per rank"),
 }
 
 

@@ -59,3 +59,26 @@ def test_a_metrics_line_cut_short_is_dropped_and_the_run_goes_on(run_cli, tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     assert [m["step"] for m in read_metrics(str(run_dir))] == [1, 2, 3, 4]
     assert "dropped 1 unreadable line(s)" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+def test_a_restart_after_an_explicit_resume_continues_the_new_line(run_cli, tmp_path):
+    """The saved config keeps train.resume=<step-4>: a restart of the same config (torchrun's, a pod's, the
+    worker run again) goes on from the new line's newest checkpoint, sets nothing aside, and still does so
+    once step-4 itself was pruned."""
+    run_dir = tmp_path / "run"
+    common = [*TINY, "train.eval_every=100", f"hydra.run.dir={run_dir}"]
+    first = run_cli(*common, "train.max_steps=8", "train.checkpoint_every=4", "train.keep_latest_k=5")
+    assert first.returncode == 0, first.stderr[-2000:]
+    branch = run_cli(*common, "train.max_steps=12", "train.checkpoint_every=2", "train.keep_latest_k=2",
+                     f"train.resume={run_dir / 'checkpoints' / 'step-4'}")
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p for p in os.listdir(ckpts) if p.startswith("step-")) == ["step-10", "step-12"]  # 4 pruned
+    asides = sorted(p for p in os.listdir(ckpts) if p.startswith("abandoned-"))
+    assert len(asides) == 1 and os.listdir(ckpts / asides[0]) == ["step-8"]
+
+    again = run_cli(str(run_dir / "config.yaml"), module="trainer.worker")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert sorted(p for p in os.listdir(ckpts) if p.startswith("abandoned-")) == asides  # nothing new set aside
+    assert read_summary(str(run_dir))["resumed_from"].endswith("step-12")
+    assert read_summary(str(run_dir))["steps_this_run"] == 0
