@@ -225,7 +225,7 @@ class Trainer:
             path = os.path.join(run_dir, "metrics.jsonl")
             _keep_metrics_until(path, self.step)
             writer = metrics.JsonlWriter(path)
-            reporter = progress.ProgressReporter.from_env(t.max_steps)  # on a TrainJob that asks for it
+            reporter = progress.ProgressReporter.from_env(t.max_steps, self.step)  # on a TrainJob that asks
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         bar = tqdm(total=t.max_steps, initial=self.step, disable=self.rank != 0 or not t.progress,
                    desc="train", unit="step", dynamic_ncols=True)
@@ -239,7 +239,9 @@ class Trainer:
                 # Loss and norm stay on the device; only a logged line waits for them.
                 loss, grad_norm = self._train_step(next(data))
                 self.step += 1
-                log_line = self.step % t.log_every == 0 or self.step == t.max_steps
+                # An eval step is a line too: its eval loss is written, not computed and dropped.
+                log_line = (self.step % t.log_every == 0 or self.step % t.eval_every == 0
+                            or self.step == t.max_steps)
                 if log_line:
                     record = self._record(loss, grad_norm, self.step - logged_step, logged_at, started)
                     train_loss = record["loss"]
@@ -255,7 +257,10 @@ class Trainer:
                     eval_loss = self.evaluate()
                 bar.update(1)
                 if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                    saving = time.perf_counter()
                     self._checkpoint()
+                    if not log_line:  # the next line's step time counts training only
+                        logged_at += time.perf_counter() - saving
                 if log_line:
                     # The next line's step time counts training only, not this line's eval or checkpoint.
                     logged_step, logged_at = self.step, time.perf_counter()

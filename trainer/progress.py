@@ -29,12 +29,13 @@ MAX_METRICS = 256  # the CRD's maxItems
 MAX_VALUE = 64  # the CRD's maxLength of a metric's name and value
 
 
-def status(step: int, total: int, seconds: float, metrics: dict[str, float]) -> dict:
-    """The `trainerStatus` for `step` of `total` steps after `seconds` of training."""
+def status(step: int, total: int, seconds: float, metrics: dict[str, float], first: int = 0) -> dict:
+    """The `trainerStatus` for `step` of `total` steps, `seconds` after this attempt began at step `first`."""
     body: dict = {"lastUpdatedTime": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                   "progressPercentage": max(0, min(100, int(100 * step / max(total, 1))))}
-    if step > 0 and seconds > 0:
-        body["estimatedRemainingSeconds"] = min(2**31 - 1, max(0, round(seconds / step * (total - step))))
+    if step > first and seconds > 0:
+        rate = seconds / (step - first)
+        body["estimatedRemainingSeconds"] = min(2**31 - 1, max(0, round(rate * (total - step))))
     items = [{"name": str(k)[:MAX_VALUE], "value": f"{v:.6g}"[:MAX_VALUE]}
              for k, v in metrics.items() if v is not None][:MAX_METRICS]
     if items:
@@ -46,8 +47,9 @@ class ProgressReporter:
     """Sends the latest progress to the Trainer controller from a thread of its own."""
 
     def __init__(self, url: str, ca_file: str | None, token_file: str | None, total_steps: int,
-                 interval: float = INTERVAL_S):
+                 first_step: int = 0, interval: float = INTERVAL_S):
         self.url, self.token_file, self.total, self.interval = url, token_file, total_steps, interval
+        self.first = first_step
         self.context = ssl.create_default_context(cafile=ca_file) if url.startswith("https") else None
         self._latest: tuple[int, dict] | None = None
         self._sent: tuple[int, dict] | None = None
@@ -59,11 +61,13 @@ class ProgressReporter:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, total_steps: int) -> ProgressReporter | None:
+    def from_env(cls, total_steps: int, first_step: int = 0) -> ProgressReporter | None:
+        """A reporter when the TrainJob asks for one (its variables are set), for an attempt that starts
+        (or resumes) at `first_step`."""
         url = os.environ.get(URL_ENV)
         if not url:
             return None
-        return cls(url, os.environ.get(CA_ENV), os.environ.get(TOKEN_ENV), total_steps)
+        return cls(url, os.environ.get(CA_ENV), os.environ.get(TOKEN_ENV), total_steps, first_step)
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Hand over the latest numbers (returns at once)."""
@@ -94,7 +98,8 @@ class ProgressReporter:
                 return
 
     def _send(self, step: int, metrics: dict[str, float]) -> None:
-        body = json.dumps({"trainerStatus": status(step, self.total, time.monotonic() - self._start, metrics)})
+        seconds = time.monotonic() - self._start
+        body = json.dumps({"trainerStatus": status(step, self.total, seconds, metrics, self.first)})
         headers = {"Content-Type": "application/json"}
         try:
             if self.token_file:
