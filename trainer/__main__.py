@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import re
 import sys
 import time
 
@@ -69,15 +68,15 @@ def check(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     cfg.run_dir = run_dir
     config.validate(cfg)
-    c = cfg.data.cache
-    plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
-    if c.token and plain:
-        print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
-              "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
     if cfg.launcher.name == "local":
         from trainer import worker
 
         worker.check_inputs(cfg)
+    c = cfg.data.cache  # a warning only once the config passed: a refusal stays one line
+    plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
+    if c.token and plain:
+        print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
+              "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
 
 
 def prepare_run(cfg: DictConfig) -> launchers.Run:
@@ -151,19 +150,30 @@ def _app(cfg: DictConfig) -> float:
     return loss
 
 
-_TOKEN_OVERRIDE = re.compile(r"^(?P<prefix>[+~]{0,2})data\.cache\.token=(?P<value>.*)$", re.DOTALL)
-
-
 def hide_secrets(argv: list[str]) -> list[str]:
     """Overrides with the cache token's value moved into TRAINJOB_CACHE_TOKEN and referred to as
     `${oc.env:...}`, so that Hydra never holds it: not in its echo of a sweep's overrides, not in
-    multirun.yaml, not in an error message."""
-    hidden = []
+    multirun.yaml, not in an error message. The value is read as Hydra reads it (quotes removed)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, hidden = OverridesParser.create(), []
     for arg in argv:
-        match = _TOKEN_OVERRIDE.match(arg)
-        if match and match["value"] and not match["value"].startswith("${"):
-            os.environ[TOKEN_ENV] = match["value"]
-            arg = f"{match['prefix']}data.cache.token=${{oc.env:{TOKEN_ENV}}}"
+        if "data.cache" in arg and "=" in arg and not arg.startswith("-"):
+            try:
+                override = parser.parse_override(arg)
+            except HydraException:
+                override = None  # Hydra will say what is wrong with it
+            if override is not None and override.key_or_group == "data.cache" and isinstance(override.value(), dict) \
+                    and "token" in override.value():
+                print("error: give the cache token as data.cache.token=..., not inside data.cache={...} (it would "
+                      "be echoed and saved)", file=sys.stderr)
+                raise SystemExit(2)
+            if override is not None and override.key_or_group == "data.cache.token" and not override.is_delete():
+                value = override.value()
+                if isinstance(value, str) and value and not value.startswith("${"):
+                    os.environ[TOKEN_ENV] = value
+                    arg = f"{override.get_key_element()}=${{oc.env:{TOKEN_ENV}}}"
         hidden.append(arg)
     return hidden
 

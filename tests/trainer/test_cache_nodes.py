@@ -91,3 +91,17 @@ def test_bad_cache_settings_are_refused(run_cli, tmp_path, overrides, message):
     proc = run_cli(*TINY, "train.max_steps=1", *overrides, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_hide_secrets_reads_the_token_as_hydra_does(monkeypatch):
+    from trainer.__main__ import hide_secrets
+
+    monkeypatch.delenv("TRAINJOB_CACHE_TOKEN", raising=False)
+    assert hide_secrets(["data.cache.token='a,b:c$d'", "train.max_steps=3"]) == [
+        "data.cache.token=${oc.env:TRAINJOB_CACHE_TOKEN}", "train.max_steps=3"]
+    assert os.environ["TRAINJOB_CACHE_TOKEN"] == "a,b:c$d"  # unquoted, as Hydra would have read it
+    assert hide_secrets(["data.cache.token=null", "+data.cache.token=${oc.env:MINE}"]) == [
+        "data.cache.token=null", "+data.cache.token=${oc.env:MINE}"]  # nothing to hide
+    with pytest.raises(SystemExit) as refused:
+        hide_secrets(["data.cache={token:x}"])
+    assert refused.value.code == 2
