@@ -432,8 +432,8 @@ class StreamingDataset(PlannedDataset):
                     room.release(places - len(window))
                     last = window.last
                     if len(window):
+                        windows.append(window)  # before opening: the finally below closes what did open
                         self._open(window)
-                        windows.append(window)
                 if room.closed:
                     return
                 if not windows:

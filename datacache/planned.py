@@ -71,6 +71,9 @@ class PlannedDataset(IterableDataset, abc.ABC):
         self._start = epoch * self.plan.batches_per_epoch + step
 
     def state_dict(self) -> dict[str, Any]:
+        if self._position is not None and self._plan is not None:  # a set_position not yet iterated
+            self._apply_position()
+            self._next = self._start
         epoch, step = divmod(self._next, self.plan.batches_per_epoch)
         return {"next_step": self._next, "epoch": epoch, "step": step}
 
@@ -94,6 +97,8 @@ class PlannedDataset(IterableDataset, abc.ABC):
             yield g, self.fetch(rows)
 
     def __iter__(self):
+        # Not a generator itself: the position is fixed when iter() is called, so a state_dict taken before
+        # the first batch (as StatefulDataLoader takes each worker's) already names this worker's first step.
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         self._apply_position()
@@ -101,6 +106,9 @@ class PlannedDataset(IterableDataset, abc.ABC):
         first = self._start if self._resumed else self._start + worker
         end = (self._start // per_epoch + 1) * per_epoch if not self.loop else None
         self._next = first
+        return self._batches(first, workers, end)
+
+    def _batches(self, first: int, workers: int, end: int | None):
         for g, batch in self._fetched(self._planned(first, workers, end)):
             self._next = g + workers
             yield batch

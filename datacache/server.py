@@ -267,7 +267,19 @@ class CacheServer(flight.FlightServerBase):
         except Exception:  # a bug of ours: the client hears what kind, the node's log has the traceback
             log.exception("do_get")
             raise flight.FlightServerError("datacache: the node failed on this ticket; its log says why") from None
-        return flight.GeneratorStream(rows.schema, self._step_batches(steps, rows))
+        return flight.GeneratorStream(rows.schema, self._guarded(self._step_batches(steps, rows)))
+
+    @staticmethod
+    def _guarded(batches):
+        """The batches of a stream; a failure while sending reaches the client as one line, not the node's
+        traceback and file paths (those go to the node's log)."""
+        try:
+            yield from batches
+        except flight.FlightError:
+            raise
+        except Exception:
+            log.exception("do_get while sending")
+            raise flight.FlightServerError("datacache: the node failed while sending; its log says why") from None
 
     def do_action(self, context, action):
         if action.type == "health":

@@ -177,3 +177,24 @@ def test_a_client_refuses_a_short_batch_or_float_tokens_naming_the_node(source, 
         for server in (honest, short, floats):
             server.shutdown()
 
+
+
+class FailingNode(CacheServer):
+    """A real node whose second step fails while it is being sent (say, out of memory in a gather)."""
+
+    def _step_batches(self, steps, rows):
+        batches = super()._step_batches(steps, rows)
+        yield next(batches)
+        raise MemoryError("no room at /srv/private/node.py")
+
+
+def test_a_node_that_fails_while_sending_says_so_in_one_line(source):
+    node = FailingNode(source)
+    threading.Thread(target=node.serve, daemon=True).start()
+    try:
+        ticket = encode_ticket([np.array([[0, 8]]), np.array([[8, 16]])])
+        message = _refusal(node.location, ticket)
+        assert "the node failed while sending; its log says why" in message
+        assert "/srv/private" not in message
+    finally:
+        node.shutdown()

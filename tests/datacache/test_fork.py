@@ -63,6 +63,31 @@ except Exception as e:
 """
 
 
+EARLY_CHECKPOINT = """
+import json, sys
+from torchdata.stateful_dataloader import StatefulDataLoader
+from datacache import StreamingDataset
+
+endpoints = sys.argv[1].split(",")
+
+def dataset():
+    return StreamingDataset(endpoints, columns=["id"], global_batch_size=8, seed=3, loop=False)
+
+out = {}
+for taken in (0, 1, 3):  # checkpoints before every worker has delivered a batch, and after
+    loader = StatefulDataLoader(dataset(), batch_size=None, num_workers=2)
+    it = iter(loader)
+    first = [i for _ in range(taken) for i in next(it)["id"].tolist()]
+    state = loader.state_dict()
+    del it
+    resumed = StatefulDataLoader(dataset(), batch_size=None, num_workers=2)
+    resumed.load_state_dict(state)
+    out[taken] = first + [i for batch in resumed for i in batch["id"].tolist()]
+out["order"] = dataset().plan.epoch_order(0).tolist()
+print(json.dumps(out))
+"""
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     source = write_rows(tmp_path_factory.mktemp("fork") / "rows.parquet", ROWS, 16)
@@ -92,3 +117,16 @@ def test_iterating_in_the_parent_then_forking_is_refused_in_one_clear_line(nodes
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "forked from one that had already connected to cache nodes" in proc.stdout
     assert "multiprocessing_context='forkserver'" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_before_every_worker_has_delivered_resumes_exactly(nodes):
+    """StatefulDataLoader reads each worker's state as soon as the worker calls iter(): that state must
+    already name the worker's first step (it named step 0 for every worker: half the epoch read twice)."""
+    proc = _run(EARLY_CHECKPOINT, nodes)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    full = sorted(out["order"][: ROWS // 8 * 8])
+    for taken in ("0", "1", "3"):
+        got = out[taken]
+        assert sorted(got) == full, f"after {taken} batches: {len(got)} rows, {len(set(got))} distinct"
