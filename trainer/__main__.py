@@ -144,7 +144,7 @@ def _app(cfg: DictConfig) -> float:
     if state != launchers.JobState.SUCCEEDED:
         raise RuntimeError(f"run {run.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}
-    loss = float(summary.get("final_eval_loss", float("nan")))
+    loss = float("nan") if summary.get("final_eval_loss") is None else float(summary["final_eval_loss"])
     print(f"run directory: {run.run_dir}\nfinal eval loss: {loss:.4f} nats/token "
           f"after {summary.get('steps')} steps", flush=True)
     return loss

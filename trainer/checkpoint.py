@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 
 import torch
@@ -65,8 +66,8 @@ def set_aside_later(root: str, start: str) -> None:
     later = [path for step, path in _steps(root) if step > from_step]
     if not later:
         return
-    aside = os.path.join(root, time.strftime("abandoned-%Y%m%d-%H%M%S", time.gmtime()))
-    os.makedirs(aside)
+    # A unique folder: two branches within one second must not collide.
+    aside = tempfile.mkdtemp(prefix=time.strftime("abandoned-%Y%m%d-%H%M%S-", time.gmtime()), dir=root)
     for path in later:
         os.rename(path, os.path.join(aside, os.path.basename(path)))
     names = [os.path.basename(p) for p in later]

@@ -287,6 +287,8 @@ class Trainer:
         }
         if self.rank == 0:
             with open(os.path.join(run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+                # A loss that was never measured (no step run) is null: strict JSON has no NaN.
+                json.dump({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()},
+                          f, indent=2)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, train_loss)
         return summary
