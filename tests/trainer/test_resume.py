@@ -29,7 +29,8 @@ def test_resuming_from_an_earlier_step_sets_the_later_checkpoints_aside(run_cli,
                      "runtime.nproc_per_node=2", f"hydra.run.dir={run_dir}")
     assert branch.returncode == 0, branch.stderr[-3000:]
     aside = [name for name in os.listdir(ckpts) if name.startswith("abandoned-")]
-    assert len(aside) == 1 and sorted(os.listdir(ckpts)) == sorted([aside[0], "step-6"])
+    # (.branch records where this line began, for restarts)
+    assert len(aside) == 1 and sorted(os.listdir(ckpts)) == sorted([".branch", aside[0], "step-6"])
     assert os.listdir(ckpts / aside[0]) == ["step-8"]
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert f"step-8, of the line it leaves, moved to {ckpts / aside[0]}" in log
