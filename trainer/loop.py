@@ -147,6 +147,12 @@ class Trainer:
     def restore(self, path: str) -> None:
         state = checkpoint.load(path, self.model, self.optimizer, self._train_state(), self.device)
         self.step = int(state["step"])
+        seen, batch = int(state["data"]["samples_seen"]), self.cfg.train.global_batch_size
+        if self.step and seen != self.step * batch:  # the data position is step x batch: it would move
+            raise ConfigError("train.global_batch_size", batch,
+                              f"the checkpoint {path} was trained with a global batch of {seen // self.step}; "
+                              "resuming with another would repeat or skip rows: keep "
+                              f"train.global_batch_size={seen // self.step}")
         self.scheduler.load_state_dict(state["scheduler"])
         self.resumed_from = path
 

@@ -83,3 +83,18 @@ def test_a_restart_after_an_explicit_resume_continues_the_new_line(run_cli, tmp_
     assert sorted(p for p in os.listdir(ckpts) if p.startswith("abandoned-")) == asides  # nothing new set aside
     assert read_summary(str(run_dir))["resumed_from"].endswith("step-12")
     assert read_summary(str(run_dir))["steps_this_run"] == 0
+
+
+def test_resuming_with_another_global_batch_is_refused_in_one_line(run_cli, tmp_path):
+    """The data position is step x global batch: another batch size would repeat or skip rows."""
+    run_dir = tmp_path / "run"
+    first = run_cli(*TINY, "train.max_steps=2", "train.eval_every=100", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli(*TINY, "train.max_steps=4", "train.eval_every=100", "train.global_batch_size=16",
+                    f"hydra.run.dir={run_dir}")
+    assert again.returncode == 2, again.stderr[-2000:]
+    lines = again.stderr.strip().splitlines()
+    assert lines[-1] == (f"error: invalid config: train.global_batch_size=16: the checkpoint "
+                         f"{run_dir / 'checkpoints' / 'step-2'} was trained with a global batch of 8; resuming "
+                         "with another would repeat or skip rows: keep train.global_batch_size=8")
+    assert "Traceback" not in again.stderr
