@@ -265,7 +265,7 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
     for name, schema in LAUNCHER_SCHEMAS.items():
-        cs.store(group="launcher", name=f"schema_{name}", node=schema)
+        cs.store(name=f"launcher_schema_{name}", node=schema)  # not a launcher option: no group
 
 
 def numeric_keys(schema: type, prefix: str) -> list[tuple[str, type]]:

@@ -150,3 +150,11 @@ def test_cli_keeps_an_existing_run_dir_when_refusing(run_cli, tmp_path):
     proc = run_cli("optim.lr=0", f"hydra.run.dir={run_dir}", timeout=120)
     assert proc.returncode == 2
     assert (run_dir / "notes.txt").read_text() == "keep me"
+
+
+def test_help_introduces_trainjob_and_lists_only_options_a_user_can_choose(run_cli):
+    proc = run_cli("--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("trainjob: declarative PyTorch training")
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "launcher: docker, kubernetes, local\n" in groups and "schema" not in groups
