@@ -69,7 +69,12 @@ def _documents(cfg) -> Iterator[tuple[str, np.ndarray]]:
         return
     key, column = ("data.tokens_column", cfg.tokens_column) if cfg.tokens_column else ("data.text_column",
                                                                                         cfg.text_column)
-    for path in parquet_files(cfg.path):
+    files = parquet_files(cfg.path)
+    # Document ids relative to the files' common folder: the same files elsewhere split the same way
+    # (an absolute path made the train/eval split depend on where the data happened to lie).
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in files]) if files else ""
+    for path in files:
+        doc = os.path.relpath(os.path.abspath(path), root)
         try:
             pf = pq.ParquetFile(path)
         except (OSError, pa.ArrowException) as e:
@@ -85,7 +90,7 @@ def _documents(cfg) -> Iterator[tuple[str, np.ndarray]]:
                 if value is not None:
                     ids = (np.append(np.asarray(value, dtype=np.uint16), tokenizer.EOS) if cfg.tokens_column
                            else tokenizer.encode(value))
-                    yield f"{path}:{row}", ids
+                    yield f"{doc}:{row}", ids
                 row += 1
 
 
@@ -130,7 +135,7 @@ def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:
 def prepare(cfg) -> str:
     """The corpus directory for `cfg` (a DataConfig), building it first if it is missing."""
     settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": cfg.eval_percent,
-                "source": _fingerprint(cfg), "format": 2}
+                "source": _fingerprint(cfg), "format": 3}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = os.path.join(os.path.expanduser(cfg.cache_dir), "corpus")
     target = os.path.join(root, f"{cfg.name}-{key}")
