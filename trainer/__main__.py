@@ -67,6 +67,10 @@ def check(cfg: DictConfig) -> None:
     run_dir = os.path.abspath(cfg.run_dir)
     OmegaConf.resolve(cfg)
     cfg.run_dir = run_dir
+    if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
+        from trainer.models import hf
+
+        hf.fill_config(cfg.model)
     config.validate(cfg)
     if cfg.launcher.name == "local":
         from trainer import worker

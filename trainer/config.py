@@ -30,6 +30,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = MISSING
+    # model=hf: a Hugging Face model directory; the keys below are then read from its config.json.
+    path: str | None = None
     dim: int = MISSING
     n_layers: int = MISSING
     n_heads: int = MISSING

@@ -179,7 +179,7 @@ def _train(cfg: DictConfig, env: DistEnv) -> dict:
     model = kernels.apply(model, cfg.kernels)
     shapes = models.param_shapes(model)
     model = parallel.apply(model, mesh, cfg.strategy, env.device)
-    models.init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)
+    models.init_or_load(model, shapes, cfg)
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device)

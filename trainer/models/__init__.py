@@ -14,7 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainer.models import hf
+from trainer.models.hf import from_hf
 from trainer.models.llama import Transformer
+
+__all__ = ["Transformer", "build", "from_hf", "init_or_load", "init_weights", "num_params", "param_shapes"]
 
 # What activation-checkpoint wrappers insert into parameter names.
 WRAPPED = "_checkpoint_wrapped_module."
@@ -22,6 +26,8 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 def build(cfg) -> Transformer:
     """The model described by `cfg` (a `ModelConfig`), on the current default device."""
+    if cfg.get("name") == "hf":
+        return hf.build(cfg.path)
     return Transformer(
         dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
         ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
@@ -60,6 +66,15 @@ def init_weights(model: nn.Module, shapes: dict, seed: int, std: float, n_layers
             else:
                 param.copy_(full)
     inner.init_buffers()
+
+
+def init_or_load(model: nn.Module, shapes: dict, cfg) -> None:
+    """Give `model` its starting weights: loaded from the Hugging Face directory with `model=hf`, else drawn
+    (`cfg` is the whole run config)."""
+    if cfg.model.name == "hf":
+        hf.load_weights(model, cfg.model.path)
+    else:
+        init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)
 
 
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

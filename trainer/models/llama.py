@@ -3,11 +3,14 @@
 It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside. Layers are
 kept in a ModuleDict keyed by index so that their names stay stable under any wrapping. The head count
 used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
+Pretrained families add q/k/v biases (Qwen2) and Llama 3.1's RoPE scaling (`trainer.models.hf`).
 The normalisation, rotary, gating and loss functions are attributes (PyTorch's by default) that
 `trainer.kernels` can point at the Triton ops of `ops/`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +43,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 class Attention(nn.Module):
     rope_fn = staticmethod(apply_rotary)
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qkv_bias: bool = False):
         super().__init__()
         self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,10 +82,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, eps: float):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, eps: float, qkv_bias: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(dim, eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.attention = Attention(dim, n_heads, n_kv_heads, qkv_bias)
         self.ffn_norm = RMSNorm(dim, eps)
         self.feed_forward = FeedForward(dim, ffn_dim)
 
@@ -91,19 +94,32 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 class Transformer(nn.Module):
     # A function (hidden, weight, targets) -> loss that never materialises the logits, or None.
     fused_loss_fn = None
 
     def __init__(self, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
                  vocab_size: int, max_seq_len: int, rope_theta: float, norm_eps: float,
-                 tie_embeddings: bool):
+                 tie_embeddings: bool, qkv_bias: bool = False, rope_scaling: dict | None = None):
         super().__init__()
         self.dim, self.n_layers, self.n_heads = dim, n_layers, n_heads
-        self.max_seq_len, self.rope_theta = max_seq_len, rope_theta
+        self.max_seq_len, self.rope_theta, self.rope_scaling = max_seq_len, rope_theta, rope_scaling
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleDict(
-            {str(i): Block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps) for i in range(n_layers)}
+            {str(i): Block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, qkv_bias) for i in range(n_layers)}
         )
         self.norm = RMSNorm(dim, norm_eps)
         # Tied: no separate output layer; the embedding matrix projects back. Sharing one Parameter
@@ -118,6 +134,8 @@ class Transformer(nn.Module):
         """Fill the rotary tables in place (after `to_empty`, on whatever device the buffers are)."""
         head_dim = self.rope_cos.shape[-1]
         inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if self.rope_scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, **self.rope_scaling)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         self.rope_cos.copy_(angles.cos())

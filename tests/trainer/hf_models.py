@@ -1,0 +1,56 @@
+"""Tiny pretrained-model directories for the fine-tuning tests, built with `transformers` (no download):
+random Llama (with Llama 3.1's RoPE scaling) and Qwen2 (q/k/v biases, tied embeddings, sharded weights)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SHAPE = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def _perturbed(model):
+    # transformers initialises biases to zero and norms to one; move every tensor so that each one counts.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def make_llama(root: str, tie: bool = False) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SHAPE, rope_scaling=dict(LLAMA3_ROPE), rope_theta=500000.0, tie_word_embeddings=tie)
+    path = os.path.join(root, "llama-tied" if tie else "llama")
+    _perturbed(LlamaForCausalLM(config)).save_pretrained(path)
+    return path
+
+
+def make_qwen2(root: str) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    path = os.path.join(root, "qwen2")
+    # Small shards: the weights come from several files through model.safetensors.index.json.
+    _perturbed(Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True))).save_pretrained(
+        path, max_shard_size="60KB"
+    )
+    return path
