@@ -3,6 +3,7 @@ random Llama (with Llama 3.1's RoPE scaling) and Qwen2 (q/k/v biases, tied embed
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -53,4 +54,46 @@ def make_qwen2(root: str) -> str:
     _perturbed(Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True))).save_pretrained(
         path, max_shard_size="60KB"
     )
+    return path
+
+
+# Each turn is "<|begin|>role\n content<|end|>\n"; the assistant's content and end token are what it generates.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|begin|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|end|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '<|end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|begin|>assistant\\n' }}{% endif %}"
+)
+SAMPLE = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pack my box with five dozen liquor jugs.",
+    "user assistant system: how are you? I am fine, thank you.",
+    "def main():\n    return 42\n",
+] * 20
+
+
+def add_tokenizer(path: str) -> str:
+    """A byte-level BPE tokenizer trained on SAMPLE (vocabulary <= SHAPE's), with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=SHAPE["vocab_size"],
+        special_tokens=["<|begin|>", "<|end|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(SAMPLE, trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin|>",
+        "eos_token": "<|end|>",
+        "pad_token": "<|pad|>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
     return path

@@ -1,0 +1,154 @@
+"""`python -m trainer.export CHECKPOINT OUT`: a Hugging Face model directory from a training checkpoint.
+
+CHECKPOINT is `<run_dir>/checkpoints/step-<N>`, written under any strategy and world size (DCP gathers the
+shards); the run's `config.yaml` says which model it holds. OUT gets `config.json`, `model.safetensors`
+(fp32, Hugging Face's tensor names) and, for a `model=hf` run, the tokenizer and generation files of the
+model directory it started from, so that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it.
+A built-in preset is written as a `LlamaForCausalLM` (its byte tokenizer has no Hugging Face files).
+
+OUT must not exist yet (nothing a user made is overwritten); it is written under a temporary name and
+renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import models
+from trainer.config import ConfigError
+from trainer.models import hf
+
+# Files of a model directory that describe how to tokenize and generate, copied as they are.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def run_config(checkpoint: str) -> DictConfig:
+    """The resolved config of the run that wrote `checkpoint` (`<run_dir>/checkpoints/step-<N>`)."""
+    if not os.path.isfile(os.path.join(checkpoint, ".metadata")):
+        raise ConfigError(
+            "CHECKPOINT",
+            checkpoint,
+            "must be a checkpoint directory such as <run_dir>/checkpoints/step-100 (it holds a .metadata file)",
+        )
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            "CHECKPOINT",
+            checkpoint,
+            f"its run's config {path} is missing: the checkpoint must stay in <run_dir>/checkpoints/",
+        )
+    return OmegaConf.load(path)
+
+
+def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
+    """The model of `checkpoint`, whole, in fp32 on the CPU."""
+    from torch.distributed import checkpoint as dcp
+
+    with torch.device("meta"):
+        model = models.build(cfg.model)
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=checkpoint)
+    model.init_buffers()
+    return model
+
+
+def hf_config(cfg: DictConfig) -> dict:
+    """config.json for the exported model: the source directory's for `model=hf`, else a Llama config."""
+    m = cfg.model
+    if m.name == "hf":
+        with open(os.path.join(m.path, "config.json")) as f:
+            config = json.load(f)
+    else:
+        from trainer.models import tokenizer
+
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": m.dim,
+            "intermediate_size": m.ffn_dim,
+            "num_hidden_layers": m.n_layers,
+            "num_attention_heads": m.n_heads,
+            "num_key_value_heads": m.n_kv_heads,
+            "vocab_size": m.vocab_size,
+            "max_position_embeddings": m.max_seq_len,
+            "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta,
+            "tie_word_embeddings": m.tie_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": tokenizer.BOS,
+            "eos_token_id": tokenizer.EOS,
+            "pad_token_id": tokenizer.PAD,
+        }
+    config.pop("dtype", None)
+    config["torch_dtype"] = "float32"
+    return config
+
+
+def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
+    """Write the Hugging Face directory `out` (which must not exist) for `model`."""
+    from safetensors.torch import save_file
+
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+    try:
+        tensors = {hf.hf_name(name): p.detach().contiguous() for name, p in model.named_parameters()}
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config(cfg), f, indent=2)
+        if cfg.model.name == "hf":
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(cfg.model.path, name)):
+                    shutil.copy2(os.path.join(cfg.model.path, name), tmp)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export(checkpoint: str, out: str) -> str:
+    """Write `out` from `checkpoint`; return `out`. Raises ConfigError before writing anything."""
+    if os.path.exists(out):
+        raise ConfigError("OUT", out, "already exists: give a new directory (nothing is overwritten)")
+    cfg = run_config(checkpoint)
+    if cfg.model.name == "hf":
+        hf.read_config(cfg.model.path, key="model.path (of the run)")
+    write(load_model(checkpoint, cfg), cfg, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint directory, <run_dir>/checkpoints/step-<N>")
+    parser.add_argument("out", help="the Hugging Face model directory to write (must not exist)")
+    args = parser.parse_args(argv)
+    try:
+        export(args.checkpoint, args.out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
