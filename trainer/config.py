@@ -18,6 +18,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from trainer.recipes import config as recipe_config
+from trainer.recipes.config import RecipeConfig
+
 
 class ConfigError(ValueError):
     """A config value that cannot run; the message names the key, the value and what is allowed."""
@@ -240,6 +243,7 @@ class Config:
     kernels: KernelsConfig = MISSING
     optim: OptimConfig = MISSING
     train: TrainConfig = MISSING
+    recipe: RecipeConfig = MISSING
     runtime: RuntimeConfig | None = None
     run_dir: str = "${hydra:runtime.output_dir}"
 
@@ -259,6 +263,7 @@ SCHEMAS = {
     "kernels": KernelsConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
+    "recipe": RecipeConfig,
 }
 
 
@@ -386,7 +391,7 @@ SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
 KERNELS = ("torch", "triton")
 TRITON_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
 OPTIMIZERS = ("adamw", "sgd")
-DATASETS = ("stdlib", "parquet")
+DATASETS = ("stdlib", "parquet", "chat")
 RUNTIMES = ("torch-distributed",)
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -523,7 +528,7 @@ def validate(cfg: DictConfig) -> None:
              f"must divide model.n_heads={m.n_heads}")
     from trainer.models.tokenizer import VOCAB_SIZE
 
-    _require(m.vocab_size >= VOCAB_SIZE, "model.vocab_size", m.vocab_size,
+    _require(cfg.data.name == "chat" or m.vocab_size >= VOCAB_SIZE, "model.vocab_size", m.vocab_size,
              f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
 
     _positive(cfg, "data.seq_len")
@@ -581,6 +586,7 @@ def validate(cfg: DictConfig) -> None:
         _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or cfg.launcher.name != "local", "runtime.rdzv_endpoint",
                  r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
 
+    recipe_config.check(cfg)
     _validate_launcher(cfg)
     _validate_kernels(cfg)
     world = world_size(cfg)

@@ -24,8 +24,10 @@ from tqdm import tqdm
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
 from trainer import checkpoint, metrics, models, parallel, progress
+from trainer.chat_data import ChatDataset
 from trainer.config import CACHE_KEYS, ConfigError
 from trainer.parallel.tp import uses_loss_parallel
+from trainer.recipes import sft
 
 log = logging.getLogger(__name__)
 # What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
@@ -98,7 +100,8 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
     key = CACHE_KEYS[split]
     endpoints = list(data_cfg.cache[key])
     if not endpoints:
-        return LocalDataset(os.path.join(corpus, split), **kw)
+        dataset = ChatDataset if data_cfg.name == "chat" else LocalDataset
+        return dataset(os.path.join(corpus, split), **kw)
     try:
         data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
                                 tls_root_cert=data_cfg.cache.tls_root_cert, **kw)
@@ -160,19 +163,23 @@ class Trainer:
         """The batch's token ids on the device, widened there (batches keep their stored type, often int32)."""
         return batch["tokens"].to(self.device, non_blocking=True).long()
 
-    def _loss(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Under loss parallelism the logits are vocabulary shards; the caller holds self.loss_context().
         with self.autocast:
-            return self.model(tokens[:, :-1], tokens[:, 1:])
+            return self.model(tokens[:, :-1], targets)
 
     def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps
         tokens = self._tokens(batch)
+        targets = sft.targets(batch, tokens).chunk(accum)
+        # Masked targets (sft): each micro-batch weighs by its counted tokens; else every one is 1/accum.
+        scales = sft.weights(targets) if "loss_mask" in batch else [1 / accum] * accum
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(tokens.chunk(accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
             with sync, self.loss_context():
-                loss = self._loss(micro) / accum
+                loss = self._loss(micro, targets[i]) * scales[i] if "loss_mask" in batch else \
+                    self._loss(micro, targets[i]) / accum
                 loss.backward()
             total += _local(loss.detach())
         clip = self.cfg.optim.grad_clip
@@ -188,8 +195,11 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         n = 0
         for batch in self.eval_data:
+            tokens = self._tokens(batch)
+            targets = sft.targets(batch, tokens)
             with self.loss_context():
-                total += _local(self._loss(self._tokens(batch)))
+                loss = _local(self._loss(tokens, targets))
+            total += loss * sft.weights((targets,))[0] if "loss_mask" in batch else loss
             n += 1
             if n == self.cfg.train.eval_batches:
                 break

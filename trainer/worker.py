@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, data, kernels, loop, models, parallel
+from trainer import chat_data, checkpoint, data, kernels, loop, models, parallel
 from trainer.config import CACHE_KEYS, ConfigError, dp_size, mesh_degrees, world_size
 
 log = logging.getLogger("trainer")
@@ -132,7 +132,8 @@ def check_inputs(cfg: DictConfig) -> str | None:
     (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError;
     returns the corpus directory (None when every split comes from cache nodes)."""
     check_memory(cfg)
-    corpus = data.prepare(cfg.data) if loop.needs_corpus(cfg.data) else None
+    prepare = (lambda: chat_data.prepare(cfg)) if cfg.data.name == "chat" else (lambda: data.prepare(cfg.data))
+    corpus = prepare() if loop.needs_corpus(cfg.data) else None
     if corpus is not None:
         data.check_corpus(corpus, cfg)
     dp = dp_size(cfg)

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO
 from trainer import config
+from trainer.models import hf
 
 CONF = os.path.join(REPO, "conf")
 
@@ -26,14 +27,25 @@ def _compose(overrides: list[str]):
     return cfg
 
 
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> str:
+    from tests.trainer.hf_models import add_tokenizer, make_llama
+
+    return add_tokenizer(make_llama(str(tmp_path_factory.mktemp("hf"))))
+
+
 @pytest.mark.parametrize("group", ["model", "data", "strategy", "runtime", "launcher", "scheduler",
-                                   "kernels", "optim", "train"])
-def test_every_option_of_every_group_composes_and_validates(group, monkeypatch):
+                                   "kernels", "optim", "train", "recipe"])
+def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, hf_model):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels=triton runs here only under the interpreter
     for option in _options(group):
         prefix = "+" if group == "runtime" else ""
         distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
+        chat = ["model=hf", f"model.path={hf_model}", "data=chat", "recipe=sft", "data.path=/tmp/chats.jsonl"]
         extra = {("data", "parquet"): ["data.path=/tmp"],
+                 ("model", "hf"): [f"model.path={hf_model}"],
+                 ("data", "chat"): chat,
+                 ("recipe", "sft"): chat,
                  ("strategy", "tp"): distributed,
                  ("strategy", "fsdp2_tp"): distributed,
                  ("launcher", "docker"): distributed,
@@ -42,6 +54,8 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch):
         if group == "scheduler" and option != "none":
             extra = ["launcher=kubernetes", *distributed]
         cfg = _compose([f"{prefix}{group}={option}", *extra])
+        if cfg.model.name == "hf":  # the driver reads the model.* keys from the directory's config.json
+            hf.fill_config(cfg.model)
         if group != "train":
             assert OmegaConf.select(cfg, f"{group}.name") == option
         config.validate(cfg)

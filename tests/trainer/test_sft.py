@@ -1,0 +1,140 @@
+"""`recipe=sft` on `data=chat`: the rows are the chat template's tokens as `transformers` renders them, the
+loss counts exactly the assistant's tokens, weighted the same whatever the split into ranks and
+micro-batches, and a run trains. The model and tokenizer are tiny ones made here (nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import compose_run, read_metrics, read_summary
+from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
+from trainer import chat_data
+from trainer.models.hf_tokenizer import HFTokenizer
+from trainer.recipes import sft
+
+pytestmark = pytest.mark.timeout(240)
+SEQ = 48
+
+
+def _chats(n: int, seed: int = 0) -> list[list[dict]]:
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(n):
+        turns = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 3)):
+            turns.append({"role": "user", "content": rng.choice(SAMPLE)[: rng.randint(5, 40)]})
+            turns.append({"role": "assistant", "content": rng.choice(SAMPLE)[: rng.randint(3, 30)]})
+        chats.append(turns)
+    return chats
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    model = add_tokenizer(make_llama(str(root)))
+    chats = _chats(48)
+    path = root / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    return model, str(path), chats
+
+
+ARGS = [
+    "recipe=sft",
+    "data=chat",
+    f"data.seq_len={SEQ}",
+    "data.eval_percent=25",
+    "train.global_batch_size=4",
+    "train.progress=false",
+    "train.log_every=1",
+    "optim.warmup_steps=1",
+]
+
+
+def test_rows_hold_the_template_tokens_and_targets_exactly_the_assistant_tokens(chat_setup):
+    from transformers import AutoTokenizer
+
+    model, _, chats = chat_setup
+    ours, theirs = HFTokenizer(model), AutoTokenizer.from_pretrained(model)
+    pad = ours.token_id("pad_token")
+    for messages in chats[:12]:
+        ref = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = ref["input_ids"][: SEQ + 1], ref["assistant_masks"][: SEQ + 1]
+        tokens, loss_mask = chat_data.encode_row(ours, messages, SEQ, pad)
+        assert tokens[: len(ids)].tolist() == ids and loss_mask[: len(ids)].tolist() == mask
+        assert (tokens[len(ids) :] == pad).all() and not loss_mask[len(ids) :].any()
+        batch = {"tokens": torch.from_numpy(tokens)[None].long(), "loss_mask": torch.from_numpy(loss_mask)[None]}
+        targets = sft.targets(batch, batch["tokens"])[0].tolist()
+        labels = [i if m else sft.IGNORE for i, m in zip(ids, mask, strict=True)][1:]
+        assert targets[: len(labels)] == labels and set(targets[len(labels) :]) <= {sft.IGNORE}
+        if len(ref["input_ids"]) <= SEQ + 1:  # whole: the targets are the assistant's replies, end tokens included
+            replies = "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
+            assert theirs.decode([t for t in targets if t != sft.IGNORE]) == replies
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=4, max_size=4), st.sampled_from([1, 2, 4]), st.integers(0, 2**16))
+def test_weighted_micro_batch_means_give_the_mean_over_every_counted_token(counts, accum, seed):
+    gen = torch.Generator().manual_seed(seed)
+    losses = torch.rand(4, 6, generator=gen)
+    targets = torch.full((4, 6), sft.IGNORE)
+    for row, c in enumerate(counts):
+        targets[row, :c] = 1
+    chunks = targets.chunk(accum)
+    weights = sft.weights(chunks)
+    means = [losses.chunk(accum)[i][c != sft.IGNORE].mean() for i, c in enumerate(chunks)]
+    total = sum(m * w for m, w in zip(means, weights, strict=True))
+    assert float(total) == pytest.approx(float(losses[targets != sft.IGNORE].mean()), rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_an_sft_run_trains_on_chats(chat_setup, run_cli, tmp_path):
+    model, path, _ = chat_setup
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "model=hf",
+        f"model.path={model}",
+        *ARGS,
+        f"data.path={path}",
+        "train.max_steps=6",
+        "train.eval_every=6",
+        "optim.lr=1e-2",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [m["loss"] for m in read_metrics(str(run_dir))]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert np.isfinite(read_summary(str(run_dir))["final_eval_loss"])
+
+
+def _refused(tmp_path, capsys, *overrides) -> str:
+    with pytest.raises(SystemExit) as e:
+        compose_run(tmp_path, *overrides)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_path, capsys):
+    model, path, _ = chat_setup
+    hf = ["model=hf", f"model.path={model}"]
+    assert "data='stdlib': recipe=sft trains on conversations: use data=chat" in _refused(
+        tmp_path, capsys, *hf, "recipe=sft"
+    )
+    assert "recipe='pretrain': data=chat is for recipe=sft" in _refused(
+        tmp_path, capsys, *hf, "data=chat", f"data.path={path}"
+    )
+    assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in _refused(
+        tmp_path, capsys, *ARGS, f"data.path={path}"
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
+    err = _refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
+    assert f"data.path='{bad}': row 2 of {bad} has no 'messages' list" in err
+    assert not os.path.exists(tmp_path / "run" / "config.yaml")

@@ -1,0 +1,194 @@
+"""`data=chat`: conversations (JSONL or Parquet rows with OpenAI-style `messages`) as padded token rows with
+a loss mask, built once into a cached corpus like `trainer.data`'s, and the dataset that reads them.
+
+Each conversation is rendered with the model directory's chat template and tokenizer
+(`trainer.models.hf_tokenizer`), cut to `data.seq_len + 1` tokens, and padded; `loss_mask` marks the
+assistant's tokens (the template's `{% generation %}` blocks). A conversation whose kept part has no
+assistant token after its first is dropped (it would teach nothing). Rows are
+`{"tokens": int32[seq_len + 1], "loss_mask": int8[seq_len + 1]}`; ids of any vocabulary fit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from datacache.local import LocalDataset, parquet_files, read_token_rows
+from trainer.config import ConfigError
+from trainer.models.hf_tokenizer import HFTokenizer
+
+log = logging.getLogger(__name__)
+ROWS_PER_SHARD = 8192
+
+
+def _files(path: str) -> list[str]:
+    if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
+        return [path]
+    files = parquet_files(path)
+    if not files:
+        raise ConfigError(
+            "data.path",
+            path,
+            "data=chat reads a .jsonl file, or Parquet files (a file, a directory "
+            "or a glob), of rows with 'messages'; there is none there",
+        )
+    return files
+
+
+def _rows(path: str) -> Iterator[tuple[str, int, object]]:
+    """(file, row number, row) of every row of the source."""
+    for file in _files(path):
+        if file.endswith((".jsonl", ".json")):
+            with open(file) as f:
+                for i, line in enumerate(f):
+                    if line.strip():
+                        try:
+                            yield file, i, json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ConfigError("data.path", path, f"line {i + 1} of {file} is not JSON ({e})") from None
+            continue
+        names = pq.ParquetFile(file).schema_arrow.names
+        if "messages" not in names:
+            raise ConfigError("data.path", path, f"{file} has no 'messages' column; it has {', '.join(names)}")
+        for i, messages in enumerate(pq.read_table(file, columns=["messages"]).column(0).to_pylist()):
+            yield file, i, {"messages": messages}
+
+
+def conversations(path: str) -> Iterator[tuple[str, list[dict]]]:
+    """(document id, messages) of every conversation; a row that is not one raises ConfigError."""
+    root = None
+    for file, i, row in _rows(path):
+        root = root or os.path.dirname(os.path.abspath(file))
+        messages = row.get("messages") if isinstance(row, dict) else None
+        ok = (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        )
+        if not ok:
+            raise ConfigError(
+                "data.path",
+                path,
+                f"row {i + 1} of {file} has no 'messages' list of "
+                "{'role': ..., 'content': ...} objects (OpenAI-style chat rows)",
+            )
+        yield f"{os.path.relpath(os.path.abspath(file), root)}:{i}", messages
+
+
+def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, loss mask) of one conversation, cut and padded to seq_len + 1."""
+    ids, mask = tok.apply_chat_template(messages)
+    ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+    pad = seq_len + 1 - len(ids)
+    return (np.array(ids + [pad_id] * pad, dtype=np.int32), np.array(mask + [0] * pad, dtype=np.int8))
+
+
+def _fingerprint(cfg, model_path: str) -> dict:
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        file = os.path.join(model_path, name)
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                digest.update(f.read())
+    files = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in _files(cfg.path)]
+    return {"files": files, "tokenizer": digest.hexdigest()}
+
+
+def _write(rows: list[tuple[np.ndarray, np.ndarray]], seq_len: int, out_dir: str) -> int:
+    os.makedirs(out_dir)
+    tokens = np.stack([r[0] for r in rows]) if rows else np.zeros((0, seq_len + 1), np.int32)
+    masks = np.stack([r[1] for r in rows]) if rows else np.zeros((0, seq_len + 1), np.int8)
+    for i, start in enumerate(range(0, max(len(rows), 1), ROWS_PER_SHARD)):
+        table = pa.table(
+            {
+                name: pa.FixedSizeListArray.from_arrays(
+                    pa.array(a[start : start + ROWS_PER_SHARD].reshape(-1)), seq_len + 1
+                )
+                for name, a in (("tokens", tokens), ("loss_mask", masks))
+            }
+        )
+        pq.write_table(table, os.path.join(out_dir, f"shard-{i:05d}.parquet"))
+    return len(rows)
+
+
+def prepare(cfg) -> str:
+    """The chat corpus directory for run config `cfg`, built first when missing."""
+    d, model_path = cfg.data, cfg.model.path
+    tok = HFTokenizer(model_path) if os.path.isfile(os.path.join(model_path, "tokenizer.json")) else None
+    if tok is None or not tok.chat_template:
+        raise ConfigError(
+            "model.path",
+            model_path,
+            "data=chat needs the directory's tokenizer.json and a chat "
+            "template (in tokenizer_config.json or chat_template.jinja)",
+        )
+    settings = {
+        "name": "chat",
+        "seq_len": d.seq_len,
+        "eval_percent": d.eval_percent,
+        "source": _fingerprint(d, model_path),
+        "format": 1,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    root = os.path.join(os.path.expanduser(d.cache_dir), "corpus")
+    target = os.path.join(root, f"chat-{key}")
+    if os.path.isdir(target):
+        return target
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, f".chat-{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(target):
+            return target
+        pad = next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
+        tmp = tempfile.mkdtemp(prefix=f".chat-{key}-", dir=root)
+        try:
+            splits: dict[str, list] = {"train": [], "eval": []}
+            dropped = 0
+            for doc_id, messages in conversations(d.path):
+                tokens, mask = encode_row(tok, messages, d.seq_len, pad)
+                if not mask[1:].any():
+                    dropped += 1
+                    continue
+                in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
+                splits["eval" if in_eval else "train"].append((tokens, mask))
+            counts = {name: _write(rows, d.seq_len, os.path.join(tmp, name)) for name, rows in splits.items()}
+            top = max((int(t.max()) for rows in splits.values() for t, _ in rows), default=0)
+            with open(os.path.join(tmp, "corpus.json"), "w") as f:
+                json.dump({**settings, "rows": counts, "max_token_id": top, "dropped": dropped}, f, indent=2)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if dropped:
+        log.warning(
+            "data=chat: %d conversation(s) without an assistant token in their first %d tokens dropped",
+            dropped,
+            d.seq_len + 1,
+        )
+    log.info("chat corpus rows: %s", counts)
+    return target
+
+
+class ChatDataset(LocalDataset):
+    """A chat corpus split: each batch is `{"tokens", "loss_mask"}` for this rank."""
+
+    def __init__(self, path: str, **kw):
+        super().__init__(path, **kw)
+        self.masks = read_token_rows(path, "loss_mask")
+
+    def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        return {"tokens": torch.from_numpy(self.rows[rows]), "loss_mask": torch.from_numpy(self.masks[rows])}
