@@ -104,8 +104,9 @@ def check_model(path: str, model_cfg, key: str, value) -> None:
     with torch.device("meta"):
         wanted = {name: tuple(t.shape) for name, t in models.build(model_cfg).state_dict().items()}
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    # LoRA adapters (peft=lora) come on top of the model's own tensors; DCP checks them when loading.
     saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata) and ".lora_" not in k}
     for name in sorted(saved.keys() | wanted.keys()):
         if saved.get(name) != wanted.get(name):
             raise ConfigError(key, value, f"the checkpoint {path} holds model tensor {name} of shape "

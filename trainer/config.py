@@ -18,6 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from trainer import peft_config
+from trainer.peft_config import PeftConfig
 from trainer.recipes import config as recipe_config
 from trainer.recipes.config import RecipeConfig
 
@@ -244,6 +246,7 @@ class Config:
     optim: OptimConfig = MISSING
     train: TrainConfig = MISSING
     recipe: RecipeConfig = MISSING
+    peft: PeftConfig = MISSING
     runtime: RuntimeConfig | None = None
     run_dir: str = "${hydra:runtime.output_dir}"
 
@@ -264,6 +267,7 @@ SCHEMAS = {
     "optim": OptimConfig,
     "train": TrainConfig,
     "recipe": RecipeConfig,
+    "peft": PeftConfig,
 }
 
 
@@ -587,6 +591,7 @@ def validate(cfg: DictConfig) -> None:
                  r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
 
     recipe_config.check(cfg)
+    peft_config.check(cfg)
     _validate_launcher(cfg)
     _validate_kernels(cfg)
     world = world_size(cfg)

@@ -4,7 +4,9 @@ CHECKPOINT is `<run_dir>/checkpoints/step-<N>`, written under any strategy and w
 shards); the run's `config.yaml` says which model it holds. OUT gets `config.json`, `model.safetensors`
 (fp32, Hugging Face's tensor names) and, for a `model=hf` run, the tokenizer and generation files of the
 model directory it started from, so that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it.
-A built-in preset is written as a `LlamaForCausalLM` (its byte tokenizer has no Hugging Face files).
+A built-in preset is written as a `LlamaForCausalLM` (its byte tokenizer has no Hugging Face files). A
+`peft=lora` run gives its adapters as PEFT saves them (`peft.PeftModel.from_pretrained(base, OUT)` loads
+them), or with `--merge` the whole model with the adapters folded in.
 
 OUT must not exist yet (nothing a user made is overwritten); it is written under a temporary name and
 renamed when complete.
@@ -23,7 +25,7 @@ import warnings
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import models
+from trainer import lora, models
 from trainer.config import ConfigError
 from trainer.models import hf
 
@@ -61,7 +63,7 @@ def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
     from torch.distributed import checkpoint as dcp
 
     with torch.device("meta"):
-        model = models.build(cfg.model)
+        model = lora.apply(models.build(cfg.model), _peft(cfg))
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
@@ -69,6 +71,10 @@ def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
         dcp.load(state, checkpoint_id=checkpoint)
     model.init_buffers()
     return model
+
+
+def _peft(cfg: DictConfig) -> DictConfig:
+    return cfg.get("peft") or OmegaConf.create({"name": "none"})  # configs saved before peft existed
 
 
 def hf_config(cfg: DictConfig) -> dict:
@@ -104,17 +110,25 @@ def hf_config(cfg: DictConfig) -> dict:
 
 
 def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
-    """Write the Hugging Face directory `out` (which must not exist) for `model`."""
+    """Write the Hugging Face directory `out` (which must not exist) for `model`: the whole model, or, when
+    it holds LoRA adapters, the adapters as PEFT saves them (adapter_config.json, adapter_model.safetensors)."""
     from safetensors.torch import save_file
 
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
     try:
-        tensors = {hf.hf_name(name): p.detach().contiguous() for name, p in model.named_parameters()}
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config(cfg), f, indent=2)
+        params = dict(model.named_parameters())
+        if any(lora.is_adapter(name) for name in params):
+            tensors = {lora.peft_name(n): p.detach().contiguous() for n, p in params.items() if lora.is_adapter(n)}
+            save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                json.dump(lora.adapter_config(_peft(cfg), cfg.model.path), f, indent=2)
+        else:
+            tensors = {hf.hf_name(name): p.detach().contiguous() for name, p in params.items()}
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(hf_config(cfg), f, indent=2)
         if cfg.model.name == "hf":
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(cfg.model.path, name)):
@@ -125,14 +139,23 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
         raise
 
 
-def export(checkpoint: str, out: str) -> str:
-    """Write `out` from `checkpoint`; return `out`. Raises ConfigError before writing anything."""
+def export(checkpoint: str, out: str, merge: bool = False) -> str:
+    """Write `out` from `checkpoint` (with `merge`, LoRA adapters folded into the weights); return `out`.
+    Raises ConfigError before writing anything."""
     if os.path.exists(out):
         raise ConfigError("OUT", out, "already exists: give a new directory (nothing is overwritten)")
     cfg = run_config(checkpoint)
+    if merge and _peft(cfg).name != "lora":
+        raise ConfigError(
+            "--merge",
+            True,
+            f"folds LoRA adapters into the weights; {checkpoint} was trained with "
+            f"peft={_peft(cfg).name}, so there is nothing to merge",
+        )
     if cfg.model.name == "hf":
         hf.read_config(cfg.model.path, key="model.path (of the run)")
-    write(load_model(checkpoint, cfg), cfg, out)
+    model = load_model(checkpoint, cfg)
+    write(lora.merge(model) if merge else model, cfg, out)
     return out
 
 
@@ -140,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint directory, <run_dir>/checkpoints/step-<N>")
     parser.add_argument("out", help="the Hugging Face model directory to write (must not exist)")
+    parser.add_argument(
+        "--merge", action="store_true", help="fold a LoRA run's adapters into the weights and write the whole model"
+    )
     args = parser.parse_args(argv)
     try:
-        export(args.checkpoint, args.out)
+        export(args.checkpoint, args.out, merge=args.merge)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -36,8 +36,9 @@ PROGRESS_METRICS = ("loss", "eval_loss", "tokens_per_s", "mfu", "lr", "grad_norm
 
 def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
     # No weight decay on norms' gains (1-D parameters), as usual for transformers.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # not a frozen base (peft=lora)
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)

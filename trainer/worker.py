@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import chat_data, checkpoint, data, kernels, loop, models, parallel
+from trainer import chat_data, checkpoint, data, kernels, loop, lora, models, parallel
 from trainer.config import CACHE_KEYS, ConfigError, dp_size, mesh_degrees, world_size
 
 log = logging.getLogger("trainer")
@@ -178,9 +178,13 @@ def _train(cfg: DictConfig, env: DistEnv) -> dict:
     with torch.device("meta"):
         model = models.build(cfg.model)
     model = kernels.apply(model, cfg.kernels)
+    lora_cfg = cfg.get("peft") or OmegaConf.create({"name": "none"})  # configs saved before peft existed
+    model = lora.apply(model, lora_cfg)
     shapes = models.param_shapes(model)
     model = parallel.apply(model, mesh, cfg.strategy, env.device)
     models.init_or_load(model, shapes, cfg)
+    if lora_cfg.name == "lora":
+        lora.init_adapters(model, shapes, cfg.train.seed)
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device)

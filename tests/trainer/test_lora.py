@@ -1,0 +1,116 @@
+"""`peft=lora`: the base stays frozen, the adapters train, and `python -m trainer.export` writes them as PEFT
+does (`peft.PeftModel.from_pretrained` gives our logits) or, with `--merge`, folded into a whole model.
+The base is a tiny random Llama made with `transformers` (nothing downloaded)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import compose_run, read_metrics
+from tests.trainer.hf_models import add_tokenizer, make_llama
+from trainer import export
+from trainer.models import from_hf
+
+pytestmark = pytest.mark.timeout(300)
+TARGETS = "[q_proj,v_proj,down_proj]"
+LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "peft.dropout=0.1", f"peft.target_modules={TARGETS}"]
+TOKENS = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("lora")
+    base = add_tokenizer(make_llama(str(root)))
+    run_dir = root / "run"
+    args = [
+        "model=hf",
+        f"model.path={base}",
+        *LORA,
+        "optim.lr=0.05",
+        "optim.warmup_steps=0",
+        "train.max_steps=3",
+        "train.eval_every=3",
+        "train.checkpoint_every=3",
+        "train.progress=false",
+        "train.log_every=1",
+        "data.seq_len=32",
+        "train.global_batch_size=8",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        env={**os.environ, "TRAINJOB_CACHE": cache_dir},
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base, str(run_dir / "checkpoints" / "step-3"), str(run_dir)
+
+
+def _logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        out = model.eval()(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def test_the_base_is_frozen_and_the_adapters_train(lora_run):
+    base, checkpoint, run_dir = lora_run
+    ours = dict(export.load_model(checkpoint, export.run_config(checkpoint)).named_parameters())
+    pretrained = dict(from_hf(base).named_parameters())
+    assert set(ours) - set(pretrained) == {
+        f"layers.{i}.{m}.lora_{ab}.weight"
+        for i in (0, 1)
+        for m in ("attention.wq", "attention.wv", "feed_forward.w2")
+        for ab in "AB"
+    }
+    for name, value in pretrained.items():
+        assert torch.equal(ours[name], value), name
+    assert all(ours[n].abs().max() > 0 for n in ours if ".lora_B." in n)  # B starts at zero; it moved
+    assert len(read_metrics(run_dir)) == 3
+
+
+def test_adapters_load_in_peft_with_our_logits_and_merge_into_the_same_model(lora_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, checkpoint, _ = lora_run
+    ours = _logits(export.load_model(checkpoint, export.run_config(checkpoint)))
+    assert (ours - _logits(from_hf(base))).abs().max() > 1e-4  # the adapters change the model
+
+    adapters = str(tmp_path / "adapters")
+    assert export.main([checkpoint, adapters]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(adapters))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapters)
+    torch.testing.assert_close(_logits(peft_model), ours, rtol=0, atol=1e-5)
+
+    merged = str(tmp_path / "merged")
+    assert export.main([checkpoint, merged, "--merge"]) == 0
+    assert "adapter_config.json" not in os.listdir(merged)
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(merged)), ours, rtol=0, atol=1e-5)
+
+
+def _refused(tmp_path, capsys, *overrides) -> str:
+    with pytest.raises(SystemExit) as e:
+        compose_run(tmp_path, *overrides)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_lora_that_cannot_run_is_refused_naming_the_key(lora_run, tmp_path, capsys):
+    base, _, _ = lora_run
+    hf = ["model=hf", f"model.path={base}"]
+    assert "peft='lora': LoRA adapts a pretrained model: use model=hf" in _refused(tmp_path, capsys, "peft=lora")
+    err = _refused(
+        tmp_path, capsys, *hf, "peft=lora", "+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp"
+    )
+    assert "strategy='tp': peft=lora runs under strategy=ddp or fsdp2" in err
+    err = _refused(tmp_path, capsys, *hf, "peft=lora", "peft.target_modules=[q_proj,wq]")
+    assert "peft.target_modules=['q_proj', 'wq']: must be distinct names among q_proj, k_proj" in err
+    assert "peft.rank=0: must be > 0" in _refused(tmp_path, capsys, *hf, "peft=lora", "peft.rank=0")

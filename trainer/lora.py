@@ -1,0 +1,114 @@
+"""LoRA adapters on our `Transformer` (`peft=lora`), in place and before any strategy shards the model.
+
+Each target `nn.Linear` becomes a `LoRALinear`: the same module (its `weight` and `bias` keep their names,
+so pretrained weights, checkpoints and strategies see what they always see) plus `lora_A` (rank x in) and
+`lora_B` (out x rank). Everything else is frozen. As in PEFT, A starts Kaiming-uniform and B at zero, so
+training starts from the pretrained model exactly; A is drawn whole per name and seed, so every strategy
+and world size starts from the same adapters. Names map to PEFT's (`base_model.model.<hf name>.lora_A.weight`).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from trainer.models import WRAPPED
+from trainer.models.hf import _BLOCK, hf_name
+
+# PEFT's target name -> ours inside a block (attention.wq ...).
+OURS = {hf.rsplit(".", 1)[1]: ours for ours, hf in _BLOCK.items() if "." in hf}
+
+
+class LoRALinear(nn.Linear):
+    """A linear layer plus its low-rank update: y = x W^T + b + (alpha / rank) * dropout(x) A^T B^T."""
+
+    def add_adapter(self, rank: int, alpha: float, dropout: float) -> None:
+        self.scaling = alpha / rank
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=self.weight.device)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=self.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+def apply(model: nn.Module, cfg) -> nn.Module:
+    """Add adapters to `cfg.target_modules` of every block and freeze everything else (`cfg`: the peft section)."""
+    if cfg.name != "lora":
+        return model
+    for block in model.layers.values():
+        for target in cfg.target_modules:
+            linear = block.get_submodule(OURS[target])
+            linear.__class__ = LoRALinear
+            linear.add_adapter(cfg.rank, cfg.alpha, cfg.dropout)
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name)
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def init_adapters(model: nn.Module, shapes: dict, seed: int) -> None:
+    """Give every adapter its starting value (A: Kaiming-uniform from the seed and its name; B: zero)."""
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    with torch.no_grad():
+        for name, param in inner.named_parameters():
+            clean = name.replace(WRAPPED, "")
+            if not is_adapter(clean):
+                continue
+            shape, dtype = shapes[clean]
+            full = torch.zeros(shape, dtype=dtype)
+            if ".lora_A." in clean:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(clean.encode()))
+                bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)), nn.Linear's and PEFT's default
+                full.uniform_(-bound, bound, generator=gen)
+            full = full.to(param.device)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+
+
+def peft_name(name: str) -> str:
+    """PEFT's key for our adapter parameter `name` (`layers.0.attention.wq.lora_A.weight`)."""
+    module, leaf = name.split(".lora_", 1)
+    return f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.lora_{leaf}"
+
+
+def adapter_config(cfg, base: str) -> dict:
+    """adapter_config.json as PEFT writes it for these adapters on the model in directory `base`."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": list(cfg.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+
+
+@torch.no_grad()
+def merge(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its weight (W += scaling * B A) and turn the layers back into nn.Linear."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.weight += module.scaling * module.lora_B.weight @ module.lora_A.weight
+            del module.lora_A, module.lora_B, module.lora_dropout
+            module.__class__ = nn.Linear
+    return model
