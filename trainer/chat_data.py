@@ -1,5 +1,7 @@
-"""`data=chat`: conversations (JSONL or Parquet rows with OpenAI-style `messages`) as padded token rows with
-a loss mask, built once into a cached corpus like `trainer.data`'s, and the dataset that reads them.
+"""`data=chat` and `data=preference`: conversations (JSONL or Parquet rows with OpenAI-style `messages`), or
+preference pairs (`prompt`, `chosen`, `rejected`), as padded token rows with a loss mask, built once into a
+cached corpus like `trainer.data`'s, and the dataset that reads them. A preference row holds the chosen
+conversation's row, then the rejected one's.
 
 Each conversation is rendered with the model directory's chat template and tokenizer
 (`trainer.models.hf_tokenizer`), cut to `data.seq_len + 1` tokens, and padded; `loss_mask` marks the
@@ -31,6 +33,7 @@ from trainer.models.hf_tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
 ROWS_PER_SHARD = 8192
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
 def _files(path: str) -> list[str]:
@@ -41,13 +44,13 @@ def _files(path: str) -> list[str]:
         raise ConfigError(
             "data.path",
             path,
-            "data=chat reads a .jsonl file, or Parquet files (a file, a directory "
+            "data=chat and data=preference read a .jsonl file, or Parquet files (a file, a directory "
             "or a glob), of rows with 'messages'; there is none there",
         )
     return files
 
 
-def _rows(path: str) -> Iterator[tuple[str, int, object]]:
+def _rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int, object]]:
     """(file, row number, row) of every row of the source."""
     for file in _files(path):
         if file.endswith((".jsonl", ".json")):
@@ -60,34 +63,53 @@ def _rows(path: str) -> Iterator[tuple[str, int, object]]:
                             raise ConfigError("data.path", path, f"line {i + 1} of {file} is not JSON ({e})") from None
             continue
         names = pq.ParquetFile(file).schema_arrow.names
-        if "messages" not in names:
-            raise ConfigError("data.path", path, f"{file} has no 'messages' column; it has {', '.join(names)}")
-        for i, messages in enumerate(pq.read_table(file, columns=["messages"]).column(0).to_pylist()):
-            yield file, i, {"messages": messages}
-
-
-def conversations(path: str) -> Iterator[tuple[str, list[dict]]]:
-    """(document id, messages) of every conversation; a row that is not one raises ConfigError."""
-    root = None
-    for file, i, row in _rows(path):
-        root = root or os.path.dirname(os.path.abspath(file))
-        messages = row.get("messages") if isinstance(row, dict) else None
-        ok = (
-            isinstance(messages, list)
-            and messages
-            and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        )
-        if not ok:
+        missing = [c for c in columns if c not in names]
+        if missing:
             raise ConfigError(
                 "data.path",
                 path,
-                f"row {i + 1} of {file} has no 'messages' list of "
-                "{'role': ..., 'content': ...} objects (OpenAI-style chat rows)",
+                f"{file} has no {', '.join(repr(c) for c in missing)} column; it has {', '.join(names)}",
             )
-        yield f"{os.path.relpath(os.path.abspath(file), root)}:{i}", messages
+        yield from ((file, i, row) for i, row in enumerate(pq.read_table(file, columns=list(columns)).to_pylist()))
+
+
+def _is_chat(messages) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+
+
+def documents(name: str, path: str) -> Iterator[tuple[str, list[list[dict]]]]:
+    """(document id, its conversations) of every row: one for data=chat (`messages`), two for data=preference
+    (`prompt` followed by `chosen`, then by `rejected`). A row that is neither raises ConfigError."""
+    root = None
+    for file, i, row in _rows(path, ("messages",) if name == "chat" else PREFERENCE_KEYS):
+        root = root or os.path.dirname(os.path.abspath(file))
+        doc = f"{os.path.relpath(os.path.abspath(file), root)}:{i}"
+        row = row if isinstance(row, dict) else {}
+        if name == "chat":
+            if not _is_chat(row.get("messages")):
+                raise ConfigError(
+                    "data.path",
+                    path,
+                    f"row {i + 1} of {file} has no 'messages' list of "
+                    "{'role': ..., 'content': ...} objects (OpenAI-style chat rows)",
+                )
+            yield doc, [row["messages"]]
+            continue
+        if not all(isinstance(row.get(k), str) for k in PREFERENCE_KEYS):
+            raise ConfigError(
+                "data.path",
+                path,
+                f"row {i + 1} of {file} needs the strings {', '.join(PREFERENCE_KEYS)} (data=preference rows)",
+            )
+        prompt = [{"role": "user", "content": row["prompt"]}]
+        yield doc, [[*prompt, {"role": "assistant", "content": row[k]}] for k in ("chosen", "rejected")]
 
 
 def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,14 +133,13 @@ def _fingerprint(cfg, model_path: str) -> dict:
 
 def _write(rows: list[tuple[np.ndarray, np.ndarray]], seq_len: int, out_dir: str) -> int:
     os.makedirs(out_dir)
-    tokens = np.stack([r[0] for r in rows]) if rows else np.zeros((0, seq_len + 1), np.int32)
-    masks = np.stack([r[1] for r in rows]) if rows else np.zeros((0, seq_len + 1), np.int8)
+    width = len(rows[0][0]) if rows else seq_len + 1
+    tokens = np.stack([r[0] for r in rows]) if rows else np.zeros((0, width), np.int32)
+    masks = np.stack([r[1] for r in rows]) if rows else np.zeros((0, width), np.int8)
     for i, start in enumerate(range(0, max(len(rows), 1), ROWS_PER_SHARD)):
         table = pa.table(
             {
-                name: pa.FixedSizeListArray.from_arrays(
-                    pa.array(a[start : start + ROWS_PER_SHARD].reshape(-1)), seq_len + 1
-                )
+                name: pa.FixedSizeListArray.from_arrays(pa.array(a[start : start + ROWS_PER_SHARD].reshape(-1)), width)
                 for name, a in (("tokens", tokens), ("loss_mask", masks))
             }
         )
@@ -134,11 +155,11 @@ def prepare(cfg) -> str:
         raise ConfigError(
             "model.path",
             model_path,
-            "data=chat needs the directory's tokenizer.json and a chat "
+            f"data={d.name} needs the directory's tokenizer.json and a chat "
             "template (in tokenizer_config.json or chat_template.jinja)",
         )
     settings = {
-        "name": "chat",
+        "name": d.name,
         "seq_len": d.seq_len,
         "eval_percent": d.eval_percent,
         "source": _fingerprint(d, model_path),
@@ -146,24 +167,25 @@ def prepare(cfg) -> str:
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = os.path.join(os.path.expanduser(d.cache_dir), "corpus")
-    target = os.path.join(root, f"chat-{key}")
+    target = os.path.join(root, f"{d.name}-{key}")
     if os.path.isdir(target):
         return target
     os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, f".chat-{key}.lock"), "w") as lock:
+    with open(os.path.join(root, f".{d.name}-{key}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.isdir(target):
             return target
         pad = next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
-        tmp = tempfile.mkdtemp(prefix=f".chat-{key}-", dir=root)
+        tmp = tempfile.mkdtemp(prefix=f".{d.name}-{key}-", dir=root)
         try:
             splits: dict[str, list] = {"train": [], "eval": []}
             dropped = 0
-            for doc_id, messages in conversations(d.path):
-                tokens, mask = encode_row(tok, messages, d.seq_len, pad)
-                if not mask[1:].any():
+            for doc_id, chats in documents(d.name, d.path):
+                encoded = [encode_row(tok, messages, d.seq_len, pad) for messages in chats]
+                if not all(mask[1:].any() for _, mask in encoded):
                     dropped += 1
                     continue
+                tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
                 in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
                 splits["eval" if in_eval else "train"].append((tokens, mask))
             counts = {name: _write(rows, d.seq_len, os.path.join(tmp, name)) for name, rows in splits.items()}
@@ -175,7 +197,8 @@ def prepare(cfg) -> str:
             shutil.rmtree(tmp, ignore_errors=True)
     if dropped:
         log.warning(
-            "data=chat: %d conversation(s) without an assistant token in their first %d tokens dropped",
+            "data=%s: %d row(s) without an assistant token in their first %d tokens dropped",
+            d.name,
             dropped,
             d.seq_len + 1,
         )

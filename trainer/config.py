@@ -395,7 +395,7 @@ SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
 KERNELS = ("torch", "triton")
 TRITON_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
 OPTIMIZERS = ("adamw", "sgd")
-DATASETS = ("stdlib", "parquet", "chat")
+DATASETS = ("stdlib", "parquet", "chat", "preference")
 RUNTIMES = ("torch-distributed",)
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -532,7 +532,7 @@ def validate(cfg: DictConfig) -> None:
              f"must divide model.n_heads={m.n_heads}")
     from trainer.models.tokenizer import VOCAB_SIZE
 
-    _require(cfg.data.name == "chat" or m.vocab_size >= VOCAB_SIZE, "model.vocab_size", m.vocab_size,
+    _require(cfg.data.name in ("chat", "preference") or m.vocab_size >= VOCAB_SIZE, "model.vocab_size", m.vocab_size,
              f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
 
     _positive(cfg, "data.seq_len")

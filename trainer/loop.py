@@ -27,7 +27,7 @@ from trainer import checkpoint, metrics, models, parallel, progress
 from trainer.chat_data import ChatDataset
 from trainer.config import CACHE_KEYS, ConfigError
 from trainer.parallel.tp import uses_loss_parallel
-from trainer.recipes import sft
+from trainer.recipes import dpo, sft
 
 log = logging.getLogger(__name__)
 # What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
@@ -101,7 +101,7 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
     key = CACHE_KEYS[split]
     endpoints = list(data_cfg.cache[key])
     if not endpoints:
-        dataset = ChatDataset if data_cfg.name == "chat" else LocalDataset
+        dataset = ChatDataset if data_cfg.name in ("chat", "preference") else LocalDataset
         return dataset(os.path.join(corpus, split), **kw)
     try:
         data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
@@ -116,8 +116,11 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
 
 
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, mesh, device: torch.device, corpus: str | None):
+    def __init__(self, cfg, model: torch.nn.Module, mesh, device: torch.device, corpus: str | None,
+                 reference: torch.nn.Module | None = None):
         self.cfg, self.model, self.device = cfg, model, device
+        # recipe=dpo: the frozen starting model, and the rewards summed since the last metrics line.
+        self.reference, self.dpo_stats = reference, {}
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp_rank, dp_size = parallel.data_parallel_rank(mesh)
@@ -169,18 +172,33 @@ class Trainer:
         with self.autocast:
             return self.model(tokens[:, :-1], targets)
 
+    def _dpo_loss(self, batch: dict, tokens: torch.Tensor) -> torch.Tensor:
+        """recipe=dpo: the loss of preference rows; their rewards are summed into self.dpo_stats."""
+        mask = batch["loss_mask"].to(self.device, non_blocking=True)
+        with self.autocast:
+            loss, stats = dpo.pair_loss(self.model, self.reference, tokens, mask, self.cfg.recipe.beta)
+        for key, value in stats.items():
+            self.dpo_stats[key] = self.dpo_stats.get(key, 0) + value / self.cfg.train.grad_accum_steps
+        return loss
+
     def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps
         tokens = self._tokens(batch)
+        masked = "loss_mask" in batch and self.reference is None
         targets = sft.targets(batch, tokens).chunk(accum)
         # Masked targets (sft): each micro-batch weighs by its counted tokens; else every one is 1/accum.
-        scales = sft.weights(targets) if "loss_mask" in batch else [1 / accum] * accum
+        scales = sft.weights(targets) if masked else [1 / accum] * accum
+        masks = batch["loss_mask"].chunk(accum) if "loss_mask" in batch else [None] * accum
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(tokens.chunk(accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
             with sync, self.loss_context():
-                loss = self._loss(micro, targets[i]) * scales[i] if "loss_mask" in batch else \
-                    self._loss(micro, targets[i]) / accum
+                if self.reference is not None:
+                    loss = self._dpo_loss({"loss_mask": masks[i]}, micro) / accum
+                elif masked:
+                    loss = self._loss(micro, targets[i]) * scales[i]
+                else:
+                    loss = self._loss(micro, targets[i]) / accum
                 loss.backward()
             total += _local(loss.detach())
         clip = self.cfg.optim.grad_clip
@@ -195,15 +213,20 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         n = 0
+        train_stats, self.dpo_stats = self.dpo_stats, {}
         for batch in self.eval_data:
             tokens = self._tokens(batch)
             targets = sft.targets(batch, tokens)
             with self.loss_context():
-                loss = _local(self._loss(tokens, targets))
-            total += loss * sft.weights((targets,))[0] if "loss_mask" in batch else loss
+                if self.reference is not None:
+                    loss = _local(self._dpo_loss(batch, tokens))
+                else:
+                    loss = _local(self._loss(tokens, targets))
+            total += loss * sft.weights((targets,))[0] if "loss_mask" in batch and self.reference is None else loss
             n += 1
             if n == self.cfg.train.eval_batches:
                 break
+        self.dpo_stats = train_stats
         self.model.train()
         return _mean_across_ranks(total / max(n, 1))
 
@@ -225,6 +248,9 @@ class Trainer:
         """The metrics line for this step: where a step waits for the device (and the other ranks). Step time
         and throughput are the means over the `steps` steps since `since`, measured once the device is done."""
         record = {"step": self.step, "loss": _mean_across_ranks(loss), "grad_norm": float(grad_norm)}
+        # recipe=dpo: the rewards of the steps since the last line, averaged over them and the ranks.
+        record.update({k: _mean_across_ranks(v / steps) for k, v in sorted(self.dpo_stats.items())})
+        self.dpo_stats = {}
         now = time.perf_counter()
         step_time = (now - since) / steps
         tokens_per_s = self.cfg.train.global_batch_size * self.cfg.data.seq_len / step_time

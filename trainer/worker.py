@@ -132,7 +132,8 @@ def check_inputs(cfg: DictConfig) -> str | None:
     (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError;
     returns the corpus directory (None when every split comes from cache nodes)."""
     check_memory(cfg)
-    prepare = (lambda: chat_data.prepare(cfg)) if cfg.data.name == "chat" else (lambda: data.prepare(cfg.data))
+    chats = cfg.data.name in ("chat", "preference")
+    prepare = (lambda: chat_data.prepare(cfg)) if chats else (lambda: data.prepare(cfg.data))
     corpus = prepare() if loop.needs_corpus(cfg.data) else None
     if corpus is not None:
         data.check_corpus(corpus, cfg)
@@ -171,6 +172,16 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
+def _reference(cfg: DictConfig, mesh, env: DistEnv) -> torch.nn.Module:
+    """recipe=dpo's frozen reference: the starting weights (without adapters), sharded like the policy."""
+    with torch.device("meta"):
+        model = kernels.apply(models.build(cfg.model), cfg.kernels)
+    model = parallel.apply(model, mesh, cfg.strategy, env.device)
+    models.init_or_load(model, None, cfg)
+    model.requires_grad_(False)
+    return model.eval()
+
+
 def _train(cfg: DictConfig, env: DistEnv) -> dict:
     torch.manual_seed(cfg.train.seed)
     corpus = check_inputs(cfg)
@@ -188,7 +199,8 @@ def _train(cfg: DictConfig, env: DistEnv) -> dict:
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device)
-    trainer = loop.Trainer(cfg, model, mesh, env.device, corpus)
+    reference = _reference(cfg, mesh, env) if OmegaConf.select(cfg, "recipe.name") == "dpo" else None
+    trainer = loop.Trainer(cfg, model, mesh, env.device, corpus, reference)
     start = resume_path(cfg)
     if start is not None:
         trainer.restore(start)

@@ -124,7 +124,7 @@ def _refused(tmp_path, capsys, *overrides) -> str:
 def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_path, capsys):
     model, path, _ = chat_setup
     hf = ["model=hf", f"model.path={model}"]
-    assert "data='stdlib': recipe=sft trains on conversations: use data=chat" in _refused(
+    assert "data='stdlib': recipe=sft trains on data=chat (rows with messages)" in _refused(
         tmp_path, capsys, *hf, "recipe=sft"
     )
     assert "recipe='pretrain': data=chat is for recipe=sft" in _refused(

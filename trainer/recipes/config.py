@@ -6,13 +6,17 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING, OmegaConf
 
-RECIPES = ("pretrain", "sft")
+RECIPES = ("pretrain", "sft", "dpo")
+# The data each recipe trains on, and the recipe each conversational dataset is for.
+DATA = {"sft": "chat", "dpo": "preference"}
 
 
 @dataclass
 class RecipeConfig:
-    # pretrain: next-token loss on every token; sft: only on the assistant's tokens of data=chat.
+    # pretrain: next-token loss on every token; sft: only on the assistant's tokens of data=chat;
+    # dpo: Direct Preference Optimization on data=preference against the frozen starting model.
     name: str = MISSING
+    beta: float = 0.1  # dpo: how far from the reference the policy may move (the KL penalty's inverse weight)
 
 
 def check(cfg) -> None:
@@ -23,29 +27,43 @@ def check(cfg) -> None:
     if recipe not in RECIPES:
         raise ConfigError("recipe", recipe, f"must be one of {', '.join(RECIPES)}")
     data = cfg.data.name
-    if recipe == "sft" and data != "chat":
-        raise ConfigError("data", data, "recipe=sft trains on conversations: use data=chat (rows with 'messages')")
-    if data == "chat":
-        if recipe != "sft":
-            raise ConfigError("recipe", recipe, "data=chat is for recipe=sft (the loss on the assistant's tokens)")
+    if recipe in DATA and data != DATA[recipe]:
+        raise ConfigError(
+            "data",
+            data,
+            f"recipe={recipe} trains on data={DATA[recipe]} "
+            f"({'rows with messages' if recipe == 'sft' else 'rows with prompt, chosen, rejected'})",
+        )
+    if data in DATA.values():
+        wanted = next(r for r, d in DATA.items() if d == data)
+        if recipe != wanted:
+            raise ConfigError("recipe", recipe, f"data={data} is for recipe={wanted}")
         if cfg.model.name != "hf":
             raise ConfigError(
                 "model",
                 cfg.model.name,
-                "data=chat tokenizes with the model directory's tokenizer "
+                f"data={data} tokenizes with the model directory's tokenizer "
                 "and chat template: use model=hf model.path=<directory>",
             )
         if not cfg.data.path:
             raise ConfigError(
-                "data.path",
-                cfg.data.path,
-                "data=chat needs a JSONL file, or Parquet files, of rows with OpenAI-style 'messages'",
+                "data.path", cfg.data.path, f"data={data} needs a JSONL file, or Parquet files, of its rows"
             )
         c = cfg.data.cache
         if c.endpoints or c.eval_endpoints or c.nodes:
             raise ConfigError(
                 "data.cache",
                 "set",
-                "data=chat is read from its local corpus; cache nodes serve "
+                f"data={data} is read from its local corpus; cache nodes serve "
                 "token rows of data=stdlib or data=parquet only",
+            )
+    if recipe == "dpo":
+        beta = cfg.recipe.beta
+        if not beta > 0:
+            raise ConfigError("recipe.beta", beta, "must be > 0")
+        if cfg.strategy.name in ("tp", "fsdp2_tp") and cfg.strategy.loss_parallel:
+            raise ConfigError(
+                "strategy.loss_parallel",
+                True,
+                "recipe=dpo reads whole log-probabilities: set strategy.loss_parallel=false under tensor parallelism",
             )

@@ -1,0 +1,61 @@
+"""`recipe=dpo`: Direct Preference Optimization (Rafailov et al., 2023) against a frozen reference model.
+
+For a prompt x with a chosen answer y_w and a rejected one y_l, with log-probabilities of the answers'
+tokens summed per sequence under the policy (pi) and the reference (ref):
+
+    loss = -log sigmoid(beta * ((log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))))
+
+averaged over pairs. The rewards are beta * (log pi - log ref) of each answer; the margin is chosen minus
+rejected; the accuracy is the share of pairs whose chosen reward is the higher. A `data=preference` row
+holds the chosen conversation's tokens, then the rejected one's, each with its loss mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.recipes.sft import IGNORE, targets
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+def sequence_logps(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(batch,) sums of log p(target) over the counted (not IGNORE) positions; logits (batch, seq, vocab)."""
+    counted = target != IGNORE
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (logp * counted).sum(-1)
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean DPO loss over pairs, and the batch's mean rewards, margin and accuracy."""
+    chosen = beta * (policy_chosen - ref_chosen)
+    rejected = beta * (policy_rejected - ref_rejected)
+    loss = -F.logsigmoid(chosen - rejected).mean()
+    stats = {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/margins": (chosen - rejected).mean(),
+        "rewards/accuracies": (chosen > rejected).float().mean(),
+    }
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def pair_loss(model, reference, batch_tokens: torch.Tensor, batch_mask: torch.Tensor, beta: float):
+    """The DPO loss of a batch of preference rows (chosen tokens, then rejected tokens)."""
+    half = batch_tokens.shape[1] // 2
+    tokens = torch.cat([batch_tokens[:, :half], batch_tokens[:, half:]])
+    mask = torch.cat([batch_mask[:, :half], batch_mask[:, half:]])
+    target = targets({"loss_mask": mask}, tokens)
+    policy = sequence_logps(model(tokens[:, :-1]), target)
+    with torch.no_grad():
+        ref = sequence_logps(reference(tokens[:, :-1]), target)
+    policy_chosen, policy_rejected = policy.chunk(2)
+    ref_chosen, ref_rejected = ref.chunk(2)
+    return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
