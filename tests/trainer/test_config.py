@@ -172,3 +172,15 @@ def test_help_introduces_trainjob_and_lists_only_options_a_user_can_choose(run_c
     assert proc.stdout.startswith("trainjob: declarative PyTorch training")
     groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "launcher: docker, kubernetes, local\n" in groups and "schema" not in groups
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_every_experiment_preset_composes_and_validates_given_its_paths(experiment, hf_model):
+    # The tiny test model holds 256 positions; the presets ask for the real models' 1024-2048.
+    cfg = _compose([f"+experiment={experiment}", f"model.path={hf_model}", "data.path=/tmp/rows.jsonl",
+                    "data.seq_len=64"])
+    hf.fill_config(cfg.model)
+    config.validate(cfg)
+    assert cfg.model.name == "hf" and cfg.strategy.name == "fsdp2" and cfg.recipe.name in ("sft", "dpo")
+    with pytest.raises(config.ConfigError, match="model.path=None: model=hf needs a Hugging Face model directory"):
+        hf.fill_config(_compose([f"+experiment={experiment}"]).model)
