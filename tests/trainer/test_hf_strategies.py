@@ -1,7 +1,7 @@
 """Fine-tuning a Hugging Face model under ddp, fsdp2 and tp on 2 CPU processes (real torchrun, gloo) gives
-the single-process losses, each rank reading only its own slices of the safetensors; a checkpoint of one
-strategy exports to the same Hugging Face directory as the single process's. One module fixture runs
-the single-process reference; the model is a tiny random Llama made here."""
+the single-process losses, each rank reading only its own slices of the safetensors; a single-process
+checkpoint resumes under fsdp2, and an fsdp2 checkpoint exports to the single process's weights. One
+module fixture runs the single-process reference; the model is a tiny random Llama made here."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def single(tmp_path_factory, cache_dir):
         "data.seq_len=48",
         "data.eval_percent=25",
         "train.global_batch_size=4",
-        "train.max_steps=3",
-        "train.eval_every=3",
-        "train.checkpoint_every=3",
+        "train.max_steps=4",
+        "train.eval_every=4",
+        "train.checkpoint_every=2",
         "train.progress=false",
         "train.log_every=1",
         "optim.warmup_steps=1",
@@ -61,6 +61,18 @@ def single(tmp_path_factory, cache_dir):
     proc = _run(args, run_dir, cache_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return args, run_dir
+
+
+def test_a_single_process_checkpoint_resumes_under_fsdp2_with_the_same_losses(single, tmp_path, cache_dir):
+    args, ref_dir = single
+    run_dir = tmp_path / "resumed"
+    proc = _run(
+        [*args, *DIST, "strategy=fsdp2", f"train.resume={ref_dir / 'checkpoints' / 'step-2'}"], run_dir, cache_dir
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, ref = read_metrics(str(run_dir)), read_metrics(str(ref_dir))
+    assert [m["step"] for m in ours] == [3, 4]
+    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ref[2:]], rel=RTOL)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "tp"])
@@ -78,10 +90,10 @@ def test_a_fine_tune_under_each_strategy_gives_the_single_process_losses(single,
     if strategy == "fsdp2":  # a sharded checkpoint exports to the single process's model
         mine, theirs = (
             export.load_model(
-                str(run_dir / "checkpoints" / "step-3"), export.run_config(str(run_dir / "checkpoints" / "step-3"))
+                str(run_dir / "checkpoints" / "step-4"), export.run_config(str(run_dir / "checkpoints" / "step-4"))
             ),
             export.load_model(
-                str(ref_dir / "checkpoints" / "step-3"), export.run_config(str(ref_dir / "checkpoints" / "step-3"))
+                str(ref_dir / "checkpoints" / "step-4"), export.run_config(str(ref_dir / "checkpoints" / "step-4"))
             ),
         )
         for (name, a), b in zip(mine.named_parameters(), theirs.parameters(), strict=True):
