@@ -152,8 +152,9 @@ def load_weights(model: nn.Module, path: str) -> None:
 
     inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
     # LoRA adapters (`.lora_A.`, `.lora_B.`) are not in a pretrained directory; trainer.lora starts them.
-    state = {hf_name(name.replace(WRAPPED, "")): param for name, param in inner.named_parameters()
-             if ".lora_" not in name}
+    state = {
+        hf_name(name.replace(WRAPPED, "")): param for name, param in inner.named_parameters() if ".lora_" not in name
+    }
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
     for name, param in state.items():
