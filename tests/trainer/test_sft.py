@@ -138,3 +138,13 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     err = _refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
     assert f"data.path='{bad}': row 2 of {bad} has no 'messages' list" in err
     assert not os.path.exists(tmp_path / "run" / "config.yaml")
+
+
+def test_parquet_chats_read_as_the_same_conversations(chat_setup, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, path, chats = chat_setup
+    pq.write_table(pa.table({"messages": chats, "other": list(range(len(chats)))}), tmp_path / "chats.parquet")
+    from_parquet = [c for _, (c,) in chat_data.documents("chat", str(tmp_path / "chats.parquet"))]
+    assert from_parquet == [c for _, (c,) in chat_data.documents("chat", path)] == chats
