@@ -7,7 +7,9 @@ Each conversation is rendered with the model directory's chat template and token
 (`trainer.models.hf_tokenizer`), cut to `data.seq_len + 1` tokens, and padded; `loss_mask` marks the
 assistant's tokens (the template's `{% generation %}` blocks). A conversation whose kept part has no
 assistant token after its first is dropped (it would teach nothing). Rows are
-`{"tokens": int32[seq_len + 1], "loss_mask": int8[seq_len + 1]}`; ids of any vocabulary fit.
+`{"tokens": int32[seq_len + 1], "loss_mask": int8[seq_len + 1]}`; ids of any vocabulary fit. With
+`data.packing=true` (data=chat), whole conversations are packed in order into each row instead, and a
+`documents` column numbers them, so that the model attends, and counts positions, within each only.
 """
 
 from __future__ import annotations
@@ -120,6 +122,36 @@ def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int
     return (np.array(ids + [pad_id] * pad, dtype=np.int32), np.array(mask + [0] * pad, dtype=np.int8))
 
 
+def pack(rows: list[tuple[np.ndarray, np.ndarray, int]], seq_len: int, pad_id: int):
+    """Conversations (tokens, mask, length) packed greedily, in order, into rows of seq_len + 1: (tokens, mask,
+    documents), where documents numbers each row's conversations from 0 and its padding after them."""
+    width, packed, current = seq_len + 1, [], []
+
+    def flush():
+        tokens = np.full(width, pad_id, np.int32)
+        mask, documents = np.zeros(width, np.int8), np.full(width, len(current), np.int32)
+        at = 0
+        for i, (t, m, n) in enumerate(current):
+            tokens[at : at + n], mask[at : at + n], documents[at : at + n] = t[:n], m[:n], i
+            at += n
+        packed.append((tokens, mask, documents))
+        current.clear()
+
+    for row in rows:
+        if sum(n for _, _, n in current) + row[2] > width:
+            flush()
+        current.append(row)
+    if current:
+        flush()
+    return packed
+
+
+def _length(tokens: np.ndarray, mask: np.ndarray, pad_id: int) -> int:
+    """How many of a padded row's tokens are the conversation's (up to its last non-pad or counted token)."""
+    real = np.nonzero((tokens != pad_id) | (mask != 0))[0]
+    return int(real[-1]) + 1 if len(real) else 0
+
+
 def _fingerprint(cfg, model_path: str) -> dict:
     digest = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -134,13 +166,18 @@ def _fingerprint(cfg, model_path: str) -> dict:
 def _write(rows: list[tuple[np.ndarray, np.ndarray]], seq_len: int, out_dir: str) -> int:
     os.makedirs(out_dir)
     width = len(rows[0][0]) if rows else seq_len + 1
-    tokens = np.stack([r[0] for r in rows]) if rows else np.zeros((0, width), np.int32)
-    masks = np.stack([r[1] for r in rows]) if rows else np.zeros((0, width), np.int8)
+    columns = [("tokens", np.int32), ("loss_mask", np.int8)]
+    if rows and len(rows[0]) == 3:  # packed rows
+        columns.append(("documents", np.int32))
+    arrays = {
+        name: np.stack([r[i] for r in rows]) if rows else np.zeros((0, width), kind)
+        for i, (name, kind) in enumerate(columns)
+    }
     for i, start in enumerate(range(0, max(len(rows), 1), ROWS_PER_SHARD)):
         table = pa.table(
             {
                 name: pa.FixedSizeListArray.from_arrays(pa.array(a[start : start + ROWS_PER_SHARD].reshape(-1)), width)
-                for name, a in (("tokens", tokens), ("loss_mask", masks))
+                for name, a in arrays.items()
             }
         )
         pq.write_table(table, os.path.join(out_dir, f"shard-{i:05d}.parquet"))
@@ -164,6 +201,7 @@ def prepare(cfg) -> str:
         "eval_percent": d.eval_percent,
         "source": _fingerprint(d, model_path),
         "format": 1,
+        "packing": bool(d.get("packing")),
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = os.path.join(os.path.expanduser(d.cache_dir), "corpus")
@@ -188,8 +226,13 @@ def prepare(cfg) -> str:
                 tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
                 in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
                 splits["eval" if in_eval else "train"].append((tokens, mask))
+            if d.get("packing"):
+                splits = {
+                    name: pack([(t, m, _length(t, m, pad)) for t, m in rows], d.seq_len, pad)
+                    for name, rows in splits.items()
+                }
             counts = {name: _write(rows, d.seq_len, os.path.join(tmp, name)) for name, rows in splits.items()}
-            top = max((int(t.max()) for rows in splits.values() for t, _ in rows), default=0)
+            top = max((int(row[0].max()) for rows in splits.values() for row in rows), default=0)
             with open(os.path.join(tmp, "corpus.json"), "w") as f:
                 json.dump({**settings, "rows": counts, "max_token_id": top, "dropped": dropped}, f, indent=2)
             os.rename(tmp, target)
@@ -212,6 +255,12 @@ class ChatDataset(LocalDataset):
     def __init__(self, path: str, **kw):
         super().__init__(path, **kw)
         self.masks = read_token_rows(path, "loss_mask")
+        files = parquet_files(path)
+        packed = bool(files) and "documents" in pq.ParquetFile(files[0]).schema_arrow.names
+        self.documents = read_token_rows(path, "documents") if packed else None
 
     def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        return {"tokens": torch.from_numpy(self.rows[rows]), "loss_mask": torch.from_numpy(self.masks[rows])}
+        batch = {"tokens": torch.from_numpy(self.rows[rows]), "loss_mask": torch.from_numpy(self.masks[rows])}
+        if self.documents is not None:
+            batch["documents"] = torch.from_numpy(self.documents[rows])
+        return batch

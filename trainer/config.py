@@ -85,6 +85,8 @@ class DataConfig:
     cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
     shuffle: bool = True
     num_workers: int = 0
+    # data=chat: pack conversations into rows (attention and positions within each) instead of padding each.
+    packing: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
 
 

@@ -167,9 +167,12 @@ class Trainer:
         """The batch's token ids on the device, widened there (batches keep their stored type, often int32)."""
         return batch["tokens"].to(self.device, non_blocking=True).long()
 
-    def _loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, tokens: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+              ) -> torch.Tensor:
         # Under loss parallelism the logits are vocabulary shards; the caller holds self.loss_context().
         with self.autocast:
+            if documents is not None:  # packed rows (data.packing)
+                return self.model(tokens[:, :-1], targets, documents[:, :-1].to(self.device))
             return self.model(tokens[:, :-1], targets)
 
     def _dpo_loss(self, batch: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -189,6 +192,7 @@ class Trainer:
         # Masked targets (sft): each micro-batch weighs by its counted tokens; else every one is 1/accum.
         scales = sft.weights(targets) if masked else [1 / accum] * accum
         masks = batch["loss_mask"].chunk(accum) if "loss_mask" in batch else [None] * accum
+        documents = batch["documents"].chunk(accum) if "documents" in batch else [None] * accum
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(tokens.chunk(accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
@@ -196,7 +200,7 @@ class Trainer:
                 if self.reference is not None:
                     loss = self._dpo_loss({"loss_mask": masks[i]}, micro) / accum
                 elif masked:
-                    loss = self._loss(micro, targets[i]) * scales[i]
+                    loss = self._loss(micro, targets[i], documents[i]) * scales[i]
                 else:
                     loss = self._loss(micro, targets[i]) / accum
                 loss.backward()
@@ -221,7 +225,7 @@ class Trainer:
                 if self.reference is not None:
                     loss = _local(self._dpo_loss(batch, tokens))
                 else:
-                    loss = _local(self._loss(tokens, targets))
+                    loss = _local(self._loss(tokens, targets, batch.get("documents")))
             total += loss * sft.weights((targets,))[0] if "loss_mask" in batch and self.reference is None else loss
             n += 1
             if n == self.cfg.train.eval_batches:

@@ -103,6 +103,7 @@ def test_an_sft_run_trains_on_chats(chat_setup, run_cli, tmp_path):
         f"model.path={model}",
         *ARGS,
         f"data.path={path}",
+        "data.packing=true",
         "train.max_steps=6",
         "train.eval_every=6",
         "optim.lr=1e-2",
@@ -133,6 +134,9 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in _refused(
         tmp_path, capsys, *ARGS, f"data.path={path}"
     )
+    assert "data.packing=True: packs conversations of data=chat; data=stdlib has none to pack" in _refused(
+        tmp_path, capsys, "data.packing=true"
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
     err = _refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
@@ -148,3 +152,34 @@ def test_parquet_chats_read_as_the_same_conversations(chat_setup, tmp_path):
     pq.write_table(pa.table({"messages": chats, "other": list(range(len(chats)))}), tmp_path / "chats.parquet")
     from_parquet = [c for _, (c,) in chat_data.documents("chat", str(tmp_path / "chats.parquet"))]
     assert from_parquet == [c for _, (c,) in chat_data.documents("chat", path)] == chats
+
+
+def test_a_packed_row_gives_each_conversation_the_logits_it_has_alone(chat_setup):
+    from trainer.models import from_hf
+
+    model = from_hf(chat_setup[0]).eval()
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 320, (1, n), generator=gen) for n in (7, 12, 5)]
+    numbers = torch.cat([torch.full((1, d.shape[1]), i) for i, d in enumerate(docs)], 1)
+    with torch.no_grad():
+        packed = model(torch.cat(docs, 1), documents=numbers)
+        alone = torch.cat([model(d) for d in docs], 1)
+        unpacked = model(torch.cat(docs, 1))
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    assert (unpacked - alone).abs().max() > 1e-2  # without the documents, later ones see earlier ones
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 13), min_size=1, max_size=12))
+def test_packing_keeps_every_conversation_whole_and_in_order(lengths):
+    seq, pad = 12, 99
+    rows = [(np.arange(n, dtype=np.int32) + 100 * i, np.ones(n, np.int8), n) for i, n in enumerate(lengths)]
+    packed = chat_data.pack(rows, seq, pad)
+    found = []
+    for tokens, mask, documents in packed:
+        assert len(tokens) == len(mask) == len(documents) == seq + 1
+        real = tokens != pad  # the generated ids are never the pad id
+        assert list(documents) == sorted(documents) and not mask[~real].any()
+        assert (documents[~real] == documents[real].max() + 1).all()  # padding: a document of its own
+        found += [tokens[real & (documents == d)].tolist() for d in range(int(documents[real].max()) + 1)]
+    assert found == [r[0].tolist() for r in rows]

@@ -35,8 +35,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q, k: (batch, seq, heads, head_dim); cos, sin: (seq, head_dim), the "rotate half" convention."""
-    cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
+    """q, k: (batch, seq, heads, head_dim); cos, sin: (seq, head_dim), or (batch, seq, head_dim) for packed
+    rows whose positions restart with each document; the "rotate half" convention."""
+    cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -51,14 +52,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = self.rope_fn(q, k, cos, sin)
+        # mask (packed rows): (batch, 1, seq, seq), causal within each document; else plain causal.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             enable_gqa=q.shape[2] != k.shape[2],
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
@@ -89,8 +92,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(dim, eps)
         self.feed_forward = FeedForward(dim, ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # The mask goes by keyword: tensor parallelism's input plan covers the positional inputs.
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -141,13 +146,25 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The final normed hidden states, (batch, seq, dim): what the output projection reads."""
+    def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The final normed hidden states, (batch, seq, dim): what the output projection reads. `documents`
+        (batch, seq) numbers the documents packed into each row: attention stays within a document and
+        positions restart with each."""
         seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        mask = None
+        if documents is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            index = torch.arange(seq, device=tokens.device).expand_as(documents)
+            starts = torch.ones_like(documents, dtype=torch.bool)
+            starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+            positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            same = documents[:, :, None] == documents[:, None, :]
+            mask = (same & torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril())[:, None]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask) if mask is not None else layer(h, cos, sin)
         return self.norm(h)
 
     @property
@@ -155,10 +172,12 @@ class Transformer(nn.Module):
         """The (vocab, dim) matrix that turns hidden states into logits."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """The logits, or with `targets` the mean cross-entropy (computed in fp32). The loss is taken here,
-        inside forward, so that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits."""
-        h = self.hidden_states(tokens)
+        inside forward, so that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits.
+        `documents`: see `hidden_states`."""
+        h = self.hidden_states(tokens, documents)
         if targets is not None and self.fused_loss_fn is not None:
             return self.fused_loss_fn(h, self.output_weight, targets)
         logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)

@@ -57,6 +57,14 @@ def check(cfg) -> None:
                 f"data={data} is read from its local corpus; cache nodes serve "
                 "token rows of data=stdlib or data=parquet only",
             )
+    if cfg.data.get("packing") and data != "chat":
+        raise ConfigError("data.packing", True, f"packs conversations of data=chat; data={data} has none to pack")
+    if cfg.data.get("packing") and cfg.kernels.name == "triton":
+        raise ConfigError(
+            "data.packing",
+            True,
+            "restarts positions per conversation, which the Triton rotary kernel does not take: use kernels=torch",
+        )
     if recipe == "dpo":
         beta = cfg.recipe.beta
         if not beta > 0:
