@@ -42,10 +42,13 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
         prefix = "+" if group == "runtime" else ""
         distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
         chat = ["model=hf", f"model.path={hf_model}", "data=chat", "recipe=sft", "data.path=/tmp/chats.jsonl"]
+        pairs = ["model=hf", f"model.path={hf_model}", "data=preference", "recipe=dpo", "data.path=/tmp/pairs.jsonl"]
         extra = {("data", "parquet"): ["data.path=/tmp"],
                  ("model", "hf"): [f"model.path={hf_model}"],
                  ("data", "chat"): chat,
                  ("recipe", "sft"): chat,
+                 ("data", "preference"): [*pairs],
+                 ("recipe", "dpo"): [*pairs],
                  ("strategy", "tp"): distributed,
                  ("strategy", "fsdp2_tp"): distributed,
                  ("launcher", "docker"): distributed,
