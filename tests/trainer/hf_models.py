@@ -97,3 +97,13 @@ def add_tokenizer(path: str) -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
     return path
+
+
+def make_mistral(root: str) -> str:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    path = os.path.join(root, "mistral")
+    # A window wider than the tested sequences: within it, sliding-window attention is full attention.
+    _perturbed(MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=128))).save_pretrained(path)
+    return path

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_run
-from tests.trainer.hf_models import make_llama, make_qwen2
+from tests.trainer.hf_models import make_llama, make_mistral, make_qwen2
 from trainer.config import ConfigError
 from trainer.models import from_hf, hf
 
@@ -22,7 +22,12 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("hf"))
-    return {"llama": make_llama(root), "qwen2": make_qwen2(root), "llama-tied": make_llama(root, tie=True)}
+    return {
+        "llama": make_llama(root),
+        "qwen2": make_qwen2(root),
+        "llama-tied": make_llama(root, tie=True),
+        "mistral": make_mistral(root),
+    }
 
 
 def _hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -33,7 +38,7 @@ def _hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-tied", "mistral"])
 def test_from_hf_gives_the_logits_of_transformers(hf_dirs, name):
     tokens = torch.randint(0, 320, (2, 80), generator=torch.Generator().manual_seed(0))
     model = from_hf(hf_dirs[name]).eval()
@@ -52,9 +57,10 @@ def test_qwen2_is_read_from_its_shards_with_biases_and_tied_embeddings(hf_dirs):
     assert model.layers["0"].attention.wo.bias is None
 
 
-def test_llama3_rope_scaling_is_read(hf_dirs):
+def test_llama3_rope_scaling_and_mistrals_window_are_read(hf_dirs):
     model = from_hf(hf_dirs["llama"])
     assert model.rope_scaling["factor"] == 8.0 and model.rope_theta == 500000.0
+    assert hf.settings(hf_dirs["mistral"])["max_seq_len"] == 128  # sequences beyond the window are refused
 
 
 def _with_config(src: str, dst: str, **changes) -> str:
