@@ -93,7 +93,7 @@ def worker(overrides: list[str], steps: int, warmup: int, run_dir: str) -> float
                           f"train.checkpoint_every={steps * 10}", "train.resume=never"])
     cfg.run_dir = run_dir
     run = prepare_run(cfg)
-    subprocess.run([sys.executable, "-m", "trainer.worker", run.config_path], check=True, cwd=REPO,
+    subprocess.run([sys.executable, "-m", "trainer.worker", run.spec.config_path], check=True, cwd=REPO,
                    stderr=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]

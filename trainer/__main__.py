@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass, fields
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -79,7 +80,25 @@ def check(cfg: DictConfig) -> None:
               "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
 
 
-def prepare_run(cfg: DictConfig) -> launchers.Run:
+@dataclass(frozen=True)
+class Prepared:
+    """A checked run: what to start (`spec`), and the launcher and scheduler options that say where."""
+
+    spec: launchers.LaunchSpec
+    launcher: dict
+    scheduler: dict
+
+    def launcher_for(self) -> launchers.Launcher:
+        """The launcher to start it: this process for the local launcher without a runtime (the worker
+        called here, its summary kept), else the configured one."""
+        if self.launcher["name"] == "local" and self.spec.torchrun is None and self.launcher.get("wait", True):
+            from trainer import worker
+
+            return launchers.InProcessLauncher(lambda: worker.run(OmegaConf.create(self.spec.config)))
+        return launchers.get(self.launcher, self.scheduler)
+
+
+def prepare_run(cfg: DictConfig) -> Prepared:
     """Check `cfg`, save it into its run directory (not for a dry run, which only prints what it would
     launch), and describe the run."""
     run_dir = os.path.abspath(cfg.run_dir)
@@ -97,8 +116,16 @@ def prepare_run(cfg: DictConfig) -> launchers.Run:
     else:
         os.makedirs(run_dir, exist_ok=True)
         path = _save_config(saved, run_dir)
-    return launchers.Run(config=saved, run_dir=run_dir, config_path=path, world_size=config.world_size(cfg),
-                         secrets=secrets, cache_nodes=cache_nodes)
+    runtime = resolved.get("runtime")
+    torchrun = None
+    if runtime is not None:
+        torchrun = launchers.Torchrun(**{f.name: runtime[f.name] for f in fields(launchers.Torchrun)})
+    spec = launchers.LaunchSpec(
+        run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=int(runtime["nnodes"]) if runtime else 1,
+        nproc_per_node=config.nproc_per_node(cfg), torchrun=torchrun, secrets=secrets, config=saved,
+        config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
+        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes)
+    return Prepared(spec, resolved["launcher"], resolved["scheduler"])
 
 
 def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheNodes | None]:
@@ -126,13 +153,16 @@ def _app(cfg: DictConfig) -> float:
     global _job_started
     _job_started = True
     run = prepare_run(cfg)
-    launcher_cfg = run.config["launcher"]
+    options = run.launcher
     try:
-        job = launchers.get(launcher_cfg).launch(run)
-        if job is None:  # a dry run: the launcher printed what it would do
+        launcher = run.launcher_for()
+        if options.get("dry_run"):  # print what it would start, start nothing
+            sys.stdout.write(launcher.render(run.spec))
+            sys.stdout.flush()
             return float("nan")
-        if not launcher_cfg.get("wait", True):
-            print(f"submitted {job.name} ({launcher_cfg['name']}); run directory: {run.run_dir}", flush=True)
+        job = launcher.launch(run.spec)
+        if not options.get("wait", True):
+            print(f"submitted {job.name} ({options['name']}); run directory: {run.spec.run_dir}", flush=True)
             return float("nan")
         state = job.wait()
     except config.ConfigError as e:  # in process, what the worker found that the checks could not see
@@ -141,11 +171,11 @@ def _app(cfg: DictConfig) -> float:
     except launchers.LauncherError as e:  # the cluster, Docker or a cache node said no: one line
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    if state != launchers.JobState.SUCCEEDED:
-        raise RuntimeError(f"run {run.run_dir} ({job.name}) ended {state.value}; see its logs")
+    if state != launchers.JobState.COMPLETE:
+        raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}
     loss = float("nan") if summary.get("final_eval_loss") is None else float(summary["final_eval_loss"])
-    print(f"run directory: {run.run_dir}\nfinal eval loss: {loss:.4f} nats/token "
+    print(f"run directory: {run.spec.run_dir}\nfinal eval loss: {loss:.4f} nats/token "
           f"after {summary.get('steps')} steps", flush=True)
     return loss
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -17,6 +16,9 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+import launchers
+from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 
 
 class ConfigError(ValueError):
@@ -117,76 +119,6 @@ class RuntimeConfig:
 
 
 @dataclass
-class LocalLauncherConfig:
-    name: str = "local"
-
-
-@dataclass
-class Resources:
-    cpu: str | None = None
-    memory: str | None = None
-    gpu: int = 0
-
-
-@dataclass
-class DockerLauncherConfig:
-    name: str = "docker"
-    image: str = MISSING
-    network: str | None = None  # null: one per job, named after it
-    gpus_per_node: int = 0
-    shm_size: str = "8g"
-    env: dict[str, str] = field(default_factory=dict)
-    dry_run: bool = False
-    wait: bool = True
-
-
-@dataclass
-class Volume:
-    name: str = MISSING
-    claim: str = MISSING  # a PersistentVolumeClaim in the job's namespace
-    mount_path: str = MISSING
-    read_only: bool = False
-
-
-@dataclass
-class KubernetesLauncherConfig:
-    name: str = "kubernetes"
-    image: str = MISSING
-    namespace: str = "default"
-    context: str | None = None
-    kubeconfig: str | None = None  # null: $KUBECONFIG or ~/.kube/config, else the in-cluster config
-    # The ClusterTrainingRuntime to run on; null: the runtime's name (torch-distributed).
-    runtime_ref: str | None = None
-    job_name: str | None = None  # null: derived from the run directory's name, plus a unique suffix
-    resources_per_node: Resources = field(default_factory=Resources)
-    env: dict[str, str] = field(default_factory=dict)
-    active_deadline_seconds: int | None = None
-    suspend: bool = False
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    volumes: list[Volume] = field(default_factory=list)
-    service_account: str | None = None
-    # Where the run directory lives in the pods: under run_root, on the claim run_claim when it is set
-    # (shared storage), else on each pod's own disk. local_run_root: the same storage as this machine
-    # mounts it, so that `wait=true` can read each run's summary.json.
-    run_root: str = "/workspace/runs"
-    run_claim: str | None = None
-    local_run_root: str | None = None
-    cache_dir: str = "/workspace/cache"
-    dry_run: bool = False
-    wait: bool = False
-    poll_seconds: float = 10.0
-
-
-@dataclass
-class SchedulerConfig:
-    name: str = MISSING
-    queue: str | None = None
-    priority_class: str | None = None
-    schedule_timeout_seconds: int | None = None
-
-
-@dataclass
 class KernelsConfig:
     name: str = MISSING
     # triton: which of rms_norm, rotary_embedding, silu_and_mul, fused_linear_cross_entropy to use
@@ -232,7 +164,7 @@ class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     strategy: StrategyConfig = MISSING
-    # Each launcher option has its own schema (LAUNCHER_SCHEMAS), named in its yaml's defaults list.
+    # Each launcher option has its own schema (launchers.LAUNCHER_SCHEMAS), named in its yaml's defaults list.
     launcher: Any = MISSING
     scheduler: SchedulerConfig = MISSING
     kernels: KernelsConfig = MISSING
@@ -241,12 +173,6 @@ class Config:
     runtime: RuntimeConfig | None = None
     run_dir: str = "${hydra:runtime.output_dir}"
 
-
-LAUNCHER_SCHEMAS = {
-    "local": LocalLauncherConfig,
-    "docker": DockerLauncherConfig,
-    "kubernetes": KubernetesLauncherConfig,
-}
 
 SCHEMAS = {
     "model": ModelConfig,
@@ -380,7 +306,6 @@ STRATEGIES = ("ddp", "fsdp2", "tp", "fsdp2_tp")
 AC_MODES = ("none", "full", "selective")
 DTYPES = ("auto", "fp32", "bf16")
 LAUNCHERS = tuple(LAUNCHER_SCHEMAS)
-SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
 KERNELS = ("torch", "triton")
 TRITON_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
 OPTIMIZERS = ("adamw", "sgd")
@@ -446,53 +371,15 @@ def _validate_kernels(cfg: DictConfig) -> None:
              f"works with strategy=ddp or fsdp2; strategy={cfg.strategy.name} hands the kernels DTensors")
 
 
-RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-RFC1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
 def _validate_launcher(cfg: DictConfig) -> None:
-    lc, sc = cfg.launcher, cfg.scheduler
-    remote = lc.name in ("docker", "kubernetes")
-    if remote:
-        _require(bool(lc.image) and not str(lc.image).startswith("-") and not any(ch.isspace() for ch in str(lc.image)),
-                 "launcher.image", lc.image, f"launcher={lc.name} needs an image reference such as "
-                 "'trainjob:latest' (no leading '-', no spaces)")
-        _require(cfg.get("runtime") is not None, "runtime", None,
-                 f"launcher={lc.name} runs torchrun on every node: add +runtime=torch-distributed")
-    if lc.name == "docker":
-        _require(lc.gpus_per_node >= 0, "launcher.gpus_per_node", lc.gpus_per_node, "must be >= 0")
-        for key in ("run_dir", "data.cache_dir"):  # docker reads ':' in a --volume as its separator
-            value = os.path.abspath(os.path.expanduser(str(OmegaConf.select(cfg, key))))
-            _require(":" not in value, "hydra.run.dir" if key == "run_dir" else key, value,
-                     "must not hold ':' with launcher=docker (docker's volume separator)")
-    if lc.name == "kubernetes":
-        _require(len(lc.namespace) <= 63 and bool(RFC1123.match(lc.namespace)), "launcher.namespace",
-                 lc.namespace, "must be a DNS label: lower-case letters, digits and '-', at most 63 characters")
-        if lc.job_name is not None:
-            _require(len(lc.job_name) <= 52 and bool(RFC1035.match(lc.job_name)), "launcher.job_name",
-                     lc.job_name, "must be an RFC 1035 label (a-z, 0-9, '-', starting with a letter) of at "
-                     "most 52 characters, leaving room for the pods' suffixes")
-        _require(lc.resources_per_node.gpu >= 0, "launcher.resources_per_node.gpu", lc.resources_per_node.gpu,
-                 "must be >= 0")
-        _positive(cfg, "launcher.poll_seconds")
-        nnodes = cfg.runtime.nnodes if cfg.get("runtime") is not None else 1
-        _require(nnodes == 1 or bool(lc.run_claim), "launcher.run_claim", lc.run_claim,
-                 f"runtime.nnodes={nnodes} needs a shared PersistentVolumeClaim for the run directory: checkpoints "
-                 "written on each pod's own disk cannot be resumed")
-        _require(lc.active_deadline_seconds is None or lc.active_deadline_seconds > 0,
-                 "launcher.active_deadline_seconds", lc.active_deadline_seconds, "must be > 0, or null")
-        for key in lc.env:
-            _require(not str(key).startswith("PET_"), f"launcher.env.{key}", lc.env[key],
-                     "PET_* variables are set by the Kubeflow Trainer torch plugin; torchrun reads them")
-        _require(lc.local_run_root is None or lc.run_claim is not None, "launcher.local_run_root",
-                 lc.local_run_root, "is the shared run storage as this machine sees it: set launcher.run_claim too")
-    if sc.name != "none":
-        _require(lc.name == "kubernetes", "scheduler", sc.name,
-                 f"gang schedulers run on Kubernetes: use launcher=kubernetes (launcher is {lc.name})")
-    if sc.name in ("kueue", "kai"):
-        _require(bool(sc.queue), "scheduler.queue", sc.queue, f"scheduler={sc.name} needs the queue to submit to")
-    _require(sc.schedule_timeout_seconds is None or sc.schedule_timeout_seconds > 0,
-             "scheduler.schedule_timeout_seconds", sc.schedule_timeout_seconds, "must be > 0, or null")
+    """The launcher's and the scheduler's own rules (`launchers.check`), reported as config errors."""
+    nnodes = int(cfg.runtime.nnodes) if cfg.get("runtime") is not None else None
+    paths = {"hydra.run.dir": os.path.abspath(os.path.expanduser(str(cfg.run_dir))),
+             "data.cache_dir": os.path.abspath(os.path.expanduser(str(cfg.data.cache_dir)))}
+    try:
+        launchers.check(cfg.launcher, cfg.scheduler, nnodes, paths)
+    except launchers.OptionError as e:
+        raise ConfigError(e.key, e.value, e.allowed) from None
 
 
 def validate(cfg: DictConfig) -> None:
@@ -501,7 +388,6 @@ def validate(cfg: DictConfig) -> None:
     _finite(cfg)
     _one_of(cfg, "strategy.name", STRATEGIES)
     _one_of(cfg, "launcher.name", LAUNCHERS)
-    _one_of(cfg, "scheduler.name", SCHEDULERS)
     _one_of(cfg, "kernels.name", KERNELS)
     _one_of(cfg, "optim.name", OPTIMIZERS)
     _one_of(cfg, "data.name", DATASETS)
