@@ -1,7 +1,8 @@
 """Launchers decide where the ranks of a run start; every one runs the command of a `LaunchSpec`.
 
 `launchers.get(options, scheduler)` returns the launcher that a `launcher` option node describes; each
-launcher module holds its options' schema (`LAUNCHER_SCHEMAS`) and rules (`check`). Nothing here imports torch or the
+launcher module holds its options' schema (`LAUNCHER_SCHEMAS`) and rules (`check`). `Client` drives jobs
+on any launcher from Python, and `python -m launchers` from a terminal. Nothing here imports torch or the
 trainer: submitting a job must not need a GPU stack.
 """
 
@@ -30,6 +31,7 @@ from launchers.schedulers import SchedulerConfig
 __all__ = [
     "LAUNCHER_SCHEMAS",
     "CacheNodes",
+    "Client",
     "InProcessLauncher",
     "Job",
     "JobInfo",
@@ -74,3 +76,6 @@ def get(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) 
     """The launcher for a `launcher` option node (a mapping with at least `name`), and on Kubernetes the
     gang `scheduler` its jobs go through."""
     return _module(options["name"]).make(dict(options), dict(scheduler) if scheduler else None)
+
+
+from launchers.client import Client  # noqa: E402  (it uses get() and the schemas above)
