@@ -81,13 +81,14 @@ def _read_log(path: str, follow: bool, finished: Callable[[], bool]) -> Iterator
                 return
 
 
-def rank_logs(run_dir: str, rank: int, follow: bool, finished: Callable[[], bool]) -> Iterator[str]:
+def rank_logs(
+    run_dir: str, rank: int, follow: bool, finished: Callable[[], bool], console: str | None = None
+) -> Iterator[str]:
     """Lines of rank `rank`'s log (`<run_dir>/logs/rank-<r>.log`, which every rank writes); when there is
-    none once the job has ended, rank 0 reads the job's console (`logs/console.log`)."""
+    none once the job has ended, rank 0 reads the job's `console` (what its processes printed)."""
     path = os.path.join(run_dir, "logs", f"rank-{rank}.log")
     yield from _read_log(path, follow, finished)
-    console = os.path.join(run_dir, "logs", "console.log")
-    if not os.path.exists(path) and rank == 0:
+    if not os.path.exists(path) and rank == 0 and console:
         yield from _read_log(console, False, finished)
 
 
@@ -208,6 +209,20 @@ class InProcessJob(Job):
         )
 
 
+def _register(spec: LaunchSpec, command: list[str]) -> registry.JobRecord:
+    """Put the job of `spec` on record, replacing an earlier attempt of the same run that has ended."""
+    name = job_name(spec)
+    earlier = registry.load(name)
+    if earlier is not None and LocalJob(earlier).status() == JobState.RUNNING:
+        raise LauncherError(
+            f"an earlier attempt of this run ({name}, pid {earlier.pid}) is still running: "
+            f"python -m launchers delete {name}"
+        )
+    record = registry.JobRecord(name=name, run_dir=spec.run_dir, command=command)
+    record.save()
+    return record
+
+
 class InProcessLauncher(Launcher):
     """Runs a job by calling `target` in this process (its data cache nodes, if any, beside it)."""
 
@@ -220,15 +235,25 @@ class InProcessLauncher(Launcher):
         return f"in this process: {shlex.join([sys.executable, *spec.command])}\n"
 
     def launch(self, spec: LaunchSpec) -> Job:
-        nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
-        os.environ.update({**spec.env, **spec.secrets, **(nodes.env if nodes else {})})  # the config reads them
-        started = time.time()
+        """Run the job to its end; on record meanwhile (as this process), so that others list and follow it."""
+        record = _register(spec, [sys.executable, *spec.command])
+        record.pid, record.pid_start, record.own_group = os.getpid(), registry.process_start(os.getpid()), False
+        record.save()
+        nodes = None
         try:
+            nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
+            os.environ.update({**spec.env, **spec.secrets, **(nodes.env if nodes else {})})  # the config reads them
             summary = self.target()
+            record.exit_code = 0
+        except BaseException:
+            record.exit_code = 1
+            raise
         finally:
             if nodes:
                 nodes.stop()
-        return InProcessJob(spec, JobState.COMPLETE, summary, started)
+            record.ended = time.time()
+            record.save()
+        return InProcessJob(spec, JobState.COMPLETE, summary, record.created)
 
     def list_jobs(self) -> list[Job]:
         return LocalLauncher({}).list_jobs()
@@ -269,7 +294,7 @@ class LocalJob(Job):
         return state
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
-        return rank_logs(self.run_dir, rank, follow, lambda: self.status().finished)
+        return rank_logs(self.run_dir, rank, follow, lambda: self.status().finished, self._record.console)
 
     def wait(self, timeout: float | None = None) -> JobState:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -290,14 +315,15 @@ class LocalJob(Job):
         if r.exit_code is None and r.alive():
             r.cancelled = True
             r.save()
-            os.killpg(r.pid, signal.SIGTERM)
+            kill = os.killpg if r.own_group else os.kill  # an in-process job: its driver alone
+            kill(r.pid, signal.SIGTERM)
             deadline = time.monotonic() + 30
-            while registry.group_alive(r.pid) and time.monotonic() < deadline:
+            while (registry.group_alive(r.pid) if r.own_group else r.alive()) and time.monotonic() < deadline:
                 if self._proc is not None:
                     self._proc.poll()  # reap it, when it is ours
                 time.sleep(POLL_S)
-            if registry.group_alive(r.pid):
-                os.killpg(r.pid, signal.SIGKILL)
+            if registry.group_alive(r.pid) if r.own_group else r.alive():
+                kill(r.pid, signal.SIGKILL)
         if self._proc is not None:
             self._proc.wait()
         if self._nodes:
@@ -339,42 +365,41 @@ class LocalLauncher(Launcher):
         return shlex.join(self.command(spec)) + "\n"
 
     def launch(self, spec: LaunchSpec) -> Job:
-        name = job_name(spec)
-        earlier = registry.load(name)
-        if earlier is not None and LocalJob(earlier).status() == JobState.RUNNING:
-            raise LauncherError(
-                f"an earlier attempt of this run ({name}, pid {earlier.pid}) is still running: "
-                f"python -m launchers delete {name}"
-            )
         if spec.cache_nodes and not self.wait:
             raise LauncherError(
                 "data.cache.nodes start beside the ranks and stop with this process: use "
                 "launcher.wait=true with launcher=local"
             )
-        nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
-        env = {
-            **os.environ,
-            **(TORCHRUN_ENV if spec.torchrun else {}),
-            **spec.env,
-            **spec.secrets,
-            **(nodes.env if nodes else {}),
-        }
-        record = registry.JobRecord(name=name, run_dir=spec.run_dir, command=self.command(spec))
-        record.save()
-        # A session of its own, so that a cancel stops the supervisor, torchrun and every rank it started.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "launchers.supervise", name],
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if self.wait else None,
-            stdin=subprocess.DEVNULL,
-            **({} if self.wait else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}),
-        )
-        deadline = time.monotonic() + 30
-        while (registry.load(name) or record).pid is None:  # the supervisor puts itself on record first
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise LauncherError(f"the local job's supervisor exited with code {proc.poll()} before it started")
-            time.sleep(0.02)
+        record = _register(spec, self.command(spec))
+        name, nodes = record.name, None
+        try:
+            nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
+            env = {
+                **os.environ,
+                **(TORCHRUN_ENV if spec.torchrun else {}),
+                **spec.env,
+                **spec.secrets,
+                **(nodes.env if nodes else {}),
+            }
+            # A session of its own, so that a cancel stops the supervisor, torchrun and every rank it started.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "launchers.supervise", name],
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if self.wait else None,
+                stdin=subprocess.DEVNULL,
+                **({} if self.wait else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}),
+            )
+            deadline = time.monotonic() + 30
+            while (registry.load(name) or record).pid is None:  # the supervisor puts itself on record first
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise LauncherError(f"the local job's supervisor exited with code {proc.poll()} before it started")
+                time.sleep(0.02)
+        except BaseException:
+            if nodes:
+                nodes.stop()
+            registry.remove(name)  # nothing started: nothing on record
+            raise
         return LocalJob(registry.load(name) or record, proc if self.wait else None, nodes)
 
     def list_jobs(self) -> list[Job]:

@@ -1,8 +1,9 @@
 """The local job registry: one JSON file per job under `$TRAINJOB_HOME/jobs/` (default
 `~/.local/state/trainjob/jobs/`), so that a job started by one process is listed, followed, waited for
 and deleted from any other. A record holds the job's supervisor pid, run directory, command, start and
-end times, and its exit code once `launchers.supervise` wrote it; a supervisor that died without writing
-one (killed outright) leaves a pid that is gone, and the job counts as ended then.
+end times, and its exit code once `launchers.supervise` wrote it (`<name>.log` beside it holds what the
+job printed); a supervisor that died without writing one (killed outright) leaves a pid that is gone, and
+the job counts as ended then.
 """
 
 from __future__ import annotations
@@ -32,10 +33,17 @@ class JobRecord:
     ended: float | None = None
     exit_code: int | None = None
     cancelled: bool = False
+    own_group: bool = True  # the pid leads a process group of the job's own (else: a driver running it in process)
 
     @property
     def path(self) -> str:
         return os.path.join(jobs_dir(), f"{self.name}.json")
+
+    @property
+    def console(self) -> str:
+        """What the job's processes printed (its supervisor copies it here; the run directory holds only
+        what the job itself writes)."""
+        return os.path.join(jobs_dir(), f"{self.name}.log")
 
     def save(self) -> None:
         os.makedirs(jobs_dir(), exist_ok=True)
@@ -94,5 +102,7 @@ def all_records() -> list[JobRecord]:
 
 
 def remove(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(jobs_dir(), f"{name}.json"))
+    """Forget job `name`: its record and its console log."""
+    for suffix in (".json", ".log"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(jobs_dir(), f"{name}{suffix}"))

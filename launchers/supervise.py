@@ -1,5 +1,5 @@
 """`python -m launchers.supervise <name>`: run one local job's command (from its registry record), copy
-its output into `<run_dir>/logs/console.log` (and to this process's own stdout and stderr), and record its
+its output into the record's console log (and to this process's own stdout and stderr), and record its
 exit code and end time, so that any process can tell how the job ended. SIGTERM is passed on to the job.
 """
 
@@ -33,10 +33,8 @@ def main(name: str) -> int:
         return 2
     record.pid, record.pid_start = os.getpid(), registry.process_start(os.getpid())
     record.save()
-    logs = os.path.join(record.run_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
     lock = threading.Lock()
-    with open(os.path.join(logs, "console.log"), "ab") as log:
+    with open(record.console, "ab") as log:
         proc = subprocess.Popen(record.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
 

@@ -26,6 +26,12 @@ TINY = [
 ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def job_registry(tmp_path_factory):
+    """Local jobs that the tests start go on record in a registry of the session's own, not the user's."""
+    os.environ["TRAINJOB_HOME"] = str(tmp_path_factory.mktemp("trainjob-home"))
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))

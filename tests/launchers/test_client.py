@@ -276,3 +276,32 @@ def test_kubernetes_backend_through_the_kubernetes_client(home, tmp_path, apiser
     assert ("configmaps", "ml", f"{name}-config") not in server.objects  # garbage-collected with its owner
     missing = cli("--launcher", "kubernetes", "--namespace", "ml", "--kubeconfig", kubeconfig, "get", name)
     assert missing.returncode == 1 and f"cannot get TrainJob '{name}' in namespace 'ml': not found" in missing.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_run_in_the_drivers_own_process_is_on_record_too(home, tmp_path):
+    from launchers.base import run_name
+
+    run_dir = tmp_path / "in-process"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            *TINY,
+            "train.max_steps=2",
+            "train.eval_every=2",
+            "train.eval_batches=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = cli("get", run_name(str(run_dir)), "--json")
+    info = json.loads(got.stdout)
+    assert (info["state"], info["step"], info["run_dir"]) == ("Complete", 2, str(run_dir)), got.stderr
+    assert info["eval_loss"] == read_summary(str(run_dir))["final_eval_loss"]

@@ -233,3 +233,26 @@ def test_what_docker_would_misread_ends_the_cli_with_exit_2_and_no_run_directory
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_client_runs_a_function_on_docker_and_finds_its_jobs_by_their_containers(tmp_path, docker):
+    from launchers import Client
+    from tests.launchers.test_client import greet
+
+    read_state, _, calls = docker
+    client = Client("docker", image="me/trainjob:1")
+    run_dir = tmp_path / "func"
+    name = client.train(func=greet, func_args={"times": 1}, num_nodes=2, nproc_per_node=2, run_dir=str(run_dir))
+    runs = [c["argv"] for c in calls() if c["argv"][0] == "run"]
+    assert [r[r.index("--name") + 1] for r in runs] == [f"{name}-node-0", f"{name}-node-1"]
+    for r in runs:
+        assert r[-1] == str(run_dir / "train_func.py") and "--nproc-per-node=2" in r and "--nnodes=2" in r
+        assert f"{run_dir}:{run_dir}" in r
+    assert [j.name for j in client.list_jobs()] == [name]
+    info = client.get_job(name)  # the double's containers have exited 0
+    assert (info.state, info.run_dir) == (JobState.COMPLETE, str(run_dir))
+    client.delete_job(name)
+    assert read_state()["containers"] == {} and read_state()["networks"] == []
+    with pytest.raises(LauncherError, match=f"no docker job '{name}' on this host"):
+        client.get_job(name)
