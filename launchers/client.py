@@ -80,7 +80,9 @@ def _hydra(value: Any) -> str:
         return "{" + ", ".join(f"{k}: {_hydra(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_hydra(v) for v in value) + "]"
-    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # In Hydra's quoted strings only backslashes before a quote (an escaped one or the closing one) escape.
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", str(value))
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text) + "'"
 
 
 def function_script(func: Callable, func_args: dict[str, Any] | None) -> str:

@@ -197,34 +197,25 @@ class DockerJob(PollingJob):
             states.append(out.stdout.split() if out.returncode == 0 else ["missing", "1"])
         return states
 
-    def status(self) -> JobState:
+    def _status(self, inspected: list[list[str]]) -> JobState:
+        """The job's state from its nodes' `_inspect()`: failed when one failed, complete when all are."""
         if self._cancelled:
             return JobState.CANCELLED
         if self._final is not None:
             return self._final
-        states = [_state(*s[:2]) for s in self._inspect()]
+        states = [_state(*s[:2]) for s in inspected]
         if JobState.FAILED in states:
             return JobState.FAILED
         if all(s == JobState.COMPLETE for s in states):
             return JobState.COMPLETE
         return JobState.RUNNING if JobState.RUNNING in states else JobState.CREATED
 
+    def status(self) -> JobState:
+        return self._status([] if self._cancelled or self._final else self._inspect())
+
     def info(self) -> JobInfo:
         inspected = self._inspect()
-        states = [_state(*s[:2]) for s in inspected]
-        state = (
-            self.status()
-            if self._final or self._cancelled
-            else (
-                JobState.FAILED
-                if JobState.FAILED in states
-                else JobState.COMPLETE
-                if all(s == JobState.COMPLETE for s in states)
-                else JobState.RUNNING
-                if JobState.RUNNING in states
-                else JobState.CREATED
-            )
-        )
+        state = self._status(inspected)
         starts = [t for s in inspected if len(s) > 2 and (t := _time(s[2]))]
         ends = [t for s in inspected if len(s) > 3 and (t := _time(s[3]))]
         progress = read_progress(self.run_dir) if self.run_dir else {}

@@ -16,6 +16,8 @@ import time
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from launchers import Client, JobState, LauncherError, OptionError, registry
 from tests.conftest import REPO, TINY, read_summary
@@ -305,3 +307,34 @@ def test_a_run_in_the_drivers_own_process_is_on_record_too(home, tmp_path):
     info = json.loads(got.stdout)
     assert (info["state"], info["step"], info["run_dir"]) == ("Complete", 2, str(run_dir)), got.stderr
     assert info["eval_loss"] == read_summary(str(run_dir))["final_eval_loss"]
+
+
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters(blacklist_characters="$", blacklist_categories=("Cs",)), max_size=12)
+)
+OPTION_VALUES = st.recursive(
+    LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=300, deadline=None)
+@given(OPTION_VALUES)
+def test_client_options_reach_the_trainer_as_the_same_values(value):
+    """Client("kubernetes", env={...}, tolerations=[...], ...) turns each option into a Hydra override;
+    Hydra's own parser must read back exactly the value given (quotes, backslashes, nesting and all)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from launchers.client import _hydra
+
+    parsed = OverridesParser.create().parse_override(f"++launcher.option={_hydra(value)}").value()
+    assert parsed == value and type(parsed) is type(value)
