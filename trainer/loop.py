@@ -24,8 +24,9 @@ from tqdm import tqdm
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
 from trainer import checkpoint, metrics, models, parallel, progress
-from trainer.config import CACHE_KEYS, ConfigError
-from trainer.parallel.tp import uses_loss_parallel
+from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
+from trainer.parallel import ParallelDims
+from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 # What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
@@ -90,13 +91,13 @@ def _keep_metrics_until(path: str, step: int) -> None:
 
 def needs_corpus(data_cfg) -> bool:
     """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
-    return not all(data_cfg.cache[key] for key in CACHE_KEYS.values())
+    return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
 
 
 def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:
     """A split's batches: streamed from the cache nodes named for it, else read from the local corpus."""
     key = CACHE_KEYS[split]
-    endpoints = list(data_cfg.cache[key])
+    endpoints = list(getattr(data_cfg.cache, key))
     if not endpoints:
         return LocalDataset(os.path.join(corpus, split), **kw)
     try:
@@ -112,11 +113,11 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
 
 
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, mesh, device: torch.device, corpus: str | None):
+    def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None):
         self.cfg, self.model, self.device = cfg, model, device
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        dp_rank, dp_size = parallel.data_parallel_rank(mesh)
+        dp_rank, dp_size = dims.data_parallel_rank()
         self.optimizer = build_optimizer(cfg.optim, model)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -124,17 +125,15 @@ class Trainer:
         shard = {"global_batch_size": t.global_batch_size, "seed": t.seed, "rank": dp_rank, "world_size": dp_size}
         self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, **shard)
         self.eval_data = split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard)
-        self.loss_context = (loss_parallel if uses_loss_parallel(cfg.strategy, cfg.model.vocab_size,
-                                                                 mesh["tp"].size())
+        self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims.tp)
                              else contextlib.nullcontext)
         self.step = 0
         self.resumed_from: str | None = None
-        bf16 = t.mixed_precision == "bf16" or (t.mixed_precision == "auto" and device.type == "cuda")
+        bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                          else contextlib.nullcontext())
-        inner = parallel.unwrap(model)
         self.flops_per_token = metrics.flops_per_token(
-            models.num_params(inner, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
+            models.num_params(model, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
 
@@ -207,7 +206,7 @@ class Trainer:
                           prefetch_factor=4 if workers else None, multiprocessing_context=context)
 
     def _checkpoint(self) -> None:
-        checkpoint.save(os.path.join(self.cfg.run_dir, "checkpoints"), self.step, self.model,
+        checkpoint.save(RunDir(self.cfg.run_dir).checkpoints, self.step, self.model,
                         self.optimizer, self._train_state(), self.cfg.train.keep_latest_k, self.device)
 
     def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, steps: int, since: float, started: float) -> dict:
@@ -228,7 +227,7 @@ class Trainer:
         run_dir = cfg.run_dir
         writer = reporter = None
         if self.rank == 0:
-            path = os.path.join(run_dir, "metrics.jsonl")
+            path = RunDir(run_dir).metrics
             _keep_metrics_until(path, self.step)
             writer = metrics.JsonlWriter(path)
             reporter = progress.ProgressReporter.from_env(t.max_steps, self.step)  # on a TrainJob that asks
@@ -292,7 +291,7 @@ class Trainer:
             "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:
-            with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            with open(RunDir(run_dir).summary, "w") as f:
                 # A loss that was never measured (no step run) is null: strict JSON has no NaN.
                 json.dump({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()},
                           f, indent=2)
