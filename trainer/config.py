@@ -409,16 +409,15 @@ LAUNCHER_SCHEMAS = {
 LAUNCHERS = tuple(LAUNCHER_SCHEMAS)
 
 
-def _section_type(hint: Any) -> type | None:
-    """The dataclass a field of `Config` holds (unwrapping `X | None`), or None."""
+def _kind(hint: Any) -> Any:
+    """The one type a field holds (`X | None` gives X), or None for a union of several."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
-    return kinds[0] if len(kinds) == 1 and is_dataclass(kinds[0]) else None
+    return kinds[0] if len(kinds) == 1 else None
 
 
 # The schema of each section with one (all but the launcher, whose schema depends on its name).
-SCHEMAS = {name: kind for name, hint in typing.get_type_hints(Config).items()
-           if (kind := _section_type(hint)) is not None}
+SCHEMAS = {name: _kind(hint) for name, hint in typing.get_type_hints(Config).items() if is_dataclass(_kind(hint))}
 
 
 def register() -> None:
@@ -433,12 +432,11 @@ def numeric_keys(schema: type, prefix: str) -> list[tuple[str, type]]:
     """(dotted key, int or float) for every number-valued field of `schema` (a dataclass), nested ones too."""
     keys = []
     for name, hint in typing.get_type_hints(schema).items():
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
-        if len(kinds) == 1 and kinds[0] in (int, float):
-            keys.append((f"{prefix}.{name}", kinds[0]))
-        elif len(kinds) == 1 and is_dataclass(kinds[0]):
-            keys.extend(numeric_keys(kinds[0], f"{prefix}.{name}"))
+        kind = _kind(hint)
+        if kind in (int, float):
+            keys.append((f"{prefix}.{name}", kind))
+        elif is_dataclass(kind):
+            keys.extend(numeric_keys(kind, f"{prefix}.{name}"))
     return keys
 
 
