@@ -23,6 +23,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from trainer.run_dir import RunDir
+
 
 class ConfigError(ValueError):
     """A config value that cannot run; the message names the key, the value and what is allowed."""
@@ -588,10 +590,10 @@ def _check_across(job: Config) -> None:
     m, s, t = job.model, job.strategy, job.train
     _require(job.data.seq_len <= m.max_seq_len, "data.seq_len", job.data.seq_len,
              f"must be <= model.max_seq_len={m.max_seq_len}")
-    # Remote launchers know node 0's address (Kubeflow injects it; Docker names the container).
     r = job.runtime
-    _require(r is None or r.nnodes == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local",
-             "runtime.rdzv_endpoint", r and r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
+    if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
+        _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
+                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
     world = world_size(job)
     _require(s.tp == 1 or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one process: add "
              f"+runtime=torch-distributed (world size is {world})")
@@ -613,8 +615,6 @@ def _check_across(job: Config) -> None:
              f"must be divisible by data-parallel size x train.grad_accum_steps = {dims.dp_size} x "
              f"{t.grad_accum_steps} = {per_step}")
     if t.resume == "never":
-        from trainer.run_dir import RunDir
-
         ckpt = RunDir(job.run_dir).checkpoints
         _require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
                  f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
