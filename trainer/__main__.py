@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 import launchers
 from datacache.server import TOKEN_ENV
 from trainer import config
+from trainer.run_dir import RunDir
 
 log = logging.getLogger("trainer")
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -45,7 +46,7 @@ def _remove_new_empty_dirs(path: str) -> None:
 
 def _save_config(resolved: dict, run_dir: str) -> str:
     """Write `<run_dir>/config.yaml`; an earlier, different one is kept as config.<n>.yaml."""
-    path = os.path.join(run_dir, "config.yaml")
+    path = RunDir(run_dir).config
     text = OmegaConf.to_yaml(OmegaConf.create(resolved))
     if os.path.exists(path):
         with open(path) as f:
@@ -68,12 +69,12 @@ def check(cfg: DictConfig) -> None:
     run_dir = os.path.abspath(cfg.run_dir)
     OmegaConf.resolve(cfg)
     cfg.run_dir = run_dir
-    config.validate(cfg)
-    if cfg.launcher.name == "local":
+    job = config.validate(cfg)
+    if job.launcher.name == "local":
         from trainer import worker
 
-        worker.check_inputs(cfg)
-    c = cfg.data.cache  # a warning only once the config passed: a refusal stays one line
+        worker.check_inputs(job, config.parallel_dims(job))
+    c = job.data.cache  # a warning only once the config passed: a refusal stays one line
     plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
     if c.token and plain:
         print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
@@ -112,7 +113,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     saved, secrets, cache_nodes = _as_launched(resolved)
     if resolved["launcher"].get("dry_run"):
         _remove_new_empty_dirs(run_dir)
-        path = os.path.join(run_dir, "config.yaml")
+        path = RunDir(run_dir).config
     else:
         os.makedirs(run_dir, exist_ok=True)
         path = _save_config(saved, run_dir)
