@@ -18,6 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from trainer import tracking
+
 
 class ConfigError(ValueError):
     """A config value that cannot run; the message names the key, the value and what is allowed."""
@@ -209,7 +211,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(tracking.TrackingConfig):  # trackers, mlflow, wandb: trainer/tracking.py
     seed: int = 0
     max_steps: int = 200
     global_batch_size: int = 16
@@ -581,6 +583,7 @@ def validate(cfg: DictConfig) -> None:
 
     _validate_launcher(cfg)
     _validate_kernels(cfg)
+    tracking.check(cfg)
     world = world_size(cfg)
     _validate_layout(cfg, world)
     dp = dp_size(cfg)

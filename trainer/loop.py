@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
-from trainer import checkpoint, metrics, models, parallel, progress
+from trainer import checkpoint, metrics, models, parallel, plots, progress, tracking
 from trainer.config import CACHE_KEYS, ConfigError
 from trainer.parallel.tp import uses_loss_parallel
 
@@ -230,7 +230,7 @@ class Trainer:
         if self.rank == 0:
             path = os.path.join(run_dir, "metrics.jsonl")
             _keep_metrics_until(path, self.step)
-            writer = metrics.JsonlWriter(path)
+            writer = tracking.open_trackers(cfg, self.step)  # metrics.jsonl and train.trackers
             reporter = progress.ProgressReporter.from_env(t.max_steps, self.step)  # on a TrainJob that asks
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         bar = tqdm(total=t.max_steps, initial=self.step, disable=self.rank != 0 or not t.progress,
@@ -273,7 +273,7 @@ class Trainer:
         finally:
             bar.close()
             if writer:
-                writer.close()
+                writer.close(finished=self.step == t.max_steps)
             if reporter:
                 reporter.close()
         if math.isnan(eval_loss):
@@ -296,5 +296,6 @@ class Trainer:
                 # A loss that was never measured (no step run) is null: strict JSON has no NaN.
                 json.dump({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()},
                           f, indent=2)
+            plots.save_loss_png(run_dir)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, train_loss)
         return summary
