@@ -211,7 +211,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainConfig(tracking.TrackingConfig):  # trackers, mlflow, wandb: trainer/tracking.py
+class TrainConfig:
     seed: int = 0
     max_steps: int = 200
     global_batch_size: int = 16
@@ -227,6 +227,10 @@ class TrainConfig(tracking.TrackingConfig):  # trackers, mlflow, wandb: trainer/
     # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
     resume: str = "auto"
     progress: bool = True
+    # Where metrics lines go besides metrics.jsonl (tensorboard, mlflow, wandb), and their settings.
+    trackers: list[str] = field(default_factory=lambda: ["jsonl"])
+    mlflow: tracking.MlflowConfig = field(default_factory=tracking.MlflowConfig)
+    wandb: tracking.WandbConfig = field(default_factory=tracking.WandbConfig)
 
 
 @dataclass

@@ -20,7 +20,7 @@ import os
 import pathlib
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
@@ -61,16 +61,6 @@ class WandbConfig:
     # null: WANDB_MODE if set, else offline (files under <run_dir>/wandb, `wandb sync` uploads them).
     mode: str | None = None
     run_name: str | None = None  # null: as for MLflow
-
-
-@dataclass
-class TrackingConfig:
-    """The `train` section's tracking keys (TrainConfig extends this)."""
-
-    # jsonl is always on; add tensorboard, mlflow, wandb.
-    trackers: list[str] = field(default_factory=lambda: ["jsonl"])
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 def check(cfg: DictConfig) -> None:
