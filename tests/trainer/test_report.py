@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from tests.conftest import TINY, read_metrics, read_summary
 from trainer import plots, report
 
+pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
+
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory, cache_dir):

@@ -19,6 +19,7 @@ from tests.conftest import REPO, TINY, read_metrics, read_summary
 from trainer import plots, tracking
 from trainer.config import ConfigError
 
+pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
 ARGS = [
     *TINY,
     "train.max_steps=6",
