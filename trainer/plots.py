@@ -10,7 +10,7 @@ import os
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import EngFormatter, MaxNLocator
 from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ def loss_figure(records: list[dict], tokens_per_step: int | None = None, title: 
     if tokens_per_step:
         top = ax.secondary_xaxis("top", functions=(lambda s: s * tokens_per_step, lambda t: t / tokens_per_step))
         top.set_xlabel("tokens")
+        top.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.2M
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     if title:
