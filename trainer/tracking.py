@@ -9,7 +9,8 @@ A resumed run continues the same curves: TensorBoard purges the events after the
 (`purge_step`), MLflow and W&B go on in the run whose id `<run_dir>/tracking.json` keeps. MLflow and W&B
 cannot delete points, so theirs after the step resumed from stay beside the new ones.
 
-This module imports no tracker library at its top: the driver checks the config without them.
+This module imports no tracker library (and no torch) at its top: the driver checks the config without
+them. `trainer.config` imports it for the schema, so ConfigError is imported where it is raised.
 """
 
 from __future__ import annotations
