@@ -24,6 +24,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 import launchers
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
+from trainer import tracking
 from trainer.run_dir import RunDir
 
 
@@ -301,6 +302,10 @@ class TrainConfig:
     # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
     resume: str = "auto"
     progress: bool = True
+    # Where metrics lines go besides metrics.jsonl (tensorboard, mlflow, wandb), and their settings.
+    trackers: list[str] = field(default_factory=lambda: ["jsonl"])
+    mlflow: tracking.MlflowConfig = field(default_factory=tracking.MlflowConfig)
+    wandb: tracking.WandbConfig = field(default_factory=tracking.WandbConfig)
 
     def check(self) -> None:
         _one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
@@ -493,6 +498,7 @@ def _check_across(job: Config) -> None:
         _require(dims.tp == 1, "kernels", "triton", f"works with strategy=ddp or fsdp2 (strategy.tp=1); "
                  f"strategy={s.name} hands the kernels DTensors")
     per_step = dims.dp_size * t.grad_accum_steps
+    tracking.check(job)
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
              f"must be divisible by data-parallel size x train.grad_accum_steps = {dims.dp_size} x "
              f"{t.grad_accum_steps} = {per_step}")

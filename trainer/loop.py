@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
-from trainer import checkpoint, metrics, models, parallel
+from trainer import checkpoint, metrics, models, parallel, plots
 from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
 from trainer.parallel import ParallelDims
 from trainer.run_dir import RunDir
@@ -178,8 +178,8 @@ class Trainer:
         """Train to `train.max_steps`; each owner decides its own timing: the metrics logger its lines, the
         checkpointer its saves, `_eval_due` the evals."""
         t = self.cfg.train
-        logger = metrics.MetricsLogger(t, t.global_batch_size * self.cfg.data.seq_len, RunDir(self.cfg.run_dir).metrics,
-                                       self.device, self.step, self.flops_per_token, self.peak_flops)
+        logger = metrics.MetricsLogger(self.cfg, t.global_batch_size * self.cfg.data.seq_len, self.device, self.step,
+                                       self.flops_per_token, self.peak_flops)
         start_step, eval_loss = self.step, float("nan")
         self.model.train()
         data = iter(self._loader())
@@ -195,7 +195,7 @@ class Trainer:
                 with logger.paused():
                     self.checkpointer.step(self.step)
         finally:
-            logger.close()
+            logger.close(finished=self.step == t.max_steps)
         if math.isnan(eval_loss):  # no step was run
             eval_loss = self.evaluate()
         return self._summary(start_step, logger, eval_loss)
@@ -220,5 +220,6 @@ class Trainer:
                 # A loss that was never measured (no step run) is null: strict JSON has no NaN.
                 json.dump({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()},
                           f, indent=2)
+            plots.save_loss_png(self.cfg.run_dir)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
         return summary

@@ -1,6 +1,6 @@
 """Training metrics: FLOPs per token and MFU (TorchTitan's formula), memory, and `MetricsLogger`, which owns
-the metrics lines: when one is written, what it holds, and where it goes (metrics.jsonl, the TrainJob's
-progress report, the progress bar)."""
+the metrics lines: when one is written, what it holds, and where it goes (metrics.jsonl and the trackers of
+`train.trackers`, the TrainJob's progress report, the progress bar)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from trainer import progress
+from trainer import progress, tracking
+from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 # What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
@@ -99,15 +100,16 @@ class MetricsLogger:
     Rank 0 writes `metrics.jsonl` (a resumed run keeps the lines up to where it goes on from) and reports to
     a TrainJob that asks; the progress bar moves every step."""
 
-    def __init__(self, train_cfg, tokens_per_step: int, path: str, device: torch.device, first_step: int,
-                 flops_per_token: float, peak_flops: float | None):
+    def __init__(self, cfg, tokens_per_step: int, device: torch.device, first_step: int, flops_per_token: float,
+                 peak_flops: float | None):
+        train_cfg = cfg.train
         self.every, self.last, self.tokens_per_step = train_cfg.log_every, train_cfg.max_steps, tokens_per_step
         self.device, self.flops_per_token, self.peak_flops = device, flops_per_token, peak_flops
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.file = self.reporter = None
+        self.trackers = self.reporter = None
         if self.rank == 0:
-            keep_metrics_until(path, first_step)
-            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+            keep_metrics_until(RunDir(cfg.run_dir).metrics, first_step)
+            self.trackers = tracking.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
             self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
                         desc="train", unit="step", dynamic_ncols=True)
@@ -144,15 +146,16 @@ class MetricsLogger:
         self.bar.update(1)
 
     def _write(self, record: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
+        if self.trackers:
+            self.trackers.write(record)
         if self.reporter:
             self.reporter.update(record["step"], {k: record.get(k) for k in PROGRESS_METRICS})
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
+        """`finished`: every step was trained (else the run failed or was stopped)."""
         self.bar.close()
-        if self.file:
-            self.file.close()
+        if self.trackers:
+            self.trackers.close(finished)
         if self.reporter:
             self.reporter.close()

@@ -10,32 +10,18 @@ logs/rank-R.log      each rank's log
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class RunDir:
-    root: str
+    """The paths of the files of the run whose directory is `root`."""
 
-    @property
-    def config(self) -> str:
-        return os.path.join(self.root, "config.yaml")
-
-    @property
-    def metrics(self) -> str:
-        return os.path.join(self.root, "metrics.jsonl")
-
-    @property
-    def summary(self) -> str:
-        return os.path.join(self.root, "summary.json")
-
-    @property
-    def checkpoints(self) -> str:
-        return os.path.join(self.root, "checkpoints")
-
-    @property
-    def logs(self) -> str:
-        return os.path.join(self.root, "logs")
+    def __init__(self, root: str):
+        self.root = root
+        self.config = os.path.join(root, "config.yaml")
+        self.metrics = os.path.join(root, "metrics.jsonl")
+        self.summary = os.path.join(root, "summary.json")
+        self.checkpoints = os.path.join(root, "checkpoints")
+        self.logs = os.path.join(root, "logs")
 
     def rank_log(self, rank: int) -> str:
         return os.path.join(self.logs, f"rank-{rank}.log")
