@@ -120,14 +120,15 @@ def worker(path: str, out: str) -> None:
 
     from trainer.config import StrategyConfig
     from trainer.models import hf
-    from trainer.parallel import build_mesh, fsdp2
+    from trainer.parallel import ParallelDims, parallelize
 
     dist.init_process_group("gloo")
     strategy = OmegaConf.merge(OmegaConf.structured(StrategyConfig), {"name": "fsdp2", "dp_shard": -1})
-    mesh = build_mesh(strategy, dist.get_world_size(), "cpu")
+    dims = ParallelDims.from_config(strategy, dist.get_world_size())
+    dims.build_mesh("cpu")
     with torch.device("meta"):
         model = hf.build(path)
-    model = fsdp2.apply(model, mesh, strategy, torch.device("cpu"))
+    model = parallelize(model, dims, strategy)
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     largest = 0
     for name in os.listdir(path):

@@ -34,6 +34,7 @@ sys.path.insert(0, REPO)
 
 from trainer import config, models  # noqa: E402
 from trainer.__main__ import prepare_run  # noqa: E402
+from trainer.run_dir import RunDir  # noqa: E402
 
 
 def hand_loop(cfg, steps: int, warmup: int) -> float:
@@ -93,9 +94,9 @@ def worker(overrides: list[str], steps: int, warmup: int, run_dir: str) -> float
                           f"train.checkpoint_every={steps * 10}", "train.resume=never"])
     cfg.run_dir = run_dir
     run = prepare_run(cfg)
-    subprocess.run([sys.executable, "-m", "trainer.worker", run.config_path], check=True, cwd=REPO,
+    subprocess.run([sys.executable, "-m", "trainer.worker", run.spec.config_path], check=True, cwd=REPO,
                    stderr=subprocess.DEVNULL)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    with open(RunDir(run_dir).metrics) as f:
         lines = [json.loads(line) for line in f]
     marks = [(m["step"], m["elapsed_s"]) for m in lines if m["step"] >= warmup]
     if len(marks) < 2:

@@ -1,7 +1,7 @@
 """Step time, throughput and peak memory per rank for each parallelism strategy.
 
 Runs `python -m trainer` for the `debug` model under each strategy: in-process (world size 1) for
-reference, then ddp, fsdp2, tp and fsdp2_tp on `--nproc` torchrun processes (gloo on CPUs, nccl on
+reference, then every preset in conf/strategy on `--nproc` torchrun processes (gloo on CPUs, nccl on
 GPUs; NCCL needs one GPU per process). Step time is the median wall-clock gap between logged steps after
 `--warmup`, so everything the loop does counts. Peak memory is each rank's allocated GPU memory, or its
 maximum RSS on CPUs.
@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STRATEGIES = ["ddp", "fsdp2", "tp", "fsdp2_tp"]
+STRATEGIES = sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(REPO, "conf", "strategy")))
 
 
 def measure(name: str, args: list[str], run_dir: str, warmup: int) -> dict:

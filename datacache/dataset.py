@@ -69,6 +69,12 @@ def _flight_client(endpoint: str, tls_root: bytes | None) -> flight.FlightClient
     return flight.FlightClient(endpoint, tls_root_certs=tls_root)
 
 
+def _server_reason(error: flight.FlightServerError) -> str:
+    """The node's own words from a refusal, without gRPC's framing (\"gRPC client debug context: ...\")."""
+    text = str(error).split(". gRPC client debug context", 1)[0].split(". Detail:", 1)[0].strip()
+    return text.removeprefix("datacache: ")
+
+
 def _to_numpy(column: pa.Array) -> np.ndarray:
     """A fixed-size list column as a 2-D array, a primitive column as 1-D; zero-copy when possible."""
     if pa.types.is_fixed_size_list(column.type):
@@ -254,6 +260,8 @@ class StreamingDataset(PlannedDataset):
             except flight.FlightUnauthenticatedError:
                 raise DataCacheError(f"cache node {node.endpoint} refused this client: a wrong or missing "
                                      f"token") from None
+            except flight.FlightServerError as e:  # the node answered, and said no: retrying cannot help
+                raise DataCacheError(f"cache node {node.endpoint} refused {what}: {_server_reason(e)}") from None
             except RETRYABLE as e:
                 node.reset()
                 if attempt == self.retries:

@@ -7,7 +7,8 @@ fetches long runs of neighbouring rows (the shuffle MosaicML Streaming and WebDa
 
 Global batch `s` is rows `order[s*G:(s+1)*G]` whatever the world size; rank `r` takes the `r`-th slice of
 `G/W` rows of it. With `drop_last` the rows after the last full global batch wait for the next epoch;
-without it the last batch is padded with rows from the start of the epoch's order (seen twice). Either
+without it the last batch is padded with rows from the start of the epoch's order (seen twice, or more
+often when the rows are fewer than one global batch). Either
 way every rank gets the same number of batches, which collective training needs.
 """
 
@@ -67,7 +68,8 @@ class BatchPlan:
                 for lo in range(0, n, window):
                     rng.shuffle(order[lo:lo + window])
         if not self.drop_last and n % self.global_batch_size:
-            order = np.concatenate([order, order[:self.global_batch_size - n % self.global_batch_size]])
+            # Repeats the order from its start (more than once when the rows are fewer than one batch).
+            order = np.resize(order, self.batches_per_epoch * self.global_batch_size)
         return order
 
     def rows(self, order: np.ndarray, step: int) -> np.ndarray:

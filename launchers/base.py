@@ -1,5 +1,5 @@
-"""The launcher interface (`launch(run) -> Job`, `list_jobs()`) and the one place that builds the worker
-command line and the torchrun options that every launcher uses.
+"""The launcher interface (`render(spec)`, `launch(spec) -> Job`, `list_jobs()`, `job(name)`), the launch
+spec every launcher receives, and the one place that builds the torchrun options every launcher uses.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
-
-WORKER_MODULE = "trainer.worker"
 
 # Environment for every torchrun that a launcher starts. Sharing torchrun's rendezvous store with the
 # workers (the default) lets restarted workers read the failed attempt's addresses, so a restart after
@@ -27,16 +26,32 @@ class LauncherError(RuntimeError):
     """A launcher could not do what was asked; the message says what and why."""
 
 
+class OptionError(ValueError):
+    """A launcher or scheduler option that cannot run; the message names the key, the value and what is
+    allowed (the trainer reports it as its own config error)."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"invalid config: {key}={value!r}: {allowed}")
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise OptionError(key, value, allowed)
+
+
 class JobState(str, enum.Enum):
-    PENDING = "Pending"
+    """Kubeflow Trainer's TrainJob states, and Cancelled for a job this client stopped."""
+
+    CREATED = "Created"
     RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
+    COMPLETE = "Complete"
     FAILED = "Failed"
     CANCELLED = "Cancelled"
 
     @property
     def finished(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+        return self in (JobState.COMPLETE, JobState.FAILED, JobState.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -56,8 +71,14 @@ class CacheNodes:
     EVAL_ENDPOINTS_ENV = "TRAINJOB_CACHE_EVAL_ENDPOINTS"
 
     def argv(self, config: str, index: int, host: str, port: int, eval_port: int) -> list[str]:
-        values = {"config": config, "index": index, "count": self.count, "host": host, "port": port,
-                  "eval_port": eval_port}
+        values = {
+            "config": config,
+            "index": index,
+            "count": self.count,
+            "host": host,
+            "port": port,
+            "eval_port": eval_port,
+        }
         return [part.format(**values) for part in self.command]
 
     def env(self, train: list[str], eval_: list[str]) -> dict[str, str]:
@@ -66,17 +87,47 @@ class CacheNodes:
 
 
 @dataclass(frozen=True)
-class Run:
-    """One resolved run: its config (a plain dict, as saved: never a secret), where it lives, its world
-    size, and `secrets`: environment variables the ranks need that are never written or printed (the
-    config refers to them as `${oc.env:NAME}`). Each launcher hands them to the ranks its own way."""
+class Torchrun:
+    """torchrun's rendezvous and restart options (the `runtime` group, less the node and process counts)."""
 
-    config: dict[str, Any]
+    name: str = "torch-distributed"
+    max_restarts: int = 0
+    monitor_interval: float = 1.0
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "trainjob"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to start, and nothing of what it trains: run `command` (the interpreter's arguments, such as
+    `-m trainer.worker <run_dir>/config.yaml`) on `nnodes` nodes, `nproc_per_node` processes each under
+    torchrun (`torchrun` None: one process, no torchrun), with `env` and `secrets` (environment variables
+    that are never written or printed) in its environment.
+
+    `config` is the document the command reads, saved at `config_path` in `run_dir`; launchers never look
+    inside it, except that one whose nodes do not share this machine's disk (Kubernetes) ships it and
+    moves the paths that `path_keys` names (`run_dir`, `cache_dir`: dotted keys of the document) onto its
+    own volumes. `files` are other files of `run_dir` the command reads (name -> text), shipped the same
+    way. `cache_dir` is this machine's data cache, which the job reads and writes (Docker mounts it)."""
+
     run_dir: str
-    config_path: str
-    world_size: int
+    command: list[str]
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    torchrun: Torchrun | None = None
+    env: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    config_path: str | None = None
+    path_keys: dict[str, str] = field(default_factory=dict)
+    cache_dir: str | None = None
+    files: dict[str, str] = field(default_factory=dict)
     cache_nodes: CacheNodes | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
 
 
 MASK = "********"
@@ -91,21 +142,20 @@ def write_private(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def worker_command(config_path: str) -> list[str]:
-    """The rank entry point's arguments after the interpreter or torchrun: `-m trainer.worker <file>`."""
-    return ["-m", WORKER_MODULE, config_path]
-
-
-def torchrun_args(runtime: dict[str, Any], nproc_per_node: int, endpoint: str | None = None) -> list[str]:
-    """torchrun's options for a `runtime` config. One node without an endpoint uses --standalone; else a
-    c10d rendezvous at `endpoint` (default: the runtime's rdzv_endpoint), which every node joins."""
-    args = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={runtime['nnodes']}",
-            f"--max-restarts={runtime['max_restarts']}", f"--monitor-interval={runtime['monitor_interval']}"]
-    endpoint = endpoint or runtime.get("rdzv_endpoint")
-    if runtime["nnodes"] == 1 and not endpoint:
+def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:
+    """torchrun's options for `spec`. One node without an endpoint uses --standalone; else a c10d
+    rendezvous at `endpoint` (default: the spec's rdzv_endpoint), which every node joins."""
+    t = spec.torchrun
+    args = [
+        f"--nproc-per-node={spec.nproc_per_node}",
+        f"--nnodes={spec.nnodes}",
+        f"--max-restarts={t.max_restarts}",
+        f"--monitor-interval={t.monitor_interval}",
+    ]
+    endpoint = endpoint or t.rdzv_endpoint
+    if spec.nnodes == 1 and not endpoint:
         return [*args, "--standalone"]
-    return [*args, f"--rdzv-backend={runtime['rdzv_backend']}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={runtime['rdzv_id']}"]
+    return [*args, f"--rdzv-backend={t.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t.rdzv_id}"]
 
 
 def run_name(run_dir: str, max_len: int = 52) -> str:
@@ -114,7 +164,7 @@ def run_name(run_dir: str, max_len: int = 52) -> str:
     path, so unique per run and the same whenever this run is rendered."""
     base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(run_dir).lower()).strip("-")
     suffix = hashlib.sha256(run_dir.encode()).hexdigest()[:8]
-    return f"tj-{base}"[:max_len - len(suffix) - 1].rstrip("-") + "-" + suffix
+    return f"tj-{base}"[: max_len - len(suffix) - 1].rstrip("-") + "-" + suffix
 
 
 def read_summary(run_dir: str) -> dict[str, Any] | None:
@@ -125,11 +175,53 @@ def read_summary(run_dir: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
+def read_progress(run_dir: str) -> dict[str, Any]:
+    """Step, last loss and last eval loss of the run in `run_dir`, from the files its rank 0 writes:
+    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done."""
+    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line being written
+                    continue
+                found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
+                if record.get("eval_loss") is not None:
+                    found["eval_loss"] = record["eval_loss"]
+    except FileNotFoundError:
+        pass
+    summary = read_summary(run_dir) if os.path.isdir(run_dir) else None
+    if summary:
+        found.update(
+            step=summary.get("steps", found["step"]),
+            loss=summary.get("final_train_loss", found["loss"]),
+            eval_loss=summary.get("final_eval_loss", found["eval_loss"]),
+        )
+    return found
+
+
+@dataclass
+class JobInfo:
+    """What `Client.get_job` says of a job: its state, its progress (the last logged step and loss, the
+    last eval loss) and when it started and ended (UTC)."""
+
+    name: str
+    launcher: str
+    state: JobState
+    run_dir: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+
+
 class Job(ABC):
     """A launched run. `logs` yields lines of one rank's (or node's) log."""
 
     name: str
-    run: Run
+    run_dir: str | None = None
 
     @abstractmethod
     def status(self) -> JobState: ...
@@ -143,9 +235,16 @@ class Job(ABC):
     @abstractmethod
     def cancel(self) -> None: ...
 
+    @abstractmethod
+    def info(self) -> JobInfo: ...
+
+    def delete(self) -> None:
+        """Stop the job and remove it from the launcher's list (its run directory stays)."""
+        self.cancel()
+
     def result(self) -> dict[str, Any] | None:
-        """The run's summary.json, once it exists."""
-        return read_summary(self.run.run_dir)
+        """The run's summary.json, once it exists where this machine can read it."""
+        return read_summary(self.run_dir) if self.run_dir else None
 
 
 class PollingJob(Job):
@@ -163,8 +262,21 @@ class PollingJob(Job):
 
 
 class Launcher(ABC):
+    """A place where jobs run. `render` says what `launch` would start (a dry run prints it); `launch`
+    starts it and returns its Job; `list_jobs` and `job` find the jobs there, also those another process
+    started."""
+
+    name: str
+
     @abstractmethod
-    def launch(self, run: Run) -> Job: ...
+    def render(self, spec: LaunchSpec) -> str: ...
+
+    @abstractmethod
+    def launch(self, spec: LaunchSpec) -> Job: ...
 
     @abstractmethod
     def list_jobs(self) -> list[Job]: ...
+
+    @abstractmethod
+    def job(self, name: str) -> Job:
+        """The job called `name`; LauncherError when there is none."""

@@ -18,42 +18,87 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
+
+from omegaconf import MISSING
 
 from launchers.base import (
     TORCHRUN_ENV,
     Job,
+    JobInfo,
     JobState,
     Launcher,
     LauncherError,
+    LaunchSpec,
     PollingJob,
-    Run,
+    read_progress,
+    require,
     run_name,
     torchrun_args,
-    worker_command,
 )
 
 RDZV_PORT = 29400
+RUN_LABEL, ROLE_LABEL, DIR_LABEL = "trainjob.run", "trainjob.role", "trainjob.run_dir"
 
 
-def job_name(run: Run) -> str:
-    return run_name(run.run_dir, max_len=49)
+@dataclass
+class DockerLauncherConfig:
+    name: str = "docker"
+    image: str = MISSING
+    network: str | None = None  # null: one per job, named after it
+    gpus_per_node: int = 0
+    shm_size: str = "8g"
+    env: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    wait: bool = True
 
 
-def check(run: Run) -> None:
+def _image_ok(image: Any) -> bool:
+    return bool(image) and not str(image).startswith("-") and not any(c.isspace() for c in str(image))
+
+
+def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:
+    """The options' rules, for a job of `nnodes` nodes under torchrun (None: no runtime) whose config keys
+    `paths` name the host paths mounted into the containers; raises OptionError."""
+    require(
+        _image_ok(options["image"]),
+        "launcher.image",
+        options["image"],
+        "launcher=docker needs an image reference such as 'trainjob:latest' (no leading '-', no spaces)",
+    )
+    require(
+        nnodes is not None,
+        "runtime",
+        None,
+        "launcher=docker runs torchrun on every node: add +runtime=torch-distributed",
+    )
+    require(options["gpus_per_node"] >= 0, "launcher.gpus_per_node", options["gpus_per_node"], "must be >= 0")
+    for key, path in paths.items():  # docker reads ':' in a --volume as its separator
+        require(":" not in path, key, path, "must not hold ':' with launcher=docker (docker's volume separator)")
+
+
+def job_name(spec: LaunchSpec) -> str:
+    return run_name(spec.run_dir, max_len=49)
+
+
+def _check_spec(spec: LaunchSpec, image: str) -> None:
     """What Docker would misread: an image that looks like a flag, a run directory with ':' (the volume
     separator)."""
-    image = str(run.config["launcher"].get("image") or "")
-    if not image or image.startswith("-") or any(c.isspace() for c in image):
-        raise LauncherError(f"launcher.image={image!r}: give an image reference such as 'trainjob:latest' "
-                            "(not empty, no leading '-', no spaces)")
-    for path in (run.run_dir, os.path.expanduser(run.config["data"]["cache_dir"])):
+    if not _image_ok(image):
+        raise LauncherError(
+            f"launcher.image={image!r}: give an image reference such as 'trainjob:latest' "
+            "(not empty, no leading '-', no spaces)"
+        )
+    for path in (spec.run_dir, spec.cache_dir or ""):
         if ":" in path:
-            raise LauncherError(f"{path!r} holds ':', which docker reads as a volume separator: choose a run "
-                                "directory (hydra.run.dir) and data.cache_dir without ':'")
+            raise LauncherError(
+                f"{path!r} holds ':', which docker reads as a volume separator: choose a run "
+                "directory (hydra.run.dir) and data.cache_dir without ':'"
+            )
 
 
 def gpu_devices(node: int, per_node: int) -> str:
@@ -70,72 +115,26 @@ def host_gpus() -> int | None:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else None
 
 
-def cache_containers(run: Run) -> list[str]:
-    return [f"{job_name(run)}-cache-{i}" for i in range(run.cache_nodes.count if run.cache_nodes else 0)]
+def _time(text: str) -> datetime | None:
+    """Docker's RFC 3339 time (nanoseconds and all); None for its zero time or nothing."""
+    if not text or text.startswith("0001-"):
+        return None
+    return datetime.fromisoformat(text[:19] + "+00:00")
 
 
-def commands(run: Run) -> list[list[str]]:
-    """The docker commands that start `run`: the network, the data cache nodes (`data.cache.nodes`), then
-    one detached container per node."""
-    check(run)
-    lc, rt = run.config["launcher"], run.config["runtime"]
-    name = job_name(run)
-    network = lc.get("network") or name
-    nnodes = int(rt["nnodes"])
-    nproc = run.world_size // nnodes
-    cache = os.path.expanduser(run.config["data"]["cache_dir"])
-    env = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, "TRAINJOB_CACHE": cache,
-           **{str(k): str(v) for k, v in (lc.get("env") or {}).items()}}
-    cmds = [] if lc.get("network") else [["docker", "network", "create", "--label", f"trainjob.run={name}", network]]
-
-    def container(cname: str, role: str) -> list[str]:
-        cmd = ["docker", "run", "--detach", "--name", cname, "--hostname", cname, "--network", network,
-               "--label", f"trainjob.run={name}", "--label", f"trainjob.role={role}", "--shm-size", lc["shm_size"],
-               "--volume", f"{run.run_dir}:{run.run_dir}", "--volume", f"{cache}:{cache}"]
-        for key, value in env.items():
-            cmd += ["--env", f"{key}={value}"]
-        for key in sorted(run.secrets):
-            cmd += ["--env", key]  # the value comes from the docker CLI's environment
-        return cmd
-
-    nodes = run.cache_nodes
-    for i, cname in enumerate(cache_containers(run)):
-        cmds.append([*container(cname, "cache"), lc["image"], "python",
-                     *nodes.argv(run.config_path, i, "0.0.0.0", nodes.port, nodes.eval_port)])
-    if nodes:
-        env.update(nodes.env([f"grpc://{c}:{nodes.port}" for c in cache_containers(run)],
-                             [f"grpc://{cache_containers(run)[0]}:{nodes.eval_port}"]))
-    endpoint = f"{name}-node-0:{RDZV_PORT}"
-    for node in range(nnodes):
-        cmd = container(f"{name}-node-{node}", "node")
-        if lc.get("gpus_per_node"):
-            at = cmd.index("--shm-size")
-            cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
-        cmds.append([*cmd, lc["image"], "torchrun", *torchrun_args(rt, nproc, endpoint=endpoint),
-                     *worker_command(run.config_path)])
-    return cmds
-
-
-def _wait_ready(run: Run, timeout: float = 600.0) -> None:
-    """Until every cache container answers `python -m datacache ready` from inside itself."""
-    nodes, deadline = run.cache_nodes, time.monotonic() + timeout
-    for i, cname in enumerate(cache_containers(run)):
-        ports = [nodes.port] + ([nodes.eval_port] if i == 0 else [])
-        for port in ports:
-            while _docker("exec", cname, "python", "-m", "datacache", "ready", f"grpc://127.0.0.1:{port}",
-                          check=False, env=run.secrets).returncode != 0:
-                state = _docker("inspect", "--format", "{{.State.Status}}", cname, check=False).stdout.strip()
-                if state != "running" or time.monotonic() > deadline:
-                    logs = _docker("logs", "--tail", "3", cname, check=False)
-                    raise LauncherError(f"cache node {cname} is {state or 'gone'} and not serving: "
-                                        + " | ".join((logs.stdout + logs.stderr).strip().splitlines()))
-                time.sleep(1.0)
+def _state(status: str, code: str) -> JobState:
+    if status == "missing" or (status == "exited" and code != "0"):
+        return JobState.FAILED
+    if status == "exited":
+        return JobState.COMPLETE
+    return JobState.RUNNING if status in ("running", "restarting", "paused") else JobState.CREATED
 
 
 def _docker(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(["docker", *args], capture_output=True, text=True,
-                              env={**os.environ, **env} if env else None)
+        proc = subprocess.run(
+            ["docker", *args], capture_output=True, text=True, env={**os.environ, **env} if env else None
+        )
     except FileNotFoundError:
         raise LauncherError("launcher=docker needs the docker CLI on PATH") from None
     if check and proc.returncode != 0:
@@ -143,52 +142,92 @@ def _docker(*args: str, check: bool = True, env: dict[str, str] | None = None) -
     return proc
 
 
-def _remove(name: str, containers: list[str], network: str | None) -> None:
-    """Remove `containers`, and the job's own network (`network` None) once nothing uses it."""
+def _remove(name: str, containers: list[str], own_network: bool) -> None:
+    """Remove `containers`, and the job's own network once nothing uses it."""
     if containers:
         _docker("rm", "--force", *containers, check=False)
-    if network is None:
+    if own_network:
         _docker("network", "rm", name, check=False)
 
 
-def _leftovers(name: str) -> list[tuple[str, str]]:
-    """(container, state) of every container an earlier attempt of this run left."""
-    out = _docker("ps", "--all", "--filter", f"label=trainjob.run={name}", "--format", "{{.Names}} {{.State}}")
-    return [tuple(line.split()[:2]) for line in out.stdout.splitlines() if line.strip()]
+def _containers(name: str | None = None) -> list[dict[str, str]]:
+    """Every container a trainjob run left (of run `name` only, when given): name, state and labels."""
+    fields = ["{{.Names}}", "{{.State}}", *(f'{{{{.Label "{k}"}}}}' for k in (RUN_LABEL, ROLE_LABEL, DIR_LABEL))]
+    out = _docker(
+        "ps", "--all", "--filter", f"label={RUN_LABEL}" + (f"={name}" if name else ""), "--format", "\t".join(fields)
+    )
+    keys = ("name", "state", "run", "role", "run_dir")
+    return [dict(zip(keys, line.split("\t"), strict=False)) for line in out.stdout.splitlines() if line.strip()]
 
 
 class DockerJob(PollingJob):
-    def __init__(self, run: Run, name: str, nnodes: int, network: str | None, caches: list[str] | None = None):
-        self.run, self.name, self.nnodes, self._network = run, name, nnodes, network
-        self._caches = list(caches or [])
+    """The containers of run `name`: nodes `<name>-node-<i>`, cache nodes `<name>-cache-<i>`, on the job's
+    own network unless `own_network` is false."""
+
+    def __init__(self, name: str, run_dir: str | None, nnodes: int, own_network: bool, caches: list[str]):
+        self.name, self.run_dir, self.nnodes, self._own_network = name, run_dir, nnodes, own_network
+        self._caches = list(caches)
         self._cancelled = False
         self._final: JobState | None = None
 
     def _container(self, node: int) -> str:
         return f"{self.name}-node-{node}"
 
+    def _cleanup(self) -> None:
+        _remove(self.name, [self._container(n) for n in range(self.nnodes)] + self._caches, self._own_network)
+
     def wait(self, timeout: float | None = None) -> JobState:
         state = super().wait(timeout)
         if state.finished and self._final is None:
             self._final = state
-            _remove(self.name, [self._container(n) for n in range(self.nnodes)] + self._caches, self._network)
+            self._cleanup()
         return state
 
-    def status(self) -> JobState:
+    def _inspect(self) -> list[list[str]]:
+        """[status, exit code, started, finished] of each node's container."""
+        states = []
+        for node in range(self.nnodes):
+            out = _docker(
+                "inspect",
+                "--format",
+                "{{.State.Status}} {{.State.ExitCode}} {{.State.StartedAt}} {{.State.FinishedAt}}",
+                self._container(node),
+                check=False,
+            )
+            states.append(out.stdout.split() if out.returncode == 0 else ["missing", "1"])
+        return states
+
+    def _status(self, inspected: list[list[str]]) -> JobState:
+        """The job's state from its nodes' `_inspect()`: failed when one failed, complete when all are."""
         if self._cancelled:
             return JobState.CANCELLED
         if self._final is not None:
             return self._final
-        states = []
-        for node in range(self.nnodes):
-            out = _docker("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", self._container(node),
-                          check=False)
-            states.append(out.stdout.split() if out.returncode == 0 else ["missing", "1"])
-        if any((s[0] == "exited" and s[1] != "0") or s[0] == "missing" for s in states):
+        states = [_state(*s[:2]) for s in inspected]
+        if JobState.FAILED in states:
             return JobState.FAILED
-        if all(s[0] == "exited" for s in states):
-            return JobState.SUCCEEDED
-        return JobState.RUNNING if any(s[0] == "running" for s in states) else JobState.PENDING
+        if all(s == JobState.COMPLETE for s in states):
+            return JobState.COMPLETE
+        return JobState.RUNNING if JobState.RUNNING in states else JobState.CREATED
+
+    def status(self) -> JobState:
+        return self._status([] if self._cancelled or self._final else self._inspect())
+
+    def info(self) -> JobInfo:
+        inspected = self._inspect()
+        state = self._status(inspected)
+        starts = [t for s in inspected if len(s) > 2 and (t := _time(s[2]))]
+        ends = [t for s in inspected if len(s) > 3 and (t := _time(s[3]))]
+        progress = read_progress(self.run_dir) if self.run_dir else {}
+        return JobInfo(
+            self.name,
+            "docker",
+            state,
+            self.run_dir,
+            **progress,
+            start_time=min(starts, default=None),
+            end_time=max(ends, default=None) if state.finished else None,
+        )
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
         """Lines of node `rank`'s container."""
@@ -199,57 +238,189 @@ class DockerJob(PollingJob):
 
     def cancel(self) -> None:
         """Remove the containers, and the network if the job created it."""
-        _remove(self.name, [self._container(n) for n in range(self.nnodes)] + self._caches, self._network)
+        self._cleanup()
         self._cancelled = True
 
 
 class DockerLauncher(Launcher):
-    def __init__(self):
-        self._jobs: list[Job] = []
+    name = "docker"
 
-    def launch(self, run: Run) -> Job | None:
-        cmds = commands(run)
-        if run.config["launcher"].get("dry_run"):
-            sys.stdout.write("".join(shlex.join(c) + "\n" for c in cmds))
-            return None
-        lc, name = run.config["launcher"], job_name(run)
-        nnodes = int(run.config["runtime"]["nnodes"])
+    def __init__(self, options: Mapping[str, Any]):
+        self.options = dict(options)
+
+    def cache_containers(self, spec: LaunchSpec) -> list[str]:
+        return [f"{job_name(spec)}-cache-{i}" for i in range(spec.cache_nodes.count if spec.cache_nodes else 0)]
+
+    def commands(self, spec: LaunchSpec) -> list[list[str]]:
+        """The docker commands that start `spec`: the network, the data cache nodes (`data.cache.nodes`),
+        then one detached container per node."""
+        lc = self.options
+        _check_spec(spec, str(lc.get("image") or ""))
+        if spec.torchrun is None:
+            raise LauncherError("launcher=docker runs torchrun on every node: add +runtime=torch-distributed")
+        name = job_name(spec)
+        network = lc.get("network") or name
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            **TORCHRUN_ENV,
+            **spec.env,
+            **{str(k): str(v) for k, v in (lc.get("env") or {}).items()},
+        }
+        if spec.cache_dir:
+            env["TRAINJOB_CACHE"] = spec.cache_dir
+        cmds = [] if lc.get("network") else [["docker", "network", "create", "--label", f"{RUN_LABEL}={name}", network]]
+        mounts = [spec.run_dir, *([spec.cache_dir] if spec.cache_dir else [])]
+
+        def container(cname: str, role: str) -> list[str]:
+            cmd = [
+                "docker",
+                "run",
+                "--detach",
+                "--name",
+                cname,
+                "--hostname",
+                cname,
+                "--network",
+                network,
+                "--label",
+                f"{RUN_LABEL}={name}",
+                "--label",
+                f"{ROLE_LABEL}={role}",
+                "--label",
+                f"{DIR_LABEL}={spec.run_dir}",
+                "--shm-size",
+                lc["shm_size"],
+            ]
+            for path in mounts:
+                cmd += ["--volume", f"{path}:{path}"]
+            for key, value in env.items():
+                cmd += ["--env", f"{key}={value}"]
+            for key in sorted(spec.secrets):
+                cmd += ["--env", key]  # the value comes from the docker CLI's environment
+            return cmd
+
+        nodes = spec.cache_nodes
+        caches = self.cache_containers(spec)
+        for i, cname in enumerate(caches):
+            cmds.append(
+                [
+                    *container(cname, "cache"),
+                    lc["image"],
+                    "python",
+                    *nodes.argv(spec.config_path, i, "0.0.0.0", nodes.port, nodes.eval_port),
+                ]
+            )
+        if nodes:
+            env.update(
+                nodes.env([f"grpc://{c}:{nodes.port}" for c in caches], [f"grpc://{caches[0]}:{nodes.eval_port}"])
+            )
+        endpoint = f"{name}-node-0:{RDZV_PORT}"
+        for node in range(spec.nnodes):
+            cmd = container(f"{name}-node-{node}", "node")
+            if lc.get("gpus_per_node"):
+                at = cmd.index("--shm-size")
+                cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
+            cmds.append([*cmd, lc["image"], "torchrun", *torchrun_args(spec, endpoint=endpoint), *spec.command])
+        return cmds
+
+    def render(self, spec: LaunchSpec) -> str:
+        return "".join(shlex.join(c) + "\n" for c in self.commands(spec))
+
+    def _wait_ready(self, spec: LaunchSpec, timeout: float = 600.0) -> None:
+        """Until every cache container answers `python -m datacache ready` from inside itself."""
+        nodes, deadline = spec.cache_nodes, time.monotonic() + timeout
+        for i, cname in enumerate(self.cache_containers(spec)):
+            ports = [nodes.port] + ([nodes.eval_port] if i == 0 else [])
+            for port in ports:
+                while (
+                    _docker(
+                        "exec",
+                        cname,
+                        "python",
+                        "-m",
+                        "datacache",
+                        "ready",
+                        f"grpc://127.0.0.1:{port}",
+                        check=False,
+                        env=spec.secrets,
+                    ).returncode
+                    != 0
+                ):
+                    state = _docker("inspect", "--format", "{{.State.Status}}", cname, check=False).stdout.strip()
+                    if state != "running" or time.monotonic() > deadline:
+                        logs = _docker("logs", "--tail", "3", cname, check=False)
+                        raise LauncherError(
+                            f"cache node {cname} is {state or 'gone'} and not serving: "
+                            + " | ".join((logs.stdout + logs.stderr).strip().splitlines())
+                        )
+                    time.sleep(1.0)
+
+    def launch(self, spec: LaunchSpec) -> Job:
+        cmds = self.commands(spec)
+        lc, name = self.options, job_name(spec)
+        own_network = not lc.get("network")
         if lc.get("gpus_per_node"):
-            have, want = host_gpus(), nnodes * int(lc["gpus_per_node"])
+            have, want = host_gpus(), spec.nnodes * int(lc["gpus_per_node"])
             if have is not None and want > have:
-                raise LauncherError(f"runtime.nnodes={nnodes} x launcher.gpus_per_node={lc['gpus_per_node']} = "
-                                    f"{want} GPUs, and this host has {have}")
-        leftovers = _leftovers(name)
-        running = [c for c, state in leftovers if state in ("running", "restarting", "paused")]
+                raise LauncherError(
+                    f"runtime.nnodes={spec.nnodes} x launcher.gpus_per_node={lc['gpus_per_node']} = "
+                    f"{want} GPUs, and this host has {have}"
+                )
+        leftovers = _containers(name)
+        running = [c["name"] for c in leftovers if c["state"] in ("running", "restarting", "paused")]
         if running:
-            raise LauncherError(f"an earlier attempt of this run is still running ({', '.join(running)}): "
-                                "stop it first (docker rm -f ...)")
-        _remove(name, [c for c, _ in leftovers], lc.get("network"))
+            raise LauncherError(
+                f"an earlier attempt of this run is still running ({', '.join(running)}): "
+                "stop it first (docker rm -f ...)"
+            )
+        _remove(name, [c["name"] for c in leftovers], own_network)
         started: list[str] = []
-        caches = cache_containers(run)
+        caches = self.cache_containers(spec)
         for cmd in cmds:
             container = cmd[cmd.index("--name") + 1] if cmd[1] == "run" else None
             if container == f"{name}-node-0" and caches:
                 try:
-                    _wait_ready(run)  # the ranks start once their cache nodes serve
+                    self._wait_ready(spec)  # the ranks start once their cache nodes serve
                 except LauncherError:
-                    _remove(name, started, lc.get("network"))
+                    _remove(name, started, own_network)
                     raise
-            proc = _docker(*cmd[1:], env=run.secrets, check=False)
+            proc = _docker(*cmd[1:], env=spec.secrets, check=False)
             if proc.returncode != 0:
-                _remove(name, started, lc.get("network"))  # nothing half-started stays behind
+                _remove(name, started, own_network)  # nothing half-started stays behind
                 what = f"container {container}" if container else f"network {cmd[-1]}"
-                raise LauncherError(f"docker could not start {what}: {proc.stderr.strip()}; removed what this "
-                                    "launch had started")
+                raise LauncherError(
+                    f"docker could not start {what}: {proc.stderr.strip()}; removed what this launch had started"
+                )
             if container:
                 started.append(container)
-        job = DockerJob(run, name, nnodes, lc.get("network"), caches)
-        self._jobs.append(job)
-        return job
+        return DockerJob(name, spec.run_dir, spec.nnodes, own_network, caches)
+
+    def _jobs(self) -> dict[str, DockerJob]:
+        found: dict[str, list[dict[str, str]]] = {}
+        for c in _containers():
+            found.setdefault(c["run"], []).append(c)
+        own = not self.options.get("network")
+        return {
+            name: DockerJob(
+                name,
+                cs[0].get("run_dir") or None,
+                sum(c.get("role") == "node" for c in cs),
+                own,
+                sorted(c["name"] for c in cs if c.get("role") == "cache"),
+            )
+            for name, cs in sorted(found.items())
+        }
 
     def list_jobs(self) -> list[Job]:
-        return list(self._jobs)
+        """The runs whose containers are on this host (a finished run's go once something waited for it)."""
+        return list(self._jobs().values())
+
+    def job(self, name: str) -> Job:
+        jobs = self._jobs()
+        if name not in jobs:
+            raise LauncherError(f"no docker job {name!r} on this host (docker ps --all --filter label={RUN_LABEL})")
+        return jobs[name]
 
 
-def make(config: dict[str, Any]) -> DockerLauncher:
-    return DockerLauncher()
+def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> DockerLauncher:
+    return DockerLauncher(options)

@@ -1,51 +1,95 @@
-"""The local launcher: without a runtime the worker runs in this process (world size 1, through a real
-one-rank process group); with `+runtime=torch-distributed` it runs under real torchrun processes. A run's
-data cache nodes (`data.cache.nodes`) start first, as processes on loopback that die with this one, and
-stop when the run ends.
+"""The local launcher: jobs on this machine. `InProcessLauncher` calls a given callable in this process
+(world size 1) and keeps the summary it returns; `LocalLauncher` starts the command as real processes
+(under torchrun when the spec asks for it), each job under a supervisor (`launchers.supervise`) and on
+record in the job registry (`launchers.registry`), so that any process can list, follow, wait for and
+delete it. With `launcher.wait=true` (the command line's default) the job dies with the process that
+started it; with `wait=false` (the Client's) it runs on after that process ends. A run's data cache nodes
+(`data.cache.nodes`) start first, as processes on loopback that die with this one, and stop when the run
+ends.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
 
+from launchers import registry
 from launchers.base import (
     TORCHRUN_ENV,
     Job,
+    JobInfo,
     JobState,
     Launcher,
     LauncherError,
-    Run,
+    LaunchSpec,
+    read_progress,
+    read_summary,
+    run_name,
     torchrun_args,
-    worker_command,
 )
 
 READY_TIMEOUT = 600.0  # a node builds the corpus before it serves
+POLL_S = 0.2
 
 
-def _rank_log(run: Run, rank: int) -> str:
-    return os.path.join(run.run_dir, "logs", f"rank-{rank}.log")
+@dataclass
+class LocalLauncherConfig:
+    name: str = "local"
+    # true: wait for the run and end it with this process; false: start it, print its name and return
+    # (it runs on; `python -m launchers list|get|logs|wait|delete` find it).
+    wait: bool = True
+    dry_run: bool = False  # print the command (or that it runs in this process) and start nothing
 
 
-def _read_log(path: str, follow: bool, finished) -> Iterator[str]:
+def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:
+    """Nothing about this machine can be refused before the data is read (the trainer checks that)."""
+
+
+def job_name(spec: LaunchSpec) -> str:
+    return run_name(spec.run_dir)
+
+
+def _utc(timestamp: float | None) -> datetime | None:
+    return None if timestamp is None else datetime.fromtimestamp(timestamp, timezone.utc)
+
+
+def _read_log(path: str, follow: bool, finished: Callable[[], bool]) -> Iterator[str]:
     while follow and not os.path.exists(path) and not finished():
-        time.sleep(0.2)
+        time.sleep(POLL_S)
     if not os.path.exists(path):
         return
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         while True:
             line = f.readline()
             if line:
                 yield line.rstrip("\n")
             elif follow and not finished():
-                time.sleep(0.2)
+                time.sleep(POLL_S)
             else:
+                rest = f.read()  # written between the last read and the end
+                if rest:
+                    yield from rest.rstrip("\n").split("\n")
                 return
+
+
+def rank_logs(
+    run_dir: str, rank: int, follow: bool, finished: Callable[[], bool], console: str | None = None
+) -> Iterator[str]:
+    """Lines of rank `rank`'s log (`<run_dir>/logs/rank-<r>.log`, which every rank writes); when there is
+    none once the job has ended, rank 0 reads the job's `console` (what its processes printed)."""
+    path = os.path.join(run_dir, "logs", f"rank-{rank}.log")
+    yield from _read_log(path, follow, finished)
+    if not os.path.exists(path) and rank == 0 and console:
+        yield from _read_log(console, False, finished)
 
 
 def _free_port() -> int:
@@ -54,27 +98,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, have the kernel send SIGTERM when the driver dies, so that a
+    driver killed outright (SIGKILL) does not leave torchrun and its ranks running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class CacheNodeProcesses:
     """The run's data cache nodes as processes on loopback, each in a session of its own that dies with
     this process; logs in `<run_dir>/logs/cache-node-<i>.log`. `env` names them for the ranks."""
 
-    def __init__(self, run: Run):
-        spec = run.cache_nodes
+    def __init__(self, spec: LaunchSpec):
+        nodes = spec.cache_nodes
         self.procs: list[subprocess.Popen] = []
-        self.logs = [os.path.join(run.run_dir, "logs", f"cache-node-{i}.log") for i in range(spec.count)]
+        self.logs = [os.path.join(spec.run_dir, "logs", f"cache-node-{i}.log") for i in range(nodes.count)]
         os.makedirs(os.path.dirname(self.logs[0]), exist_ok=True)
-        env = {**os.environ, **run.secrets}
+        env = {**os.environ, **spec.env, **spec.secrets}
         train, eval_ = [], []
-        for i in range(spec.count):
+        for i in range(nodes.count):
             port, eval_port = _free_port(), _free_port()
             with open(self.logs[i], "ab") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, *spec.argv(run.config_path, i, "127.0.0.1", port, eval_port)], stdout=log,
-                    stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, *nodes.argv(spec.config_path, i, "127.0.0.1", port, eval_port)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                )
             train.append(f"grpc://127.0.0.1:{port}")
             if i == 0:
                 eval_.append(f"grpc://127.0.0.1:{eval_port}")
-        self.env = spec.env(train, eval_)
+        self.env = nodes.env(train, eval_)
         try:
             self._wait_ready([(i, e) for i, e in enumerate(train)] + [(0, e) for e in eval_], env)
         except BaseException:
@@ -89,10 +150,12 @@ class CacheNodeProcesses:
                 if code is not None:
                     with open(self.logs[i]) as f:
                         tail = " | ".join(f.read().strip().splitlines()[-3:])
-                    raise LauncherError(f"cache node {i} exited with code {code} before serving ({self.logs[i]}): "
-                                        f"{tail}")
-                ready = subprocess.run([sys.executable, "-m", "datacache", "ready", endpoint], env=env,
-                                       capture_output=True, timeout=60)
+                    raise LauncherError(
+                        f"cache node {i} exited with code {code} before serving ({self.logs[i]}): {tail}"
+                    )
+                ready = subprocess.run(
+                    [sys.executable, "-m", "datacache", "ready", endpoint], env=env, capture_output=True, timeout=60
+                )
                 if ready.returncode == 0:
                     break
                 if time.monotonic() > deadline:
@@ -112,31 +175,18 @@ class CacheNodeProcesses:
 
 
 class InProcessJob(Job):
-    """Runs the worker to completion inside `launch`; by the time the caller has the handle, it is done."""
+    """A job that ran to completion inside `launch`: by the time the caller has the handle, it is done,
+    and it keeps the summary its callable returned."""
 
-    def __init__(self, run: Run):
-        self.run, self.name = run, os.path.basename(run.run_dir)
-        from omegaconf import OmegaConf
-
-        from trainer import worker
-
-        nodes = CacheNodeProcesses(run) if run.cache_nodes else None
-        os.environ.update({**run.secrets, **(nodes.env if nodes else {})})  # the config reads them
-        try:
-            worker.run(OmegaConf.create(run.config))
-            self._state = JobState.SUCCEEDED
-        except BaseException:
-            self._state = JobState.FAILED
-            raise
-        finally:
-            if nodes:
-                nodes.stop()
+    def __init__(self, spec: LaunchSpec, state: JobState, summary: dict[str, Any] | None, started: float):
+        self.name, self.run_dir = job_name(spec), spec.run_dir
+        self._state, self._summary, self._started, self._ended = state, summary, started, time.time()
 
     def status(self) -> JobState:
         return self._state
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
-        return _read_log(_rank_log(self.run, rank), follow=False, finished=lambda: True)
+        return rank_logs(self.run_dir, rank, False, lambda: True)
 
     def wait(self, timeout: float | None = None) -> JobState:
         return self._state
@@ -144,86 +194,225 @@ class InProcessJob(Job):
     def cancel(self) -> None:
         """Nothing to cancel: the run finished inside `launch`."""
 
+    def result(self) -> dict[str, Any] | None:
+        return self._summary
 
-def _die_with_parent() -> None:
-    """In the child before exec: on Linux, have the kernel send SIGTERM when the driver dies, so that a
-    driver killed outright (SIGKILL) does not leave torchrun and its ranks running."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+    def info(self) -> JobInfo:
+        return JobInfo(
+            self.name,
+            "local",
+            self._state,
+            self.run_dir,
+            **read_progress(self.run_dir),
+            start_time=_utc(self._started),
+            end_time=_utc(self._ended),
+        )
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+def _register(spec: LaunchSpec, command: list[str]) -> registry.JobRecord:
+    """Put the job of `spec` on record, replacing an earlier attempt of the same run that has ended."""
+    name = job_name(spec)
+    earlier = registry.load(name)
+    if earlier is not None and LocalJob(earlier).status() == JobState.RUNNING:
+        raise LauncherError(
+            f"an earlier attempt of this run ({name}, pid {earlier.pid}) is still running: "
+            f"python -m launchers delete {name}"
+        )
+    record = registry.JobRecord(name=name, run_dir=spec.run_dir, command=command)
+    record.save()
+    return record
 
 
-class TorchrunJob(Job):
-    def __init__(self, run: Run, command: list[str]):
-        self.run, self.name, self.command = run, os.path.basename(run.run_dir), command
-        self._nodes = CacheNodeProcesses(run) if run.cache_nodes else None
-        env = {**os.environ, **TORCHRUN_ENV, **run.secrets, **(self._nodes.env if self._nodes else {})}
-        # A session of its own, so that cancel() can stop torchrun and every rank it started.
-        self._proc = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=_die_with_parent)
-        self._cancelled = False
+class InProcessLauncher(Launcher):
+    """Runs a job by calling `target` in this process (its data cache nodes, if any, beside it)."""
+
+    name = "local"
+
+    def __init__(self, target: Callable[[], dict[str, Any]]):
+        self.target = target
+
+    def render(self, spec: LaunchSpec) -> str:
+        return f"in this process: {shlex.join([sys.executable, *spec.command])}\n"
+
+    def launch(self, spec: LaunchSpec) -> Job:
+        """Run the job to its end; on record meanwhile (as this process), so that others list and follow it."""
+        record = _register(spec, [sys.executable, *spec.command])
+        record.pid, record.pid_start, record.own_group = os.getpid(), registry.process_start(os.getpid()), False
+        record.save()
+        nodes = None
+        try:
+            nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
+            os.environ.update({**spec.env, **spec.secrets, **(nodes.env if nodes else {})})  # the config reads them
+            summary = self.target()
+            record.exit_code = 0
+        except BaseException:
+            record.exit_code = 1
+            raise
+        finally:
+            if nodes:
+                nodes.stop()
+            record.ended = time.time()
+            record.save()
+        return InProcessJob(spec, JobState.COMPLETE, summary, record.created)
+
+    def list_jobs(self) -> list[Job]:
+        return LocalLauncher({}).list_jobs()
+
+    def job(self, name: str) -> Job:
+        return LocalLauncher({}).job(name)
+
+
+class LocalJob(Job):
+    """A job on record in the registry; `proc` is its supervisor when this process started it."""
+
+    def __init__(
+        self, record: registry.JobRecord, proc: subprocess.Popen | None = None, nodes: CacheNodeProcesses | None = None
+    ):
+        self.name, self.run_dir, self._record = record.name, record.run_dir, record
+        self._proc, self._nodes = proc, nodes
+
+    def _current(self) -> registry.JobRecord:
+        record = registry.load(self.name)
+        if record is not None and record.created == self._record.created:
+            self._record = record
+        return self._record
 
     def status(self) -> JobState:
-        code = self._proc.poll()
-        if code is None:
+        if self._proc is not None and self._proc.poll() is None:
             return JobState.RUNNING
+        r = self._current()
+        if r.cancelled:
+            state = JobState.CANCELLED
+        elif r.exit_code is not None:
+            state = JobState.COMPLETE if r.exit_code == 0 else JobState.FAILED
+        elif r.alive():
+            return JobState.RUNNING
+        else:  # its supervisor was killed outright: the run's summary says whether it got to the end
+            state = JobState.COMPLETE if read_summary(self.run_dir) is not None else JobState.FAILED
         if self._nodes:  # the run has ended: its cache nodes go with it
             self._nodes.stop()
-        if self._cancelled:
-            return JobState.CANCELLED
-        return JobState.SUCCEEDED if code == 0 else JobState.FAILED
+        return state
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
-        return _read_log(_rank_log(self.run, rank), follow, lambda: self._proc.poll() is not None)
+        return rank_logs(self.run_dir, rank, follow, lambda: self.status().finished, self._record.console)
 
     def wait(self, timeout: float | None = None) -> JobState:
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
+            while True:
+                state = self.status()
+                if state.finished or (deadline is not None and time.monotonic() >= deadline):
+                    return state
+                time.sleep(POLL_S)
         except KeyboardInterrupt:
-            self.cancel()
+            if self._proc is not None:  # the job of this process goes with it
+                self.cancel()
             raise
-        return self.status()
 
     def cancel(self) -> None:
-        if self._proc.poll() is None:
-            self._cancelled = True
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
+        """Stop the job (its supervisor, torchrun and every rank: they share one session)."""
+        r = self._current()
+        if r.exit_code is None and r.alive():
+            r.cancelled = True
+            r.save()
+            kill = os.killpg if r.own_group else os.kill  # an in-process job: its driver alone
+            kill(r.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (registry.group_alive(r.pid) if r.own_group else r.alive()) and time.monotonic() < deadline:
+                if self._proc is not None:
+                    self._proc.poll()  # reap it, when it is ours
+                time.sleep(POLL_S)
+            if registry.group_alive(r.pid) if r.own_group else r.alive():
+                kill(r.pid, signal.SIGKILL)
+        if self._proc is not None:
+            self._proc.wait()
         if self._nodes:
             self._nodes.stop()
 
+    def delete(self) -> None:
+        self.cancel()
+        current = registry.load(self.name)
+        if current is not None and current.created == self._record.created:  # not a later attempt's
+            registry.remove(self.name)
+
+    def info(self) -> JobInfo:
+        state = self.status()
+        r = self._current()
+        ended = r.ended if r.ended is not None or not state.finished else os.path.getmtime(r.path)
+        return JobInfo(
+            self.name,
+            "local",
+            state,
+            self.run_dir,
+            **read_progress(self.run_dir),
+            start_time=_utc(r.created),
+            end_time=_utc(ended),
+        )
+
 
 class LocalLauncher(Launcher):
-    def __init__(self):
-        self._jobs: list[Job] = []
+    name = "local"
 
-    def command(self, run: Run) -> list[str]:
-        runtime = run.config.get("runtime")
-        if runtime is None:
-            return [sys.executable, *worker_command(run.config_path)]
-        nproc = run.world_size // runtime["nnodes"]
-        return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(runtime, nproc),
-                *worker_command(run.config_path)]
+    def __init__(self, options: Mapping[str, Any]):
+        self.wait = bool(options.get("wait", True))
 
-    def launch(self, run: Run) -> Job:
-        job = InProcessJob(run) if run.config.get("runtime") is None else TorchrunJob(run, self.command(run))
-        self._jobs.append(job)
-        return job
+    def command(self, spec: LaunchSpec) -> list[str]:
+        if spec.torchrun is None:
+            return [sys.executable, *spec.command]
+        return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *spec.command]
+
+    def render(self, spec: LaunchSpec) -> str:
+        return shlex.join(self.command(spec)) + "\n"
+
+    def launch(self, spec: LaunchSpec) -> Job:
+        if spec.cache_nodes and not self.wait:
+            raise LauncherError(
+                "data.cache.nodes start beside the ranks and stop with this process: use "
+                "launcher.wait=true with launcher=local"
+            )
+        record = _register(spec, self.command(spec))
+        name, nodes = record.name, None
+        try:
+            nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
+            env = {
+                **os.environ,
+                **(TORCHRUN_ENV if spec.torchrun else {}),
+                **spec.env,
+                **spec.secrets,
+                **(nodes.env if nodes else {}),
+            }
+            # A session of its own, so that a cancel stops the supervisor, torchrun and every rank it started.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "launchers.supervise", name],
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if self.wait else None,
+                stdin=subprocess.DEVNULL,
+                **({} if self.wait else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}),
+            )
+            deadline = time.monotonic() + 30
+            while (registry.load(name) or record).pid is None:  # the supervisor puts itself on record first
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise LauncherError(f"the local job's supervisor exited with code {proc.poll()} before it started")
+                time.sleep(0.02)
+        except BaseException:
+            if nodes:
+                nodes.stop()
+            registry.remove(name)  # nothing started: nothing on record
+            raise
+        return LocalJob(registry.load(name) or record, proc if self.wait else None, nodes)
 
     def list_jobs(self) -> list[Job]:
-        return list(self._jobs)
+        return [LocalJob(r) for r in registry.all_records()]
+
+    def job(self, name: str) -> Job:
+        record = registry.load(name)
+        if record is None:
+            raise LauncherError(
+                f"no local job {name!r} (the jobs on record are in {registry.jobs_dir()}: python -m launchers list)"
+            )
+        return LocalJob(record)
 
 
-_LAUNCHER = LocalLauncher()
-
-
-def make(config: dict) -> LocalLauncher:
-    """The one local launcher of this process (it remembers the jobs it started)."""
-    return _LAUNCHER
+def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> LocalLauncher:
+    return LocalLauncher(options)

@@ -7,15 +7,53 @@ TrainingRuntime that those needing a pod group or a scheduler name get, derived 
 - coscheduling: `podGroupPolicy.coscheduling.scheduleTimeoutSeconds` on the runtime.
 - kai: pods with `schedulerName: kai-scheduler` and label `kai.scheduler/queue` (a runtime patch cannot
   set a scheduler name, so it goes into the derived runtime).
+
+`SchedulerConfig` is the `scheduler` group's schema; `check` holds its rules.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import MISSING
+
+from launchers.base import require
+
 GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
+SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
 NEEDS_RUNTIME = ("volcano", "coscheduling", "kai")
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = MISSING
+    queue: str | None = None
+    priority_class: str | None = None
+    schedule_timeout_seconds: int | None = None
+
+
+def check(sc: Mapping[str, Any], launcher: str) -> None:
+    """The scheduler's rules, for a job on `launcher`; raises OptionError."""
+    require(sc["name"] in SCHEDULERS, "scheduler.name", sc["name"], f"must be one of {', '.join(SCHEDULERS)}")
+    if sc["name"] != "none":
+        require(
+            launcher == "kubernetes",
+            "scheduler",
+            sc["name"],
+            f"gang schedulers run on Kubernetes: use launcher=kubernetes (launcher is {launcher})",
+        )
+    if sc["name"] in ("kueue", "kai"):
+        require(
+            bool(sc.get("queue")),
+            "scheduler.queue",
+            sc.get("queue"),
+            f"scheduler={sc['name']} needs the queue to submit to",
+        )
+    timeout = sc.get("schedule_timeout_seconds")
+    require(timeout is None or timeout > 0, "scheduler.schedule_timeout_seconds", timeout, "must be > 0, or null")
 
 
 def builtin_torch_runtime(image: str) -> dict[str, Any]:
@@ -23,13 +61,19 @@ def builtin_torch_runtime(image: str) -> dict[str, Any]:
     own cannot be read (a dry run)."""
     return {
         "mlPolicy": {"numNodes": 1, "torch": {}},
-        "template": {"spec": {"replicatedJobs": [{
-            "name": "node",
-            "template": {
-                "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
-                "spec": {"template": {"spec": {"containers": [{"name": "node", "image": image}]}}},
-            },
-        }]}},
+        "template": {
+            "spec": {
+                "replicatedJobs": [
+                    {
+                        "name": "node",
+                        "template": {
+                            "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+                            "spec": {"template": {"spec": {"containers": [{"name": "node", "image": image}]}}},
+                        },
+                    }
+                ]
+            }
+        },
     }
 
 
@@ -38,8 +82,9 @@ def _pod_templates(spec: dict[str, Any]):
         yield job["template"]["spec"]["template"]
 
 
-def derived_runtime(scheduler: dict[str, Any], base_spec: dict[str, Any], name: str, namespace: str,
-                    labels: dict[str, str]) -> dict[str, Any]:
+def derived_runtime(
+    scheduler: dict[str, Any], base_spec: dict[str, Any], name: str, namespace: str, labels: dict[str, str]
+) -> dict[str, Any]:
     """A namespaced TrainingRuntime: `base_spec` (the cluster runtime's spec) plus the gang policy."""
     spec = copy.deepcopy(base_spec)
     kind = scheduler["name"]
@@ -55,10 +100,16 @@ def derived_runtime(scheduler: dict[str, Any], base_spec: dict[str, Any], name: 
             template.setdefault("metadata", {}).setdefault("labels", {})["kai.scheduler/queue"] = scheduler["queue"]
         if scheduler.get("priority_class") and kind in ("volcano", "kai"):
             pod["priorityClassName"] = scheduler["priority_class"]
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingRuntime",
-            "metadata": {"name": name, "namespace": namespace,
-                         "labels": {**labels, "trainer.kubeflow.org/framework": "torch"}},
-            "spec": spec}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainingRuntime",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {**labels, "trainer.kubeflow.org/framework": "torch"},
+        },
+        "spec": spec,
+    }
 
 
 def apply_to_trainjob(scheduler: dict[str, Any], trainjob: dict[str, Any]) -> None:

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch  # importing torch does not import triton
 
+from trainer.run_dir import RunDir
+
 # Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors; it must be chosen before
 # triton is imported anywhere in the test session. Tests of what happens without it unset it themselves.
 if not torch.cuda.is_available():
@@ -24,6 +26,12 @@ TINY = [
     "data.seq_len=32", "train.global_batch_size=8", "optim.warmup_steps=2", "train.progress=false",
     "train.log_every=1",
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_registry(tmp_path_factory):
+    """Local jobs that the tests start go on record in a registry of the session's own, not the user's."""
+    os.environ["TRAINJOB_HOME"] = str(tmp_path_factory.mktemp("trainjob-home"))
 
 
 @pytest.fixture(scope="session")
@@ -59,10 +67,10 @@ def compose_run(tmp_path, *overrides: str):
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    with open(RunDir(run_dir).metrics) as f:
         return [json.loads(line) for line in f]
 
 
 def read_summary(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, "summary.json")) as f:
+    with open(RunDir(run_dir).summary) as f:
         return json.load(f)

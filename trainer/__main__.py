@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass, fields
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 import launchers
 from datacache.server import TOKEN_ENV
 from trainer import config
+from trainer.run_dir import RunDir
 
 log = logging.getLogger("trainer")
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -44,7 +46,7 @@ def _remove_new_empty_dirs(path: str) -> None:
 
 def _save_config(resolved: dict, run_dir: str) -> str:
     """Write `<run_dir>/config.yaml`; an earlier, different one is kept as config.<n>.yaml."""
-    path = os.path.join(run_dir, "config.yaml")
+    path = RunDir(run_dir).config
     text = OmegaConf.to_yaml(OmegaConf.create(resolved))
     if os.path.exists(path):
         with open(path) as f:
@@ -71,19 +73,37 @@ def check(cfg: DictConfig) -> None:
         from trainer.models import hf
 
         hf.fill_config(cfg.model)
-    config.validate(cfg)
-    if cfg.launcher.name == "local":
+    job = config.validate(cfg)
+    if job.launcher.name == "local":
         from trainer import worker
 
-        worker.check_inputs(cfg)
-    c = cfg.data.cache  # a warning only once the config passed: a refusal stays one line
+        worker.check_inputs(job, config.parallel_dims(job))
+    c = job.data.cache  # a warning only once the config passed: a refusal stays one line
     plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
     if c.token and plain:
         print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
               "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
 
 
-def prepare_run(cfg: DictConfig) -> launchers.Run:
+@dataclass(frozen=True)
+class Prepared:
+    """A checked run: what to start (`spec`), and the launcher and scheduler options that say where."""
+
+    spec: launchers.LaunchSpec
+    launcher: dict
+    scheduler: dict
+
+    def launcher_for(self) -> launchers.Launcher:
+        """The launcher to start it: this process for the local launcher without a runtime (the worker
+        called here, its summary kept), else the configured one."""
+        if self.launcher["name"] == "local" and self.spec.torchrun is None and self.launcher.get("wait", True):
+            from trainer import worker
+
+            return launchers.InProcessLauncher(lambda: worker.run(OmegaConf.create(self.spec.config)))
+        return launchers.get(self.launcher, self.scheduler)
+
+
+def prepare_run(cfg: DictConfig) -> Prepared:
     """Check `cfg`, save it into its run directory (not for a dry run, which only prints what it would
     launch), and describe the run."""
     run_dir = os.path.abspath(cfg.run_dir)
@@ -97,12 +117,20 @@ def prepare_run(cfg: DictConfig) -> launchers.Run:
     saved, secrets, cache_nodes = _as_launched(resolved)
     if resolved["launcher"].get("dry_run"):
         _remove_new_empty_dirs(run_dir)
-        path = os.path.join(run_dir, "config.yaml")
+        path = RunDir(run_dir).config
     else:
         os.makedirs(run_dir, exist_ok=True)
         path = _save_config(saved, run_dir)
-    return launchers.Run(config=saved, run_dir=run_dir, config_path=path, world_size=config.world_size(cfg),
-                         secrets=secrets, cache_nodes=cache_nodes)
+    runtime = resolved.get("runtime")
+    torchrun = None
+    if runtime is not None:
+        torchrun = launchers.Torchrun(**{f.name: runtime[f.name] for f in fields(launchers.Torchrun)})
+    spec = launchers.LaunchSpec(
+        run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=int(runtime["nnodes"]) if runtime else 1,
+        nproc_per_node=config.nproc_per_node(cfg), torchrun=torchrun, secrets=secrets, config=saved,
+        config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
+        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes)
+    return Prepared(spec, resolved["launcher"], resolved["scheduler"])
 
 
 def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheNodes | None]:
@@ -130,13 +158,16 @@ def _app(cfg: DictConfig) -> float:
     global _job_started
     _job_started = True
     run = prepare_run(cfg)
-    launcher_cfg = run.config["launcher"]
+    options = run.launcher
     try:
-        job = launchers.get(launcher_cfg).launch(run)
-        if job is None:  # a dry run: the launcher printed what it would do
+        launcher = run.launcher_for()
+        if options.get("dry_run"):  # print what it would start, start nothing
+            sys.stdout.write(launcher.render(run.spec))
+            sys.stdout.flush()
             return float("nan")
-        if not launcher_cfg.get("wait", True):
-            print(f"submitted {job.name} ({launcher_cfg['name']}); run directory: {run.run_dir}", flush=True)
+        job = launcher.launch(run.spec)
+        if not options.get("wait", True):
+            print(f"submitted {job.name} ({options['name']}); run directory: {run.spec.run_dir}", flush=True)
             return float("nan")
         state = job.wait()
     except config.ConfigError as e:  # in process, what the worker found that the checks could not see
@@ -145,11 +176,11 @@ def _app(cfg: DictConfig) -> float:
     except launchers.LauncherError as e:  # the cluster, Docker or a cache node said no: one line
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    if state != launchers.JobState.SUCCEEDED:
-        raise RuntimeError(f"run {run.run_dir} ({job.name}) ended {state.value}; see its logs")
+    if state != launchers.JobState.COMPLETE:
+        raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}
     loss = float("nan") if summary.get("final_eval_loss") is None else float(summary["final_eval_loss"])
-    print(f"run directory: {run.run_dir}\nfinal eval loss: {loss:.4f} nats/token "
+    print(f"run directory: {run.spec.run_dir}\nfinal eval loss: {loss:.4f} nats/token "
           f"after {summary.get('steps')} steps", flush=True)
     return loss
 

@@ -201,7 +201,7 @@ def prepare(cfg) -> str:
         "eval_percent": d.eval_percent,
         "source": _fingerprint(d, model_path),
         "format": 1,
-        "packing": bool(d.get("packing")),
+        "packing": bool(d.packing),
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = os.path.join(os.path.expanduser(d.cache_dir), "corpus")
@@ -226,7 +226,7 @@ def prepare(cfg) -> str:
                 tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
                 in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
                 splits["eval" if in_eval else "train"].append((tokens, mask))
-            if d.get("packing"):
+            if d.packing:
                 splits = {
                     name: pack([(t, m, _length(t, m, pad)) for t, m in rows], d.seq_len, pad)
                     for name, rows in splits.items()

@@ -148,6 +148,21 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
     return final
 
 
+class Checkpointer:
+    """Decides when this run saves (every `train.checkpoint_every` steps and at the last step) and saves the
+    model, the optimizer and the train state `train_state()` gives into `root`."""
+
+    def __init__(self, root: str, train_cfg, model, optimizer, train_state, device: torch.device):
+        self.root, self.every, self.last, self.keep = root, train_cfg.checkpoint_every, train_cfg.max_steps, \
+            train_cfg.keep_latest_k
+        self.model, self.optimizer, self.train_state, self.device = model, optimizer, train_state, device
+
+    def step(self, step: int) -> None:
+        """Step `step` is done: save it when due (every rank calls this)."""
+        if step % self.every == 0 or step == self.last:
+            save(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
+
+
 def load(path: str, model, optimizer, train_state: dict, device: torch.device) -> dict:
     """Load checkpoint `path` into `model` and `optimizer` in place; return its train state.
 

@@ -1,15 +1,18 @@
-"""The config schema: one dataclass per config group, registered in Hydra's ConfigStore, and the checks.
+"""The config schema: one dataclass per config group, registered in Hydra's ConfigStore, and its checks.
 
 The yaml files under `conf/` hold values only; types and defaults live here (Hydra rejects unknown keys
-and wrong types while composing), and `validate()` holds every rule that spans values or keys. Each
-rule raises `ConfigError` naming the key, the value and what is allowed.
+and wrong types while composing). Each section checks its own values in `check()`, next to its fields;
+the few rules that span sections are in `_check_across`. `validate()` runs them all and returns the typed
+`Config` (dataclasses, `OmegaConf.to_object`), which is what the worker trains from. Every rule raises
+`ConfigError` naming the key, the value and what is allowed.
+
+A new section is a dataclass with a `check()` method and a field of `Config`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -17,11 +20,15 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
-from trainer import peft_config
+import launchers
+from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
+from trainer import peft_config, tracking
 from trainer.peft_config import PeftConfig
 from trainer.recipes import config as recipe_config
 from trainer.recipes.config import RecipeConfig
+from trainer.run_dir import RunDir
 
 
 class ConfigError(ValueError):
@@ -30,6 +37,36 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"invalid config: {key}={value!r}: {allowed}")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, key, value, f"must be one of {', '.join(allowed)}")
+
+
+def _positive(section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _require(value is not None and value > 0, f"{prefix}.{name}", value, "must be > 0")
+
+
+# Precision names: "auto" is bf16 on CUDA and fp32 elsewhere (mixed_precision, param_dtype).
+AUTO = "auto"
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = tuple(TORCH_DTYPES)
+
+
+def torch_dtype(name: str, device_type: str):
+    """The torch dtype for a precision name of this config, `auto` resolved for `device_type`."""
+    import torch
+
+    if name == AUTO:
+        name = "bf16" if device_type == "cuda" else "fp32"
+    return getattr(torch, TORCH_DTYPES[name])
 
 
 @dataclass
@@ -49,9 +86,20 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
 
+    def check(self) -> None:
+        _positive(self, "model", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                  "max_seq_len", "rope_theta", "norm_eps", "init_std")
+        _require(self.dim % self.n_heads == 0, "model.dim", self.dim,
+                 f"must be divisible by model.n_heads={self.n_heads}")
+        _require((self.dim // self.n_heads) % 2 == 0, "model.dim", self.dim,
+                 f"model.dim / model.n_heads must be even for rotary embeddings (is {self.dim / self.n_heads:g})")
+        _require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+                 f"must divide model.n_heads={self.n_heads}")
+
 
 # The data.cache keys naming the cache nodes that hold each split.
 CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
+FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://")
 
 
 @dataclass
@@ -72,6 +120,21 @@ class CacheConfig:
     # endpoints and eval_endpoints, and stop when the run ends.
     nodes: int = 0
 
+    def check(self) -> None:
+        _require(self.prefetch >= 0, "data.cache.prefetch", self.prefetch, "must be >= 0 (0: no read-ahead thread)")
+        for key in CACHE_KEYS.values():
+            for i, endpoint in enumerate(getattr(self, key)):
+                _require(str(endpoint).startswith(FLIGHT_SCHEMES), f"data.cache.{key}[{i}]", endpoint,
+                         "must be a Flight location such as grpc://host:50051")
+        _require(self.nodes >= 0, "data.cache.nodes", self.nodes, "must be >= 0 (0: start no cache nodes)")
+        _require(not (self.nodes and (self.endpoints or self.eval_endpoints)), "data.cache.nodes", self.nodes,
+                 "the run starts its own cache nodes: leave data.cache.endpoints and eval_endpoints empty")
+        _require(self.tls_root_cert is None or os.path.isfile(os.path.expanduser(self.tls_root_cert)),
+                 "data.cache.tls_root_cert", self.tls_root_cert, "must be a readable PEM file")
+
+
+DATASETS = ("stdlib", "parquet", "chat", "preference")
+
 
 @dataclass
 class DataConfig:
@@ -89,25 +152,62 @@ class DataConfig:
     packing: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
 
+    def check(self) -> None:
+        _one_of("data.name", self.name, DATASETS)
+        _positive(self, "data", "seq_len")
+        _require(0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent, "must be in (0, 100)")
+        _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
+        self.cache.check()
+        if self.name == "parquet":
+            _require(bool(self.path), "data.path", self.path,
+                     "data=parquet needs the Parquet files: a file, a directory or a glob")
+            _require(bool(self.text_column) != bool(self.tokens_column), "data.tokens_column", self.tokens_column,
+                     "set exactly one of data.text_column and data.tokens_column")
+
+
+AC_MODES = ("none", "full", "selective")
+DATA_PARALLEL = ("fsdp", "ddp")
+
 
 @dataclass
 class StrategyConfig:
-    name: str = MISSING
-    # Degrees of the DeviceMesh (dp_replicate, dp_shard, tp); one of them may be -1: the rest of the world.
+    """How the model is spread over the ranks: the degrees of the DeviceMesh and the options of what they
+    apply (`trainer.parallel.parallelize`). The yaml files under conf/strategy are presets of these."""
+
+    name: str = MISSING  # the preset's name, as reported; what runs follows from the values below
+    # Degrees of the DeviceMesh; one of them may be -1: the rest of the world. tp > 1: tensor parallelism.
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    # How data-parallel ranks hold the model: fsdp (FSDP2 over dp_shard, HSDP over dp_replicate x dp_shard)
+    # or ddp (a whole, plain copy per rank: DistributedDataParallel over dp_replicate; no dp_shard, no tp).
+    data_parallel: str = "fsdp"
     # ddp
     bucket_cap_mb: int = 25
-    # fsdp2 (auto: bf16 parameters on CUDA, fp32 on CPU; gradients reduced in reduce_dtype)
+    # fsdp (auto: bf16 parameters on CUDA, fp32 on CPU; gradients reduced in reduce_dtype)
     reshard_after_forward: bool = True
-    param_dtype: str = "auto"
+    param_dtype: str = AUTO
     reduce_dtype: str = "fp32"
     # tp: the loss computed on vocabulary shards (the logits never gathered) when the vocabulary divides
     loss_parallel: bool = True
     # all: none | full | selective (save matmul and attention outputs, recompute the rest)
     activation_checkpointing: str = "none"
     compile: bool = False
+
+    def check(self) -> None:
+        _one_of("strategy.data_parallel", self.data_parallel, DATA_PARALLEL)
+        _one_of("strategy.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        _one_of("strategy.param_dtype", self.param_dtype, (AUTO, *DTYPES))
+        _one_of("strategy.reduce_dtype", self.reduce_dtype, DTYPES)
+        _positive(self, "strategy", "bucket_cap_mb")
+        if self.data_parallel == "ddp":
+            for name in ("dp_shard", "tp"):
+                _require(getattr(self, name) == 1, f"strategy.{name}", getattr(self, name),
+                         f"strategy={self.name} uses only strategy.dp_replicate; this must be 1 "
+                         "(strategy.data_parallel=ddp keeps a whole, plain copy of the model on every rank)")
+
+
+RUNTIMES = ("torch-distributed",)
 
 
 @dataclass
@@ -124,84 +224,43 @@ class RuntimeConfig:
     rdzv_id: str = "trainjob"
     monitor_interval: float = 1.0
 
-
-@dataclass
-class LocalLauncherConfig:
-    name: str = "local"
-
-
-@dataclass
-class Resources:
-    cpu: str | None = None
-    memory: str | None = None
-    gpu: int = 0
+    def check(self) -> None:
+        _one_of("runtime.name", self.name, RUNTIMES)
+        _require(self.nproc_per_node is None or self.nproc_per_node > 0, "runtime.nproc_per_node",
+                 self.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
+        _positive(self, "runtime", "nnodes")
+        _require(0 <= self.node_rank < self.nnodes, "runtime.node_rank", self.node_rank,
+                 f"must be in [0, runtime.nnodes={self.nnodes})")
+        _require(self.max_restarts >= 0, "runtime.max_restarts", self.max_restarts, "must be >= 0")
+        _positive(self, "runtime", "monitor_interval")
 
 
-@dataclass
-class DockerLauncherConfig:
-    name: str = "docker"
-    image: str = MISSING
-    network: str | None = None  # null: one per job, named after it
-    gpus_per_node: int = 0
-    shm_size: str = "8g"
-    env: dict[str, str] = field(default_factory=dict)
-    dry_run: bool = False
-    wait: bool = True
-
-
-@dataclass
-class Volume:
-    name: str = MISSING
-    claim: str = MISSING  # a PersistentVolumeClaim in the job's namespace
-    mount_path: str = MISSING
-    read_only: bool = False
-
-
-@dataclass
-class KubernetesLauncherConfig:
-    name: str = "kubernetes"
-    image: str = MISSING
-    namespace: str = "default"
-    context: str | None = None
-    kubeconfig: str | None = None  # null: $KUBECONFIG or ~/.kube/config, else the in-cluster config
-    # The ClusterTrainingRuntime to run on; null: the runtime's name (torch-distributed).
-    runtime_ref: str | None = None
-    job_name: str | None = None  # null: derived from the run directory's name, plus a unique suffix
-    resources_per_node: Resources = field(default_factory=Resources)
-    env: dict[str, str] = field(default_factory=dict)
-    active_deadline_seconds: int | None = None
-    suspend: bool = False
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    volumes: list[Volume] = field(default_factory=list)
-    service_account: str | None = None
-    # Where the run directory lives in the pods: under run_root, on the claim run_claim when it is set
-    # (shared storage), else on each pod's own disk. local_run_root: the same storage as this machine
-    # mounts it, so that `wait=true` can read each run's summary.json.
-    run_root: str = "/workspace/runs"
-    run_claim: str | None = None
-    local_run_root: str | None = None
-    cache_dir: str = "/workspace/cache"
-    dry_run: bool = False
-    wait: bool = False
-    poll_seconds: float = 10.0
-
-
-@dataclass
-class SchedulerConfig:
-    name: str = MISSING
-    queue: str | None = None
-    priority_class: str | None = None
-    schedule_timeout_seconds: int | None = None
+KERNELS = ("torch", "triton")
+# The model functions `kernels=triton` can route to ops/ (trainer/kernels.py applies them).
+TRITON_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
 
 
 @dataclass
 class KernelsConfig:
     name: str = MISSING
-    # triton: which of rms_norm, rotary_embedding, silu_and_mul, fused_linear_cross_entropy to use
-    # (null: all), and which to leave to PyTorch.
+    # triton: which of TRITON_OPS to use (null: all), and which to leave to PyTorch.
     include: list[str] | None = None
     exclude: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        _one_of("kernels.name", self.name, KERNELS)
+        for key in ("include", "exclude"):
+            for op in getattr(self, key) or []:
+                _require(op in TRITON_OPS, f"kernels.{key}", list(getattr(self, key)),
+                         f"ops are {', '.join(TRITON_OPS)}")
+        if self.name == "triton":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                _require(False, "kernels", "triton", "needs the triton package: pip install triton")
+
+
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
@@ -216,6 +275,18 @@ class OptimConfig:
     momentum: float = 0.9
     grad_clip: float | None = 1.0
 
+    def check(self) -> None:
+        _one_of("optim.name", self.name, OPTIMIZERS)
+        _positive(self, "optim", "lr", "eps")
+        _require(self.momentum >= 0, "optim.momentum", self.momentum, "must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas),
+                 "must be two numbers in [0, 1)")
+        _require(self.grad_clip is None or self.grad_clip > 0, "optim.grad_clip", self.grad_clip,
+                 "must be > 0, or null for no clipping")
+
 
 @dataclass
 class TrainConfig:
@@ -224,7 +295,7 @@ class TrainConfig:
     global_batch_size: int = 16
     grad_accum_steps: int = 1
     # auto: bf16 autocast on CUDA, fp32 on CPU.
-    mixed_precision: str = "auto"
+    mixed_precision: str = AUTO
     # Steps between metrics lines (TorchTitan's default); only a line waits for the device.
     log_every: int = 10
     eval_every: int = 50
@@ -234,6 +305,20 @@ class TrainConfig:
     # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
     resume: str = "auto"
     progress: bool = True
+    # Where metrics lines go besides metrics.jsonl (tensorboard, mlflow, wandb), and their settings.
+    trackers: list[str] = field(default_factory=lambda: ["jsonl"])
+    mlflow: tracking.MlflowConfig = field(default_factory=tracking.MlflowConfig)
+    wandb: tracking.WandbConfig = field(default_factory=tracking.WandbConfig)
+
+    def check(self) -> None:
+        _one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
+        _require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
+        _positive(self, "train", "max_steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_every",
+                  "eval_batches", "checkpoint_every", "keep_latest_k")
+        if self.resume not in ("auto", "never"):
+            _require(os.path.isfile(os.path.join(self.resume, ".metadata")), "train.resume", self.resume,
+                     "must be auto, never, or a checkpoint directory (such as <run_dir>/checkpoints/step-100, "
+                     "which holds a .metadata file)")
 
 
 @dataclass
@@ -241,7 +326,7 @@ class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     strategy: StrategyConfig = MISSING
-    # Each launcher option has its own schema (LAUNCHER_SCHEMAS), named in its yaml's defaults list.
+    # Each launcher option has its own schema (launchers.LAUNCHER_SCHEMAS), named in its yaml's defaults list.
     launcher: Any = MISSING
     scheduler: SchedulerConfig = MISSING
     kernels: KernelsConfig = MISSING
@@ -253,24 +338,18 @@ class Config:
     run_dir: str = "${hydra:runtime.output_dir}"
 
 
-LAUNCHER_SCHEMAS = {
-    "local": LocalLauncherConfig,
-    "docker": DockerLauncherConfig,
-    "kubernetes": KubernetesLauncherConfig,
-}
+LAUNCHERS = tuple(LAUNCHER_SCHEMAS)
 
-SCHEMAS = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "strategy": StrategyConfig,
-    "runtime": RuntimeConfig,
-    "scheduler": SchedulerConfig,
-    "kernels": KernelsConfig,
-    "optim": OptimConfig,
-    "train": TrainConfig,
-    "recipe": RecipeConfig,
-    "peft": PeftConfig,
-}
+
+def _kind(hint: Any) -> Any:
+    """The one type a field holds (`X | None` gives X), or None for a union of several."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+# The schema of each section with one (all but the launcher, whose schema depends on its name).
+SCHEMAS = {name: _kind(hint) for name, hint in typing.get_type_hints(Config).items() if is_dataclass(_kind(hint))}
 
 
 def register() -> None:
@@ -285,12 +364,11 @@ def numeric_keys(schema: type, prefix: str) -> list[tuple[str, type]]:
     """(dotted key, int or float) for every number-valued field of `schema` (a dataclass), nested ones too."""
     keys = []
     for name, hint in typing.get_type_hints(schema).items():
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
-        if len(kinds) == 1 and kinds[0] in (int, float):
-            keys.append((f"{prefix}.{name}", kinds[0]))
-        elif len(kinds) == 1 and is_dataclass(kinds[0]):
-            keys.extend(numeric_keys(kinds[0], f"{prefix}.{name}"))
+        kind = _kind(hint)
+        if kind in (int, float):
+            keys.append((f"{prefix}.{name}", kind))
+        elif is_dataclass(kind):
+            keys.extend(numeric_keys(kind, f"{prefix}.{name}"))
     return keys
 
 
@@ -302,29 +380,16 @@ def schemas(cfg: DictConfig) -> dict[str, type]:
     return chosen
 
 
-def _finite(cfg: DictConfig) -> None:
-    for group, schema in schemas(cfg).items():
-        if cfg.get(group) is None:
-            continue
-        for key, kind in numeric_keys(schema, group):
-            value = OmegaConf.select(cfg, key)
-            _require(kind is int or value is None or math.isfinite(value), key, value, "must be a finite number")
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(key, value, allowed)
-
-
-def _one_of(cfg: DictConfig, key: str, allowed: tuple[str, ...]) -> None:
-    value = OmegaConf.select(cfg, key)
-    _require(value in allowed, key, value, f"must be one of {', '.join(allowed)}")
-
-
-def _positive(cfg: DictConfig, *keys: str) -> None:
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        _require(value is not None and value > 0, key, value, "must be > 0")
+def typed(cfg: DictConfig | dict) -> Config:
+    """`cfg` (composed, or a resolved config.yaml as loaded) as the typed `Config` of dataclasses, resolved."""
+    node = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    launcher = LAUNCHER_SCHEMAS.get(node.launcher.get("name"))
+    if launcher is not None:  # `launcher: Any` in the schema: type it by its name
+        node.launcher = OmegaConf.merge(OmegaConf.structured(launcher), node.launcher)
+    try:
+        return OmegaConf.to_object(node)
+    except MissingMandatoryValue as e:
+        raise ConfigError(e.full_key, "???", "must be set") from None
 
 
 def local_gpu_count() -> int:
@@ -333,7 +398,7 @@ def local_gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def node_gpus(cfg: DictConfig) -> int:
+def node_gpus(cfg: Config | DictConfig) -> int:
     """GPUs per node: those a remote launcher asks for, or those on this machine for the local one."""
     name = cfg.launcher.name
     if name == "kubernetes":
@@ -343,63 +408,38 @@ def node_gpus(cfg: DictConfig) -> int:
     return local_gpu_count()
 
 
-def nproc_per_node(cfg: DictConfig) -> int:
+def nproc_per_node(cfg: Config | DictConfig) -> int:
     """Processes per node: the runtime's setting, else one per GPU; without GPUs, 2 on this machine and 1
     on a remote node (whose cores the launcher does not know)."""
-    if cfg.get("runtime") is None:
+    if cfg.runtime is None:
         return 1
     if cfg.runtime.nproc_per_node is not None:
         return int(cfg.runtime.nproc_per_node)
     return node_gpus(cfg) or (2 if cfg.launcher.name == "local" else 1)
 
 
-def world_size(cfg: DictConfig) -> int:
-    if cfg.get("runtime") is None:
-        return 1
-    return nproc_per_node(cfg) * int(cfg.runtime.nnodes)
+def world_size(cfg: Config | DictConfig) -> int:
+    return 1 if cfg.runtime is None else nproc_per_node(cfg) * int(cfg.runtime.nnodes)
 
 
-DEGREES = ("dp_replicate", "dp_shard", "tp")
+def parallel_dims(cfg: Config | DictConfig, world: int | None = None):
+    """The checked and filled `trainer.parallel.ParallelDims` of `cfg` for `world` ranks (default: the
+    config's world size)."""
+    from trainer.parallel.dims import ParallelDims  # it imports torch only to build a mesh
+
+    return ParallelDims.from_config(cfg.strategy, world_size(cfg) if world is None else world)
 
 
-def mesh_degrees(strategy: DictConfig, world: int) -> dict[str, int]:
+def mesh_degrees(strategy: StrategyConfig | DictConfig, world: int) -> dict[str, int]:
     """The strategy's (dp_replicate, dp_shard, tp) degrees for `world` ranks, the -1 filled in."""
-    degrees = {d: int(strategy[d]) for d in DEGREES}
-    for d, v in degrees.items():
-        _require(v == -1 or v >= 1, f"strategy.{d}", v, "must be >= 1, or -1 for the rest of the world")
-    rest = [d for d, v in degrees.items() if v == -1]
-    _require(len(rest) <= 1, f"strategy.{rest[-1] if rest else 'tp'}", -1,
-             f"only one of {', '.join('strategy.' + d for d in DEGREES)} may be -1")
-    known = 1
-    for v in degrees.values():
-        known *= v if v != -1 else 1
-    if rest:
-        _require(world % known == 0, f"strategy.{rest[0]}", -1,
-                 f"the other degrees multiply to {known}, which does not divide the world size {world}")
-        degrees[rest[0]] = world // known
-    product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
-    _require(product == world, "strategy", {d: strategy[d] for d in DEGREES},
-             f"dp_replicate x dp_shard x tp = {product} must equal the world size {world}")
-    return degrees
+    from trainer.parallel.dims import ParallelDims
+
+    return ParallelDims.from_config(strategy, world).degrees()
 
 
-def dp_size(cfg: DictConfig) -> int:
+def dp_size(cfg: Config | DictConfig) -> int:
     """How many ranks see different data: the data-parallel degrees (tensor-parallel peers share batches)."""
-    d = mesh_degrees(cfg.strategy, world_size(cfg))
-    return d["dp_replicate"] * d["dp_shard"]
-
-
-STRATEGIES = ("ddp", "fsdp2", "tp", "fsdp2_tp")
-AC_MODES = ("none", "full", "selective")
-DTYPES = ("auto", "fp32", "bf16")
-LAUNCHERS = tuple(LAUNCHER_SCHEMAS)
-SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
-KERNELS = ("torch", "triton")
-TRITON_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
-OPTIMIZERS = ("adamw", "sgd")
-DATASETS = ("stdlib", "parquet", "chat", "preference")
-RUNTIMES = ("torch-distributed",)
-PRECISIONS = ("auto", "fp32", "bf16")
+    return parallel_dims(cfg).dp_size
 
 
 def _known_keys(cfg: DictConfig) -> None:
@@ -417,199 +457,82 @@ def _known_keys(cfg: DictConfig) -> None:
                      f"unknown key; {group} has {', '.join(sorted(known))}")
 
 
-def _validate_layout(cfg: DictConfig, world: int) -> None:
-    s, m = cfg.strategy, cfg.model
-    if s.name in ("tp", "fsdp2_tp"):
-        _require(world > 1, "strategy", s.name,
-                 f"strategy={s.name} needs more than one process: add +runtime=torch-distributed "
-                 f"(world size is {world})")
-    d = mesh_degrees(s, world)
-    expected = {"ddp": ("dp_replicate",), "fsdp2": ("dp_replicate", "dp_shard"), "tp": ("tp",),
-                "fsdp2_tp": ("dp_replicate", "dp_shard", "tp")}[s.name]
-    for name in DEGREES:
-        _require(name in expected or d[name] == 1, f"strategy.{name}", s[name],
-                 f"strategy={s.name} uses only {', '.join('strategy.' + e for e in expected)}; this must be 1")
-    if s.name == "fsdp2_tp":
-        _require(d["tp"] > 1, "strategy.tp", s.tp, "strategy=fsdp2_tp needs strategy.tp > 1 (else use fsdp2)")
-    tp = d["tp"]
-    if tp > 1:
-        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
-            _require(m[key] % tp == 0, f"model.{key}", m[key],
-                     f"must be divisible by the tensor-parallel degree strategy.tp={tp}")
-        _require(not m.tie_embeddings, "model.tie_embeddings", True,
-                 "tied embeddings cannot be tensor-parallel (the embedding is sharded by rows); set "
-                 "model.tie_embeddings=false")
-
-
-def _validate_kernels(cfg: DictConfig) -> None:
-    k = cfg.kernels
-    for key in ("include", "exclude"):
-        for op in k.get(key) or []:
-            _require(op in TRITON_OPS, f"kernels.{key}", list(k[key]), f"ops are {', '.join(TRITON_OPS)}")
-    if k.name != "triton":
-        return
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        _require(False, "kernels", "triton", "needs the triton package: pip install triton")
-    if cfg.launcher.name == "local":
-        _require(local_gpu_count() > 0 or os.environ.get("TRITON_INTERPRET") == "1", "kernels", "triton",
-                 "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on the CPU (slowly, for testing)")
-    _require(cfg.strategy.name in ("ddp", "fsdp2"), "kernels", "triton",
-             f"works with strategy=ddp or fsdp2; strategy={cfg.strategy.name} hands the kernels DTensors")
-
-
-RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-RFC1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+def _finite(section: Any, prefix: str) -> None:
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            _finite(value, f"{prefix}.{f.name}")
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{prefix}.{f.name}", value, "must be a finite number")
 
 
 def _validate_launcher(cfg: DictConfig) -> None:
-    lc, sc = cfg.launcher, cfg.scheduler
-    remote = lc.name in ("docker", "kubernetes")
-    if remote:
-        _require(bool(lc.image) and not str(lc.image).startswith("-") and not any(ch.isspace() for ch in str(lc.image)),
-                 "launcher.image", lc.image, f"launcher={lc.name} needs an image reference such as "
-                 "'trainjob:latest' (no leading '-', no spaces)")
-        _require(cfg.get("runtime") is not None, "runtime", None,
-                 f"launcher={lc.name} runs torchrun on every node: add +runtime=torch-distributed")
-    if lc.name == "docker":
-        _require(lc.gpus_per_node >= 0, "launcher.gpus_per_node", lc.gpus_per_node, "must be >= 0")
-        for key in ("run_dir", "data.cache_dir"):  # docker reads ':' in a --volume as its separator
-            value = os.path.abspath(os.path.expanduser(str(OmegaConf.select(cfg, key))))
-            _require(":" not in value, "hydra.run.dir" if key == "run_dir" else key, value,
-                     "must not hold ':' with launcher=docker (docker's volume separator)")
-    if lc.name == "kubernetes":
-        _require(len(lc.namespace) <= 63 and bool(RFC1123.match(lc.namespace)), "launcher.namespace",
-                 lc.namespace, "must be a DNS label: lower-case letters, digits and '-', at most 63 characters")
-        if lc.job_name is not None:
-            _require(len(lc.job_name) <= 52 and bool(RFC1035.match(lc.job_name)), "launcher.job_name",
-                     lc.job_name, "must be an RFC 1035 label (a-z, 0-9, '-', starting with a letter) of at "
-                     "most 52 characters, leaving room for the pods' suffixes")
-        _require(lc.resources_per_node.gpu >= 0, "launcher.resources_per_node.gpu", lc.resources_per_node.gpu,
-                 "must be >= 0")
-        _positive(cfg, "launcher.poll_seconds")
-        nnodes = cfg.runtime.nnodes if cfg.get("runtime") is not None else 1
-        _require(nnodes == 1 or bool(lc.run_claim), "launcher.run_claim", lc.run_claim,
-                 f"runtime.nnodes={nnodes} needs a shared PersistentVolumeClaim for the run directory: checkpoints "
-                 "written on each pod's own disk cannot be resumed")
-        _require(lc.active_deadline_seconds is None or lc.active_deadline_seconds > 0,
-                 "launcher.active_deadline_seconds", lc.active_deadline_seconds, "must be > 0, or null")
-        for key in lc.env:
-            _require(not str(key).startswith("PET_"), f"launcher.env.{key}", lc.env[key],
-                     "PET_* variables are set by the Kubeflow Trainer torch plugin; torchrun reads them")
-        _require(lc.local_run_root is None or lc.run_claim is not None, "launcher.local_run_root",
-                 lc.local_run_root, "is the shared run storage as this machine sees it: set launcher.run_claim too")
-    if sc.name != "none":
-        _require(lc.name == "kubernetes", "scheduler", sc.name,
-                 f"gang schedulers run on Kubernetes: use launcher=kubernetes (launcher is {lc.name})")
-    if sc.name in ("kueue", "kai"):
-        _require(bool(sc.queue), "scheduler.queue", sc.queue, f"scheduler={sc.name} needs the queue to submit to")
-    _require(sc.schedule_timeout_seconds is None or sc.schedule_timeout_seconds > 0,
-             "scheduler.schedule_timeout_seconds", sc.schedule_timeout_seconds, "must be > 0, or null")
+    """The launcher's and the scheduler's own rules (`launchers.check`), reported as config errors."""
+    nnodes = int(cfg.runtime.nnodes) if cfg.get("runtime") is not None else None
+    paths = {"hydra.run.dir": os.path.abspath(os.path.expanduser(str(cfg.run_dir))),
+             "data.cache_dir": os.path.abspath(os.path.expanduser(str(cfg.data.cache_dir)))}
+    try:
+        launchers.check(cfg.launcher, cfg.scheduler, nnodes, paths)
+    except launchers.OptionError as e:
+        raise ConfigError(e.key, e.value, e.allowed) from None
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check every rule that the types alone cannot; raise ConfigError on the first one broken."""
-    _known_keys(cfg)
-    _finite(cfg)
-    _one_of(cfg, "strategy.name", STRATEGIES)
-    _one_of(cfg, "launcher.name", LAUNCHERS)
-    _one_of(cfg, "scheduler.name", SCHEDULERS)
-    _one_of(cfg, "kernels.name", KERNELS)
-    _one_of(cfg, "optim.name", OPTIMIZERS)
-    _one_of(cfg, "data.name", DATASETS)
-    _one_of(cfg, "train.mixed_precision", PRECISIONS)
-    _one_of(cfg, "strategy.activation_checkpointing", AC_MODES)
-    _one_of(cfg, "strategy.param_dtype", DTYPES)
-    _one_of(cfg, "strategy.reduce_dtype", DTYPES[1:])
-    _positive(cfg, "strategy.bucket_cap_mb")
-
-    m = cfg.model
-    _positive(cfg, "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim")
-    _positive(cfg, "model.vocab_size", "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std")
-    _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
-    _require((m.dim // m.n_heads) % 2 == 0, "model.dim", m.dim,
-             f"model.dim / model.n_heads must be even for rotary embeddings (is {m.dim / m.n_heads:g})")
-    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
-             f"must divide model.n_heads={m.n_heads}")
+def _check_across(job: Config) -> None:
+    """The rules that span sections."""
+    m, s, t = job.model, job.strategy, job.train
     from trainer.models.tokenizer import VOCAB_SIZE
 
-    _require(cfg.data.name in ("chat", "preference") or m.vocab_size >= VOCAB_SIZE, "model.vocab_size", m.vocab_size,
-             f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
-
-    _positive(cfg, "data.seq_len")
-    _require(cfg.data.seq_len <= m.max_seq_len, "data.seq_len", cfg.data.seq_len,
+    # Chat and preference data are tokenized by the model directory's tokenizer, the rest byte by byte.
+    _require(job.data.name in ("chat", "preference") or m.vocab_size >= VOCAB_SIZE, "model.vocab_size",
+             m.vocab_size, f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
+    _require(job.data.seq_len <= m.max_seq_len, "data.seq_len", job.data.seq_len,
              f"must be <= model.max_seq_len={m.max_seq_len}")
-    _require(0 < cfg.data.eval_percent < 100, "data.eval_percent", cfg.data.eval_percent,
-             "must be in (0, 100)")
-    _require(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "must be >= 0")
-    _require(cfg.data.cache.prefetch >= 0, "data.cache.prefetch", cfg.data.cache.prefetch,
-             "must be >= 0 (0: no read-ahead thread)")
-    c = cfg.data.cache
-    for key in CACHE_KEYS.values():
-        for i, endpoint in enumerate(c[key]):
-            _require(str(endpoint).startswith(("grpc://", "grpc+tcp://", "grpc+tls://")),
-                     f"data.cache.{key}[{i}]", endpoint, "must be a Flight location such as grpc://host:50051")
-    _require(c.nodes >= 0, "data.cache.nodes", c.nodes, "must be >= 0 (0: start no cache nodes)")
-    _require(not (c.nodes and (c.endpoints or c.eval_endpoints)), "data.cache.nodes", c.nodes,
-             "the run starts its own cache nodes: leave data.cache.endpoints and eval_endpoints empty")
-    _require(c.tls_root_cert is None or os.path.isfile(os.path.expanduser(c.tls_root_cert)),
-             "data.cache.tls_root_cert", c.tls_root_cert, "must be a readable PEM file")
-    if cfg.data.name == "parquet":
-        _require(bool(cfg.data.path), "data.path", cfg.data.path,
-                 "data=parquet needs the Parquet files: a file, a directory or a glob")
-        _require(bool(cfg.data.text_column) != bool(cfg.data.tokens_column), "data.tokens_column",
-                 cfg.data.tokens_column, "set exactly one of data.text_column and data.tokens_column")
-
-    o = cfg.optim
-    _positive(cfg, "optim.lr", "optim.eps")
-    _require(o.momentum >= 0, "optim.momentum", o.momentum, "must be >= 0")
-    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
-    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
-             "must be two numbers in [0, 1)")
-    _require(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip,
-             "must be > 0, or null for no clipping")
-
-    t = cfg.train
-    _require(0 <= t.seed < 2**32, "train.seed", t.seed, "must be in [0, 2**32)")
-    _positive(cfg, "train.max_steps", "train.global_batch_size", "train.grad_accum_steps",
-              "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-              "train.keep_latest_k")
-
-    if cfg.get("runtime") is not None:
-        r = cfg.runtime
-        _one_of(cfg, "runtime.name", RUNTIMES)
-        _require(r.nproc_per_node is None or r.nproc_per_node > 0, "runtime.nproc_per_node",
-                 r.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
-        _positive(cfg, "runtime.nnodes")
-        _require(0 <= r.node_rank < r.nnodes, "runtime.node_rank", r.node_rank,
-                 f"must be in [0, runtime.nnodes={r.nnodes})")
-        _require(r.max_restarts >= 0, "runtime.max_restarts", r.max_restarts, "must be >= 0")
-        _positive(cfg, "runtime.monitor_interval")
-        # Remote launchers know node 0's address (Kubeflow injects it; Docker names the container).
-        _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or cfg.launcher.name != "local", "runtime.rdzv_endpoint",
+    r = job.runtime
+    if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
+        _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
                  r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
-
-    recipe_config.check(cfg)
-    peft_config.check(cfg)
-    _validate_launcher(cfg)
-    _validate_kernels(cfg)
-    world = world_size(cfg)
-    _validate_layout(cfg, world)
-    dp = dp_size(cfg)
-    per_step = dp * t.grad_accum_steps
+    world = world_size(job)
+    _require(s.tp == 1 or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one process: add "
+             f"+runtime=torch-distributed (world size is {world})")
+    dims = parallel_dims(job, world)
+    if dims.tp > 1:
+        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
+            _require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
+                     f"must be divisible by the tensor-parallel degree strategy.tp={dims.tp}")
+        _require(not m.tie_embeddings, "model.tie_embeddings", True, "tied embeddings cannot be tensor-parallel "
+                 "(the embedding is sharded by rows); set model.tie_embeddings=false")
+    if job.kernels.name == "triton":
+        _require(job.launcher.name != "local" or local_gpu_count() > 0 or os.environ.get("TRITON_INTERPRET") == "1",
+                 "kernels", "triton",
+                 "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on the CPU (slowly, for testing)")
+        _require(dims.tp == 1, "kernels", "triton", f"works with strategy=ddp or fsdp2 (strategy.tp=1); "
+                 f"strategy={s.name} hands the kernels DTensors")
+    recipe_config.check(job, dims)
+    peft_config.check(job, dims)
+    per_step = dims.dp_size * t.grad_accum_steps
+    tracking.check(job)
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
-             f"must be divisible by data-parallel size x train.grad_accum_steps = {dp} x {t.grad_accum_steps}"
-             f" = {per_step}")
-
-    if t.resume not in ("auto", "never"):
-        _require(os.path.isfile(os.path.join(t.resume, ".metadata")), "train.resume", t.resume,
-                 "must be auto, never, or a checkpoint directory (such as <run_dir>/checkpoints/step-100, "
-                 "which holds a .metadata file)")
+             f"must be divisible by data-parallel size x train.grad_accum_steps = {dims.dp_size} x "
+             f"{t.grad_accum_steps} = {per_step}")
     if t.resume == "never":
-        ckpt = os.path.join(cfg.run_dir, "checkpoints")
+        ckpt = RunDir(job.run_dir).checkpoints
         _require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
                  f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
                  "or another run directory")
+
+
+def validate(cfg: DictConfig) -> Config:
+    """Check every rule that the types alone cannot; raise ConfigError on the first one broken. Returns the
+    typed config."""
+    _known_keys(cfg)
+    _one_of("launcher.name", cfg.launcher.name, LAUNCHERS)
+    job = typed(cfg)
+    sections = {name: getattr(job, name) for name in schemas(cfg) if getattr(job, name) is not None}
+    for name, section in sections.items():
+        _finite(section, name)
+    for section in sections.values():
+        if hasattr(section, "check"):  # the launcher's and scheduler's rules live in launchers/
+            section.check()
+    _validate_launcher(cfg)
+    _check_across(job)
+    return job

@@ -178,7 +178,7 @@ def check_corpus(corpus: str, cfg) -> None:
                           f"must be > {info['max_token_id']}")
     for split, endpoints_key in CACHE_KEYS.items():
         rows = info["rows"][split]
-        if d.cache[endpoints_key] or rows >= batch:
+        if getattr(d.cache, endpoints_key) or rows >= batch:
             continue
         fix = ("raise data.eval_percent" if split == "eval" else "lower data.eval_percent") + " or use more data"
         if rows == 0 and split == "eval":

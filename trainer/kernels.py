@@ -1,23 +1,22 @@
 """The kernel backend: `kernels=torch` keeps PyTorch's eager kernels; `kernels=triton` points the model's
 RMSNorm, rotary embedding, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused with the
 output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude` choose
-among those four.
+among those four (`trainer.config.TRITON_OPS`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from trainer.config import TRITON_OPS
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
-
-OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
 
 
 def selected(cfg) -> list[str]:
     """The ops `kernels=triton` routes, after include/exclude."""
     if cfg.name != "triton":
         return []
-    chosen = list(cfg.include) if cfg.include else list(OPS)
+    chosen = list(cfg.include) if cfg.include else list(TRITON_OPS)
     return [op for op in chosen if op not in (cfg.exclude or [])]
 
 

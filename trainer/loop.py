@@ -19,19 +19,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
-from trainer import checkpoint, metrics, models, parallel, progress
+from trainer import checkpoint, metrics, models, parallel, plots
 from trainer.chat_data import ChatDataset
-from trainer.config import CACHE_KEYS, ConfigError
-from trainer.parallel.tp import uses_loss_parallel
+from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
+from trainer.parallel import ParallelDims
 from trainer.recipes import dpo, sft
+from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
-# What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
-PROGRESS_METRICS = ("loss", "eval_loss", "tokens_per_s", "mfu", "lr", "grad_norm")
 
 
 def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -58,48 +56,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _mean_across_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
-
-
-def _keep_metrics_until(path: str, step: int) -> None:
-    """Drop the records after `step`, where this run goes on from: what followed was never kept (a
-    failed attempt, or a line abandoned by resuming from an earlier checkpoint). A line cut short (a
-    kill, a full disk) is dropped too, and said so."""
-    if not os.path.exists(path):
-        return
-    kept, after, broken = [], 0, 0
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                broken += 1
-                continue
-            if record["step"] <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-            else:
-                after += 1
-    if broken:
-        log.warning("%s: dropped %d unreadable line(s) (cut short by a kill or a full disk?)", path, broken)
-    if after:
-        log.info("%s: dropped %d record(s) after step %d, where this run goes on from", path, after, step)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
 def needs_corpus(data_cfg) -> bool:
     """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
-    return not all(data_cfg.cache[key] for key in CACHE_KEYS.values())
+    return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
 
 
 def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:
     """A split's batches: streamed from the cache nodes named for it, else read from the local corpus."""
     key = CACHE_KEYS[split]
-    endpoints = list(data_cfg.cache[key])
+    endpoints = list(getattr(data_cfg.cache, key))
     if not endpoints:
         dataset = ChatDataset if data_cfg.name in ("chat", "preference") else LocalDataset
         return dataset(os.path.join(corpus, split), **kw)
@@ -116,14 +81,14 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
 
 
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, mesh, device: torch.device, corpus: str | None,
+    def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None,
                  reference: torch.nn.Module | None = None):
         self.cfg, self.model, self.device = cfg, model, device
         # recipe=dpo: the frozen starting model, and the rewards summed since the last metrics line.
         self.reference, self.dpo_stats = reference, {}
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        dp_rank, dp_size = parallel.data_parallel_rank(mesh)
+        dp_rank, dp_size = dims.data_parallel_rank()
         self.optimizer = build_optimizer(cfg.optim, model)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -131,19 +96,19 @@ class Trainer:
         shard = {"global_batch_size": t.global_batch_size, "seed": t.seed, "rank": dp_rank, "world_size": dp_size}
         self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, **shard)
         self.eval_data = split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard)
-        self.loss_context = (loss_parallel if uses_loss_parallel(cfg.strategy, cfg.model.vocab_size,
-                                                                 mesh["tp"].size())
+        self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims.tp)
                              else contextlib.nullcontext)
         self.step = 0
         self.resumed_from: str | None = None
-        bf16 = t.mixed_precision == "bf16" or (t.mixed_precision == "auto" and device.type == "cuda")
+        bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                          else contextlib.nullcontext())
-        inner = parallel.unwrap(model)
         self.flops_per_token = metrics.flops_per_token(
-            models.num_params(inner, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
+            models.num_params(model, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
+        self.checkpointer = checkpoint.Checkpointer(RunDir(cfg.run_dir).checkpoints, t, model, self.optimizer,
+                                                    self._train_state, device)
 
     def _train_state(self) -> dict:
         epoch, step_in_epoch = self.train_data.plan.position(self.step)
@@ -232,7 +197,7 @@ class Trainer:
                 break
         self.dpo_stats = train_stats
         self.model.train()
-        return _mean_across_ranks(total / max(n, 1))
+        return metrics.mean_across_ranks(total / max(n, 1))
 
     def _loader(self) -> DataLoader:
         epoch, step_in_epoch = self.train_data.plan.position(self.step)
@@ -244,98 +209,62 @@ class Trainer:
                           pin_memory=self.device.type == "cuda", persistent_workers=False,
                           prefetch_factor=4 if workers else None, multiprocessing_context=context)
 
-    def _checkpoint(self) -> None:
-        checkpoint.save(os.path.join(self.cfg.run_dir, "checkpoints"), self.step, self.model,
-                        self.optimizer, self._train_state(), self.cfg.train.keep_latest_k, self.device)
+    def _eval_due(self) -> bool:
+        return self.step % self.cfg.train.eval_every == 0 or self.step == self.cfg.train.max_steps
 
-    def _record(self, loss: torch.Tensor, grad_norm: torch.Tensor, steps: int, since: float, started: float) -> dict:
-        """The metrics line for this step: where a step waits for the device (and the other ranks). Step time
-        and throughput are the means over the `steps` steps since `since`, measured once the device is done."""
-        record = {"step": self.step, "loss": _mean_across_ranks(loss), "grad_norm": float(grad_norm)}
-        # recipe=dpo: the rewards of the steps since the last line, averaged over them and the ranks.
-        record.update({k: _mean_across_ranks(v / steps) for k, v in sorted(self.dpo_stats.items())})
+    def _dpo_record(self, steps: int) -> dict[str, float]:
+        """recipe=dpo: the rewards of the `steps` steps since the last metrics line, averaged over them and the
+        ranks (nothing for the other recipes)."""
+        record = {k: metrics.mean_across_ranks(v / steps) for k, v in sorted(self.dpo_stats.items())}
         self.dpo_stats = {}
-        now = time.perf_counter()
-        step_time = (now - since) / steps
-        tokens_per_s = self.cfg.train.global_batch_size * self.cfg.data.seq_len / step_time
-        record.update(lr=self.scheduler.get_last_lr()[0], step_time_s=step_time, tokens_per_s=tokens_per_s,
-                      peak_memory_gb=metrics.peak_memory_gb(self.device), elapsed_s=now - started)
-        if self.peak_flops:
-            record["mfu"] = tokens_per_s / self.world * self.flops_per_token / self.peak_flops
         return record
 
     def fit(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        run_dir = cfg.run_dir
-        writer = reporter = None
-        if self.rank == 0:
-            path = os.path.join(run_dir, "metrics.jsonl")
-            _keep_metrics_until(path, self.step)
-            writer = metrics.JsonlWriter(path)
-            reporter = progress.ProgressReporter.from_env(t.max_steps, self.step)  # on a TrainJob that asks
-        tokens_per_step = t.global_batch_size * cfg.data.seq_len
-        bar = tqdm(total=t.max_steps, initial=self.step, disable=self.rank != 0 or not t.progress,
-                   desc="train", unit="step", dynamic_ncols=True)
-        start_step, started = self.step, time.perf_counter()
-        logged_step, logged_at = self.step, started
-        train_loss = eval_loss = float("nan")
+        """Train to `train.max_steps`; each owner decides its own timing: the metrics logger its lines, the
+        checkpointer its saves, `_eval_due` the evals."""
+        t = self.cfg.train
+        logger = metrics.MetricsLogger(self.cfg, t.global_batch_size * self.cfg.data.seq_len, self.device, self.step,
+                                       self.flops_per_token, self.peak_flops, extras=self._dpo_record)
+        start_step, eval_loss = self.step, float("nan")
         self.model.train()
         data = iter(self._loader())
         try:
             while self.step < t.max_steps:
-                # Loss and norm stay on the device; only a logged line waits for them.
-                loss, grad_norm = self._train_step(next(data))
+                loss, grad_norm = self._train_step(next(data))  # on the device: only a metrics line waits
                 self.step += 1
-                # An eval step is a line too: its eval loss is written, not computed and dropped.
-                log_line = (self.step % t.log_every == 0 or self.step % t.eval_every == 0
-                            or self.step == t.max_steps)
-                if log_line:
-                    record = self._record(loss, grad_norm, self.step - logged_step, logged_at, started)
-                    train_loss = record["loss"]
-                    if self.step % t.eval_every == 0 or self.step == t.max_steps:
-                        eval_loss = record["eval_loss"] = self.evaluate()
-                    if writer:
-                        writer.write(record)
-                    if reporter:
-                        reporter.update(self.step, {k: record.get(k) for k in PROGRESS_METRICS})
-                    bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                    refresh=False)
-                elif self.step % t.eval_every == 0:
-                    eval_loss = self.evaluate()
-                bar.update(1)
-                if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
-                    saving = time.perf_counter()
-                    self._checkpoint()
-                    if not log_line:  # the next line's step time counts training only
-                        logged_at += time.perf_counter() - saving
-                if log_line:
-                    # The next line's step time counts training only, not this line's eval or checkpoint.
-                    logged_step, logged_at = self.step, time.perf_counter()
+                evaluated = None
+                if self._eval_due():
+                    with logger.paused():
+                        evaluated = eval_loss = self.evaluate()
+                logger.log(self.step, loss, grad_norm, self.scheduler.get_last_lr()[0], evaluated)
+                with logger.paused():
+                    self.checkpointer.step(self.step)
         finally:
-            bar.close()
-            if writer:
-                writer.close()
-            if reporter:
-                reporter.close()
-        if math.isnan(eval_loss):
+            logger.close(finished=self.step == t.max_steps)
+        if math.isnan(eval_loss):  # no step was run
             eval_loss = self.evaluate()
-        elapsed = time.perf_counter() - started
+        return self._summary(start_step, logger, eval_loss)
+
+    def _summary(self, start_step: int, logger: metrics.MetricsLogger, eval_loss: float) -> dict:
+        """The run's final metrics, the same on every rank; rank 0 writes them to summary.json."""
+        elapsed = time.perf_counter() - logger.started
         peaks = [None] * self.world
         dist.all_gather_object(peaks, round(metrics.peak_memory_gb(self.device), 4))
-        steps_run = self.step - start_step
+        steps_run, tokens_per_step = self.step - start_step, self.cfg.train.global_batch_size * self.cfg.data.seq_len
         summary = {
-            "final_eval_loss": eval_loss, "final_train_loss": train_loss, "steps": self.step,
+            "final_eval_loss": eval_loss, "final_train_loss": logger.train_loss, "steps": self.step,
             "steps_this_run": steps_run, "tokens": self.step * tokens_per_step,
             "train_time_s": elapsed,
             "tokens_per_s": steps_run * tokens_per_step / elapsed if steps_run else 0.0,
-            "world_size": self.world, "strategy": cfg.strategy.name,
+            "world_size": self.world, "strategy": self.cfg.strategy.name,
             "params": models.num_params(self.model), "resumed_from": self.resumed_from,
             "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:
-            with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            with open(RunDir(self.cfg.run_dir).summary, "w") as f:
                 # A loss that was never measured (no step run) is null: strict JSON has no NaN.
                 json.dump({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()},
                           f, indent=2)
-        log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, train_loss)
+            plots.save_loss_png(self.cfg.run_dir)
+        log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
         return summary

@@ -1,12 +1,28 @@
-"""Training metrics: FLOPs per token and MFU (TorchTitan's formula), memory, and the metrics.jsonl writer."""
+"""Training metrics: FLOPs per token and MFU (TorchTitan's formula), memory, and `MetricsLogger`, which owns
+the metrics lines: when one is written, what it holds, and where it goes (metrics.jsonl and the trackers of
+`train.trackers`, the TrainJob's progress report, the progress bar)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import resource
 import sys
+import time
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from trainer import progress, tracking
+from trainer.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+# What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
+PROGRESS_METRICS = ("loss", "eval_loss", "tokens_per_s", "mfu", "lr", "grad_norm")
 
 # Dense peak FLOP/s per device for bf16 (fp32 inputs run on TF32 tensor cores at half of it).
 PEAK_BF16_FLOPS = {
@@ -45,14 +61,105 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
 
 
-class JsonlWriter:
-    """Appends one JSON object per line; a resumed run keeps appending to the same file."""
+def mean_across_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
 
-    def __init__(self, path: str):
-        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
 
-    def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
+def keep_metrics_until(path: str, step: int) -> None:
+    """Drop the records after `step`, where this run goes on from: what followed was never kept (a
+    failed attempt, or a line abandoned by resuming from an earlier checkpoint). A line cut short (a
+    kill, a full disk) is dropped too, and said so."""
+    if not os.path.exists(path):
+        return
+    kept, after, broken = [], 0, 0
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                broken += 1
+                continue
+            if record["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                after += 1
+    if broken:
+        log.warning("%s: dropped %d unreadable line(s) (cut short by a kill or a full disk?)", path, broken)
+    if after:
+        log.info("%s: dropped %d record(s) after step %d, where this run goes on from", path, after, step)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
-    def close(self) -> None:
-        self._f.close()
+
+class MetricsLogger:
+    """Writes a metrics line every `log_every` steps, at every eval and at the last step; only a line waits
+    for the device (the loss is averaged over the ranks then). Step time and throughput are the means over
+    the training steps since the previous line: time spent in `paused()` (eval, checkpoints) is left out.
+    Rank 0 writes `metrics.jsonl` (a resumed run keeps the lines up to where it goes on from) and reports to
+    a TrainJob that asks; the progress bar moves every step."""
+
+    def __init__(self, cfg, tokens_per_step: int, device: torch.device, first_step: int, flops_per_token: float,
+                 peak_flops: float | None, extras: Callable[[int], dict[str, float]] | None = None):
+        train_cfg = cfg.train
+        self.every, self.last, self.tokens_per_step = train_cfg.log_every, train_cfg.max_steps, tokens_per_step
+        self.device, self.flops_per_token, self.peak_flops = device, flops_per_token, peak_flops
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.trackers = self.reporter = None
+        if self.rank == 0:
+            keep_metrics_until(RunDir(cfg.run_dir).metrics, first_step)
+            self.trackers = tracking.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
+            self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
+        self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
+                        desc="train", unit="step", dynamic_ncols=True)
+        self.started = self._since = time.perf_counter()
+        self._since_step, self._paused = first_step, 0.0
+        self.train_loss = float("nan")
+        self.extras = extras  # a line's recipe-specific numbers, given the steps since the last line
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside is not training time."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - begin
+
+    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+            eval_loss: float | None = None) -> None:
+        """Step `step` is done with this (on-device) loss and norm; write its line when one is due."""
+        if step % self.every == 0 or step == self.last or eval_loss is not None:
+            record = {"step": step, "loss": mean_across_ranks(loss), "grad_norm": float(grad_norm), "lr": lr}
+            if self.extras:
+                record.update(self.extras(step - self._since_step))
+            now = time.perf_counter()  # the device is done: the line waited for it
+            step_time = (now - self._since - self._paused) / (step - self._since_step)
+            tokens_per_s = self.tokens_per_step / step_time
+            record.update(step_time_s=step_time, tokens_per_s=tokens_per_s,
+                          peak_memory_gb=peak_memory_gb(self.device), elapsed_s=now - self.started)
+            if self.peak_flops:
+                record["mfu"] = tokens_per_s / self.world * self.flops_per_token / self.peak_flops
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
+            self._write(record)
+            self.train_loss = record["loss"]
+            self._since, self._since_step, self._paused = now, step, 0.0
+        self.bar.update(1)
+
+    def _write(self, record: dict) -> None:
+        if self.trackers:
+            self.trackers.write(record)
+        if self.reporter:
+            self.reporter.update(record["step"], {k: record.get(k) for k in PROGRESS_METRICS})
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+
+    def close(self, finished: bool) -> None:
+        """`finished`: every step was trained (else the run failed or was stopped)."""
+        self.bar.close()
+        if self.trackers:
+            self.trackers.close(finished)
+        if self.reporter:
+            self.reporter.close()

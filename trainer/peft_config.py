@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 METHODS = ("none", "lora")
 # Hugging Face's module names, as PEFT's `target_modules` spells them.
@@ -20,12 +20,13 @@ class PeftConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def check(cfg) -> None:
-    """Raise ConfigError when the peft section cannot run with the rest of `cfg`."""
+def check(cfg, dims) -> None:
+    """Raise ConfigError when the peft section cannot run with the rest of `cfg` (the typed config) on the
+    parallel degrees `dims`."""
     from trainer.config import ConfigError
 
-    p = cfg.get("peft")
-    name = OmegaConf.select(cfg, "peft.name", default="none")
+    p = cfg.peft
+    name = p.name
     if name not in METHODS:
         raise ConfigError("peft", name, f"must be one of {', '.join(METHODS)}")
     if name == "none":
@@ -37,11 +38,11 @@ def check(cfg) -> None:
             f"LoRA adapts a pretrained model: use model=hf model.path=<directory> "
             f"(model is {cfg.model.name}, whose frozen weights would be random)",
         )
-    if cfg.strategy.name not in ("ddp", "fsdp2"):
+    if dims.tp > 1:
         raise ConfigError(
             "strategy",
             cfg.strategy.name,
-            "peft=lora runs under strategy=ddp or fsdp2 (the adapters are not tensor-parallel)",
+            "peft=lora runs under strategy=ddp or fsdp2 (strategy.tp=1: the adapters are not tensor-parallel)",
         )
     if p.rank <= 0:
         raise ConfigError("peft.rank", p.rank, "must be > 0")

@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import chat_data, checkpoint, data, kernels, loop, lora, models, parallel
-from trainer.config import CACHE_KEYS, ConfigError, dp_size, mesh_degrees, world_size
+from trainer import chat_data, checkpoint, config, data, kernels, loop, lora, models
+from trainer.config import CACHE_KEYS, Config, ConfigError
+from trainer.parallel import ParallelDims, parallelize
+from trainer.run_dir import RunDir
 
 log = logging.getLogger("trainer")
 
@@ -55,8 +57,8 @@ def init_distributed() -> DistEnv:
 
 def setup_logging(run_dir: str, rank: int) -> logging.Handler:
     """Every rank logs to `<run_dir>/logs/rank-<r>.log`; rank 0 also to the console."""
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    handler = logging.FileHandler(os.path.join(run_dir, "logs", f"rank-{rank}.log"))
+    os.makedirs(RunDir(run_dir).logs, exist_ok=True)
+    handler = logging.FileHandler(RunDir(run_dir).rank_log(rank))
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -73,8 +75,8 @@ def setup_logging(run_dir: str, rank: int) -> logging.Handler:
     return handler
 
 
-def _resume_candidate(cfg: DictConfig) -> str | None:
-    own = os.path.join(cfg.run_dir, "checkpoints")
+def _resume_candidate(cfg: Config) -> str | None:
+    own = RunDir(cfg.run_dir).checkpoints
     if cfg.train.resume == "never":
         return None
     if cfg.train.resume == "auto":  # only this run directory's own checkpoints
@@ -86,14 +88,14 @@ def _resume_candidate(cfg: DictConfig) -> str | None:
     return cfg.train.resume
 
 
-def resume_path(cfg: DictConfig) -> str | None:
+def resume_path(cfg: Config) -> str | None:
     """The checkpoint to start from. Rank 0 chooses it, sets aside the checkpoints of the line it leaves
     (see `checkpoint.set_aside_later`), and broadcasts it: the ranks never choose one each."""
     choice = [None]
     if dist.get_rank() == 0:
         choice[0] = _resume_candidate(cfg)
         if choice[0] is not None:
-            own = os.path.join(cfg.run_dir, "checkpoints")
+            own = RunDir(cfg.run_dir).checkpoints
             checkpoint.set_aside_later(own, choice[0])
             if choice[0] == cfg.train.resume:  # an explicit start: later restarts continue this line
                 checkpoint.record_branch(own, choice[0])
@@ -105,19 +107,22 @@ def resume_path(cfg: DictConfig) -> str | None:
 BYTES_PER_PARAM = 16
 
 
-def check_memory(cfg: DictConfig) -> None:
+def check_memory(cfg: Config, dims: ParallelDims) -> None:
     """Raise ConfigError when this machine cannot hold the model's weights, gradients and optimizer state
     (sharded over dp_shard x tp ranks, shared by this machine's ranks): a model that cannot fit is a config
     error, not an allocation failure minutes later."""
-    with torch.device("meta"):
-        params = models.num_params(models.build(cfg.model))
-    degrees = mesh_degrees(cfg.strategy, world_size(cfg))
-    per_rank = params * BYTES_PER_PARAM / (degrees["dp_shard"] * degrees["tp"])
+    m = cfg.model
+    try:
+        with torch.device("meta"):
+            params = models.num_params(models.build(m))
+    except RuntimeError:  # a tensor whose size in bytes overflows int64
+        raise ConfigError("model", f"dim={m.dim}, ffn_dim={m.ffn_dim}, vocab_size={m.vocab_size}",
+                          "makes a tensor too large to address: choose smaller model.* sizes") from None
+    per_rank = params * BYTES_PER_PARAM / (dims.dp_shard * dims.tp)
     if torch.cuda.is_available():
         available, where = torch.cuda.mem_get_info()[1], "GPU"
     else:
-        ranks_here = cfg.runtime.nproc_per_node if cfg.get("runtime") is not None and cfg.runtime.nproc_per_node \
-            else 1
+        ranks_here = cfg.runtime.nproc_per_node if cfg.runtime is not None and cfg.runtime.nproc_per_node else 1
         available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / ranks_here
         where = "share of this machine's memory"
     if per_rank > available:
@@ -127,21 +132,20 @@ def check_memory(cfg: DictConfig) -> None:
                           "model.* or shard it over more ranks (strategy=fsdp2)")
 
 
-def check_inputs(cfg: DictConfig) -> str | None:
+def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
     """Build or find the corpus and check everything the job will read before its first step: the corpus
     (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError;
     returns the corpus directory (None when every split comes from cache nodes)."""
-    check_memory(cfg)
+    check_memory(cfg, dims)
     chats = cfg.data.name in ("chat", "preference")
     prepare = (lambda: chat_data.prepare(cfg)) if chats else (lambda: data.prepare(cfg.data))
     corpus = prepare() if loop.needs_corpus(cfg.data) else None
     if corpus is not None:
         data.check_corpus(corpus, cfg)
-    dp = dp_size(cfg)
     for split, key in CACHE_KEYS.items():
-        if cfg.data.cache[key]:
+        if getattr(cfg.data.cache, key):
             loop.split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
-                               rank=0, world_size=dp, loop=False)
+                               rank=0, world_size=dims.dp_size, loop=False)
     start = _resume_candidate(cfg)
     if start is not None:
         if not checkpoint.is_checkpoint(start):
@@ -152,7 +156,9 @@ def check_inputs(cfg: DictConfig) -> str | None:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Train the job `cfg` describes, as this rank; return the summary (the same on every rank)."""
+    """Train the job `cfg` (a resolved config, as saved) describes, as this rank; return the summary (the same
+    on every rank)."""
+    cfg = config.typed(cfg)
     env = init_distributed()
     handler = setup_logging(cfg.run_dir, env.rank)
     try:
@@ -172,35 +178,35 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-def _reference(cfg: DictConfig, mesh, env: DistEnv) -> torch.nn.Module:
+def _reference(cfg: Config, dims: ParallelDims) -> torch.nn.Module:
     """recipe=dpo's frozen reference: the starting weights (without adapters), sharded like the policy."""
     with torch.device("meta"):
         model = kernels.apply(models.build(cfg.model), cfg.kernels)
-    model = parallel.apply(model, mesh, cfg.strategy, env.device)
+    model = parallelize(model, dims, cfg.strategy)
     models.init_or_load(model, None, cfg)
     model.requires_grad_(False)
     return model.eval()
 
 
-def _train(cfg: DictConfig, env: DistEnv) -> dict:
+def _train(cfg: Config, env: DistEnv) -> dict:
     torch.manual_seed(cfg.train.seed)
-    corpus = check_inputs(cfg)
-    mesh = parallel.build_mesh(cfg.strategy, env.world_size, env.device.type)
+    dims = ParallelDims.from_config(cfg.strategy, env.world_size)
+    corpus = check_inputs(cfg, dims)
+    mesh = dims.build_mesh(env.device.type)
     with torch.device("meta"):
         model = models.build(cfg.model)
     model = kernels.apply(model, cfg.kernels)
-    lora_cfg = cfg.get("peft") or OmegaConf.create({"name": "none"})  # configs saved before peft existed
-    model = lora.apply(model, lora_cfg)
+    model = lora.apply(model, cfg.peft)
     shapes = models.param_shapes(model)
-    model = parallel.apply(model, mesh, cfg.strategy, env.device)
+    model = parallelize(model, dims, cfg.strategy)
     models.init_or_load(model, shapes, cfg)
-    if lora_cfg.name == "lora":
+    if cfg.peft.name == "lora":
         lora.init_adapters(model, shapes, cfg.train.seed)
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device)
-    reference = _reference(cfg, mesh, env) if OmegaConf.select(cfg, "recipe.name") == "dpo" else None
-    trainer = loop.Trainer(cfg, model, mesh, env.device, corpus, reference)
+    reference = _reference(cfg, dims) if cfg.recipe.name == "dpo" else None
+    trainer = loop.Trainer(cfg, model, dims, env.device, corpus, reference)
     start = resume_path(cfg)
     if start is not None:
         trainer.restore(start)

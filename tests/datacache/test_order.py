@@ -6,6 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from datacache import BatchPlan, LocalDataset
@@ -56,3 +58,27 @@ def test_epochs_reshuffle_deterministically():
     assert plan.position(23) == (2, 3)
     with pytest.raises(ValueError, match="not divisible by world_size=3"):
         BatchPlan(50, 5, world_size=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 70), world=st.sampled_from([1, 2, 3, 4]), per_rank=st.integers(1, 9),
+       shuffle=st.booleans(), drop_last=st.booleans(), block_rows=st.integers(1, 5), epoch=st.integers(0, 3))
+@pytest.mark.timeout(60)
+def test_any_plan_gives_full_batches_with_every_row_once_or_refuses(rows, world, per_rank, shuffle, drop_last,
+                                                                      block_rows, epoch):
+    global_batch = world * per_rank
+    if drop_last and rows < global_batch:
+        with pytest.raises(ValueError, match=f"{rows} rows make no global batch of {global_batch}"):
+            BatchPlan(rows, global_batch, world, 0, shuffle, 1, block_rows, 2, drop_last)
+        return
+    plans = [BatchPlan(rows, global_batch, world, r, shuffle, 1, block_rows, 2, drop_last) for r in range(world)]
+    order = plans[0].epoch_order(epoch)
+    batches = [np.concatenate([p.rows(order, s) for p in plans]) for s in range(plans[0].batches_per_epoch)]
+    assert all(len(b) == global_batch for b in batches)
+    seen = np.concatenate(batches)
+    if drop_last:
+        assert len(seen) == len(set(seen.tolist())) == (rows // global_batch) * global_batch
+    else:
+        assert set(seen.tolist()) == set(range(rows))  # every row, padded up to whole batches
+        assert len(seen) == -(-rows // global_batch) * global_batch
+        assert sorted(seen[:rows].tolist()) == list(range(rows))  # each row once before any repeats

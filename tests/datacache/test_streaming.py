@@ -256,6 +256,27 @@ def test_a_node_that_dies_mid_stream_is_a_clear_error(source, prefetch):
 
 
 @pytest.mark.timeout(60)
+def test_a_node_replaced_by_one_with_other_rows_is_refused_in_one_line(source, tmp_path):
+    first = _serve(source)[0]
+    ds = StreamingDataset([first.location], global_batch_size=8, loop=False, retries=3, backoff=0.01, prefetch=2)
+    ds.describe()
+    port = first.port
+    first.shutdown()
+    fewer = _write(tmp_path / "fewer.parquet", rows=17)
+    second = CacheServer(fewer, location=f"grpc://127.0.0.1:{port}", batch_bytes=256)
+    threading.Thread(target=second.serve, daemon=True).start()
+    try:
+        with pytest.raises(DataCacheError) as e:
+            list(ds)
+    finally:
+        second.shutdown()
+    message = str(e.value)
+    assert message.startswith(f"cache node {first.location} refused do_get: rows [")
+    assert "are not on this node, which holds [0, 17)" in message
+    assert "gRPC" not in message and "\n" not in message
+
+
+@pytest.mark.timeout(60)
 def test_unreachable_node_wrong_token_and_mismatched_nodes(source, tmp_path):
     with pytest.raises(DataCacheError, match="cache node grpc://127.0.0.1:9: get_flight_info failed 2 times"):
         StreamingDataset(["grpc://127.0.0.1:9"], global_batch_size=8, retries=1, backoff=0.01, timeout=2).describe()

@@ -31,16 +31,21 @@ FILES = {
 def crd_dir() -> str:
     path = os.environ.get("TRAINJOB_CRDS", DEFAULT_DIR)
     if not all(os.path.isfile(os.path.join(path, f)) for f in FILES.values()):
-        pytest.skip(f"the Kubeflow Trainer CRD schemas are absent from {path}: set TRAINJOB_CRDS to the folder "
-                    f"holding {', '.join(FILES.values())}")
+        pytest.skip(
+            f"the Kubeflow Trainer CRD schemas are absent from {path}: set TRAINJOB_CRDS to the folder "
+            f"holding {', '.join(FILES.values())}"
+        )
     return path
 
 
 def _strict(schema):
     if isinstance(schema, dict):
         schema = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in schema and "additionalProperties" not in schema
-                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     if isinstance(schema, list):

@@ -20,12 +20,19 @@ import jsonschema
 
 from tests.launchers import crds
 
-CUSTOM = re.compile(r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)"
-                    r"(?:/(?P<name>[^/]+))?(?P<status>/status)?$")
-CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|secrets|services|pods)(?:/(?P<name>[^/]+))?"
-                  r"(?P<log>/log)?$")
-KINDS = {"trainjobs": "TrainJob", "trainingruntimes": "TrainingRuntime",
-         "clustertrainingruntimes": "ClusterTrainingRuntime"}
+CUSTOM = re.compile(
+    r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)"
+    r"(?:/(?P<name>[^/]+))?(?P<status>/status)?$"
+)
+CORE = re.compile(
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>configmaps|secrets|services|pods)(?:/(?P<name>[^/]+))?"
+    r"(?P<log>/log)?$"
+)
+KINDS = {
+    "trainjobs": "TrainJob",
+    "trainingruntimes": "TrainingRuntime",
+    "clustertrainingruntimes": "ClusterTrainingRuntime",
+}
 
 
 class FakeApiServer:
@@ -55,8 +62,17 @@ class FakeApiServer:
                 return json.loads(self.rfile.read(length)) if length else {}
 
             def _status(self, code: int, reason: str, message: str):
-                self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason,
-                                  "message": message, "code": code})
+                self._send(
+                    code,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "reason": reason,
+                        "message": message,
+                        "code": code,
+                    },
+                )
 
             def _handle(self, method: str):
                 url = urlparse(self.path)
@@ -89,8 +105,13 @@ class FakeApiServer:
                 if name is None:  # list
                     selector = parse_qs(url.query).get("labelSelector", [""])[0]
                     wanted = dict(p.split("=", 1) for p in selector.split(",") if p)
-                    items = [o for (p, n, _), o in server.objects.items() if p == plural and n == ns
-                             and all(o["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())]
+                    items = [
+                        o
+                        for (p, n, _), o in server.objects.items()
+                        if p == plural
+                        and n == ns
+                        and all(o["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
+                    ]
                     return self._send(200, {"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items})
                 if key not in server.objects:
                     return self._status(404, "NotFound", f'{plural} "{name}" not found')
@@ -104,8 +125,11 @@ class FakeApiServer:
                     return self._send(200, server.objects[key])
                 if method == "DELETE":
                     del server.objects[key]
-                    for owned in [k for k, o in server.objects.items() if any(
-                            r.get("name") == name for r in o["metadata"].get("ownerReferences", []))]:
+                    for owned in [
+                        k
+                        for k, o in server.objects.items()
+                        if any(r.get("name") == name for r in o["metadata"].get("ownerReferences", []))
+                    ]:
                         del server.objects[owned]
                     return self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
                 return self._status(405, "MethodNotAllowed", method)
@@ -136,22 +160,37 @@ class FakeApiServer:
 
     def kubeconfig(self, path: str) -> str:
         with open(path, "w") as f:
-            json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "fake",
-                       "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-                       "users": [{"name": "dev", "user": {"token": "t0ken"}}],
-                       "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "dev"}}]}, f)
+            json.dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "dev", "user": {"token": "t0ken"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "dev"}}],
+                },
+                f,
+            )
         return path
 
     def add_pod(self, namespace: str, job: str, node: int, phase: str, log: str = "") -> None:
         name = f"{job}-node-{node}-0-abcde"
         self.objects[("pods", namespace, name)] = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace,
-                         "labels": {"jobset.sigs.k8s.io/jobset-name": job, "jobset.sigs.k8s.io/job-index": str(node)}},
-            "status": {"phase": phase}}
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": {"jobset.sigs.k8s.io/jobset-name": job, "jobset.sigs.k8s.io/job-index": str(node)},
+            },
+            "status": {"phase": phase},
+        }
         self.logs[name] = log
 
     def set_conditions(self, namespace: str, job: str, **conditions: str) -> None:
         self.objects[("trainjobs", namespace, job)]["status"] = {
-            "conditions": [{"type": t, "status": s, "reason": t, "message": t, "lastTransitionTime":
-                            "2026-11-29T00:00:00Z"} for t, s in conditions.items()]}
+            "conditions": [
+                {"type": t, "status": s, "reason": t, "message": t, "lastTransitionTime": "2026-11-29T00:00:00Z"}
+                for t, s in conditions.items()
+            ]
+        }

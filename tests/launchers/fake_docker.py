@@ -2,7 +2,8 @@
 
 It keeps its containers and networks in a JSON file ($FAKE_DOCKER_STATE), logs every call with the
 secrets it could read from its environment ($FAKE_DOCKER_LOG, one JSON line per call), and answers the
-few commands the launcher runs (network create/rm, run, ps, inspect, exec, logs, rm) as the real CLI would. A
+few commands the launcher runs (network create/rm, run, ps with a label filter and a --format of names,
+states and labels, inspect, exec, logs, rm) as the real CLI would. A
 container named in the state's `fail` list fails to start; `exit_code` sets how started containers end.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 
@@ -36,9 +38,12 @@ def main(argv: list[str]) -> int:
             state["containers"][name] = {"state": "running", "labels": labels}
             out = f"{abs(hash(name)):x}\n"
     elif argv[0] == "ps":
-        wanted = dict([argv[argv.index("--filter") + 1].removeprefix("label=").split("=", 1)])
-        out = "".join(f"{n} {c['state']}\n" for n, c in state["containers"].items()
-                      if all(c["labels"].get(k) == v for k, v in wanted.items()))
+        key, _, value = argv[argv.index("--filter") + 1].removeprefix("label=").partition("=")
+        template = argv[argv.index("--format") + 1]
+        for n, c in state["containers"].items():
+            if key in c["labels"] and (not value or c["labels"][key] == value):
+                line = template.replace("{{.Names}}", n).replace("{{.State}}", c["state"])
+                out += re.sub(r'\{\{\.Label "([^"]+)"\}\}', lambda m, c=c: c["labels"].get(m.group(1), ""), line) + "\n"
     elif argv[0] == "inspect":
         name = argv[-1]
         if name in state["containers"]:

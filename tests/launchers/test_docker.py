@@ -16,7 +16,7 @@ import pytest
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.docker import RDZV_PORT, commands, job_name
+from launchers.docker import RDZV_PORT, job_name
 from tests.conftest import compose_run
 
 
@@ -24,10 +24,25 @@ def make_run(tmp_path, *overrides: str):
     return compose_run(tmp_path, "launcher=docker", "+runtime=torch-distributed", *overrides)
 
 
+def commands(run) -> list[list[str]]:
+    return get_launcher(run.launcher).commands(run.spec)
+
+
+def with_spec(run, **changes):
+    return dataclasses.replace(run, spec=dataclasses.replace(run.spec, **changes))
+
+
 def test_one_container_per_node_on_the_jobs_network(tmp_path):
-    run = make_run(tmp_path, "runtime.nnodes=3", "launcher.gpus_per_node=2", "launcher.image=me/trainjob:1",
-                   "strategy=fsdp2", "train.global_batch_size=12", "+launcher.env.NCCL_DEBUG=WARN")
-    name = job_name(run)
+    run = make_run(
+        tmp_path,
+        "runtime.nnodes=3",
+        "launcher.gpus_per_node=2",
+        "launcher.image=me/trainjob:1",
+        "strategy=fsdp2",
+        "train.global_batch_size=12",
+        "+launcher.env.NCCL_DEBUG=WARN",
+    )
+    name = job_name(run.spec)
     cmds = commands(run)
     assert cmds[0] == ["docker", "network", "create", "--label", f"trainjob.run={name}", name]
     nodes = cmds[1:]
@@ -36,14 +51,14 @@ def test_one_container_per_node_on_the_jobs_network(tmp_path):
         assert cmd[:4] == ["docker", "run", "--detach", "--name"] and cmd[4] == f"{name}-node-{i}"
         assert cmd[cmd.index("--network") + 1] == name
         assert cmd[cmd.index("--gpus") + 1] == f'"device={2 * i},{2 * i + 1}"'  # its own GPUs
-        assert f"{run.run_dir}:{run.run_dir}" in cmd
+        assert f"{run.spec.run_dir}:{run.spec.run_dir}" in cmd
         assert "NCCL_DEBUG=WARN" in cmd and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in cmd
-        tail = cmd[cmd.index("me/trainjob:1") + 1:]
+        tail = cmd[cmd.index("me/trainjob:1") + 1 :]
         assert tail[0] == "torchrun"
         assert "--nproc-per-node=2" in tail and "--nnodes=3" in tail
         assert f"--rdzv-endpoint={name}-node-0:{RDZV_PORT}" in tail and "--rdzv-backend=c10d" in tail
-        assert tail[-3:] == ["-m", "trainer.worker", run.config_path]
-    assert os.path.isfile(run.config_path)
+        assert tail[-3:] == ["-m", "trainer.worker", run.spec.config_path]
+    assert os.path.isfile(run.spec.config_path)
 
 
 def test_existing_network_and_no_gpus(tmp_path):
@@ -53,12 +68,16 @@ def test_existing_network_and_no_gpus(tmp_path):
 
 
 def test_dry_run_prints_the_commands(run_cli, tmp_path):
-    proc = run_cli("launcher=docker", "+runtime=torch-distributed", "runtime.nnodes=2", "launcher.dry_run=true",
-                   timeout=120)
+    proc = run_cli(
+        "launcher=docker", "+runtime=torch-distributed", "runtime.nnodes=2", "launcher.dry_run=true", timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [shlex.split(line) for line in proc.stdout.splitlines()]
-    assert [line[:3] for line in lines] == [["docker", "network", "create"], ["docker", "run", "--detach"],
-                                            ["docker", "run", "--detach"]]
+    assert [line[:3] for line in lines] == [
+        ["docker", "network", "create"],
+        ["docker", "run", "--detach"],
+        ["docker", "run", "--detach"],
+    ]
     assert not (tmp_path / "outputs").exists()
 
 
@@ -68,8 +87,10 @@ def docker(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     double = os.path.join(os.path.dirname(__file__), "fake_docker.py")
-    for name, body in (("docker", f'exec {sys.executable} {double} "$@"'),
-                       ("nvidia-smi", "for i in 0 1 2 3; do echo \"GPU $i: NVIDIA H200 (UUID: GPU-$i)\"; done")):
+    for name, body in (
+        ("docker", f'exec {sys.executable} {double} "$@"'),
+        ("nvidia-smi", 'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H200 (UUID: GPU-$i)"; done'),
+    ):
         path = bin_dir / name
         path.write_text(f"#!/bin/sh\n{body}\n")
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -95,23 +116,27 @@ def docker(tmp_path, monkeypatch):
 def test_a_node_that_fails_to_start_removes_the_others_and_the_network(tmp_path, docker):
     read_state, set_state, calls = docker
     run = make_run(tmp_path, "runtime.nnodes=3", "train.global_batch_size=12")
-    name = job_name(run)
+    name = job_name(run.spec)
     set_state(fail=[f"{name}-node-1"])
     with pytest.raises(LauncherError, match="could not start container .*-node-1: .*could not select device"):
-        get_launcher(run.config["launcher"]).launch(run)
+        get_launcher(run.launcher).launch(run.spec)
     assert read_state()["containers"] == {} and read_state()["networks"] == []
     assert not any(c["argv"][0] == "run" and f"{name}-node-2" in c["argv"] for c in calls())  # stopped at node 1
 
 
 def test_a_relaunch_removes_the_last_attempts_containers_and_finished_jobs_clean_up(tmp_path, docker):
     read_state, set_state, calls = docker
-    run = dataclasses.replace(make_run(tmp_path, "runtime.nnodes=2"), secrets={"TRAINJOB_CACHE_TOKEN": "s3cret"})
-    name = job_name(run)
-    launcher = get_launcher(run.config["launcher"])
-    set_state(containers={f"{name}-node-0": {"state": "exited", "labels": {"trainjob.run": name}},
-                          "someone-else": {"state": "exited", "labels": {"trainjob.run": "other"}}},
-              networks=[name])
-    job = launcher.launch(run)
+    run = with_spec(make_run(tmp_path, "runtime.nnodes=2"), secrets={"TRAINJOB_CACHE_TOKEN": "s3cret"})
+    name = job_name(run.spec)
+    launcher = get_launcher(run.launcher)
+    set_state(
+        containers={
+            f"{name}-node-0": {"state": "exited", "labels": {"trainjob.run": name}},
+            "someone-else": {"state": "exited", "labels": {"trainjob.run": "other"}},
+        },
+        networks=[name],
+    )
+    job = launcher.launch(run.spec)
     assert set(read_state()["containers"]) == {f"{name}-node-0", f"{name}-node-1", "someone-else"}
     runs = [c for c in calls() if c["argv"][0] == "run"]
     assert len(runs) == 2 and all(c["token"] == "s3cret" for c in runs)  # from the environment ...
@@ -119,63 +144,115 @@ def test_a_relaunch_removes_the_last_attempts_containers_and_finished_jobs_clean
     assert all(c["argv"][c["argv"].index("TRAINJOB_CACHE_TOKEN") - 1] == "--env" for c in runs)
 
     with pytest.raises(LauncherError, match="still running"):
-        launcher.launch(run)  # node containers of this run are running
+        launcher.launch(run.spec)  # node containers of this run are running
 
     job.poll_seconds = 0.01
-    assert job.wait(timeout=10) == JobState.SUCCEEDED
+    assert job.wait(timeout=10) == JobState.COMPLETE
     assert set(read_state()["containers"]) == {"someone-else"} and read_state()["networks"] == []
-    assert job.status() == JobState.SUCCEEDED
+    assert job.status() == JobState.COMPLETE
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["runtime.nnodes=2", "launcher.gpus_per_node=4"], "= 8 GPUs, and this host has 4"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["runtime.nnodes=2", "launcher.gpus_per_node=4"], "= 8 GPUs, and this host has 4"),
+    ],
+)
 def test_what_docker_would_misread_is_refused_before_anything_starts(tmp_path, docker, overrides, message):
     _, _, calls = docker
     run = make_run(tmp_path, *overrides)
     with pytest.raises(LauncherError, match=message.replace("(", r"\(")):
-        get_launcher(run.config["launcher"]).launch(run)
+        get_launcher(run.launcher).launch(run.spec)
     assert not any(c["argv"][0] in ("run", "network") for c in calls())
 
 
 def test_a_run_directory_with_a_colon_is_refused(tmp_path):
     run = make_run(tmp_path)
     with pytest.raises(LauncherError, match="holds ':', which docker reads as a volume separator"):
-        commands(dataclasses.replace(run, run_dir=str(tmp_path / "a:b")))
+        commands(with_spec(run, run_dir=str(tmp_path / "a:b")))
 
 
 def test_cache_nodes_run_as_containers_and_the_ranks_start_once_they_serve(tmp_path, docker):
     read_state, _, calls = docker
     run = make_run(tmp_path, "runtime.nnodes=2", "data.cache.nodes=2", "data.cache.token=s3cret")
-    name = job_name(run)
+    name = job_name(run.spec)
     cmds = commands(run)
     caches = [c for c in cmds if "trainjob.role=cache" in c]
     assert [c[c.index("--name") + 1] for c in caches] == [f"{name}-cache-0", f"{name}-cache-1"]
-    assert caches[1][caches[1].index("python"):] == [
-        "python", "-m", "trainer.cache_node", run.config_path, "--shard", "1/2", "--host", "0.0.0.0",
-        "--port", "50051", "--eval-port", "50052"]
+    assert caches[1][caches[1].index("python") :] == [
+        "python",
+        "-m",
+        "trainer.cache_node",
+        run.spec.config_path,
+        "--shard",
+        "1/2",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "50051",
+        "--eval-port",
+        "50052",
+    ]
     ranks = [c for c in cmds if "trainjob.role=node" in c]
-    assert all(f"TRAINJOB_CACHE_ENDPOINTS=[grpc://{name}-cache-0:50051,grpc://{name}-cache-1:50051]" in c
-               and f"TRAINJOB_CACHE_EVAL_ENDPOINTS=[grpc://{name}-cache-0:50052]" in c for c in ranks)
+    assert all(
+        f"TRAINJOB_CACHE_ENDPOINTS=[grpc://{name}-cache-0:50051,grpc://{name}-cache-1:50051]" in c
+        and f"TRAINJOB_CACHE_EVAL_ENDPOINTS=[grpc://{name}-cache-0:50052]" in c
+        for c in ranks
+    )
     assert all("s3cret" not in " ".join(c) for c in cmds)
 
-    job = get_launcher(run.config["launcher"]).launch(run)
-    order = [c["argv"][0] + " " + (c["argv"][c["argv"].index("--name") + 1] if "--name" in c["argv"] else
-                                   c["argv"][1]) for c in calls() if c["argv"][0] in ("run", "exec")]
-    assert order == [f"run {name}-cache-0", f"run {name}-cache-1", f"exec {name}-cache-0", f"exec {name}-cache-0",
-                     f"exec {name}-cache-1", f"run {name}-node-0", f"run {name}-node-1"]
+    job = get_launcher(run.launcher).launch(run.spec)
+    order = [
+        c["argv"][0] + " " + (c["argv"][c["argv"].index("--name") + 1] if "--name" in c["argv"] else c["argv"][1])
+        for c in calls()
+        if c["argv"][0] in ("run", "exec")
+    ]
+    assert order == [
+        f"run {name}-cache-0",
+        f"run {name}-cache-1",
+        f"exec {name}-cache-0",
+        f"exec {name}-cache-0",
+        f"exec {name}-cache-1",
+        f"run {name}-node-0",
+        f"run {name}-node-1",
+    ]
     job.poll_seconds = 0.01
-    assert job.wait(timeout=10) == JobState.SUCCEEDED
+    assert job.wait(timeout=10) == JobState.COMPLETE
     assert read_state()["containers"] == {}  # the cache nodes went with the job
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["launcher.image=--privileged"], "launcher.image='--privileged': launcher=docker needs an image reference"),
-    (["hydra.run.dir=runs/a:b"], "a:b': must not hold ':' with launcher=docker"),
-])
-def test_what_docker_would_misread_ends_the_cli_with_exit_2_and_no_run_directory(run_cli, tmp_path, overrides,
-                                                                                 message):
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["launcher.image=--privileged"], "launcher.image='--privileged': launcher=docker needs an image reference"),
+        (["hydra.run.dir=runs/a:b"], "a:b': must not hold ':' with launcher=docker"),
+    ],
+)
+def test_what_docker_would_misread_ends_the_cli_with_exit_2_and_no_run_directory(run_cli, tmp_path, overrides, message):
     proc = run_cli("launcher=docker", "+runtime=torch-distributed", *overrides, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_client_runs_a_function_on_docker_and_finds_its_jobs_by_their_containers(tmp_path, docker):
+    from launchers import Client
+    from tests.launchers.test_client import greet
+
+    read_state, _, calls = docker
+    client = Client("docker", image="me/trainjob:1")
+    run_dir = tmp_path / "func"
+    name = client.train(func=greet, func_args={"times": 1}, num_nodes=2, nproc_per_node=2, run_dir=str(run_dir))
+    runs = [c["argv"] for c in calls() if c["argv"][0] == "run"]
+    assert [r[r.index("--name") + 1] for r in runs] == [f"{name}-node-0", f"{name}-node-1"]
+    for r in runs:
+        assert r[-1] == str(run_dir / "train_func.py") and "--nproc-per-node=2" in r and "--nnodes=2" in r
+        assert f"{run_dir}:{run_dir}" in r
+    assert [j.name for j in client.list_jobs()] == [name]
+    info = client.get_job(name)  # the double's containers have exited 0
+    assert (info.state, info.run_dir) == (JobState.COMPLETE, str(run_dir))
+    client.delete_job(name)
+    assert read_state()["containers"] == {} and read_state()["networks"] == []
+    with pytest.raises(LauncherError, match=f"no docker job '{name}' on this host"):
+        client.get_job(name)

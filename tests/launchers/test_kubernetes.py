@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.kubernetes import attach, job_name, render, to_yaml
+from launchers.kubernetes import to_yaml
 from tests.conftest import REPO, compose_run
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
@@ -36,19 +36,41 @@ def make_run(tmp_path, *overrides: str):
     return compose_run(tmp_path, "launcher=kubernetes", "+runtime=torch-distributed", *claim, *overrides)
 
 
-STRATEGY = {"ddp": [], "fsdp2": ["strategy=fsdp2"], "fsdp2_tp": ["strategy=fsdp2_tp", "runtime.nproc_per_node=4",
-                                                                   "launcher.resources_per_node.gpu=4"]}
+def launcher_of(run):
+    return get_launcher(run.launcher, run.scheduler)
+
+
+def render(run) -> list[dict]:
+    return launcher_of(run).manifests(run.spec)
+
+
+def job_name(run) -> str:
+    return launcher_of(run).job_name(run.spec)
+
+
+STRATEGY = {
+    "ddp": [],
+    "fsdp2": ["strategy=fsdp2"],
+    "fsdp2_tp": ["strategy=fsdp2_tp", "runtime.nproc_per_node=4", "launcher.resources_per_node.gpu=4"],
+}
 MATRIX = list(itertools.product(["none", "kueue", "volcano", "coscheduling", "kai"], STRATEGY, [1, 2, 4]))
 
 
 @pytest.mark.parametrize(("scheduler", "strategy", "nodes"), MATRIX, ids=["-".join(map(str, m)) for m in MATRIX])
 def test_every_manifest_validates_against_the_crds(tmp_path, scheduler, strategy, nodes):
-    run = make_run(tmp_path, f"scheduler={scheduler}", *STRATEGY[strategy], f"runtime.nnodes={nodes}",
-                   "launcher.resources_per_node.cpu=4", "launcher.resources_per_node.memory=16Gi",
-                   "+launcher.node_selector.pool=train", "launcher.active_deadline_seconds=3600",
-                   "+launcher.env.NCCL_DEBUG=WARN",
-                   "launcher.volumes=[{name: data, claim: corpus, mount_path: /data, read_only: true}]",
-                   "launcher.tolerations=[{key: gpu, operator: Exists, effect: NoSchedule}]")
+    run = make_run(
+        tmp_path,
+        f"scheduler={scheduler}",
+        *STRATEGY[strategy],
+        f"runtime.nnodes={nodes}",
+        "launcher.resources_per_node.cpu=4",
+        "launcher.resources_per_node.memory=16Gi",
+        "+launcher.node_selector.pool=train",
+        "launcher.active_deadline_seconds=3600",
+        "+launcher.env.NCCL_DEBUG=WARN",
+        "launcher.volumes=[{name: data, claim: corpus, mount_path: /data, read_only: true}]",
+        "launcher.tolerations=[{key: gpu, operator: Exists, effect: NoSchedule}]",
+    )
     manifests = render(run)
     kinds = [m["kind"] for m in manifests]
     gang = ["TrainingRuntime"] if scheduler in ("volcano", "coscheduling", "kai") else []
@@ -90,8 +112,11 @@ def test_scheduler_specifics(tmp_path):
 def test_trainjob_matches_what_the_official_sdk_submits(tmp_path):
     with open(SDK) as f:
         sdk = json.load(f)
-    ours = render(make_run(tmp_path, "runtime.nnodes=2", "launcher.resources_per_node.cpu=3",
-                           "launcher.resources_per_node.memory=3Gi"))[-1]
+    ours = render(
+        make_run(
+            tmp_path, "runtime.nnodes=2", "launcher.resources_per_node.cpu=3", "launcher.resources_per_node.memory=3Gi"
+        )
+    )[-1]
     assert ours["apiVersion"] == sdk["apiVersion"] and ours["kind"] == sdk["kind"]
     assert ours["spec"]["runtimeRef"] == sdk["spec"]["runtimeRef"]
     assert ours["spec"]["trainer"]["numNodes"] == sdk["spec"]["trainer"]["numNodes"]
@@ -109,8 +134,9 @@ def test_job_names_are_rfc1035_unique_and_stable(tmp_path):
 
 
 def test_dry_run_prints_yaml_for_kubectl_and_writes_nothing(run_cli, tmp_path):
-    proc = run_cli("launcher=kubernetes", "+runtime=torch-distributed", "scheduler=kueue", "launcher.dry_run=true",
-                   timeout=120)
+    proc = run_cli(
+        "launcher=kubernetes", "+runtime=torch-distributed", "scheduler=kueue", "launcher.dry_run=true", timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     docs = list(yaml.safe_load_all(proc.stdout))
     assert [d["kind"] for d in docs] == ["ConfigMap", "TrainJob"]
@@ -118,18 +144,29 @@ def test_dry_run_prints_yaml_for_kubectl_and_writes_nothing(run_cli, tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["launcher=kubernetes"], "runtime=None: launcher=kubernetes runs torchrun on every node"),
-    (["launcher=kubernetes", "+runtime=torch-distributed", "launcher.job_name=Bad_Name"],
-     "launcher.job_name='Bad_Name': must be an RFC 1035 label"),
-    (["launcher=kubernetes", "+runtime=torch-distributed", "+launcher.env.PET_NNODES=3"],
-     "launcher.env.PET_NNODES='3': PET_* variables are set by the Kubeflow Trainer torch plugin"),
-    (["scheduler=kueue"], "scheduler='kueue': gang schedulers run on Kubernetes"),
-    (["launcher=kubernetes", "+runtime=torch-distributed", "scheduler=kai", "scheduler.queue=null"],
-     "scheduler.queue=None: scheduler=kai needs the queue"),
-    (["launcher=kubernetes", "+runtime=torch-distributed", "runtime.nnodes=2"],
-     "launcher.run_claim=None: runtime.nnodes=2 needs a shared PersistentVolumeClaim"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["launcher=kubernetes"], "runtime=None: launcher=kubernetes runs torchrun on every node"),
+        (
+            ["launcher=kubernetes", "+runtime=torch-distributed", "launcher.job_name=Bad_Name"],
+            "launcher.job_name='Bad_Name': must be an RFC 1035 label",
+        ),
+        (
+            ["launcher=kubernetes", "+runtime=torch-distributed", "+launcher.env.PET_NNODES=3"],
+            "launcher.env.PET_NNODES='3': PET_* variables are set by the Kubeflow Trainer torch plugin",
+        ),
+        (["scheduler=kueue"], "scheduler='kueue': gang schedulers run on Kubernetes"),
+        (
+            ["launcher=kubernetes", "+runtime=torch-distributed", "scheduler=kai", "scheduler.queue=null"],
+            "scheduler.queue=None: scheduler=kai needs the queue",
+        ),
+        (
+            ["launcher=kubernetes", "+runtime=torch-distributed", "runtime.nnodes=2"],
+            "launcher.run_claim=None: runtime.nnodes=2 needs a shared PersistentVolumeClaim",
+        ),
+    ],
+)
 def test_bad_launcher_configs_are_refused(overrides, message):
     config.register()
     with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
@@ -149,10 +186,16 @@ def apiserver(tmp_path):
 
 def test_submit_status_logs_cancel_and_list_through_the_kubernetes_client(tmp_path, apiserver):
     server, kubeconfig = apiserver
-    run = make_run(tmp_path, "scheduler=volcano", f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=ml",
-                   "runtime.nnodes=2", "launcher.poll_seconds=0.01")
-    launcher = get_launcher(run.config["launcher"])
-    job = launcher.launch(run)
+    run = make_run(
+        tmp_path,
+        "scheduler=volcano",
+        f"launcher.kubeconfig={kubeconfig}",
+        "launcher.namespace=ml",
+        "runtime.nnodes=2",
+        "launcher.poll_seconds=0.01",
+    )
+    launcher = launcher_of(run)
+    job = launcher.launch(run.spec)
     name = job.name
     trainjob = server.objects[("trainjobs", "ml", name)]
     config_map = server.objects[("configmaps", "ml", f"{name}-config")]
@@ -160,23 +203,27 @@ def test_submit_status_logs_cancel_and_list_through_the_kubernetes_client(tmp_pa
     for owned in (config_map, runtime):
         assert owned["metadata"]["ownerReferences"][0]["uid"] == trainjob["metadata"]["uid"]
     assert runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
-        "containers"][0]["image"].startswith("pytorch/pytorch")  # derived from the cluster's runtime
-    assert os.path.isfile(os.path.join(run.run_dir, "manifests.yaml"))
+        "containers"
+    ][0]["image"].startswith("pytorch/pytorch")  # derived from the cluster's runtime
+    assert os.path.isfile(os.path.join(run.spec.run_dir, "manifests.yaml"))
 
-    assert job.status() == JobState.PENDING
+    assert job.status() == JobState.CREATED
     server.add_pod("ml", name, 0, "Running", log="step 1 loss 5.5\nstep 2 loss 4.8\n")
     server.add_pod("ml", name, 1, "Pending")
     assert job.status() == JobState.RUNNING
     assert list(job.logs(0)) == ["step 1 loss 5.5", "step 2 loss 4.8"]
     server.set_conditions("ml", name, Suspended="True")
-    assert job.status() == JobState.PENDING
+    assert job.status() == JobState.CREATED
     server.set_conditions("ml", name, Complete="True")
-    assert job.wait(timeout=5) == JobState.SUCCEEDED
+    assert job.wait(timeout=5) == JobState.COMPLETE
     server.set_conditions("ml", name, Failed="True")
     assert job.status() == JobState.FAILED
 
     assert [j.name for j in launcher.list_jobs()] == [name]
-    assert attach(name, namespace="ml", kubeconfig=kubeconfig).status() == JobState.FAILED
+    assert (
+        get_launcher({"name": "kubernetes", "namespace": "ml", "kubeconfig": kubeconfig}).job(name).status()
+        == JobState.FAILED
+    )
     job.cancel()
     assert job.status() == JobState.CANCELLED
     assert ("trainjobs", "ml", name) not in server.objects
@@ -186,25 +233,31 @@ def test_submit_status_logs_cancel_and_list_through_the_kubernetes_client(tmp_pa
 def test_api_errors_become_clear_messages(tmp_path, apiserver):
     server, kubeconfig = apiserver
     run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.job_name=taken")
-    get_launcher(run.config["launcher"]).launch(run)
+    launcher_of(run).launch(run.spec)
     with pytest.raises(LauncherError, match="ConfigMap 'taken-config' in namespace 'default': it already exists"):
-        get_launcher(run.config["launcher"]).launch(run)
+        launcher_of(run).launch(run.spec)
 
     server.forbidden_namespaces.add("locked")
     locked = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=locked")
     with pytest.raises(LauncherError, match="forbidden to create ConfigMap .* in namespace 'locked'"):
-        get_launcher(locked.config["launcher"]).launch(locked)
+        launcher_of(locked).launch(locked.spec)
 
-    missing = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "scheduler=coscheduling",
-                       "launcher.runtime_ref=no-such-runtime")
+    missing = make_run(
+        tmp_path, f"launcher.kubeconfig={kubeconfig}", "scheduler=coscheduling", "launcher.runtime_ref=no-such-runtime"
+    )
     with pytest.raises(LauncherError, match="get ClusterTrainingRuntime 'no-such-runtime'.*not found; is Kubeflow"):
-        get_launcher(missing.config["launcher"]).launch(missing)
+        launcher_of(missing).launch(missing.spec)
 
-    invalid = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.job_name=bad",
-                       f"launcher.image=registry.example/{'x' * 490}")  # the CRD allows 500 characters
-    with pytest.raises(LauncherError, match="rejected create TrainJob 'bad' in namespace 'default' as invalid: .*"
-                                            "is too long"):
-        get_launcher(invalid.config["launcher"]).launch(invalid)
+    invalid = make_run(
+        tmp_path,
+        f"launcher.kubeconfig={kubeconfig}",
+        "launcher.job_name=bad",
+        f"launcher.image=registry.example/{'x' * 490}",
+    )  # the CRD allows 500 characters
+    with pytest.raises(
+        LauncherError, match="rejected create TrainJob 'bad' in namespace 'default' as invalid: .*is too long"
+    ):
+        launcher_of(invalid).launch(invalid.spec)
     assert ("configmaps", "default", "bad-config") not in server.objects  # rolled back
 
     with pytest.raises(LauncherError, match="no usable Kubernetes config"):
@@ -218,17 +271,36 @@ def test_sweep_submits_one_trainjob_per_point_and_waits_for_their_losses(run_cli
     def cluster_runs(trainjob):  # each job "trains" on the cluster and leaves its summary on shared storage
         name = trainjob["metadata"]["name"]
         lr = yaml.safe_load(server.objects[("configmaps", "default", f"{name}-config")]["data"]["config.yaml"])[
-            "optim"]["lr"]
+            "optim"
+        ]["lr"]
         os.makedirs(shared / name)
         (shared / name / "summary.json").write_text(json.dumps({"final_eval_loss": 2.0 + lr, "steps": 5}))
-        trainjob["status"] = {"conditions": [{"type": "Complete", "status": "True", "reason": "Done",
-                                              "message": "done", "lastTransitionTime": "2026-11-29T00:00:00Z"}]}
+        trainjob["status"] = {
+            "conditions": [
+                {
+                    "type": "Complete",
+                    "status": "True",
+                    "reason": "Done",
+                    "message": "done",
+                    "lastTransitionTime": "2026-11-29T00:00:00Z",
+                }
+            ]
+        }
 
     server.on_trainjob = cluster_runs
-    proc = run_cli("-m", "launcher=kubernetes", "+runtime=torch-distributed", "optim.lr=1e-3,3e-4",
-                   f"launcher.kubeconfig={kubeconfig}", "launcher.wait=true", "launcher.run_claim=runs",
-                   f"launcher.local_run_root={shared}", "launcher.poll_seconds=0.05",
-                   f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=180)
+    proc = run_cli(
+        "-m",
+        "launcher=kubernetes",
+        "+runtime=torch-distributed",
+        "optim.lr=1e-3,3e-4",
+        f"launcher.kubeconfig={kubeconfig}",
+        "launcher.wait=true",
+        "launcher.run_claim=runs",
+        f"launcher.local_run_root={shared}",
+        "launcher.poll_seconds=0.05",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     jobs = sorted(name for (plural, _, name) in server.objects if plural == "trainjobs")
     assert len(jobs) == 2
@@ -240,7 +312,8 @@ def test_sweep_submits_one_trainjob_per_point_and_waits_for_their_losses(run_cli
 
 
 def _with_token(run):
-    return dataclasses.replace(run, secrets={"TRAINJOB_CACHE_TOKEN": "s3cret-t0ken"})
+    secrets = {"TRAINJOB_CACHE_TOKEN": "s3cret-t0ken"}
+    return dataclasses.replace(run, spec=dataclasses.replace(run.spec, secrets=secrets))
 
 
 def test_secrets_travel_in_a_secret_owned_by_the_trainjob_and_are_never_written(tmp_path, apiserver):
@@ -253,15 +326,18 @@ def test_secrets_travel_in_a_secret_owned_by_the_trainjob_and_are_never_written(
     crds.validate(docs[-1])
     name = job_name(run)
     env = {e["name"]: e for e in docs[-1]["spec"]["trainer"]["env"]}
-    assert env["TRAINJOB_CACHE_TOKEN"] == {"name": "TRAINJOB_CACHE_TOKEN", "valueFrom": {
-        "secretKeyRef": {"name": f"{name}-secrets", "key": "TRAINJOB_CACHE_TOKEN"}}}
+    assert env["TRAINJOB_CACHE_TOKEN"] == {
+        "name": "TRAINJOB_CACHE_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": f"{name}-secrets", "key": "TRAINJOB_CACHE_TOKEN"}},
+    }
 
-    get_launcher(run.config["launcher"]).launch(run)
+    launcher_of(run).launch(run.spec)
     secret = server.objects[("secrets", "ml", f"{name}-secrets")]
     assert secret["stringData"] == {"TRAINJOB_CACHE_TOKEN": "s3cret-t0ken"}
-    assert secret["metadata"]["ownerReferences"][0]["uid"] == server.objects[("trainjobs", "ml", name)]["metadata"][
-        "uid"]
-    manifests = os.path.join(run.run_dir, "manifests.yaml")
+    assert (
+        secret["metadata"]["ownerReferences"][0]["uid"] == server.objects[("trainjobs", "ml", name)]["metadata"]["uid"]
+    )
+    manifests = os.path.join(run.spec.run_dir, "manifests.yaml")
     assert os.stat(manifests).st_mode & 0o777 == 0o600
     with open(manifests) as f:
         text = f.read()
@@ -270,13 +346,19 @@ def test_secrets_travel_in_a_secret_owned_by_the_trainjob_and_are_never_written(
 
 def test_a_failed_submit_removes_what_it_created_and_writes_no_manifests(tmp_path, apiserver):
     server, kubeconfig = apiserver
-    run = _with_token(make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.job_name=bad",
-                               f"launcher.image=registry.example/{'x' * 490}"))  # the CRD allows 500 characters
+    run = _with_token(
+        make_run(
+            tmp_path,
+            f"launcher.kubeconfig={kubeconfig}",
+            "launcher.job_name=bad",
+            f"launcher.image=registry.example/{'x' * 490}",
+        )
+    )  # the CRD allows 500 characters
     with pytest.raises(LauncherError, match="rejected create TrainJob 'bad'"):
-        get_launcher(run.config["launcher"]).launch(run)
+        launcher_of(run).launch(run.spec)
     assert [key for key in server.objects if key[0] in ("configmaps", "secrets", "trainjobs")] == []
     assert ("DELETE", "/api/v1/namespaces/default/secrets/bad-secrets") in server.requests
-    assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))
+    assert not os.path.exists(os.path.join(run.spec.run_dir, "manifests.yaml"))
 
 
 def _closed_port_kubeconfig(tmp_path) -> tuple[str, int]:
@@ -285,31 +367,49 @@ def _closed_port_kubeconfig(tmp_path) -> tuple[str, int]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
     return str(kubeconfig), port
 
 
 def test_an_unreachable_api_server_is_one_clear_error(tmp_path):
     kubeconfig, port = _closed_port_kubeconfig(tmp_path)
     run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}")
-    with pytest.raises(LauncherError, match=rf"cannot reach the API server at http://127.0.0.1:{port} to create "
-                                            r"ConfigMap '[a-z0-9-]+-config'"):
-        get_launcher(run.config["launcher"]).launch(run)
-    assert not os.path.exists(os.path.join(run.run_dir, "manifests.yaml"))
+    with pytest.raises(
+        LauncherError,
+        match=rf"cannot reach the API server at http://127.0.0.1:{port} to create "
+        r"ConfigMap '[a-z0-9-]+-config'",
+    ):
+        launcher_of(run).launch(run.spec)
+    assert not os.path.exists(os.path.join(run.spec.run_dir, "manifests.yaml"))
 
 
 def test_an_unreachable_api_server_ends_the_cli_with_one_line_and_exit_1(run_cli, tmp_path):
     kubeconfig, port = _closed_port_kubeconfig(tmp_path)
-    proc = run_cli("launcher=kubernetes", "+runtime=torch-distributed", f"launcher.kubeconfig={kubeconfig}",
-                   f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    proc = run_cli(
+        "launcher=kubernetes",
+        "+runtime=torch-distributed",
+        f"launcher.kubeconfig={kubeconfig}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=120,
+    )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.match(rf"error: Kubernetes API: cannot reach the API server at "
-                                        rf"http://127.0.0.1:{port} to create ConfigMap '[a-z0-9-]+-config': ", lines[0])
+    assert len(lines) == 1 and re.match(
+        rf"error: Kubernetes API: cannot reach the API server at "
+        rf"http://127.0.0.1:{port} to create ConfigMap '[a-z0-9-]+-config': ",
+        lines[0],
+    )
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "manifests.yaml").exists()
 
 
@@ -325,8 +425,14 @@ def _validated_by_the_client(manifest: dict) -> None:
 
 def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_trainjob(tmp_path, apiserver):
     server, kubeconfig = apiserver
-    run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=ml", "data.cache.nodes=3",
-                   "data.cache.token=s3cret", "runtime.nnodes=2")
+    run = make_run(
+        tmp_path,
+        f"launcher.kubeconfig={kubeconfig}",
+        "launcher.namespace=ml",
+        "data.cache.nodes=3",
+        "data.cache.token=s3cret",
+        "runtime.nnodes=2",
+    )
     name = job_name(run)
     docs = render(run)
     assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "Service", "StatefulSet", "TrainJob"]
@@ -336,24 +442,44 @@ def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_tr
     sts = docs[3]
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == f"{name}-cache"
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "trainer.cache_node", "/etc/trainjob/config.yaml", "--shard",
-                                    "$(POD_INDEX)/3", "--host", "0.0.0.0", "--port", "50051", "--eval-port", "50052"]
-    assert container["readinessProbe"]["exec"]["command"] == ["python", "-m", "datacache", "ready",
-                                                             "grpc://127.0.0.1:50051"]
-    assert {"name": "TRAINJOB_CACHE_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": f"{name}-secrets", "key": "TRAINJOB_CACHE_TOKEN"}}} in container["env"]
+    assert container["command"] == [
+        "python",
+        "-m",
+        "trainer.cache_node",
+        "/etc/trainjob/config.yaml",
+        "--shard",
+        "$(POD_INDEX)/3",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "50051",
+        "--eval-port",
+        "50052",
+    ]
+    assert container["readinessProbe"]["exec"]["command"] == [
+        "python",
+        "-m",
+        "datacache",
+        "ready",
+        "grpc://127.0.0.1:50051",
+    ]
+    assert {
+        "name": "TRAINJOB_CACHE_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": f"{name}-secrets", "key": "TRAINJOB_CACHE_TOKEN"}},
+    } in container["env"]
     env = {e["name"]: e.get("value") for e in docs[-1]["spec"]["trainer"]["env"]}
     pods = [f"grpc://{name}-cache-{i}.{name}-cache.ml.svc:50051" for i in range(3)]
     assert env["TRAINJOB_CACHE_ENDPOINTS"] == "[" + ",".join(pods) + "]"
     assert env["TRAINJOB_CACHE_EVAL_ENDPOINTS"] == f"[grpc://{name}-cache-0.{name}-cache.ml.svc:50052]"
     assert "s3cret" not in to_yaml(docs)
 
-    job = get_launcher(run.config["launcher"]).launch(run)
+    job = launcher_of(run).launch(run.spec)
     uid = server.objects[("trainjobs", "ml", name)]["metadata"]["uid"]
     for plural in ("services", "statefulsets"):
         assert server.objects[(plural, "ml", f"{name}-cache")]["metadata"]["ownerReferences"][0]["uid"] == uid
     posts = [path for method, path in server.requests if method == "POST"]
     assert posts.index("/apis/apps/v1/namespaces/ml/statefulsets") < posts.index(
-        "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml/trainjobs")
+        "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml/trainjobs"
+    )
     job.cancel()
     assert not [key for key in server.objects if key[0] in ("services", "statefulsets")]  # deleted with the job

@@ -94,7 +94,7 @@ def test_weights_of_the_wrong_shape_are_refused(hf_dirs, tmp_path):
 
 def test_model_hf_fills_the_model_keys_from_config_json(hf_dirs, tmp_path):
     run = compose_run(tmp_path, "model=hf", f"model.path={hf_dirs['llama']}", "train.max_steps=1")
-    model = run.config["model"]
+    model = run.spec.config["model"]
     assert (model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"], model["ffn_dim"]) == (
         64,
         2,

@@ -115,16 +115,16 @@ def test_a_worker_that_finds_bad_data_says_so_in_one_line_before_its_first_step(
     from tests.conftest import compose_run
 
     run = compose_run(tmp_path, *ONE_STEP)
-    cfg = OmegaConf.load(run.config_path)
+    cfg = OmegaConf.load(run.spec.config_path)
     cfg.train.global_batch_size = 65536
-    OmegaConf.save(cfg, run.config_path)
-    proc = subprocess.run([sys.executable, "-m", "trainer.worker", run.config_path], cwd=tmp_path,
+    OmegaConf.save(cfg, run.spec.config_path)
+    proc = subprocess.run([sys.executable, "-m", "trainer.worker", run.spec.config_path], cwd=tmp_path,
                           env={**os.environ, "TRAINJOB_CACHE": cache_dir}, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "error: invalid config: train.global_batch_size=65536: the eval split holds")
-    assert not os.path.exists(os.path.join(run.run_dir, "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(run.spec.run_dir, "metrics.jsonl"))
 
 
 # --- random values for every numeric key of the schema ------------------------------------------------

@@ -26,7 +26,7 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 def build(cfg) -> Transformer:
     """The model described by `cfg` (a `ModelConfig`), on the current default device."""
-    if cfg.get("name") == "hf":
+    if cfg.name == "hf":
         return hf.build(cfg.path)
     return Transformer(
         dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
@@ -50,9 +50,14 @@ def _draw(name: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: floa
     return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside any wrapper a strategy added (DDP wraps; FSDP2 and TP work in place)."""
+    return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+
+
 def init_weights(model: nn.Module, shapes: dict, seed: int, std: float, n_layers: int) -> None:
     """Initialise every parameter of `model` (sharded or not) and its rotary tables, in place."""
-    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    inner = unwrap(model)
     with torch.no_grad():
         for name, param in inner.named_parameters():
             clean = name.replace(WRAPPED, "")

@@ -1,45 +1,20 @@
-"""Parallelism strategies. Each module's `apply(model, mesh, cfg, device)` takes the meta-device model
-and returns it ready to train on `device` (storage allocated, weights not yet initialised: see
-`trainer.models.init_weights`, which gives every strategy the same weights).
-
-The mesh always has the three named dimensions `dp_replicate`, `dp_shard` and `tp` (some of size 1).
-Ranks that differ only in their `tp` coordinate share each batch.
+"""Parallelism: `ParallelDims` (the degrees and the mesh), `parallelize` (applies them to the model), and
+what the loop needs from a parallelized model (gradient accumulation without sync, whole-model clipping).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from trainer.config import DEGREES, mesh_degrees
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.parallelize import parallelize, uses_loss_parallel
 
-
-def build_mesh(cfg, world_size: int, device_type: str) -> DeviceMesh:
-    d = mesh_degrees(cfg, world_size)
-    return init_device_mesh(device_type, tuple(d[n] for n in DEGREES), mesh_dim_names=DEGREES)
-
-
-def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
-    """(rank, size) of this rank among those that see different data."""
-    shard = mesh["dp_shard"]
-    rank = mesh["dp_replicate"].get_local_rank() * shard.size() + shard.get_local_rank()
-    return rank, mesh["dp_replicate"].size() * shard.size()
-
-
-def apply(model: nn.Module, mesh: DeviceMesh, cfg, device) -> nn.Module:
-    module = importlib.import_module(f"trainer.parallel.{cfg.name}")
-    return module.apply(model, mesh, cfg, device)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside any wrapper a strategy added (DDP wraps; FSDP2 and TP work in place)."""
-    return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+__all__ = ["ParallelDims", "clip_grad_norm_", "no_grad_sync", "parallelize", "uses_loss_parallel"]
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 RECIPES = ("pretrain", "sft", "dpo")
 # The data each recipe trains on, and the recipe each conversational dataset is for.
@@ -19,11 +19,12 @@ class RecipeConfig:
     beta: float = 0.1  # dpo: how far from the reference the policy may move (the KL penalty's inverse weight)
 
 
-def check(cfg) -> None:
-    """Raise ConfigError when the recipe, the data and the model do not fit together."""
+def check(cfg, dims) -> None:
+    """Raise ConfigError when the recipe, the data and the model (the typed config) do not fit together on
+    the parallel degrees `dims`."""
     from trainer.config import ConfigError
 
-    recipe = OmegaConf.select(cfg, "recipe.name", default="pretrain")
+    recipe = cfg.recipe.name
     if recipe not in RECIPES:
         raise ConfigError("recipe", recipe, f"must be one of {', '.join(RECIPES)}")
     data = cfg.data.name
@@ -57,9 +58,9 @@ def check(cfg) -> None:
                 f"data={data} is read from its local corpus; cache nodes serve "
                 "token rows of data=stdlib or data=parquet only",
             )
-    if cfg.data.get("packing") and data != "chat":
+    if cfg.data.packing and data != "chat":
         raise ConfigError("data.packing", True, f"packs conversations of data=chat; data={data} has none to pack")
-    if cfg.data.get("packing") and cfg.kernels.name == "triton":
+    if cfg.data.packing and cfg.kernels.name == "triton":
         raise ConfigError(
             "data.packing",
             True,
@@ -69,7 +70,7 @@ def check(cfg) -> None:
         beta = cfg.recipe.beta
         if not beta > 0:
             raise ConfigError("recipe.beta", beta, "must be > 0")
-        if cfg.strategy.name in ("tp", "fsdp2_tp") and cfg.strategy.loss_parallel:
+        if dims.tp > 1 and cfg.strategy.loss_parallel:
             raise ConfigError(
                 "strategy.loss_parallel",
                 True,

@@ -1,0 +1,122 @@
+"""`python -m launchers list|get|logs|wait|delete ...`: the Client's verbs from a terminal.
+
+    python -m launchers list                                    jobs on this machine (launcher local)
+    python -m launchers --launcher kubernetes --namespace team-a get tj-run-1234abcd
+    python -m launchers logs tj-run-1234abcd --rank 0 --follow
+    python -m launchers wait tj-run-1234abcd --status Complete --timeout 3600
+    python -m launchers delete tj-run-1234abcd
+
+Exit codes: 0 done; 1 the launcher said no (no such job, an API error) or `wait` saw the job end
+otherwise or time out; 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from launchers import JobInfo, JobState, LauncherError, OptionError
+from launchers.client import Client
+
+COLUMNS = ("name", "state", "step", "loss", "eval_loss", "start_time", "end_time")
+
+
+def _plain(info: JobInfo) -> dict:
+    out = dataclasses.asdict(info)
+    out["state"] = info.state.value
+    for key in ("start_time", "end_time"):
+        out[key] = out[key].isoformat() if out[key] else None
+    return out
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m launchers",
+        description="Follow and manage trainjob jobs on a "
+        "launcher (start them with python -m trainer or launchers.Client).",
+    )
+    p.add_argument("--launcher", "-l", choices=("local", "docker", "kubernetes"), default="local")
+    k8s = p.add_argument_group("kubernetes options")
+    k8s.add_argument("--namespace")
+    k8s.add_argument("--kubeconfig")
+    k8s.add_argument("--context")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="{list,get,logs,wait,delete}")
+    ls = verbs.add_parser("list", help="the jobs on the launcher")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    get = verbs.add_parser("get", help="a job's state, step, losses and times")
+    get.add_argument("name")
+    get.add_argument("--json", action="store_true")
+    logs = verbs.add_parser("logs", help="a rank's log")
+    logs.add_argument("name")
+    logs.add_argument("--rank", type=int, default=0)
+    logs.add_argument("--follow", "-f", action="store_true", help="until the job ends")
+    wait = verbs.add_parser("wait", help="until the job reaches a state")
+    wait.add_argument("name")
+    wait.add_argument(
+        "--status",
+        action="append",
+        choices=[s.value for s in JobState],
+        help="the state to wait for (repeatable; default Complete)",
+    )
+    wait.add_argument("--timeout", type=float, default=600.0)
+    wait.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
+    delete = verbs.add_parser("delete", help="stop the job and forget it (its run directory stays)")
+    delete.add_argument("name")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    options = {k: getattr(args, k) for k in ("namespace", "kubeconfig", "context") if getattr(args, k) is not None}
+    if options and args.launcher != "kubernetes":
+        p.error(f"--{next(iter(options))} is an option of --launcher kubernetes (the launcher is {args.launcher})")
+    if getattr(args, "rank", 0) < 0:
+        p.error(f"--rank {args.rank}: must be >= 0")
+    if args.verb == "wait" and (args.timeout <= 0 or args.interval <= 0):
+        p.error(f"--timeout {args.timeout:g} and --interval {args.interval:g} must be > 0")
+    try:
+        client = Client(args.launcher, **options)
+        if args.verb == "list":
+            jobs = [_plain(j) for j in client.list_jobs()]
+            if args.json:
+                for job in jobs:
+                    print(json.dumps(job))
+            else:
+                rows = [COLUMNS] + [tuple(_cell(j[c]) for c in COLUMNS) for j in jobs]
+                widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+                for row in rows:
+                    print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        elif args.verb == "get":
+            job = _plain(client.get_job(args.name))
+            print(json.dumps(job) if args.json else "\n".join(f"{k}: {_cell(v)}" for k, v in job.items()))
+        elif args.verb == "logs":
+            for line in client.get_job_logs(args.name, rank=args.rank, follow=args.follow):
+                print(line, flush=True)
+        elif args.verb == "wait":
+            info = client.wait_for_job_status(
+                args.name, status=args.status or ["Complete"], timeout=args.timeout, polling_interval=args.interval
+            )
+            print(f"{info.name} {info.state.value}")
+        elif args.verb == "delete":
+            client.delete_job(args.name)
+            print(f"deleted {args.name}")
+    except (OptionError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (LauncherError, RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

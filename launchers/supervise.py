@@ -1,0 +1,67 @@
+"""`python -m launchers.supervise <name>`: run one local job's command (from its registry record), copy
+its output into the record's console log (and to this process's own stdout and stderr), and record its
+exit code and end time, so that any process can tell how the job ended. SIGTERM is passed on to the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from launchers import registry
+
+
+def _copy(source, log, echo) -> None:
+    for chunk in iter(lambda: source.read1(65536), b""):
+        log.write(chunk)
+        log.flush()
+        try:
+            echo.write(chunk)
+            echo.flush()
+        except (OSError, ValueError):  # nobody reads our own output any more: the log still gets it
+            pass
+
+
+def main(name: str) -> int:
+    record = registry.load(name)
+    if record is None:
+        print(f"error: no local job {name!r} in {registry.jobs_dir()}", file=sys.stderr)
+        return 2
+    record.pid, record.pid_start = os.getpid(), registry.process_start(os.getpid())
+    record.save()
+    lock = threading.Lock()
+    with open(record.console, "ab") as log:
+        proc = subprocess.Popen(record.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+
+        class Locked:
+            def write(self, data):
+                with lock:
+                    log.write(data)
+
+            def flush(self):
+                with lock:
+                    log.flush()
+
+        threads = [
+            threading.Thread(target=_copy, args=(proc.stdout, Locked(), sys.stdout.buffer)),
+            threading.Thread(target=_copy, args=(proc.stderr, Locked(), sys.stderr.buffer)),
+        ]
+        for t in threads:
+            t.start()
+        code = proc.wait()
+        for t in threads:
+            t.join()
+    record = registry.load(name)  # as it is now: cancelled meanwhile, or deleted (then nothing to record)
+    if record is not None:
+        record.exit_code, record.ended = code, time.time()
+        record.save()
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

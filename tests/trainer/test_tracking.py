@@ -1,0 +1,225 @@
+"""Trackers and the loss picture: one tiny run with TensorBoard, MLflow and W&B (offline), resumed from an
+earlier checkpoint with another seed, read back with each tool's own reader; loss.png drawn from the run's
+numbers; trackers refused before anything starts."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO, TINY, read_metrics, read_summary
+from trainer import plots, tracking
+from trainer.config import ConfigError
+
+pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
+ARGS = [
+    *TINY,
+    "train.max_steps=6",
+    "train.eval_every=3",
+    "train.checkpoint_every=3",
+    "train.trackers=[jsonl,tensorboard,mlflow,wandb]",
+]
+
+
+def _train(cache_dir: str, cwd, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+    env.pop("WANDB_MODE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, cache_dir):
+    """A 6-step run in process, then the same run directory resumed from step 3 under torchrun with 2 ranks
+    (only rank 0 may write) and another seed (other batches, so steps 4-6 get other losses): (run directory,
+    the first attempt's lines, the first attempt's state)."""
+    tmp = tmp_path_factory.mktemp("tracked")
+    run_dir = tmp / "run"
+    first = _train(cache_dir, tmp, *ARGS, f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = read_metrics(str(run_dir))
+    state = json.loads((run_dir / "tracking.json").read_text())
+    resume = [f"train.resume={run_dir}/checkpoints/step-3", "+runtime=torch-distributed", "runtime.nproc_per_node=2"]
+    again = _train(cache_dir, tmp, *ARGS, "train.seed=1", *resume, f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    return str(run_dir), before, state
+
+
+def _mlflow(state: dict):
+    os.environ.setdefault(tracking.FILE_STORE_ENV, "true")  # MLflow 3 keeps the file store behind this opt-in
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=state["mlflow"]["tracking_uri"])
+
+
+@pytest.mark.timeout(300)
+def test_tensorboard_events_hold_every_logged_scalar_and_the_config(resumed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _, _ = resumed
+    events = EventAccumulator(os.path.join(run_dir, "tb"))
+    events.Reload()
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_gb"):
+        logged = [(r["step"], r[key]) for r in records if key in r]
+        read = [(e.step, e.value) for e in events.Scalars(tracking.TB_TAGS[key])]
+        assert [s for s, _ in read] == [s for s, _ in logged], key
+        assert [v for _, v in read] == pytest.approx([v for _, v in logged], rel=1e-6), key
+    text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "dim: 64" in text and "global_batch_size: 8" in text
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_continues_the_same_curves_without_the_discarded_steps(resumed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, before, state = resumed
+    after = read_metrics(run_dir)
+    assert [r["loss"] for r in after[:3]] == [r["loss"] for r in before[:3]]
+    assert all(a["loss"] != b["loss"] for a, b in zip(after[3:], before[3:], strict=True))  # the new seed's batches
+    assert read_summary(run_dir)["world_size"] == 2
+    assert len(glob.glob(os.path.join(run_dir, "tb", "events.out.tfevents.*"))) == 2  # one file per attempt
+    events = EventAccumulator(os.path.join(run_dir, "tb"))
+    events.Reload()
+    read = [(e.step, e.value) for e in events.Scalars("loss/train")]
+    assert [s for s, _ in read] == [1, 2, 3, 4, 5, 6]  # steps 4-6 of the first attempt were purged
+    assert [v for _, v in read] == pytest.approx([r["loss"] for r in after], rel=1e-6)
+    # MLflow and W&B go on in the same run.
+    assert json.loads(pathlib.Path(run_dir, "tracking.json").read_text()) == state
+    client = _mlflow(state)
+    assert len(client.search_runs([client.get_experiment_by_name("trainjob").experiment_id])) == 1
+    wandb_runs = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", f"run-{state['wandb']['run_id']}.wandb"))
+    assert len(wandb_runs) == 2
+
+
+@pytest.mark.timeout(300)
+def test_the_mlflow_file_store_holds_the_config_as_params_and_the_metrics(resumed):
+    import mlflow
+
+    run_dir, _, state = resumed
+    assert state["mlflow"]["tracking_uri"] == pathlib.Path(run_dir, "mlruns").resolve().as_uri()
+    _mlflow(state)
+    mlflow.set_tracking_uri(state["mlflow"]["tracking_uri"])
+    run = mlflow.get_run(state["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "/".join(run_dir.split(os.sep)[-2:])
+    params = run.data.params
+    assert params["model.dim"] == "64" and params["train.global_batch_size"] == "8"
+    assert json.loads(params["train.trackers"]) == ["jsonl", "tensorboard", "mlflow", "wandb"]
+    records, summary = read_metrics(run_dir), read_summary(run_dir)
+    assert run.data.metrics["loss"] == pytest.approx(summary["final_train_loss"])
+    assert run.data.metrics["eval_loss"] == pytest.approx(summary["final_eval_loss"])
+    history = _mlflow(state).get_metric_history(run.info.run_id, "eval_loss")
+    # MLflow cannot delete points: the first attempt's step 6 stays beside the resumed one's.
+    assert sorted(m.step for m in history) == [3, 6, 6]
+    newest = max((m for m in history if m.step == 6), key=lambda m: m.timestamp)
+    assert newest.value == pytest.approx(records[-1]["eval_loss"])
+
+
+@pytest.mark.timeout(300)
+def test_wandb_logs_offline_into_the_run_directory(resumed):
+    run_dir, _, state = resumed
+    (path,) = sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "*.wandb")))[:1]
+    data = pathlib.Path(path).read_bytes()  # W&B ships no reader for offline files: its records hold the keys
+    assert b"eval_loss" in data and b"tokens_per_s" in data and b"model.dim" in data
+    assert path.endswith(f"run-{state['wandb']['run_id']}.wandb")
+
+
+@pytest.mark.timeout(300)
+def test_loss_png_is_drawn_from_the_runs_own_numbers(resumed):
+    import matplotlib.image
+
+    run_dir, _, _ = resumed
+    png = os.path.join(run_dir, "loss.png")
+    pixels = matplotlib.image.imread(png)
+    assert os.path.getsize(png) > 20_000 and pixels.shape[0] > 400 and pixels.std() > 0.05
+    records = read_metrics(run_dir)
+    fig = plots.loss_figure(records, plots.tokens_per_step(run_dir))
+    ax = fig.axes[0]
+    train, evals = ax.lines
+    assert list(train.get_xdata()) == [r["step"] for r in records]
+    assert list(train.get_ydata()) == [r["loss"] for r in records]
+    assert list(evals.get_xdata()) == [3, 6] and list(evals.get_ydata()) == [
+        records[2]["eval_loss"],
+        records[5]["eval_loss"],
+    ]
+    assert ax.get_xlabel() == "step" and ax.get_ylabel().startswith("loss")
+    (tokens,) = ax.child_axes
+    assert tokens.get_xlabel() == "tokens" and plots.tokens_per_step(run_dir) == 8 * 32
+    assert tokens.get_xlim() == pytest.approx([x * 8 * 32 for x in ax.get_xlim()])
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=15, deadline=None)
+@given(losses=st.lists(st.floats(0.01, 20.0), min_size=1, max_size=40), eval_every=st.integers(1, 7))
+def test_the_loss_axis_is_log_scaled_when_the_losses_span_more_than_a_factor_of_two(losses, eval_every):
+    records = [
+        {"step": i + 1, "loss": v, **({"eval_loss": v * 1.1} if (i + 1) % eval_every == 0 else {})}
+        for i, v in enumerate(losses)
+    ]
+    ax = plots.loss_figure(records).axes[0]
+    values = losses + [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert ax.get_yscale() == ("log" if max(values) / min(values) > plots.LOG_SCALE_SPAN else "linear")
+    assert list(ax.lines[0].get_ydata()) == losses
+    assert list(ax.lines[1].get_xdata()) == [r["step"] for r in records if "eval_loss" in r]
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from trainer import config
+
+    config.register()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    cfg.run_dir = "/tmp/unused"
+    return cfg
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_tracker_is_refused_before_anything_starts(run_cli, tmp_path):
+    proc = run_cli(*TINY, "train.trackers=[jsonl,neptune]", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: invalid config: train.trackers=['jsonl', 'neptune']: unknown tracker 'neptune': trackers are "
+        "jsonl, tensorboard, mlflow, wandb"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tracker", ["tensorboard", "mlflow", "wandb"])
+def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(tracker, monkeypatch):
+    from trainer import config
+
+    cfg = _compose(f"train.trackers=[{tracker}]")
+    real = tracking.importlib.util.find_spec
+    monkeypatch.setattr(
+        tracking.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == tracking.MODULES[tracker] else real(name, *a),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"tracker {tracker} needs the {tracker} package, which is not "
+        r"installed: pip install 'trainjob\[tracking\]'",
+    ):
+        config.validate(cfg)
+
+
+@pytest.mark.timeout(60)
+def test_a_wandb_mode_that_does_not_exist_is_refused():
+    from trainer import config
+
+    with pytest.raises(ConfigError, match=r"train.wandb.mode='cloud': must be one of online, offline, disabled"):
+        config.validate(_compose("train.wandb.mode=cloud"))

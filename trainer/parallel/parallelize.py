@@ -1,0 +1,140 @@
+"""`parallelize(model, dims, cfg)`: one function applies, from the degrees, tensor parallelism, activation
+checkpointing, torch.compile, and then FSDP2/HSDP or DDP, in TorchTitan's order
+(`models/llama3/infra/parallelize.py`).
+
+Tensor parallelism (DTensor, as TorchTitan plans it for Llama): attention q/k/v and MLP w1/w3 are split by
+output (column-wise: heads and hidden units), attention o and MLP w2 by input (row-wise); between blocks
+the residual stream is split along the sequence (sequence parallelism), so the norms run on a shard of the
+tokens. The output projection is column-wise; with loss parallelism its logits stay split over the
+vocabulary and the loss is computed on the shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from trainer.config import StrategyConfig, torch_dtype
+from trainer.parallel.dims import ParallelDims
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn.Module:
+    """Take the meta-device `model` and return it ready to train on this rank's device over `dims.mesh`
+    (storage allocated, weights not yet initialised: see `trainer.models.init_weights`)."""
+    mesh = dims.mesh
+    device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], uses_loss_parallel(cfg, model.tok_embeddings.num_embeddings, dims.tp))
+    if cfg.activation_checkpointing != "none":
+        apply_ac(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        for block in model.layers.values():
+            block.compile(fullgraph=False)
+    if dims.fsdp:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, cfg, device.type)
+    model.to_empty(device=device)
+    if dims.ddp:  # DDP wraps a model whose storage exists
+        model = DistributedDataParallel(
+            model,
+            process_group=mesh["dp_replicate"].get_group(),
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            device_ids=[device] if device.type == "cuda" else None,
+        )
+    return model
+
+
+def uses_loss_parallel(cfg: StrategyConfig, vocab_size: int, tp: int) -> bool:
+    return tp > 1 and cfg.loss_parallel and vocab_size % tp == 0
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """Apply the tensor-parallel plan to `model` in place."""
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
+
+
+# Selective checkpointing keeps what is expensive to recompute (matmuls and attention) and recomputes
+# the cheap, memory-heavy rest (norms, activations, rotary products).
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Wrap each transformer block for activation checkpointing: `full` or `selective`."""
+    for name, block in list(model.layers.named_children()):
+        extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, cfg: StrategyConfig, device_type: str) -> None:
+    """`fully_shard` each transformer block and the root over `dp_mesh` (2-D: HSDP), with mixed precision."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(cfg.param_dtype, device_type), reduce_dtype=torch_dtype(cfg.reduce_dtype, device_type)
+    )
+    layers = list(model.layers.values())
+    for i, block in enumerate(layers):
+        # The last block's parameters are needed again first in backward: keeping them saves an all-gather.
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            mp_policy=policy,
+            reshard_after_forward=cfg.reshard_after_forward and i < len(layers) - 1,
+        )
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)

@@ -1,0 +1,233 @@
+"""`python -m trainer.report PATH...`: one table of the runs under run or sweep directories (the config keys
+whose values differ between them, final train and eval loss, tokens/s, peak memory, time) and
+`report.png` with every run's loss curve.
+
+A `-m` sweep writes the same into its sweep directory when it ends: `SweepReport`, a Hydra callback that
+`conf/config.yaml` registers under `hydra.callbacks`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+# Keys that differ between any two runs without being a choice: where each run went.
+NOT_CHOICES = ("run_dir",)
+
+
+class ReportError(ValueError):
+    """A path that is not a run or sweep directory."""
+
+
+@dataclass
+class RunRow:
+    run: str  # the run directory, relative to the runs' common folder
+    overrides: dict[str, str]  # the config keys whose values differ between the runs reported
+    steps: int | None
+    final_train_loss: float | None
+    final_eval_loss: float | None
+    tokens_per_s: float | None
+    peak_memory_gb: float | None
+    time_s: float | None
+
+
+def is_run(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.yaml")) and (
+        os.path.isfile(os.path.join(path, "metrics.jsonl")) or os.path.isfile(os.path.join(path, "summary.json"))
+    )
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def find_runs(path: str) -> list[str]:
+    """`path` itself when it is a run directory, else the run directories under it (a sweep's, or a
+    folder of runs), in natural order (sweep job 2 before job 10)."""
+    if not os.path.isdir(path):
+        raise ReportError(f"{path}: no such directory")
+    if is_run(path):
+        return [os.path.abspath(path)]
+    runs = []
+    for root, dirs, _ in os.walk(path):
+        dirs.sort(key=_natural)
+        if is_run(root):
+            runs.append(os.path.abspath(root))
+            dirs.clear()  # a run's own folders (checkpoints, tb, mlruns) hold no runs
+        else:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+    if not runs:
+        raise ReportError(
+            f"{path}: not a run directory (no config.yaml beside metrics.jsonl or summary.json) "
+            "and no run directory under it"
+        )
+    return runs
+
+
+def flat_config(run_dir: str) -> dict[str, str]:
+    """The run's config.yaml as dotted keys and text values (interpolations left as written)."""
+    from trainer.tracking import flat_params
+
+    return flat_params(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
+
+
+def differing(configs: list[dict[str, str]]) -> list[str]:
+    """The keys whose values are not the same in every config (a key some configs lack counts as differing),
+    in the order they first appear."""
+    keys = list(dict.fromkeys(k for c in configs for k in c))
+    return [k for k in keys if k not in NOT_CHOICES and len({c.get(k) for c in configs}) > 1]
+
+
+def _summary(run_dir: str) -> dict[str, Any]:
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]) -> RunRow:
+    """A finished run's numbers from its summary.json; one without (running, failed) from its last lines."""
+    s = _summary(run_dir)
+    if s:
+        peaks = [p for p in s.get("peak_memory_gb_per_rank") or [] if p is not None]
+        return RunRow(
+            label,
+            overrides,
+            s.get("steps"),
+            s.get("final_train_loss"),
+            s.get("final_eval_loss"),
+            s.get("tokens_per_s"),
+            max(peaks) if peaks else None,
+            s.get("train_time_s"),
+        )
+    last = records[-1] if records else {}
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    peaks = [r["peak_memory_gb"] for r in records if "peak_memory_gb" in r]
+    return RunRow(
+        label,
+        overrides,
+        last.get("step"),
+        last.get("loss"),
+        evals[-1] if evals else None,
+        last.get("tokens_per_s"),
+        max(peaks) if peaks else None,
+        last.get("elapsed_s"),
+    )
+
+
+def collect(paths: list[str]) -> tuple[list[RunRow], list[tuple[str, list[dict]]]]:
+    """The table's rows and the curves for every run under `paths` (each run once)."""
+    from trainer.plots import read_metrics
+
+    runs = list(dict.fromkeys(r for p in paths for r in find_runs(p)))
+    configs = [flat_config(r) for r in runs]
+    keys = differing(configs)
+    common = os.path.commonpath(runs)
+    rows, curves = [], []
+    for run_dir, cfg in zip(runs, configs, strict=True):
+        label = os.path.relpath(run_dir, common) if len(runs) > 1 else os.path.basename(run_dir)
+        records = read_metrics(run_dir)
+        overrides = {k: cfg.get(k, "-") for k in keys}
+        rows.append(row(run_dir, label, overrides, records))
+        curves.append((" ".join([label, *(f"{k}={_short(v)}" for k, v in overrides.items())]), records))
+    return rows, curves
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _short(value: str) -> str:
+    """A config value as the table shows it: a float to 4 significant digits (an Optuna trial's 0.0016051911...)."""
+    try:
+        return format(float(value), ".4g") if any(c in value for c in ".eE") else value
+    except ValueError:
+        return value
+
+
+def table(rows: list[RunRow]):
+    """The rows as a rich Table."""
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} run{'s' if len(rows) != 1 else ''}")
+    t.add_column("run")
+    keys = list(rows[0].overrides) if rows else []
+    for key in keys:
+        t.add_column(key)
+    for name in ("steps", "train loss", "eval loss", "tokens/s", "peak mem GiB", "time s"):
+        t.add_column(name, justify="right")
+    for r in rows:
+        numbers = [
+            _number(r.steps, "d"),
+            _number(r.final_train_loss, ".4f"),
+            _number(r.final_eval_loss, ".4f"),
+            _number(r.tokens_per_s, ".0f"),
+            _number(r.peak_memory_gb, ".3f"),
+            _number(r.time_s, ".1f"),
+        ]
+        t.add_row(r.run, *(_short(r.overrides[k]) for k in keys), *numbers)
+    return t
+
+
+def report(paths: list[str], output: str | None = None, console=None) -> tuple[list[RunRow], str]:
+    """Print the table of the runs under `paths` and write their curves to `output` (default: report.png in
+    the paths' common folder); return the rows and the picture's path."""
+    from rich.console import Console
+
+    from trainer import plots
+
+    rows, curves = collect(paths)
+    if output is None:
+        output = os.path.join(os.path.commonpath([os.path.abspath(p) for p in paths]), "report.png")
+    # Not on a terminal (a log, a pipe): wide enough that a sweep's columns are not cut to a few letters.
+    (console or Console(width=None if sys.stdout.isatty() else 200)).print(table(rows))
+    plots.save(plots.report_figure(curves), output)
+    return rows, output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="run or sweep directories")
+    parser.add_argument(
+        "-o", "--output", help="where to write the picture (default: report.png in the paths' common folder)"
+    )
+    args = parser.parse_args(argv)
+    if args.output and not args.output.endswith(".png"):
+        parser.error(f"--output {args.output}: the picture is a PNG; give a path ending in .png")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        parser.error(f"--output {args.output}: no such directory {os.path.dirname(os.path.abspath(args.output))}")
+    try:
+        _, output = report(args.paths, args.output)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {output}")
+    return 0
+
+
+class SweepReport(Callback):
+    """At the end of a `-m` sweep (basic or Optuna), the report of its runs in the sweep directory."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = config.hydra.sweep.dir
+        try:
+            _, output = report([sweep_dir])
+        except ReportError as e:  # e.g. every run refused: the sweep's own errors said why
+            log.warning("no sweep report: %s", e)
+            return
+        log.info("sweep report: %s", output)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
