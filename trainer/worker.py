@@ -113,8 +113,7 @@ def check_memory(cfg: Config, dims: ParallelDims) -> None:
     error, not an allocation failure minutes later."""
     m = cfg.model
     try:
-        with torch.device("meta"):
-            params = models.num_params(models.build(m))
+        params = models.count_params(m)
     except RuntimeError:  # a tensor whose size in bytes overflows int64
         raise ConfigError("model", f"dim={m.dim}, ffn_dim={m.ffn_dim}, vocab_size={m.vocab_size}",
                           "makes a tensor too large to address: choose smaller model.* sizes") from None

@@ -7,6 +7,7 @@ or any composition). So every strategy and world size starts from the same weigh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -18,7 +19,8 @@ from trainer.models import hf
 from trainer.models.hf import from_hf
 from trainer.models.llama import Transformer
 
-__all__ = ["Transformer", "build", "from_hf", "init_or_load", "init_weights", "num_params", "param_shapes"]
+__all__ = ["Transformer", "build", "count_params", "from_hf", "init_or_load", "init_weights", "num_params",
+           "param_shapes"]
 
 # What activation-checkpoint wrappers insert into parameter names.
 WRAPPED = "_checkpoint_wrapped_module."
@@ -80,6 +82,18 @@ def init_or_load(model: nn.Module, shapes: dict, cfg) -> None:
         hf.load_weights(model, cfg.model.path)
     else:
         init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)
+
+
+def count_params(cfg) -> int:
+    """Parameter count of the model `cfg` (a `ModelConfig`) describes, without building all of it: one
+    block on the meta device stands for every block, so any depth costs the same."""
+    with torch.device("meta"):
+        if cfg.name == "hf":
+            model = hf.build(cfg.path)
+            return num_params(model)
+        one = build(dataclasses.replace(cfg, n_layers=1))
+    per_block = sum(p.numel() for p in one.layers["0"].parameters())
+    return num_params(one) + (cfg.n_layers - 1) * per_block
 
 
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
