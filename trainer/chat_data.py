@@ -14,13 +14,10 @@ assistant token after its first is dropped (it would teach nothing). Rows are
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import zlib
 from collections.abc import Iterator
 
@@ -31,6 +28,7 @@ import torch
 
 from datacache.local import LocalDataset, parquet_files, read_token_rows
 from trainer.config import ConfigError
+from trainer.data import build_once
 from trainer.models.hf_tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -203,50 +201,32 @@ def prepare(cfg) -> str:
         "format": 1,
         "packing": bool(d.packing),
     }
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    root = os.path.join(os.path.expanduser(d.cache_dir), "corpus")
-    target = os.path.join(root, f"{d.name}-{key}")
-    if os.path.isdir(target):
-        return target
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, f".{d.name}-{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isdir(target):
-            return target
-        pad = next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
-        tmp = tempfile.mkdtemp(prefix=f".{d.name}-{key}-", dir=root)
-        try:
-            splits: dict[str, list] = {"train": [], "eval": []}
-            dropped = 0
-            for doc_id, chats in documents(d.name, d.path):
-                encoded = [encode_row(tok, messages, d.seq_len, pad) for messages in chats]
-                if not all(mask[1:].any() for _, mask in encoded):
-                    dropped += 1
-                    continue
-                tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
-                in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
-                splits["eval" if in_eval else "train"].append((tokens, mask))
-            if d.packing:
-                splits = {
-                    name: pack([(t, m, _length(t, m, pad)) for t, m in rows], d.seq_len, pad)
-                    for name, rows in splits.items()
-                }
-            counts = {name: _write(rows, d.seq_len, os.path.join(tmp, name)) for name, rows in splits.items()}
-            top = max((int(row[0].max()) for rows in splits.values() for row in rows), default=0)
-            with open(os.path.join(tmp, "corpus.json"), "w") as f:
-                json.dump({**settings, "rows": counts, "max_token_id": top, "dropped": dropped}, f, indent=2)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if dropped:
-        log.warning(
-            "data=%s: %d row(s) without an assistant token in their first %d tokens dropped",
-            d.name,
-            dropped,
-            d.seq_len + 1,
-        )
-    log.info("chat corpus rows: %s", counts)
-    return target
+    pad = next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
+
+    def write(tmp: str) -> dict:
+        splits: dict[str, list] = {"train": [], "eval": []}
+        dropped = 0
+        for doc_id, chats in documents(d.name, d.path):
+            encoded = [encode_row(tok, messages, d.seq_len, pad) for messages in chats]
+            if not all(mask[1:].any() for _, mask in encoded):
+                dropped += 1
+                continue
+            tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
+            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
+            splits["eval" if in_eval else "train"].append((tokens, mask))
+        if d.packing:
+            splits = {
+                name: pack([(t, m, _length(t, m, pad)) for t, m in rows], d.seq_len, pad)
+                for name, rows in splits.items()
+            }
+        counts = {name: _write(rows, d.seq_len, os.path.join(tmp, name)) for name, rows in splits.items()}
+        top = max((int(row[0].max()) for rows in splits.values() for row in rows), default=0)
+        if dropped:
+            log.warning("data=%s: %d row(s) without an assistant token in their first %d tokens dropped",
+                        d.name, dropped, d.seq_len + 1)
+        return {"rows": counts, "max_token_id": top, "dropped": dropped}
+
+    return build_once(d.cache_dir, d.name, settings, write)
 
 
 class ChatDataset(LocalDataset):

@@ -24,7 +24,7 @@ import sys
 import sysconfig
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -132,38 +132,49 @@ def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:
     return n
 
 
+def build_once(cache_dir: str, name: str, settings: dict, write: Callable[[str], dict]) -> str:
+    """The corpus directory for `settings` under `cache_dir`, built by `write(tmp)` when missing: it fills a
+    fresh directory and returns what corpus.json adds to the settings (at least `rows`, `max_token_id`).
+    One builder at a time (ranks and sweep jobs share the cache); the others wait and then reuse it, and a
+    build that fails leaves nothing behind."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    root = os.path.join(os.path.expanduser(cache_dir), "corpus")
+    target = os.path.join(root, f"{name}-{key}")
+    if os.path.isdir(target):
+        return target
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, f".{name}-{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(target):
+            return target
+        log.info("tokenizing the %s corpus into %s (once)", name, target)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-{key}-", dir=root)
+        try:
+            facts = write(tmp)
+            with open(os.path.join(tmp, "corpus.json"), "w") as f:
+                json.dump({**settings, **facts}, f, indent=2)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("corpus rows: %s", facts["rows"])
+    return target
+
+
 def prepare(cfg) -> str:
     """The corpus directory for `cfg` (a DataConfig), building it first if it is missing."""
     settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": cfg.eval_percent,
                 "source": _fingerprint(cfg), "format": 3}
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    root = os.path.join(os.path.expanduser(cfg.cache_dir), "corpus")
-    target = os.path.join(root, f"{cfg.name}-{key}")
-    if os.path.isdir(target):
-        return target
-    os.makedirs(root, exist_ok=True)
-    # One builder at a time (ranks and sweep jobs share the cache); the others wait and then reuse it.
-    with open(os.path.join(root, f".{cfg.name}-{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isdir(target):
-            return target
-        log.info("tokenizing the %s corpus into %s (once)", cfg.name, target)
-        tmp = tempfile.mkdtemp(prefix=f".{cfg.name}-{key}-", dir=root)
-        try:
-            splits: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
-            for doc_id, ids in _documents(cfg):
-                in_eval = zlib.crc32(doc_id.encode()) % 10_000 < cfg.eval_percent * 100
-                splits["eval" if in_eval else "train"].append(ids)
-            counts = {name: _write_rows(docs, cfg.seq_len, os.path.join(tmp, name))
-                      for name, docs in splits.items()}
-            top = max((int(ids.max()) for docs in splits.values() for ids in docs if len(ids)), default=0)
-            with open(os.path.join(tmp, "corpus.json"), "w") as f:
-                json.dump({**settings, "rows": counts, "max_token_id": top}, f, indent=2)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.info("corpus rows: %s", counts)
-    return target
+
+    def write(tmp: str) -> dict:
+        splits: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
+        for doc_id, ids in _documents(cfg):
+            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < cfg.eval_percent * 100
+            splits["eval" if in_eval else "train"].append(ids)
+        counts = {name: _write_rows(docs, cfg.seq_len, os.path.join(tmp, name)) for name, docs in splits.items()}
+        top = max((int(ids.max()) for docs in splits.values() for ids in docs if len(ids)), default=0)
+        return {"rows": counts, "max_token_id": top}
+
+    return build_once(cfg.cache_dir, cfg.name, settings, write)
 
 
 def check_corpus(corpus: str, cfg) -> None:
