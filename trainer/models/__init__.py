@@ -28,7 +28,7 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 def build(cfg) -> Transformer:
     """The model described by `cfg` (a `ModelConfig`), on the current default device."""
-    if cfg.name == "hf":
+    if getattr(cfg, "name", None) == "hf":  # a ModelConfig, or any config with the Transformer's keys
         return hf.build(cfg.path)
     return Transformer(
         dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
