@@ -66,6 +66,14 @@ def compose_run(tmp_path, *overrides: str):
     return prepare_run(cfg)
 
 
+def compose_refused(tmp_path, capsys, *overrides: str) -> str:
+    """What `compose_run(*overrides)` prints on stderr as it refuses the config with exit 2."""
+    with pytest.raises(SystemExit) as e:
+        compose_run(tmp_path, *overrides)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     with open(RunDir(run_dir).metrics) as f:
         return [json.loads(line) for line in f]

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import compose_run, read_metrics
+from tests.conftest import compose_refused, read_metrics
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 from trainer.recipes import dpo
 from trainer.recipes.sft import IGNORE
@@ -105,21 +105,14 @@ def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_
     assert metrics[-1]["rewards/chosen"] > metrics[-1]["rewards/rejected"]
 
 
-def _refused(tmp_path, capsys, *overrides) -> str:
-    with pytest.raises(SystemExit) as e:
-        compose_run(tmp_path, *overrides)
-    assert e.value.code == 2
-    return capsys.readouterr().err
-
-
-def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_path, capsys):
+def test_preference_runs_that_cannot_train_arecompose_refused(preference_setup, tmp_path, capsys):
     model, path = preference_setup
     hf = ["model=hf", f"model.path={model}"]
-    assert "data='stdlib': recipe=dpo trains on data=preference" in _refused(tmp_path, capsys, *hf, "recipe=dpo")
-    assert "recipe.beta=0.0: must be > 0" in _refused(
+    assert "data='stdlib': recipe=dpo trains on data=preference" in compose_refused(tmp_path, capsys, *hf, "recipe=dpo")
+    assert "recipe.beta=0.0: must be > 0" in compose_refused(
         tmp_path, capsys, *hf, *ARGS, f"data.path={path}", "recipe.beta=0"
     )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi", "chosen": "yes"}) + "\n")
-    err = _refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
+    err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
     assert f"row 1 of {bad} needs the strings prompt, chosen, rejected" in err

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import compose_run, read_metrics
+from tests.conftest import compose_refused, read_metrics
 from tests.trainer.hf_models import add_tokenizer, make_llama
 from trainer import export
 from trainer.models import from_hf
@@ -96,21 +96,14 @@ def test_adapters_load_in_peft_with_our_logits_and_merge_into_the_same_model(lor
     torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(merged)), ours, rtol=0, atol=1e-5)
 
 
-def _refused(tmp_path, capsys, *overrides) -> str:
-    with pytest.raises(SystemExit) as e:
-        compose_run(tmp_path, *overrides)
-    assert e.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_lora_that_cannot_run_is_refused_naming_the_key(lora_run, tmp_path, capsys):
     base, _, _ = lora_run
     hf = ["model=hf", f"model.path={base}"]
-    assert "peft='lora': LoRA adapts a pretrained model: use model=hf" in _refused(tmp_path, capsys, "peft=lora")
-    err = _refused(
+    assert "peft='lora': LoRA adapts a pretrained model: use model=hf" in compose_refused(tmp_path, capsys, "peft=lora")
+    err = compose_refused(
         tmp_path, capsys, *hf, "peft=lora", "+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp"
     )
     assert "strategy='tp': peft=lora runs under strategy=ddp or fsdp2" in err
-    err = _refused(tmp_path, capsys, *hf, "peft=lora", "peft.target_modules=[q_proj,wq]")
+    err = compose_refused(tmp_path, capsys, *hf, "peft=lora", "peft.target_modules=[q_proj,wq]")
     assert "peft.target_modules=['q_proj', 'wq']: must be distinct names among q_proj, k_proj" in err
-    assert "peft.rank=0: must be > 0" in _refused(tmp_path, capsys, *hf, "peft=lora", "peft.rank=0")
+    assert "peft.rank=0: must be > 0" in compose_refused(tmp_path, capsys, *hf, "peft=lora", "peft.rank=0")

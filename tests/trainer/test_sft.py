@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import compose_run, read_metrics, read_summary
+from tests.conftest import compose_refused, read_metrics, read_summary
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 from trainer import chat_data
 from trainer.models.hf_tokenizer import HFTokenizer
@@ -115,31 +115,24 @@ def test_an_sft_run_trains_on_chats(chat_setup, run_cli, tmp_path):
     assert np.isfinite(read_summary(str(run_dir))["final_eval_loss"])
 
 
-def _refused(tmp_path, capsys, *overrides) -> str:
-    with pytest.raises(SystemExit) as e:
-        compose_run(tmp_path, *overrides)
-    assert e.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_path, capsys):
     model, path, _ = chat_setup
     hf = ["model=hf", f"model.path={model}"]
-    assert "data='stdlib': recipe=sft trains on data=chat (rows with messages)" in _refused(
+    assert "data='stdlib': recipe=sft trains on data=chat (rows with messages)" in compose_refused(
         tmp_path, capsys, *hf, "recipe=sft"
     )
-    assert "recipe='pretrain': data=chat is for recipe=sft" in _refused(
+    assert "recipe='pretrain': data=chat is for recipe=sft" in compose_refused(
         tmp_path, capsys, *hf, "data=chat", f"data.path={path}"
     )
-    assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in _refused(
+    assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in compose_refused(
         tmp_path, capsys, *ARGS, f"data.path={path}"
     )
-    assert "data.packing=True: packs conversations of data=chat; data=stdlib has none to pack" in _refused(
+    assert "data.packing=True: packs conversations of data=chat; data=stdlib has none to pack" in compose_refused(
         tmp_path, capsys, "data.packing=true"
     )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
-    err = _refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
+    err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
     assert f"data.path='{bad}': row 2 of {bad} has no 'messages' list" in err
     assert not os.path.exists(tmp_path / "run" / "config.yaml")
 
