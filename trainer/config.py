@@ -499,16 +499,14 @@ def _check_across(job: Config) -> None:
         for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
             _require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
                      f"must be divisible by the tensor-parallel degree strategy.tp={dims.tp}")
-        _require(not m.tie_embeddings, "model.tie_embeddings", True, "tied embeddings cannot be tensor-parallel "
-                 "(the embedding is sharded by rows); set model.tie_embeddings=false")
     if job.kernels.name == "triton":
         _require(job.launcher.name != "local" or local_gpu_count() > 0 or os.environ.get("TRITON_INTERPRET") == "1",
                  "kernels", "triton",
                  "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on the CPU (slowly, for testing)")
         _require(dims.tp == 1, "kernels", "triton", f"works with strategy=ddp or fsdp2 (strategy.tp=1); "
                  f"strategy={s.name} hands the kernels DTensors")
-    recipe_config.check(job, dims)
-    peft_config.check(job, dims)
+    recipe_config.check(job)
+    peft_config.check(job)
     per_step = dims.dp_size * t.grad_accum_steps
     tracking.check(job)
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,

@@ -20,9 +20,8 @@ class PeftConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def check(cfg, dims) -> None:
-    """Raise ConfigError when the peft section cannot run with the rest of `cfg` (the typed config) on the
-    parallel degrees `dims`."""
+def check(cfg) -> None:
+    """Raise ConfigError when the peft section cannot run with the rest of `cfg` (the typed config)."""
     from trainer.config import ConfigError
 
     p = cfg.peft
@@ -37,12 +36,6 @@ def check(cfg, dims) -> None:
             name,
             f"LoRA adapts a pretrained model: use model=hf model.path=<directory> "
             f"(model is {cfg.model.name}, whose frozen weights would be random)",
-        )
-    if dims.tp > 1:
-        raise ConfigError(
-            "strategy",
-            cfg.strategy.name,
-            "peft=lora runs under strategy=ddp or fsdp2 (strategy.tp=1: the adapters are not tensor-parallel)",
         )
     if p.rank <= 0:
         raise ConfigError("peft.rank", p.rank, "must be > 0")

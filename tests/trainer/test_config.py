@@ -122,8 +122,6 @@ BAD = [
      "model.n_kv_heads=1: must be divisible by the tensor-parallel degree strategy.tp=2"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=3", "strategy=tp", "train.global_batch_size=12"],
      "model.n_heads=4: must be divisible by the tensor-parallel degree strategy.tp=3"),
-    (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp", "model.tie_embeddings=true"],
-     "model.tie_embeddings=True: tied embeddings cannot be tensor-parallel"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp", "train.global_batch_size=5"],
      "train.global_batch_size=5: must be divisible by data-parallel size x train.grad_accum_steps = 2 x 1 = 2"),
     (["strategy.activation_checkpointing=some"],

@@ -1,5 +1,6 @@
 """`recipe=dpo` on `data=preference`: the loss and its gradient are the paper's formula, and on a tiny
-preference set the reward margin grows. The model and tokenizer are tiny ones made here."""
+preference set the reward margin grows, also under tensor parallelism (2 CPU processes, real torchrun and
+gloo). The model and tokenizer are tiny ones made here."""
 
 from __future__ import annotations
 
@@ -84,25 +85,26 @@ ARGS = [
 
 def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_cli, tmp_path):
     model, path = preference_setup
-    run_dir = tmp_path / "run"
-    proc = run_cli(
-        "model=hf",
-        f"model.path={model}",
-        *ARGS,
-        f"data.path={path}",
-        "train.max_steps=6",
-        "train.eval_every=6",
-        "recipe.beta=0.5",
-        f"hydra.run.dir={run_dir}",
-    )
+    args = ["model=hf", f"model.path={model}", *ARGS, f"data.path={path}", "train.max_steps=6",
+            "train.eval_every=6", "recipe.beta=0.5"]
+    proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = read_metrics(str(run_dir))
+    metrics = read_metrics(str(tmp_path / "run"))
     margins = [m["rewards/margins"] for m in metrics]
     # Step 1 runs the starting weights, the reference itself: rewards 0, loss log 2.
     assert margins[0] == pytest.approx(0, abs=1e-5) and metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert margins[-1] > margins[2] > 0.1 and metrics[-1]["rewards/accuracies"] == 1.0
     assert metrics[-1]["loss"] < math.log(2) - 0.05
     assert metrics[-1]["rewards/chosen"] > metrics[-1]["rewards/rejected"]
+
+    # Under tensor parallelism (2 processes, loss parallelism on: the log-probabilities come from logits
+    # split over the vocabulary) the run is the same.
+    proc = run_cli(*args, "+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp",
+                   f"hydra.run.dir={tmp_path / 'tp'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp = read_metrics(str(tmp_path / "tp"))
+    for key in ("loss", "rewards/margins", "grad_norm"):
+        assert [m[key] for m in tp] == pytest.approx([m[key] for m in metrics], rel=1e-4, abs=1e-6), key
 
 
 def test_preference_runs_that_cannot_train_arecompose_refused(preference_setup, tmp_path, capsys):

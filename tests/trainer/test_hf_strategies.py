@@ -1,7 +1,9 @@
 """Fine-tuning a Hugging Face model under ddp, fsdp2 and tp on 2 CPU processes (real torchrun, gloo) gives
 the single-process losses, each rank reading only its own slices of the safetensors; a single-process
 checkpoint resumes under fsdp2, and an fsdp2 checkpoint exports to the single process's weights. One
-module fixture runs the single-process reference; the model is a tiny random Llama made here."""
+module fixture runs the single-process reference; the model is a tiny random Llama with tied embeddings
+made here (under tp the embedding's vocabulary rows also project the logits), fine-tuned with SFT on packed
+conversations (attention and positions stay within each conversation on every rank)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def _run(args: list[str], run_dir, cache_dir) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("hf-strategies")
-    model = add_tokenizer(make_llama(str(root)))
+    model = add_tokenizer(make_llama(str(root), tie=True))
     path = root / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(48, seed=1)))
     args = [
@@ -47,6 +49,7 @@ def single(tmp_path_factory, cache_dir):
         "recipe=sft",
         "data=chat",
         f"data.path={path}",
+        "data.packing=true",
         "data.seq_len=48",
         "data.eval_percent=25",
         "train.global_batch_size=4",

@@ -112,6 +112,15 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
     return torch.where(medium, blended, scaled)
 
 
+class TiedProjection(nn.Module):
+    """The output projection of a model with tied embeddings: logits from the embedding matrix it is given.
+    It holds no parameter (the embedding does); it is a module so that a strategy can place its inputs and
+    output as it places an output layer's."""
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight)
+
+
 class Transformer(nn.Module):
     # A function (hidden, weight, targets) -> loss that never materialises the logits, or None.
     fused_loss_fn = None
@@ -130,6 +139,7 @@ class Transformer(nn.Module):
         # Tied: no separate output layer; the embedding matrix projects back. Sharing one Parameter
         # between two modules would not survive `to_empty`, which re-creates each module's tensors.
         self.output = None if tie_embeddings else nn.Linear(dim, vocab_size, bias=False)
+        self.tied_output = TiedProjection() if tie_embeddings else None
         head_dim = dim // n_heads
         self.register_buffer("rope_cos", torch.empty(max_seq_len, head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_seq_len, head_dim), persistent=False)
@@ -180,7 +190,7 @@ class Transformer(nn.Module):
         h = self.hidden_states(tokens, documents)
         if targets is not None and self.fused_loss_fn is not None:
             return self.fused_loss_fn(h, self.output_weight, targets)
-        logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        logits = self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))

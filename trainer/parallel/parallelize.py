@@ -6,7 +6,14 @@ Tensor parallelism (DTensor, as TorchTitan plans it for Llama): attention q/k/v 
 output (column-wise: heads and hidden units), attention o and MLP w2 by input (row-wise); between blocks
 the residual stream is split along the sequence (sequence parallelism), so the norms run on a shard of the
 tokens. The output projection is column-wise; with loss parallelism its logits stay split over the
-vocabulary and the loss is computed on the shards.
+vocabulary and the loss is computed on the shards. Tied embeddings: the embedding is split by vocabulary
+rows, which is how a column-wise output layer splits its weight, so the tied projection gathers the sequence
+and each rank computes its own vocabulary's logits from its rows, with no extra communication.
+
+LoRA layers (`trainer.lora.LoRALinear`) split with their weight: in a column-wise layer `lora_A` is whole on
+every rank (it reads the whole input) and `lora_B` is split by output like the weight; in a row-wise layer
+`lora_A` is split by input like the weight and `lora_B` is whole, its output a partial sum that the layer's
+one reduce-scatter adds up with the weight's. So an adapter costs no communication of its own.
 """
 
 from __future__ import annotations
@@ -15,10 +22,11 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -27,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import StrategyConfig, torch_dtype
+from trainer.lora import LoRALinear
 from trainer.parallel.dims import ParallelDims
 
 
@@ -62,39 +71,78 @@ def uses_loss_parallel(cfg: StrategyConfig, vocab_size: int, tp: int) -> bool:
 
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """Apply the tensor-parallel plan to `model` in place."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
-    for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            },
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    logits = Shard(-1) if loss_parallel else Replicate()
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=logits, use_local_output=not loss_parallel
         )
+    else:
+        plan["tied_output"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1), None),
+            desired_input_layouts=(Replicate(), None),
+            output_layouts=Shard(-1),
+            desired_output_layouts=logits,
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block))
+    # SequenceParallel makes new parameters that require grad: a frozen norm (peft=lora) would train.
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+
+
+_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+_ROWWISE = ("attention.wo", "feed_forward.w2")
+
+
+def _block_plan(block: nn.Module) -> dict:
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    }
+    for name in _COLWISE:
+        plan[name] = (_LoRAColwise if isinstance(block.get_submodule(name), LoRALinear) else ColwiseParallel)()
+    for name in _ROWWISE:
+        style = _LoRARowwise if isinstance(block.get_submodule(name), LoRALinear) else RowwiseParallel
+        plan[name] = style(output_layouts=Shard(1))
+    return plan
+
+
+def _distribute(module: nn.Module, mesh, placements: dict[str, Placement], src_data_rank) -> None:
+    """Replace each of `module`'s own parameters by a DTensor with its placement in `placements`."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class _LoRAColwise(ColwiseParallel):
+    """ColwiseParallel for a LoRA layer: weight and bias split by output, `lora_A` whole, `lora_B` split by output."""
+
+    _WEIGHT = {"": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name in self._WEIGHT:
+            _distribute(module, device_mesh, {"weight": self._WEIGHT[name], "bias": Shard(0)}, self.src_data_rank)
+
+
+class _LoRARowwise(RowwiseParallel):
+    """RowwiseParallel for a LoRA layer: the weight and `lora_A` split by input, the bias and `lora_B` whole."""
+
+    _WEIGHT = {"": Shard(1), "lora_A": Shard(1), "lora_B": Replicate()}
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name in self._WEIGHT:
+            _distribute(module, device_mesh, {"weight": self._WEIGHT[name], "bias": Replicate()}, self.src_data_rank)
 
 
 # Selective checkpointing keeps what is expensive to recompute (matmuls and attention) and recomputes

@@ -19,9 +19,8 @@ class RecipeConfig:
     beta: float = 0.1  # dpo: how far from the reference the policy may move (the KL penalty's inverse weight)
 
 
-def check(cfg, dims) -> None:
-    """Raise ConfigError when the recipe, the data and the model (the typed config) do not fit together on
-    the parallel degrees `dims`."""
+def check(cfg) -> None:
+    """Raise ConfigError when the recipe, the data and the model (the typed config) do not fit together."""
     from trainer.config import ConfigError
 
     recipe = cfg.recipe.name
@@ -70,9 +69,3 @@ def check(cfg, dims) -> None:
         beta = cfg.recipe.beta
         if not beta > 0:
             raise ConfigError("recipe.beta", beta, "must be > 0")
-        if dims.tp > 1 and cfg.strategy.loss_parallel:
-            raise ConfigError(
-                "strategy.loss_parallel",
-                True,
-                "recipe=dpo reads whole log-probabilities: set strategy.loss_parallel=false under tensor parallelism",
-            )

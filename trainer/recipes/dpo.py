@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from trainer.recipes.sft import IGNORE, targets
 
@@ -21,10 +22,13 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 
 
 def sequence_logps(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(batch,) sums of log p(target) over the counted (not IGNORE) positions; logits (batch, seq, vocab)."""
-    counted = target != IGNORE
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (logp * counted).sum(-1)
+    """(batch,) sums of log p(target) over the counted (not IGNORE) positions; logits (batch, seq, vocab).
+    Taken as a cross-entropy, so that under loss parallelism (inside `loss_parallel()`) logits split over the
+    vocabulary give them without being gathered."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="none")
+    if isinstance(nll, DTensor):  # the same on every tensor-parallel rank
+        nll = nll.to_local()
+    return -nll.view(target.shape).sum(-1)
 
 
 def dpo_loss(
