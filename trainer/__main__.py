@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 import launchers
 from datacache.server import TOKEN_ENV
 from trainer import config
+from trainer.preflight import check
 from trainer.run_dir import RunDir
 
 log = logging.getLogger("trainer")
@@ -61,28 +62,6 @@ def _save_config(resolved: dict, run_dir: str) -> str:
         f.write(text)
     os.replace(tmp, path)
     return path
-
-
-def check(cfg: DictConfig) -> None:
-    """Resolve `cfg` in place and check it: the rules, then (where the ranks run on this machine) what the
-    data, the checkpoint and the cache nodes say. Raises ConfigError; writes nothing but the corpus cache."""
-    run_dir = os.path.abspath(cfg.run_dir)
-    OmegaConf.resolve(cfg)
-    cfg.run_dir = run_dir
-    if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
-        from trainer.models import hf
-
-        hf.fill_config(cfg.model)
-    job = config.validate(cfg)
-    if job.launcher.name == "local":
-        from trainer import worker
-
-        worker.check_inputs(job, config.parallel_dims(job))
-    c = job.data.cache  # a warning only once the config passed: a refusal stays one line
-    plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
-    if c.token and plain:
-        print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
-              "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
 
 
 @dataclass(frozen=True)

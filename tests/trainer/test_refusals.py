@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from datacache.order import BatchPlan
 from tests.conftest import REPO, TINY
 from trainer import config
-from trainer.__main__ import check
+from trainer.preflight import check
 from trainer.loop import build_optimizer
 
 ONE_STEP = [*TINY, "train.max_steps=1", "train.eval_batches=1"]

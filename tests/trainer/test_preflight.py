@@ -1,0 +1,54 @@
+"""Before Hydra makes a directory: a run or sweep directory that is a file is refused, and a `-m` sweep with a
+value that cannot run is refused, naming the job, before its first job runs (exit 2, one line, nothing
+written)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import TINY
+from trainer.preflight import _check_directory
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _one_line(proc) -> str:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def test_a_sweep_with_a_value_that_cannot_run_is_refused_before_its_first_job(run_cli, tmp_path):
+    proc = run_cli("-m", *TINY, "train.max_steps=1", "optim.lr=1e-3,-1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    line = _one_line(proc)
+    assert line.startswith("error: sweep job 1 (") and line.endswith(
+        " optim.lr=-1), before any job ran: invalid config: optim.lr=-1.0: must be > 0"
+    )
+    assert not (tmp_path / "sweep").exists()
+    assert "Launching" not in proc.stdout + proc.stderr
+
+
+def test_a_run_directory_that_is_a_file_is_refused_and_the_file_kept(run_cli, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = run_cli(*TINY, "train.max_steps=1", "hydra.run.dir=notes.txt")
+    assert _one_line(proc) == "error: hydra.run.dir=notes.txt: is a file; the run writes a directory there"
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("notes.txt/run", "is inside {tmp}/notes.txt, which is a file"),
+    ("notes.txt/a/b", "is inside {tmp}/notes.txt, which is a file"),
+    ("notes.txt", "is a file"),
+])
+def test_a_directory_inside_a_file_is_refused(tmp_path, capsys, monkeypatch, path, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        _check_directory("hydra.sweep.dir", path)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: hydra.sweep.dir={path}: {message.format(tmp=tmp_path)}; the run writes a directory there"
+    )
+    _check_directory("hydra.sweep.dir", str(tmp_path / "new" / "dir"))  # not there yet: fine
