@@ -491,6 +491,9 @@ def _check_across(job: Config) -> None:
     if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
         _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
                  r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
+        gpus = local_gpu_count() if job.launcher.name == "local" else 0
+        _require(gpus == 0 or nproc_per_node(job) <= gpus, "runtime.nproc_per_node", nproc_per_node(job),
+                 f"must be <= {gpus}, the GPUs on this machine (each rank takes one)")
     world = world_size(job)
     _require(s.tp == 1 or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one process: add "
              f"+runtime=torch-distributed (world size is {world})")
