@@ -51,6 +51,18 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+# An optimizer's param-group key -> the config key that sets it.
+_OPTIM_KEYS = {"initial_lr": "optim.lr", "weight_decay": "optim.weight_decay", "betas": "optim.betas",
+               "eps": "optim.eps", "momentum": "optim.momentum"}
+
+
+def _plain(value):
+    """A setting comparable whatever the checkpoint stored it as (betas come back as a list or a tensor)."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return tuple(_plain(v) for v in value) if isinstance(value, list | tuple) else value
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor: a replicated DTensor (the loss under loss parallelism) gives its local copy."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -117,6 +129,7 @@ class Trainer:
                          "samples_seen": self.step * self.cfg.train.global_batch_size}}
 
     def restore(self, path: str) -> None:
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         state = checkpoint.load(path, self.model, self.optimizer, self._train_state(), self.device)
         self.step = int(state["step"])
         seen, batch = int(state["data"]["samples_seen"]), self.cfg.train.global_batch_size
@@ -126,7 +139,24 @@ class Trainer:
                               "resuming with another would repeat or skip rows: keep "
                               f"train.global_batch_size={seen // self.step}")
         self.scheduler.load_state_dict(state["scheduler"])
+        self._keep_configured(configured, path)
         self.resumed_from = path
+
+    def _keep_configured(self, configured: list[dict], path: str) -> None:
+        """Loading the optimizer brings back the settings it was saved with; the run's config wins instead,
+        so a resumed run with another optim.lr (or weight decay, betas, eps, momentum) trains with it, its
+        schedule continued from the step reached, and the log says what changed."""
+        for i, (group, mine) in enumerate(zip(self.optimizer.param_groups, configured, strict=True)):
+            for key, value in mine.items():
+                saved = group.get(key)
+                if key == "lr" or _plain(saved) == _plain(value):
+                    continue  # lr: the schedule's value at the step reached, set below
+                if key in _OPTIM_KEYS and i == 0:  # the groups differ only in weight decay, 0 for group 1
+                    log.warning("%s: the checkpoint %s was trained with %s; this run goes on with %s",
+                                _OPTIM_KEYS[key], path, _plain(saved), _plain(value))
+                group[key] = value
+            self.scheduler.base_lrs[i] = group["initial_lr"]
+            group["lr"] = group["initial_lr"] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
 
     def _tokens(self, batch: dict) -> torch.Tensor:
         """The batch's token ids on the device, widened there (batches keep their stored type, often int32)."""

@@ -1,6 +1,7 @@
 """Resume picks the right checkpoint: resuming from an earlier step starts a new line and sets the old
 line's later checkpoints aside (never resumed by resume=auto, never pruned in place of the new ones), and a
-metrics.jsonl whose last line was cut short does not stop the run.
+metrics.jsonl whose last line was cut short does not stop the run, and a run resumed with another optim.lr
+trains with it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 import pytest
 
 from tests.conftest import TINY, read_metrics, read_summary
+from trainer.config import OptimConfig
+from trainer.loop import lr_factor
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +59,20 @@ def test_a_metrics_line_cut_short_is_dropped_and_the_run_goes_on(run_cli, tmp_pa
     assert first.returncode == 0, first.stderr[-3000:]
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "loss": 5.1')  # a kill, or a full disk, mid-write
-    again = run_cli(*TINY, "train.max_steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")
+    # Resumed with another learning rate: the config's, not the checkpoint's, on the schedule at step 2.
+    again = run_cli(*TINY, "train.max_steps=4", "train.checkpoint_every=2", "optim.lr=0.01",
+                    f"hydra.run.dir={run_dir}")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(str(run_dir))] == [1, 2, 3, 4]
-    assert "dropped 1 unreadable line(s)" in (run_dir / "logs" / "rank-0.log").read_text()
+    metrics = read_metrics(str(run_dir))
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[1]["lr"] == pytest.approx(3e-3 * lr_factor(2, 2, 2, OptimConfig.min_lr_ratio))
+    assert [m["lr"] for m in metrics[2:]] == pytest.approx(
+        [0.01 * lr_factor(step, 2, 4, OptimConfig.min_lr_ratio) for step in (3, 4)]
+    )
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "dropped 1 unreadable line(s)" in log
+    assert f"optim.lr: the checkpoint {run_dir / 'checkpoints' / 'step-2'} was trained with 0.003; this run goes on " \
+           "with 0.01" in log
 
 
 def test_a_restart_after_an_explicit_resume_continues_the_new_line(run_cli, tmp_path):
