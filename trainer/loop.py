@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import torch
@@ -94,7 +95,7 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
 
 class Trainer:
     def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None,
-                 reference: torch.nn.Module | None = None):
+                 reference: Callable[..., torch.Tensor] | None = None):
         self.cfg, self.model, self.device = cfg, model, device
         # recipe=dpo: the frozen starting model, and the rewards summed since the last metrics line.
         self.reference, self.dpo_stats = reference, {}

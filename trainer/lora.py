@@ -27,6 +27,8 @@ OURS = {hf.rsplit(".", 1)[1]: ours for ours, hf in _BLOCK.items() if "." in hf}
 class LoRALinear(nn.Linear):
     """A linear layer plus its low-rank update: y = x W^T + b + (alpha / rank) * dropout(x) A^T B^T."""
 
+    adapter_on = True  # off: the base layer alone (see `without_adapters`)
+
     def add_adapter(self, rank: int, alpha: float, dropout: float) -> None:
         self.scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
@@ -34,7 +36,10 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        out = F.linear(x, self.weight, self.bias)
+        if not self.adapter_on:
+            return out
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
 def apply(model: nn.Module, cfg) -> nn.Module:
@@ -49,6 +54,23 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
     return model
+
+
+def without_adapters(model: nn.Module):
+    """`model` (wrapped or sharded as it trains) with its adapters off, as a function of its inputs: the
+    pretrained model that LoRA starts from (B = 0), so recipe=dpo's reference costs no second copy."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+    def forward(*args, **kwargs):
+        for layer in layers:
+            layer.adapter_on = False
+        try:
+            return model(*args, **kwargs)
+        finally:
+            for layer in layers:
+                layer.adapter_on = True
+
+    return forward
 
 
 def is_adapter(name: str) -> bool:

@@ -177,8 +177,11 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-def _reference(cfg: Config, dims: ParallelDims) -> torch.nn.Module:
-    """recipe=dpo's frozen reference: the starting weights (without adapters), sharded like the policy."""
+def _reference(cfg: Config, dims: ParallelDims, policy: torch.nn.Module):
+    """recipe=dpo's frozen reference, the starting weights: with peft=lora the policy with its adapters off,
+    else a copy of the starting weights sharded like the policy."""
+    if cfg.peft.name == "lora":
+        return lora.without_adapters(policy)
     with torch.device("meta"):
         model = kernels.apply(models.build(cfg.model), cfg.kernels)
     model = parallelize(model, dims, cfg.strategy)
@@ -204,7 +207,7 @@ def _train(cfg: Config, env: DistEnv) -> dict:
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device)
-    reference = _reference(cfg, dims) if cfg.recipe.name == "dpo" else None
+    reference = _reference(cfg, dims, model) if cfg.recipe.name == "dpo" else None
     trainer = loop.Trainer(cfg, model, dims, env.device, corpus, reference)
     start = resume_path(cfg)
     if start is not None:

@@ -132,3 +132,24 @@ def test_adapters_under_tensor_parallelism_give_the_single_process_losses(tmp_pa
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapters)
     ours = _logits(export.load_model(checkpoint, export.run_config(checkpoint)))
     torch.testing.assert_close(_logits(peft_model), ours, rtol=0, atol=1e-5)
+
+
+def test_without_adapters_is_the_pretrained_model_and_leaves_the_adapters_on(tmp_path):
+    """recipe=dpo's reference under peft=lora: the policy with its adapters off, not a second copy."""
+    from types import SimpleNamespace
+
+    from trainer import lora
+
+    base = make_llama(str(tmp_path))
+    cfg = SimpleNamespace(name="lora", rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "down_proj"])
+    model = lora.apply(from_hf(base), cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if lora.is_adapter(name):
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    adapted = _logits(model)
+    assert (adapted - _logits(from_hf(base))).abs().max() > 1e-3
+    with torch.no_grad():
+        reference = lora.without_adapters(model.eval())(TOKENS)
+    torch.testing.assert_close(reference, _logits(from_hf(base)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(_logits(model), adapted, rtol=0, atol=0)  # on again

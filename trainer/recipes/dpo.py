@@ -57,9 +57,9 @@ def pair_loss(model, reference, batch_tokens: torch.Tensor, batch_mask: torch.Te
     tokens = torch.cat([batch_tokens[:, :half], batch_tokens[:, half:]])
     mask = torch.cat([batch_mask[:, :half], batch_mask[:, half:]])
     target = targets({"loss_mask": mask}, tokens)
-    policy = sequence_logps(model(tokens[:, :-1]), target)
-    with torch.no_grad():
+    with torch.no_grad():  # first: the policy's forward is then the last before its backward
         ref = sequence_logps(reference(tokens[:, :-1]), target)
+    policy = sequence_logps(model(tokens[:, :-1]), target)
     policy_chosen, policy_rejected = policy.chunk(2)
     ref_chosen, ref_rejected = ref.chunk(2)
     return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
