@@ -1,5 +1,6 @@
 # The image that every node of a `launcher=docker` or `launcher=kubernetes` run starts: PyTorch with CUDA
-# (the image Kubeflow Trainer's torch-distributed runtime uses) plus trainjob.
+# (the image Kubeflow Trainer's torch-distributed runtime uses) plus trainjob, with the experiment trackers'
+# packages (`train.trackers`), which rank 0 imports where it runs.
 #   docker build -t <registry>/trainjob:<tag> .
 FROM pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 WORKDIR /opt/trainjob
@@ -9,5 +10,5 @@ COPY trainer trainer
 COPY launchers launchers
 COPY ops ops
 COPY datacache datacache
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -e '.[tracking]'
 ENV PYTHONUNBUFFERED=1
