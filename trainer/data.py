@@ -187,6 +187,10 @@ def check_corpus(corpus: str, cfg) -> None:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"the corpus holds token id "
                           f"{info['max_token_id']} ({d.tokens_column or d.text_column!r} of data.path={d.path}): "
                           f"must be > {info['max_token_id']}")
+    train_rows = info["rows"]["train"]
+    if d.cache.nodes > train_rows:
+        raise ConfigError("data.cache.nodes", d.cache.nodes, f"each node serves a part of the train split's "
+                          f"{train_rows} rows: must be <= {train_rows}")
     for split, endpoints_key in CACHE_KEYS.items():
         rows = info["rows"][split]
         if getattr(d.cache, endpoints_key) or rows >= batch:

@@ -1,12 +1,13 @@
 """Before Hydra makes a directory: a run or sweep directory that is a file is refused, and a `-m` sweep with a
 value that cannot run is refused, naming the job, before its first job runs (exit 2, one line, nothing
-written); a local run asks for no more ranks than this machine has GPUs."""
+written); a local run asks for no more ranks than this machine has GPUs, and no more cache nodes than
+training rows."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY
+from tests.conftest import TINY, compose_refused, compose_run
 from trainer.preflight import _check_directory
 
 pytestmark = pytest.mark.timeout(240)
@@ -57,11 +58,15 @@ def test_a_directory_inside_a_file_is_refused(tmp_path, capsys, monkeypatch, pat
 def test_more_ranks_than_this_machines_gpus_are_refused(tmp_path, capsys, monkeypatch):
     """This machine has no GPU: the count of local GPUs is patched (the one double here); with none, the
     ranks run on the CPU and any number is allowed."""
-    from tests.conftest import compose_refused, compose_run
-
     monkeypatch.setattr("trainer.config.local_gpu_count", lambda: 1)
     err = compose_refused(tmp_path, capsys, *TINY, "+runtime=torch-distributed", "runtime.nproc_per_node=2")
     assert "runtime.nproc_per_node=2: must be <= 1, the GPUs on this machine (each rank takes one)" in err
     monkeypatch.setattr("trainer.config.local_gpu_count", lambda: 0)
     run = compose_run(tmp_path, *TINY, "+runtime=torch-distributed", "runtime.nproc_per_node=2")
     assert run.spec.nproc_per_node == 2
+
+
+def test_more_cache_nodes_than_training_rows_are_refused(tmp_path, capsys):
+    err = compose_refused(tmp_path, capsys, *TINY, "data.cache.nodes=100000000")
+    assert "data.cache.nodes=100000000: each node serves a part of the train split's " in err
+    assert "rows: must be <= " in err
