@@ -25,18 +25,11 @@ from omegaconf.errors import MissingMandatoryValue
 import launchers
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer import peft_config, tracking
+from trainer.errors import ConfigError
 from trainer.peft_config import PeftConfig
 from trainer.recipes import config as recipe_config
 from trainer.recipes.config import RecipeConfig
 from trainer.run_dir import RunDir
-
-
-class ConfigError(ValueError):
-    """A config value that cannot run; the message names the key, the value and what is allowed."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"invalid config: {key}={value!r}: {allowed}")
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

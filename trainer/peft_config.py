@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from trainer.errors import ConfigError
+
 METHODS = ("none", "lora")
 # Hugging Face's module names, as PEFT's `target_modules` spells them.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -22,8 +24,6 @@ class PeftConfig:
 
 def check(cfg) -> None:
     """Raise ConfigError when the peft section cannot run with the rest of `cfg` (the typed config)."""
-    from trainer.config import ConfigError
-
     p = cfg.peft
     name = p.name
     if name not in METHODS:

@@ -10,7 +10,7 @@ A resumed run continues the same curves: TensorBoard purges the events after the
 cannot delete points, so theirs after the step resumed from stay beside the new ones.
 
 This module imports no tracker library (and no torch) at its top: the driver checks the config without
-them. `trainer.config` imports it for the schema, so ConfigError is imported where it is raised.
+them.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from datacache.server import TOKEN_ENV
+from trainer.errors import ConfigError
 from trainer.run_dir import RunDir
 
 TRACKERS = ("jsonl", "tensorboard", "mlflow", "wandb")
@@ -70,8 +71,6 @@ class WandbConfig:
 def check(cfg: DictConfig) -> None:
     """Refuse unknown tracker names and a W&B mode that does not exist; where the ranks run on this machine,
     refuse a tracker whose package is not installed (naming the extra to install)."""
-    from trainer.config import ConfigError
-
     chosen = list(cfg.train.trackers)
     for name in chosen:
         if name not in TRACKERS:
@@ -85,8 +84,6 @@ def check(cfg: DictConfig) -> None:
 
 
 def _require_module(name: str, chosen: list[str]) -> None:
-    from trainer.config import ConfigError
-
     module = MODULES.get(name)
     if module and importlib.util.find_spec(module) is None:
         raise ConfigError(

@@ -9,9 +9,12 @@ and `strategy.data_parallel` alone (see `trainer.parallel.parallelize`): a new c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainer.config import ConfigError, StrategyConfig
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import StrategyConfig
 
 NAMES = ("dp_replicate", "dp_shard", "tp")
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
+from trainer.errors import ConfigError
+
 RECIPES = ("pretrain", "sft", "dpo")
 # The data each recipe trains on, and the recipe each conversational dataset is for.
 DATA = {"sft": "chat", "dpo": "preference"}
@@ -21,8 +23,6 @@ class RecipeConfig:
 
 def check(cfg) -> None:
     """Raise ConfigError when the recipe, the data and the model (the typed config) do not fit together."""
-    from trainer.config import ConfigError
-
     recipe = cfg.recipe.name
     if recipe not in RECIPES:
         raise ConfigError("recipe", recipe, f"must be one of {', '.join(RECIPES)}")
