@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -33,6 +34,11 @@ from datacache.server import decode_ticket, encode_ticket
 from tests.conftest import examples
 
 ROWS = 203  # prime: no batch size divides it
+
+
+# DataLoader workers that stream start from a fork server (gRPC does not survive fork); it imports torch once
+# for all of them, where each worker would otherwise import it again (seconds apiece).
+multiprocessing.set_forkserver_preload(["torch"])
 
 
 def _write(path, rows=ROWS, width=4, dtype=np.int32, extra=None):
