@@ -40,7 +40,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def examples(n: int) -> int:
-    return n * 10 if settings.get_current_profile_name() == "deep" else n
+    return n * 10 if settings.get_current_profile_name() == "deep" else n  # (hypothesis >= 6.139)
 
 
 @pytest.fixture(scope="session", autouse=True)
