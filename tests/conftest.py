@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny model's overrides, a shared corpus cache, and a runner for the real CLI."""
+"""Shared fixtures: a tiny model's overrides, a shared corpus cache, runners for the real CLI, the reference
+runs that several modules compare against, and the Hypothesis profiles."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch  # importing torch does not import triton
+from hypothesis import settings
 
 from trainer.run_dir import RunDir
 
@@ -28,6 +31,18 @@ TINY = [
 ]
 
 
+# Property tests: `pytest` (what CI runs) tries the examples each test asks for through `examples(n)`, sized
+# so that a test takes seconds; HYPOTHESIS_PROFILE=deep tries ten times as many. A deadline per example, far
+# above what one takes, turns an example that hangs or crawls into a failure that names it.
+settings.register_profile("ci", deadline=timedelta(seconds=30))
+settings.register_profile("deep", deadline=timedelta(seconds=30))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> int:
+    return n * 10 if settings.get_current_profile_name() == "deep" else n  # (hypothesis >= 6.139)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def job_registry(tmp_path_factory):
     """Local jobs that the tests start go on record in a registry of the session's own, not the user's."""
@@ -39,17 +54,67 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
+def cli(cache_dir: str, cwd, *args: str, module: str = "trainer", timeout: float = 300,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m <module> *args` in `cwd` with the test cache; return the process."""
+    full_env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=str(cwd), env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture
 def run_cli(cache_dir, tmp_path):
-    """Run `python -m <module> *args` in `tmp_path` (or `cwd`) with the test cache; return the process."""
+    """`cli` in `tmp_path` (or `cwd`)."""
 
     def run(*args: str, module: str = "trainer", cwd: str | None = None, timeout: float = 300,
             env: dict | None = None) -> subprocess.CompletedProcess:
-        full_env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1", **(env or {})}
-        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or str(tmp_path), env=full_env,
-                              capture_output=True, text=True, timeout=timeout)
+        return cli(cache_dir, cwd or tmp_path, *args, module=module, timeout=timeout, env=env)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def run_cli_batch(cache_dir):
+    """Run `python -m <module> *args` for each (args, cwd) from one interpreter, forking a process per run
+    (tests/cli_batch.py): for configs that are refused, where the interpreter's start is most of the time.
+    Returns one finished process per run, as `run_cli` does."""
+
+    def run(runs: list[tuple[list[str], str]], module: str = "trainer",
+            timeout: float = 300) -> list[subprocess.CompletedProcess]:
+        env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
+        request = [{"args": list(args), "cwd": str(cwd), "env": {}} for args, cwd in runs]
+        batch = subprocess.run([sys.executable, "-m", "tests.cli_batch", module], cwd=REPO, env=env,
+                               input=json.dumps(request), capture_output=True, text=True, timeout=timeout)
+        assert batch.returncode == 0, batch.stderr[-3000:]
+        return [subprocess.CompletedProcess([sys.executable, "-m", module, *args], r["returncode"], r["stdout"],
+                                            r["stderr"]) for (args, _), r in zip(runs, json.loads(batch.stdout),
+                                                                                 strict=True)]
+
+    return run
+
+
+# The runs that tests in several modules compare with: six tiny steps in this process, and the same six
+# steps as two DDP ranks under torchrun (the default strategy), each on the local corpus.
+REFERENCE = [*TINY, "train.max_steps=6", "train.eval_every=3", "train.checkpoint_every=100"]
+DIST = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
+
+
+@pytest.fixture(scope="session")
+def single_reference(tmp_path_factory, cache_dir) -> str:
+    """The run directory of REFERENCE in one process."""
+    run_dir = tmp_path_factory.mktemp("single-reference") / "run"
+    proc = cli(cache_dir, run_dir.parent, *REFERENCE, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(run_dir)
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory, cache_dir) -> str:
+    """The run directory of REFERENCE on two ranks under torchrun."""
+    run_dir = tmp_path_factory.mktemp("ddp-reference") / "run"
+    proc = cli(cache_dir, run_dir.parent, *REFERENCE, *DIST, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(run_dir)
 
 
 def compose_run(tmp_path, *overrides: str):

@@ -14,6 +14,7 @@ uint16 rows) raises ConfigError naming the key; `check_corpus` says whether a bu
 from __future__ import annotations
 
 import fcntl
+import functools
 import glob
 import hashlib
 import json
@@ -40,10 +41,11 @@ ROWS_PER_SHARD = 8192
 MAX_TOKEN_ID = np.iinfo(np.uint16).max  # rows store uint16 ids
 
 
-def _stdlib_files() -> list[str]:
+@functools.cache  # the driver and an in-process worker each fingerprint the corpus; the walk takes ~0.5 s
+def _stdlib_files() -> tuple[str, ...]:
     root = sysconfig.get_paths()["stdlib"]
     files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-    return sorted(f for f in files if "site-packages" not in f.split(os.sep))
+    return tuple(sorted(f for f in files if "site-packages" not in f.split(os.sep)))
 
 
 def _fingerprint(cfg) -> dict:

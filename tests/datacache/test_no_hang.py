@@ -22,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from datacache import CacheServer, DataCacheError, StreamingDataset
 from datacache.dataset import _Stream
+from tests.conftest import examples
 
 # (rows, rows per Parquet row group, nodes): row groups smaller and larger than the batches drawn below.
 DATASETS = [(1, 1, 1), (7, 3, 1), (203, 16, 3), (24_000, 3000, 1), (50_000, 128, 1)]
@@ -84,7 +85,7 @@ def reads(draw):
 
 
 @pytest.mark.timeout(150)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=reads())
 def test_every_epoch_ends_with_every_row_whatever_the_sizes(clusters, case):
     rows, batch, columns, prefetch, shuffle, drop_last = case

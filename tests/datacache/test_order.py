@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from datacache import BatchPlan, LocalDataset
+from tests.conftest import examples
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_epochs_reshuffle_deterministically():
         BatchPlan(50, 5, world_size=3)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(rows=st.integers(1, 70), world=st.sampled_from([1, 2, 3, 4]), per_rank=st.integers(1, 9),
        shuffle=st.booleans(), drop_last=st.booleans(), block_rows=st.integers(1, 5), epoch=st.integers(0, 3))
 @pytest.mark.timeout(60)

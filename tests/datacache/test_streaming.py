@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -30,8 +31,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from datacache import CacheServer, DataCacheError, LocalDataset, StreamingDataset
 from datacache.dataset import _Stream, _to_tensor
 from datacache.server import decode_ticket, encode_ticket
+from tests.conftest import examples
 
 ROWS = 203  # prime: no batch size divides it
+
+
+# DataLoader workers that stream start from a fork server (gRPC does not survive fork); it imports torch once
+# for all of them, where each worker would otherwise import it again (seconds apiece).
+multiprocessing.set_forkserver_preload(["torch"])
 
 
 def _write(path, rows=ROWS, width=4, dtype=np.int32, extra=None):
@@ -82,7 +89,8 @@ def _epoch(kind, source, nodes, world, workers, global_batch, shuffle, drop_last
     return per_rank
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.timeout(120)
+@settings(max_examples=examples(5), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["local", "1-node", "3-node"]), world=st.integers(1, 4), workers=st.integers(0, 2),
        per_rank=st.integers(1, 9), shuffle=st.booleans(), drop_last=st.booleans())
 def test_every_row_once_per_epoch_and_equal_batches(source, nodes, kind, world, workers, per_rank, shuffle,

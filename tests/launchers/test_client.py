@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launchers import Client, JobState, LauncherError, OptionError, registry
-from tests.conftest import REPO, TINY, read_summary
+from tests.conftest import REPO, TINY, examples, read_summary
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
 
@@ -327,7 +327,7 @@ OPTION_VALUES = st.recursive(
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300))
 @given(OPTION_VALUES)
 def test_client_options_reach_the_trainer_as_the_same_values(value):
     """Client("kubernetes", env={...}, tolerations=[...], ...) turns each option into a Hydra override;

@@ -221,15 +221,24 @@ def test_cache_nodes_run_as_containers_and_the_ranks_start_once_they_serve(tmp_p
     assert read_state()["containers"] == {}  # the cache nodes went with the job
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["launcher.image=--privileged"], "launcher.image='--privileged': launcher=docker needs an image reference"),
-        (["hydra.run.dir=runs/a:b"], "a:b': must not hold ':' with launcher=docker"),
-    ],
-)
-def test_what_docker_would_misread_ends_the_cli_with_exit_2_and_no_run_directory(run_cli, tmp_path, overrides, message):
-    proc = run_cli("launcher=docker", "+runtime=torch-distributed", *overrides, timeout=120)
+MISREAD = [
+    (["launcher.image=--privileged"], "launcher.image='--privileged': launcher=docker needs an image reference"),
+    (["hydra.run.dir=runs/a:b"], "a:b': must not hold ':' with launcher=docker"),
+]
+
+
+@pytest.fixture(scope="module")
+def misread(run_cli_batch, tmp_path_factory) -> list:
+    """Each MISREAD row run by the CLI in a directory of its own, all from one interpreter: (process, directory)."""
+    dirs = [tmp_path_factory.mktemp("misread") for _ in MISREAD]
+    procs = run_cli_batch([(["launcher=docker", "+runtime=torch-distributed", *overrides], d)
+                           for (overrides, _), d in zip(MISREAD, dirs, strict=True)], timeout=120)
+    return list(zip(procs, dirs, strict=True))
+
+
+@pytest.mark.parametrize("row", range(len(MISREAD)), ids=[" ".join(o) for o, _ in MISREAD])
+def test_what_docker_would_misread_ends_the_cli_with_exit_2_and_no_run_directory(misread, row):
+    (proc, tmp_path), message = misread[row], MISREAD[row][1]
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()

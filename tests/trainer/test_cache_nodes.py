@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from tests.conftest import TINY, read_metrics, read_summary
+from tests.conftest import DIST, REFERENCE, TINY, read_metrics, read_summary
 
 TOKEN = "s3cret-t0ken-42"
 
@@ -32,11 +32,9 @@ def _cache_node_pids(config_path: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_run_starts_its_cache_nodes_reads_from_them_and_stops_them(run_cli, tmp_path):
+def test_a_run_starts_its_cache_nodes_reads_from_them_and_stops_them(run_cli, tmp_path, ddp_reference):
     run_dir = tmp_path / "run"
-    proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
-                   "runtime.nproc_per_node=2", "data.cache.nodes=2", f"data.cache.token={TOKEN}",
-                   f"hydra.run.dir={run_dir}")
+    proc = run_cli(*REFERENCE, *DIST, "data.cache.nodes=2", f"data.cache.token={TOKEN}", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for i in range(2):  # each node served its shard (its log says where)
         with open(run_dir / "logs" / f"cache-node-{i}.log") as f:
@@ -50,12 +48,9 @@ def test_a_run_starts_its_cache_nodes_reads_from_them_and_stops_them(run_cli, tm
     assert cache["endpoints"] == "${oc.decode:${oc.env:TRAINJOB_CACHE_ENDPOINTS}}"
 
     # The nodes give the batches the local corpus gives: the same run without them has the same losses.
-    local = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
-                    "runtime.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'local'}")
-    assert local.returncode == 0, local.stderr[-3000:]
-    assert _losses(str(run_dir)) == pytest.approx(_losses(str(tmp_path / "local")), rel=1e-6)
+    assert _losses(str(run_dir)) == pytest.approx(_losses(ddp_reference), rel=1e-6)
     assert read_summary(str(run_dir))["final_eval_loss"] == pytest.approx(
-        read_summary(str(tmp_path / "local"))["final_eval_loss"], rel=1e-6)
+        read_summary(ddp_reference)["final_eval_loss"], rel=1e-6)
 
 
 def test_the_cache_token_is_never_printed_or_written(run_cli, tmp_path):
@@ -82,13 +77,23 @@ def test_the_cache_token_is_never_printed_or_written(run_cli, tmp_path):
                 assert TOKEN not in f.read(), path
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
+BAD = [
     (["data.cache.nodes=-1"], "data.cache.nodes=-1: must be >= 0"),
     (["data.cache.nodes=2", "data.cache.endpoints=[grpc://h:1]"], "leave data.cache.endpoints and eval_endpoints"),
     (["data.cache.tls_root_cert=/nonexistent/ca.pem"], "data.cache.tls_root_cert='/nonexistent/ca.pem': must be"),
-])
-def test_bad_cache_settings_are_refused(run_cli, tmp_path, overrides, message):
-    proc = run_cli(*TINY, "train.max_steps=1", *overrides, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(run_cli_batch, tmp_path_factory) -> list:
+    """Each BAD row run by the CLI, all from one interpreter."""
+    return run_cli_batch([([*TINY, "train.max_steps=1", *overrides], tmp_path_factory.mktemp("bad"))
+                          for overrides, _ in BAD], timeout=120)
+
+
+@pytest.mark.parametrize("row", range(len(BAD)), ids=[" ".join(o) for o, _ in BAD])
+def test_bad_cache_settings_are_refused(bad_runs, row):
+    proc, message = bad_runs[row], BAD[row][1]
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1
 

@@ -150,9 +150,17 @@ CLI_BAD = [
 ]
 
 
-@pytest.mark.parametrize(("overrides", "message"), CLI_BAD, ids=[" ".join(o) for o, _ in CLI_BAD])
-def test_cli_refuses_bad_config_with_exit_2_and_no_run_dir(run_cli, tmp_path, overrides, message):
-    proc = run_cli(*overrides, timeout=120)
+@pytest.fixture(scope="module")
+def cli_bad(run_cli_batch, tmp_path_factory) -> list:
+    """Each CLI_BAD row run by the CLI in a directory of its own, all from one interpreter: (process, directory)."""
+    dirs = [tmp_path_factory.mktemp("cli-bad") for _ in CLI_BAD]
+    procs = run_cli_batch([(overrides, d) for (overrides, _), d in zip(CLI_BAD, dirs, strict=True)])
+    return list(zip(procs, dirs, strict=True))
+
+
+@pytest.mark.parametrize("row", range(len(CLI_BAD)), ids=[" ".join(o) for o, _ in CLI_BAD])
+def test_cli_refuses_bad_config_with_exit_2_and_no_run_dir(cli_bad, row):
+    (proc, tmp_path), (_, message) = cli_bad[row], CLI_BAD[row]
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert not (tmp_path / "outputs").exists(), list((tmp_path / "outputs").rglob("*"))

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import compose_refused, read_metrics
+from tests.conftest import compose_refused, examples, read_metrics
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 from trainer.recipes import dpo
 from trainer.recipes.sft import IGNORE
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 logps = st.lists(st.floats(-60, -0.01), min_size=4, max_size=4)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(logps, logps, logps, logps, st.floats(0.01, 2.0))
 def test_loss_and_gradient_are_the_papers_formula(pc, pr, rc, rr, beta):
     policy_chosen = torch.tensor(pc, dtype=torch.float64, requires_grad=True)

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
 from launchers.local import LocalLauncherConfig
-from tests.conftest import REPO, compose_run
+from tests.conftest import REPO, compose_run, examples
 from trainer import config, models
 from trainer.parallel import ParallelDims, parallelize
 from trainer.run_dir import RunDir
@@ -61,7 +61,7 @@ def test_a_new_combination_is_a_yaml_file(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200))
 @given(
     degrees=st.lists(st.sampled_from([-2, -1, 0, 1, 2, 3, 4, 8]), min_size=3, max_size=3),
     world=st.integers(1, 64),

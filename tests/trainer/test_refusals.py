@@ -10,6 +10,7 @@ import itertools
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datacache.order import BatchPlan
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, examples
 from trainer import config
 from trainer.preflight import check
 from trainer.loop import build_optimizer
@@ -91,12 +92,21 @@ ROWS = {
 }
 
 
+@pytest.fixture(scope="module")
+def cli_rows(run_cli_batch, tmp_path_factory, parquet_dir) -> dict:
+    """Each row of ROWS run by the CLI in a directory of its own, all from one interpreter:
+    {row: (process, directory)}."""
+    dirs = {row: tmp_path_factory.mktemp("refused") for row in ROWS}
+    procs = run_cli_batch([([*ONE_STEP, *(o.format(parquet=parquet_dir) for o in ROWS[row][0])], dirs[row])
+                           for row in ROWS])
+    return {row: (proc, dirs[row]) for row, proc in zip(ROWS, procs, strict=True)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("row", list(ROWS))
-def test_cli_refuses_in_one_line_with_exit_2_and_no_run_dir(run_cli, tmp_path, parquet_dir, row):
-    overrides, message = ROWS[row]
-    proc = run_cli(*ONE_STEP, *(o.format(parquet=parquet_dir) for o in overrides), timeout=240)
-    assert message.format(parquet=parquet_dir) in _refused(proc, tmp_path)
+def test_cli_refuses_in_one_line_with_exit_2_and_no_run_dir(cli_rows, parquet_dir, row):
+    proc, cwd = cli_rows[row]
+    assert ROWS[row][1].format(parquet=parquet_dir) in _refused(proc, cwd)
 
 
 @pytest.mark.slow
@@ -177,7 +187,8 @@ def _text_data(parquet_dir) -> list[str]:
     return ["data=parquet", f"data.path={parquet_dir}/text.parquet"]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.timeout(120)
+@settings(max_examples=examples(20), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides=_numeric_overrides(NUMERIC_KEYS, small=False))
 def test_any_numbers_pass_the_checks_or_are_refused_in_one_line(overrides, parquet_dir, cache_dir, monkeypatch):
     """The driver's own check (the CLI's, without the process): accepted, or one ConfigError line."""
@@ -201,7 +212,9 @@ _runs = itertools.count()
 
 
 @pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.timeout(300)
+@settings(max_examples=examples(4), deadline=timedelta(seconds=120),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides=_numeric_overrides([k for k in NUMERIC_KEYS if k[0].split(".")[0] in DEFAULT_GROUPS], small=True))
 def test_any_numbers_train_or_are_refused_in_one_line_never_a_traceback(overrides, run_cli, tmp_path, parquet_dir):
     chosen = {o.split("=")[0] for o in overrides}

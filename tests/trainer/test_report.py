@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY, read_metrics, read_summary
+from tests.conftest import TINY, examples, read_metrics, read_summary
 from trainer import plots, report
 
 pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
@@ -130,7 +130,7 @@ values = st.sampled_from(["1", "2", "0.001", "true", "[1, 2]"])
 
 
 @pytest.mark.timeout(60)
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50))
 @given(configs=st.lists(st.dictionaries(st.sampled_from(["a", "b.c", "d", "run_dir"]), values), min_size=1, max_size=5))
 def test_the_table_shows_exactly_the_keys_whose_values_differ(configs):
     keys = report.differing(configs)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import compose_refused, read_metrics, read_summary
+from tests.conftest import compose_refused, examples, read_metrics, read_summary
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 from trainer import chat_data
 from trainer.models.hf_tokenizer import HFTokenizer
@@ -79,7 +79,7 @@ def test_rows_hold_the_template_tokens_and_targets_exactly_the_assistant_tokens(
             assert theirs.decode([t for t in targets if t != sft.IGNORE]) == replies
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25))
 @given(st.lists(st.integers(1, 6), min_size=4, max_size=4), st.sampled_from([1, 2, 4]), st.integers(0, 2**16))
 def test_weighted_micro_batch_means_give_the_mean_over_every_counted_token(counts, accum, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -162,7 +162,7 @@ def test_a_packed_row_gives_each_conversation_the_logits_it_has_alone(chat_setup
     assert (unpacked - alone).abs().max() > 1e-2  # without the documents, later ones see earlier ones
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(st.lists(st.integers(1, 13), min_size=1, max_size=12))
 def test_packing_keeps_every_conversation_whole_and_in_order(lengths):
     seq, pad = 12, 99

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import TINY, read_metrics, read_summary
+from tests.conftest import DIST, REFERENCE, TINY, read_metrics, read_summary
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,7 @@ pytestmark = pytest.mark.slow
 # a missing gradient reduction or a mis-scaled loss moves the loss by > 1e-2 within two steps.
 RTOL = 1e-4
 STEPS = 6
-ARGS = [*TINY, f"train.max_steps={STEPS}", "train.eval_every=3", "train.checkpoint_every=100"]
-DIST = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
+ARGS = REFERENCE  # six steps, the shared single-process reference's
 
 VARIANTS = {
     "single": [],
@@ -43,13 +42,8 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = subprocess.run([sys.executable, "-m", "trainer", *ARGS, f"hydra.run.dir={run_dir}"],
-                          env={**os.environ, "TRAINJOB_CACHE": cache_dir}, capture_output=True, text=True,
-                          cwd=run_dir.parent, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return read_metrics(str(run_dir)), read_summary(str(run_dir))
+def reference(single_reference):
+    return read_metrics(single_reference), read_summary(single_reference)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import REPO, TINY, read_metrics, read_summary
+from tests.conftest import REPO, TINY, examples, read_metrics, read_summary
 from trainer import plots, tracking
 from trainer.config import ConfigError
 
@@ -160,7 +160,7 @@ def test_loss_png_is_drawn_from_the_runs_own_numbers(resumed):
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15))
 @given(losses=st.lists(st.floats(0.01, 20.0), min_size=1, max_size=40), eval_every=st.integers(1, 7))
 def test_the_loss_axis_is_log_scaled_when_the_losses_span_more_than_a_factor_of_two(losses, eval_every):
     records = [

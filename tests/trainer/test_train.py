@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import TINY, read_metrics, read_summary
+from tests.conftest import DIST, REFERENCE, TINY, read_metrics, read_summary
 
 pytestmark = pytest.mark.slow
 
@@ -47,20 +47,15 @@ def test_in_process_run_writes_config_metrics_checkpoints_summary(run_cli, tmp_p
     assert "hydra" not in text and "${" not in text and f"run_dir: {run_dir}" in text
 
 
-def test_torchrun_ddp_matches_in_process_loss_curve(run_cli, tmp_path):
-    args = [*TINY, "train.max_steps=8", "train.eval_every=4", "train.checkpoint_every=100"]
-    single = run_cli(*args, f"hydra.run.dir={tmp_path / 'single'}")
-    assert single.returncode == 0, single.stderr
-    ddp = run_cli(*args, "+runtime=torch-distributed", "runtime.nproc_per_node=2",
-                  f"hydra.run.dir={tmp_path / 'ddp'}")
-    assert ddp.returncode == 0, ddp.stderr
-    assert read_summary(str(tmp_path / "ddp"))["world_size"] == 2
-    assert sorted(os.listdir(tmp_path / "ddp" / "logs")) == ["rank-0.log", "rank-1.log"]
-    a, b = _losses(str(tmp_path / "single")), _losses(str(tmp_path / "ddp"))
-    assert len(a) == len(b) == 8
+def test_torchrun_ddp_matches_in_process_loss_curve(single_reference, ddp_reference):
+    """The shared reference runs (tests/conftest.py): the same six steps in this process and on two ranks."""
+    assert read_summary(ddp_reference)["world_size"] == 2
+    assert sorted(os.listdir(os.path.join(ddp_reference, "logs"))) == ["rank-0.log", "rank-1.log"]
+    a, b = _losses(single_reference), _losses(ddp_reference)
+    assert len(a) == len(b) == 6
     assert b == pytest.approx(a, rel=CURVE_RTOL)
-    assert read_summary(str(tmp_path / "ddp"))["final_eval_loss"] == pytest.approx(
-        read_summary(str(tmp_path / "single"))["final_eval_loss"], rel=CURVE_RTOL)
+    assert read_summary(ddp_reference)["final_eval_loss"] == pytest.approx(
+        read_summary(single_reference)["final_eval_loss"], rel=CURVE_RTOL)
 
 
 def test_killed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(run_cli, tmp_path, cache_dir):
@@ -130,7 +125,7 @@ def test_relaunch_with_a_new_config_keeps_the_old_one_and_refuses_to_overwrite_c
     assert read_summary(str(run_dir))["resumed_from"] == str(run_dir / "checkpoints" / "step-2")
 
 
-def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir):
+def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir, ddp_reference):
     from omegaconf import OmegaConf
 
     from trainer.data import prepare
@@ -145,8 +140,7 @@ def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir
     empty = tmp_path / "empty-cache"  # the run gets every row from the nodes: it builds no corpus here
     try:
         endpoints = [p.stdout.readline().split()[-1] for p in nodes]
-        proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
-                       "runtime.nproc_per_node=2", f"data.cache.endpoints=[{endpoints[0]},{endpoints[1]}]",
+        proc = run_cli(*REFERENCE, *DIST, f"data.cache.endpoints=[{endpoints[0]},{endpoints[1]}]",
                        f"data.cache.eval_endpoints=[{endpoints[2]}]", "data.cache.token=t",
                        f"hydra.run.dir={tmp_path / 'run'}", env={"TRAINJOB_CACHE": str(empty)})
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -164,11 +158,8 @@ def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert read_summary(str(tmp_path / "run"))["world_size"] == 2
     # The cache gives the batches the local corpus gives: the same run without it has the same losses.
-    proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", "+runtime=torch-distributed",
-                   "runtime.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'local'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _losses(str(tmp_path / "local")) == pytest.approx(losses, rel=1e-6)
-    assert read_summary(str(tmp_path / "local"))["final_eval_loss"] == pytest.approx(
+    assert _losses(ddp_reference) == pytest.approx(losses, rel=1e-6)
+    assert read_summary(ddp_reference)["final_eval_loss"] == pytest.approx(
         read_summary(str(tmp_path / "run"))["final_eval_loss"], rel=1e-6)
 
 
