@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from datacache.order import BatchPlan
 from tests.conftest import REPO, TINY, examples
 from trainer import config
-from trainer.preflight import check
 from trainer.loop import build_optimizer
+from trainer.preflight import check
 
 ONE_STEP = [*TINY, "train.max_steps=1", "train.eval_batches=1"]
 
