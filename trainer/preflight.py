@@ -54,9 +54,10 @@ def _check_directory(key: str, path: str) -> None:
         _refuse(f"{key}={path}: {what}; the run writes a directory there")
 
 
-def _sweep_jobs(hydra_cfg: DictConfig) -> list[list[str]] | None:
-    """Each job's overrides, as Hydra's basic sweeper will run them; None for another sweeper (Optuna picks
-    its points as it goes, and each job is checked when it starts)."""
+def _sweep_jobs(hydra_cfg: DictConfig) -> list[tuple[list[str], list[str]]] | None:
+    """Each job's overrides, as Hydra's basic sweeper will run them, with those of them that the sweep varies
+    (what tells the jobs apart); None for another sweeper (Optuna picks its points as it goes, and each job
+    is checked when it starts)."""
     if hydra_cfg.sweeper.get("_target_") != BASIC_SWEEPER:
         return None
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -66,10 +67,12 @@ def _sweep_jobs(hydra_cfg: DictConfig) -> list[list[str]] | None:
     params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
     arguments = [*params, *OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]
     try:
-        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)
+        parsed = OverridesParser.create().parse_overrides(arguments)
+        batches = BasicSweeper.split_arguments(parsed, None)
     except HydraException:
         return None  # Hydra's sweeper says what is wrong with them
-    return [job for batch in batches for job in batch]
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    return [(job, [o for o in job if o.split("=", 1)[0] in swept]) for batch in batches for job in batch]
 
 
 class Preflight(Callback):
@@ -84,11 +87,11 @@ class Preflight(Callback):
         from hydra import compose
 
         with tempfile.TemporaryDirectory() as scratch:
-            for number, overrides in enumerate(jobs):
+            for number, (overrides, varied) in enumerate(jobs):
                 cfg = compose(config_name=config_name, overrides=overrides)
                 with open_dict(cfg):
                     cfg.run_dir = os.path.join(scratch, str(number))
                 try:
                     check(cfg)
                 except ConfigError as e:
-                    _refuse(f"sweep job {number} ({' '.join(overrides)}), before any job ran: {e}")
+                    _refuse(f"sweep job {number} ({' '.join(varied)}), before any job ran: {e}")

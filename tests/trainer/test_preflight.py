@@ -24,9 +24,7 @@ def _one_line(proc) -> str:
 def test_a_sweep_with_a_value_that_cannot_run_is_refused_before_its_first_job(run_cli, tmp_path):
     proc = run_cli("-m", *TINY, "train.max_steps=1", "optim.lr=1e-3,-1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     line = _one_line(proc)
-    assert line.startswith("error: sweep job 1 (") and line.endswith(
-        " optim.lr=-1), before any job ran: invalid config: optim.lr=-1.0: must be > 0"
-    )
+    assert line == "error: sweep job 1 (optim.lr=-1), before any job ran: invalid config: optim.lr=-1.0: must be > 0"
     assert not (tmp_path / "sweep").exists()
     assert "Launching" not in proc.stdout + proc.stderr
 
