@@ -82,8 +82,8 @@ class Preflight(Callback):
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
         _check_directory("hydra.sweep.dir", config.hydra.sweep.dir)
         jobs = _sweep_jobs(config.hydra)
-        if not jobs or len(jobs) < 2:
-            return  # one job is checked as it starts, as a single run is
+        if not jobs:
+            return
         from hydra import compose
 
         with tempfile.TemporaryDirectory() as scratch:
@@ -94,4 +94,5 @@ class Preflight(Callback):
                 try:
                     check(cfg)
                 except ConfigError as e:
-                    _refuse(f"sweep job {number} ({' '.join(varied)}), before any job ran: {e}")
+                    job = f"sweep job {number}" + (f" ({' '.join(varied)})" if varied else "")
+                    _refuse(f"{job}, before any job ran: {e}")

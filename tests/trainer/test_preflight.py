@@ -28,6 +28,11 @@ def test_a_sweep_with_a_value_that_cannot_run_is_refused_before_its_first_job(ru
     assert not (tmp_path / "sweep").exists()
     assert "Launching" not in proc.stdout + proc.stderr
 
+    # A sweep of one job too: no multirun.yaml left behind.
+    proc = run_cli("-m", *TINY, "optim.lr=-1", f"hydra.sweep.dir={tmp_path / 'one'}")
+    assert _one_line(proc) == "error: sweep job 0, before any job ran: invalid config: optim.lr=-1.0: must be > 0"
+    assert not (tmp_path / "one").exists()
+
 
 def test_a_run_directory_that_is_a_file_is_refused_and_the_file_kept(run_cli, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
