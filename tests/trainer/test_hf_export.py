@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import TINY
+from tests.conftest import TINY, cli
 from tests.trainer.hf_models import add_tokenizer, make_llama
 from trainer import export
 from trainer.models import from_hf
@@ -27,20 +27,10 @@ STEPS = [
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache_dir):
     """A `model=hf` run of two steps from a tiny Llama with a tokenizer, and its checkpoint."""
-    import subprocess
-    import sys
-
     root = tmp_path_factory.mktemp("export")
     source = add_tokenizer(make_llama(str(root)))
     run_dir = root / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "model=hf", f"model.path={source}", *STEPS, f"hydra.run.dir={run_dir}"],
-        env={**os.environ, "TRAINJOB_CACHE": cache_dir},
-        capture_output=True,
-        text=True,
-        cwd=root,
-        timeout=240,
-    )
+    proc = cli(cache_dir, root, "model=hf", f"model.path={source}", *STEPS, f"hydra.run.dir={run_dir}", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return source, str(run_dir / "checkpoints" / "step-2")
 

@@ -6,13 +6,11 @@ losses. The bases are tiny random Llama and Qwen2 models made with `transformers
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import compose_refused, read_metrics
+from tests.conftest import cli, compose_refused, read_metrics
 from tests.trainer.hf_models import add_tokenizer, make_llama, make_qwen2
 from trainer import export
 from trainer.models import from_hf
@@ -37,14 +35,7 @@ TRAIN = [
 
 
 def _train(root, run_dir, args: list[str], cache_dir: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", *args, *TRAIN, f"hydra.run.dir={run_dir}"],
-        env={**os.environ, "TRAINJOB_CACHE": cache_dir},
-        capture_output=True,
-        text=True,
-        cwd=root,
-        timeout=240,
-    )
+    proc = cli(cache_dir, root, *args, *TRAIN, f"hydra.run.dir={run_dir}", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
