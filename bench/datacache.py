@@ -7,9 +7,12 @@ batches of each size in `--batch-mb` (MiB; `--rows` rows in all, unshuffled) and
 torch tensor; the cache node holds record batches of that size too. The shuffled row reads the same rows
 in `StreamingDataset`'s default order, a permutation of them, which the node gathers row by row. The
 cache node and the TCP sender run in their own processes, as they would on a cluster; the TCP sender
-holds as many bytes in memory as the node and sends them once, batch by batch, and the receiver reads
-each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least any
-receiver can do). Beside throughput it prints the CPU time each GB cost the reading process and the
+holds as many bytes in memory as the node and sends them once a pass, batch by batch, and the receiver
+reads each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least
+any receiver can do). Every source gets one untimed pass first (an epoch of a long run, not its first).
+A row's share of TCP ("of TCP") is against raw TCP passes run between its own passes, one before each
+("TCP GB/s", the best of them): on a shared machine the ceiling moves by a third from minute to minute,
+and a ratio of two figures taken minutes apart would measure that. Beside throughput it prints the CPU time each GB cost the reading process and the
 serving one: on a machine whose cores they share, that cost, not the socket, bounds the throughput. The
 two-node row serves the rows as two shards, one node process each, read by two clients in threads of this
 process, one from the start of the epoch and one from its middle (`set_position`), half the epoch each:
@@ -18,13 +21,14 @@ both nodes serve at once, each to one client; its serving CPU is both nodes'.
 The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows
 (the shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
 
-    python bench/datacache.py [--rows 100000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 8]
+    python bench/datacache.py [--rows 400000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 32]
                               [--small-rows 240000]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import multiprocessing as mp
 import os
@@ -35,6 +39,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -58,61 +63,74 @@ def _process_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _best(fn, repeats: int, serving_pid: int | list[int] | None = None) -> tuple[float, float, float | None]:
-    """Best wall time of `repeats` passes, and the mean CPU time per pass spent in this process (every
-    thread) and in the serving processes (nodes or TCP sender), if any."""
+def _best(fn, repeats: int, serving_pid: int | list[int] | None = None,
+          paired: Callable[[], None] | None = None) -> tuple[float, float, float | None, float | None]:
+    """Best wall time of `repeats` passes after one untimed pass (connections made, buffers allocated: an
+    epoch of a long run, not the first); the mean CPU time per timed pass spent in this process (every
+    thread) and in the serving processes (nodes or TCP sender), if any; and, given `paired`, the best wall
+    time of a pass of it run before each pass of `fn` (its CPU time not counted)."""
     pids = [serving_pid] if isinstance(serving_pid, int) else serving_pid or []
 
     def serving() -> float | None:
         used = [_process_cpu(pid) for pid in pids]
         return None if not used or None in used else sum(used)
 
-    times = []
-    here, there = time.process_time(), serving()
+    fn()
+    times, paired_times, here, there = [], [], 0.0, 0.0
     for _ in range(repeats):
-        tic = time.perf_counter()
+        if paired is not None:
+            tic = time.perf_counter()
+            paired()
+            paired_times.append(time.perf_counter() - tic)
+        cpu, served, tic = time.process_time(), serving(), time.perf_counter()
         fn()
         times.append(time.perf_counter() - tic)
-    here = (time.process_time() - here) / repeats
-    if there is not None:
-        there = (serving() - there) / repeats
-    return min(times), here, there
+        here += time.process_time() - cpu
+        there = None if served is None or there is None else there + serving() - served
+    return (min(times), here / repeats, None if there is None else there / repeats,
+            min(paired_times) if paired_times else None)
 
 
-def _tcp_sender(port: int, total: int, chunk: int, repeats: int, ready) -> None:
+def _tcp_sender(port: int, total: int, chunk: int, ready) -> None:
     data = memoryview(np.random.default_rng(0).integers(0, 2**31, total // 4, dtype=np.int32)).cast("B")
     with socket.create_server(("127.0.0.1", port)) as server:
         ready.set()
-        for _ in range(repeats):
+        while True:  # until terminated
             conn, _ = server.accept()
             with conn:
                 for start in range(0, total, chunk):
                     conn.sendall(data[start:start + chunk])
 
 
-def tcp_ceiling(total: int, chunk: int, row_bytes: int, repeats: int) -> tuple[float, float, float | None]:
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    sender = ctx.Process(target=_tcp_sender, args=(port, total, chunk, repeats, ready), daemon=True)
-    sender.start()
-    ready.wait(30)
+class TcpCeiling:
+    """A sender process holding `total` bytes, sending them whole to every connection `chunk` at a time;
+    `receive()` reads them once, each chunk straight into a fresh torch tensor."""
 
-    def receive():
-        with socket.create_connection(("127.0.0.1", port)) as conn:
+    def __init__(self, total: int, chunk: int, row_bytes: int):
+        self.total, self.chunk, self.row_bytes = total, chunk, row_bytes
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.sender = ctx.Process(target=_tcp_sender, args=(self.port, total, chunk, ready), daemon=True)
+        self.sender.start()
+        ready.wait(30)
+
+    def receive(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port)) as conn:
             got = 0
-            while got < total:
-                batch = torch.empty(min(chunk, total - got) // row_bytes, row_bytes // 4, dtype=torch.int32)
+            while got < self.total:
+                rows = min(self.chunk, self.total - got) // self.row_bytes
+                batch = torch.empty(rows, self.row_bytes // 4, dtype=torch.int32)
                 view, n = memoryview(batch.numpy()).cast("B"), 0
                 while n < len(view):
                     n += conn.recv_into(view[n:])
                 got += len(view)
 
-    timing = _best(receive, repeats, sender.pid)
-    sender.join(10)
-    return timing
+    def close(self) -> None:
+        self.sender.terminate()
+        self.sender.join(10)
 
 
 # glibc's largest mmap threshold (32 MiB on 64-bit; larger values are ignored), and no trimming.
@@ -120,7 +138,8 @@ MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": 
 
 
 def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, prefetch: int):
-    """[(source, (seconds, CPU here, CPU serving))] for all rows at one batch size; the TCP ceiling last."""
+    """[(source, (seconds, CPU here, CPU serving, seconds of raw TCP between its passes))] for all rows at one
+    batch size; the TCP ceiling last."""
     row_bytes = tokens * 4
     path = os.path.join(tmp, f"rows-{batch_rows}.parquet")
     values = np.random.default_rng(0).integers(0, 50_000, rows * tokens, dtype=np.int32)
@@ -128,49 +147,53 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
                    path, row_group_size=batch_rows, compression="none")
     del values
     results = []
+    tcp = TcpCeiling(rows * row_bytes, batch_rows * row_bytes, row_bytes)
+
+    def best(fn, serving_pid=None):
+        return _best(fn, epochs, serving_pid, paired=tcp.receive)
 
     def parquet():
         pf = pq.ParquetFile(path)
         for batch in pf.iter_batches(batch_size=batch_rows):
             torch.from_numpy(token_matrix(batch.column(0), "tokens"))
 
-    results.append(("Parquet file, read directly", _best(parquet, epochs)))
-    local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
-    results.append(("LocalDataset (in process)", _best(lambda: sum(1 for _ in local), epochs)))
-
-    node = _node(path, batch_rows * row_bytes)
     try:
-        endpoint = node.stdout.readline().split()[-1]
-        one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
-                               prefetch=prefetch)
-        results.append(("1 Flight node -> 1 client", _best(lambda: sum(1 for _ in one), epochs, node.pid)))
-        shuffled = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=True, loop=False,
-                                    prefetch=prefetch)
-        results.append(("  the same, shuffled", _best(lambda: sum(1 for _ in shuffled), epochs, node.pid)))
+        results.append(("Parquet file, read directly", best(parquet)))
+        local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
+        results.append(("LocalDataset (in process)", best(lambda: sum(1 for _ in local))))
 
-        halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
-                                   rank=r, world_size=2, prefetch=prefetch) for r in range(2)]
-
-        results.append(("1 Flight node -> 2 clients", _best(lambda: _together(halves), epochs, node.pid)))
+        node = _node(path, batch_rows * row_bytes)
+        try:
+            endpoint = node.stdout.readline().split()[-1]
+            one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
+                                   prefetch=prefetch)
+            results.append(("1 Flight node -> 1 client", best(lambda: sum(1 for _ in one), node.pid)))
+            shuffled = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=True, loop=False,
+                                        prefetch=prefetch)
+            results.append(("  the same, shuffled", best(lambda: sum(1 for _ in shuffled), node.pid)))
+            halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
+                                       rank=r, world_size=2, prefetch=prefetch) for r in range(2)]
+            results.append(("1 Flight node -> 2 clients", best(lambda: _together(halves), node.pid)))
+        finally:
+            node.terminate()
+            node.wait(10)
+        nodes = [_node(path, batch_rows * row_bytes, f"{i}/2") for i in range(2)]
+        try:
+            endpoints = [n.stdout.readline().split()[-1] for n in nodes]
+            pair = [StreamingDataset(endpoints, global_batch_size=batch_rows, shuffle=False, loop=False,
+                                     prefetch=prefetch) for _ in range(2)]
+            half = rows // batch_rows // 2
+            pair[1].set_position(0, half)  # in node 1's shard, as pair[0] starts in node 0's
+            results.append(("2 Flight nodes -> 2 clients", best(lambda: _together(pair, half), [n.pid for n in nodes])))
+        finally:
+            for n in nodes:
+                n.terminate()
+                n.wait(10)
+        seconds, cpu_read, cpu_serve, _ = _best(tcp.receive, epochs, tcp.sender.pid)
+        results.append(("raw loopback TCP (ceiling)", (seconds, cpu_read, cpu_serve, seconds)))
     finally:
-        node.terminate()
-        node.wait(10)
-    nodes = [_node(path, batch_rows * row_bytes, f"{i}/2") for i in range(2)]
-    try:
-        endpoints = [n.stdout.readline().split()[-1] for n in nodes]
-        pair = [StreamingDataset(endpoints, global_batch_size=batch_rows, shuffle=False, loop=False,
-                                 prefetch=prefetch) for _ in range(2)]
-        half = rows // batch_rows // 2
-        pair[1].set_position(0, half)  # in node 1's shard, as pair[0] starts in node 0's
-        results.append(("2 Flight nodes -> 2 clients", _best(lambda: _together(pair, half), epochs,
-                                                             [n.pid for n in nodes])))
-    finally:
-        for n in nodes:
-            n.terminate()
-            n.wait(10)
-    os.remove(path)
-    total = rows * row_bytes
-    results.append(("raw loopback TCP (ceiling)", tcp_ceiling(total, batch_rows * row_bytes, row_bytes, epochs)))
+        tcp.close()
+        os.remove(path)
     return results
 
 
@@ -217,7 +240,7 @@ def small_batches(tmp: str, rows: int, epochs: int, prefetch: int, batch_rows: i
     print(f"\n{rows} rows of an int64 id and 16 int32 tokens in batches of {batch_rows} rows, best of {epochs}")
     print(f"{'source':<30}{'rows/s':>12}{'steps/s':>10}{'CPU read ms/1k steps':>22}{'CPU serve':>11}")
     steps = rows // batch_rows
-    for name, (seconds, cpu_read, cpu_serve) in results:
+    for name, (seconds, cpu_read, cpu_serve, _) in results:
         serve = "-" if cpu_serve is None else f"{cpu_serve / steps * 1e6:.1f}"
         print(f"{name:<30}{rows / seconds:>12.0f}{steps / seconds:>10.0f}{cpu_read / steps * 1e6:>22.1f}{serve:>11}",
               flush=True)
@@ -231,11 +254,13 @@ def main() -> None:
     # Tensors over Arrow's read-only buffers, never written to here.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--batch-mb", default="2,4,8,16", help="batch sizes in MiB, comma-separated")
     parser.add_argument("--epochs", type=int, default=5, help="repeats; the best is reported")
-    parser.add_argument("--prefetch", type=int, default=8, help="StreamingDataset's steps read ahead")
+    default_prefetch = inspect.signature(StreamingDataset).parameters["prefetch"].default
+    parser.add_argument("--prefetch", type=int, default=default_prefetch,
+                        help="StreamingDataset's steps read ahead (default: its default)")
     parser.add_argument("--small-rows", type=int, default=240_000, help="rows for the 100-row batch table")
     args = parser.parse_args()
     row_bytes = args.tokens * 4
@@ -243,18 +268,19 @@ def main() -> None:
           f"tensors, best of {args.epochs}, {os.cpu_count()} CPUs")
     print("CPU: seconds of CPU time per GB delivered (mean over the passes), in the reading process (all its "
           "threads) and in the serving one (cache node or TCP sender)")
-    print(f"{'batch':>8}  {'source':<30}{'GB/s':>8}{'rows/s':>12}{'of TCP':>9}{'CPU read':>10}{'CPU serve':>11}")
+    print(f"{'batch':>8}  {'source':<30}{'GB/s':>8}{'rows/s':>12}{'of TCP':>9}{'TCP GB/s':>9}{'CPU read':>10}"
+          f"{'CPU serve':>11}")
     with tempfile.TemporaryDirectory() as tmp:
         for mb in (float(x) for x in args.batch_mb.split(",")):
             batch_rows = max(1, int(mb * 2**20) // row_bytes)
             rows = (args.rows // batch_rows) * batch_rows
             gb = rows * row_bytes / 1e9
             results = measure(tmp, rows, args.tokens, batch_rows, args.epochs, args.prefetch)
-            ceiling = results[-1][1][0]
-            for name, (seconds, cpu_read, cpu_serve) in results:
+            for name, (seconds, cpu_read, cpu_serve, tcp_seconds) in results:
                 serve = "-" if cpu_serve is None else f"{cpu_serve / gb:.2f}"
                 print(f"{batch_rows * row_bytes / 2**20:>5.1f}MiB  {name:<30}{gb / seconds:>8.2f}"
-                      f"{rows / seconds:>12.0f}{ceiling / seconds:>9.0%}{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
+                      f"{rows / seconds:>12.0f}{tcp_seconds / seconds:>9.0%}{gb / tcp_seconds:>9.2f}"
+                      f"{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
         small_batches(tmp, args.small_rows, args.epochs, args.prefetch)
 
 

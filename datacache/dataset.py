@@ -12,7 +12,9 @@ is refused with an error saying so; forked workers of a parent that never iterat
 
 Reading ahead: a thread keeps up to `prefetch` steps asked for and not yet consumed. It asks each node,
 in one Flight call, for its part of as many steps as there is room for (at least half the room, so calls
-are few: a gRPC stream starts slowly), all nodes sending at once, and reads every call to its end. A node
+are few: a call costs about a millisecond before its first batch and a gRPC stream starts slowly; the
+default room of 32 steps makes calls of 16 steps or more), all nodes sending at once, and reads every
+call to its end. A node
 so sends only what is wanted and each step once, never waits on a slow consumer, and holds no stream
 that nobody reads: it goes idle when its clients do. `prefetch=0`: no thread, a call per step, made when
 the step is wanted. A batch that one node answers in one piece becomes a torch tensor without a copy.
@@ -198,7 +200,7 @@ class StreamingDataset(PlannedDataset):
                  seed: int = 0, loop: bool = True, drop_last: bool = True, rank: int | None = None,
                  world_size: int | None = None, block_rows: int = 1, window_blocks: int = 1,
                  token: str | None = None, tls_root_cert: str | None = None, timeout: float = 30.0,
-                 retries: int = 3, backoff: float = 0.2, prefetch: int = 8):
+                 retries: int = 3, backoff: float = 0.2, prefetch: int = 32):
         if (batch_size is None) == (global_batch_size is None):
             raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
         if not endpoints:

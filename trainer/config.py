@@ -106,7 +106,7 @@ class CacheConfig:
     # Shared secret the nodes ask for. Never written: config.yaml, manifests and printed commands refer to
     # it as ${oc.env:TRAINJOB_CACHE_TOKEN}, and launchers hand it to the ranks in that variable.
     token: str | None = None
-    prefetch: int = 8  # steps each rank reads ahead (datacache.StreamingDataset's prefetch)
+    prefetch: int = 32  # steps each rank reads ahead (datacache.StreamingDataset's prefetch)
     # PEM file of the CA that signed grpc+tls nodes' certificates (a private CA); null: the system's.
     tls_root_cert: str | None = None
     # Cache nodes the launcher starts beside the ranks over this run's corpus (0: none); they replace
