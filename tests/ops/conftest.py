@@ -1,13 +1,83 @@
 """Where the op tests run: on CUDA tensors with compiled kernels when a GPU is present, else on CPU tensors
-under Triton's interpreter (the root conftest sets TRITON_INTERPRET=1 when there is no GPU)."""
+under Triton's interpreter (the root conftest sets TRITON_INTERPRET=1 when there is no GPU).
+
+Under the interpreter the op tests (test_ops.py) record every kernel specialisation they launch
+(tests/ops/launches.py), and test_compile.py, which runs after them, compiles those for real GPUs. When
+this session did not run every op test to a pass (a selection, or a failure), test_compile.py runs them
+again itself to record their launches.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from tests.ops.launches import Recorder
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+OP_TESTS, COMPILE_TEST = "tests/ops/test_ops.py", "tests/ops/test_compile.py"
+
+
+class OpTestRecord:
+    """The op tests this session collected and passed, and whether any was deselected."""
+
+    def __init__(self) -> None:
+        self.collected: set[str] = set()
+        self.passed: set[str] = set()
+        self.deselected = False
+
+    def complete(self, config: pytest.Config) -> bool:
+        """Every op test ran here and passed (test_ops.py was collected whole: no node id, no -k or -m)."""
+        whole = not any(f"{OP_TESTS}::" in str(arg).replace(os.sep, "/") for arg in config.args)
+        return whole and not self.deselected and bool(self.collected) and self.passed == self.collected
+
+
+RECORD = OpTestRecord()  # this session's (pytest_runtest_logreport is given no config to stash it in)
+
+
+def _is_op_test(nodeid: str) -> bool:
+    return nodeid.startswith(f"{OP_TESTS}::")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    RECORD.collected = {item.nodeid for item in items if _is_op_test(item.nodeid)}
+    # The compile check reads what the op tests recorded: it runs right after the last of them.
+    compile_items = [item for item in items if item.nodeid.startswith(f"{COMPILE_TEST}::")]
+    op_items = [i for i, item in enumerate(items) if _is_op_test(item.nodeid)]
+    if compile_items and op_items:
+        rest = [item for item in items if item not in compile_items]
+        last = max(i for i, item in enumerate(rest) if _is_op_test(item.nodeid))
+        items[:] = rest[:last + 1] + compile_items + rest[last + 1:]
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if any(_is_op_test(item.nodeid) for item in items):
+        RECORD.deselected = True
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _is_op_test(report.nodeid) and report.when == "call" and report.passed:
+        RECORD.passed.add(report.nodeid)
+
+
+@pytest.fixture(scope="session")
+def launch_record(tmp_path_factory) -> str:
+    """The file this session's op tests record their kernel launches in (under the interpreter)."""
+    return str(tmp_path_factory.mktemp("launches") / "launches.jsonl")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _record_launches(request, launch_record):
+    if request.module.__name__.endswith("test_ops") and os.environ.get("TRITON_INTERPRET") == "1":
+        recorder = Recorder(launch_record)
+        recorder.install()
+        yield
+        recorder.uninstall()
+    else:
+        yield
 
 
 @pytest.fixture(params=DTYPES, ids=["fp32", "bf16", "fp16"])

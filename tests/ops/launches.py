@@ -2,7 +2,8 @@
 real GPUs on a machine without one.
 
 As a pytest plugin (`-p tests.ops.launches`, with TRAINJOB_RECORD_LAUNCHES=<file>), it records each
-launch the interpreter runs (and `python -m tests.ops.launches record-model-shapes <file>` records,
+launch the interpreter runs (tests/ops/conftest.py records the op tests' launches in the session that
+runs them the same way) (and `python -m tests.ops.launches record-model-shapes <file>` records,
 without running them, the launches at a real model's shapes): the kernel, each argument's Triton type
 and 16-byte divisibility (as a GPU launch would specialise them), the constexpr values and the launch
 options (`num_warps`, `num_stages`). As a program (`python -m tests.ops.launches <file> 90 80`,
@@ -74,13 +75,14 @@ class Recorder:
     def __init__(self, path: str) -> None:
         self.path = path
         self.seen: set[str] = set()
+        self._run = None  # the interpreter's own launch, while installed
 
     def install(self) -> None:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
         from triton.runtime.interpreter import InterpretedFunction
 
-        run = InterpretedFunction.run
+        run = self._run = InterpretedFunction.run
         recorder = self
 
         def recording_run(fn, *args, grid, warmup, **kwargs):
@@ -115,6 +117,11 @@ class Recorder:
             return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = recording_run
+
+    def uninstall(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run, self._run = self._run, None
 
 
 def pytest_configure(config) -> None:
