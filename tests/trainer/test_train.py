@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -164,16 +165,23 @@ def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir
 
 
 def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, tmp_path):
-    """`kernels=triton` under Triton's interpreter (CPU) against `kernels=torch`, on the debug model's shape
-    with short sequences (the interpreter is slow). Tolerance: fp32 kernels that sum in other orders."""
-    args = ["model=debug", "data.seq_len=16", "train.global_batch_size=4", "train.max_steps=3",
-            "train.eval_every=3", "train.eval_batches=1", "train.progress=false"]
+    """`kernels=triton` under Triton's interpreter (CPU) against `kernels=torch`, on two layers of the debug
+    model's shape with short sequences (the interpreter is slow), both runs at once: the first step's loss
+    (forward kernels), the second's (after an update from the backward kernels) and the eval loss.
+    Tolerance: fp32 kernels that sum in other orders."""
+    args = ["model=debug", "model.n_layers=2", "data.seq_len=16", "train.global_batch_size=4",
+            "train.max_steps=2", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
+            "train.progress=false"]
     env = {"TRITON_INTERPRET": "1"}
-    torch_run = run_cli(*args, f"hydra.run.dir={tmp_path / 'torch'}", env=env)
-    assert torch_run.returncode == 0, torch_run.stderr[-3000:]
-    triton_run = run_cli(*args, "kernels=triton", f"hydra.run.dir={tmp_path / 'triton'}", env=env)
-    assert triton_run.returncode == 0, triton_run.stderr[-3000:]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {kernels: pool.submit(run_cli, *args, f"kernels={kernels}", f"hydra.run.dir={tmp_path / kernels}",
+                                     env=env) for kernels in ("torch", "triton")}
+    for kernels, run in runs.items():
+        assert run.result().returncode == 0, f"{kernels}: {run.result().stderr[-3000:]}"
+    assert len(_losses(str(tmp_path / "torch"))) == 2
     assert _losses(str(tmp_path / "triton")) == pytest.approx(_losses(str(tmp_path / "torch")), rel=1e-4)
+    assert read_summary(str(tmp_path / "triton"))["final_eval_loss"] == pytest.approx(
+        read_summary(str(tmp_path / "torch"))["final_eval_loss"], rel=1e-4)
 
 
 def test_killing_the_driver_stops_torchrun_and_its_ranks(tmp_path, cache_dir):
