@@ -1,6 +1,6 @@
-"""Data throughput into torch tensors: Parquet read directly, the in-process LocalDataset, one Arrow
-Flight cache node to one client and to two clients, two nodes to two clients, against the raw loopback
-TCP ceiling; then small batches (100 rows of 16 tokens) in rows/s.
+"""Data throughput into torch tensors: Parquet read directly, the in-process LocalDataset, one Arrow Flight
+cache node to one client and to two clients, two nodes to two clients, against the raw loopback TCP
+ceiling; then small batches (100 rows of 16 tokens) in rows/s.
 
 Rows are fixed-length lists of `--tokens` int32 ids (2 KB per row at 512). Every source is read in
 batches of each size in `--batch-mb` (MiB; `--rows` rows in all, unshuffled) and each batch ends as a
@@ -9,17 +9,18 @@ in `StreamingDataset`'s default order, a permutation of them, which the node gat
 cache node and the TCP sender run in their own processes, as they would on a cluster; the TCP sender
 holds as many bytes in memory as the node and sends them once a pass, batch by batch, and the receiver
 reads each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least
-any receiver can do). Every source gets one untimed pass first (an epoch of a long run, not its first).
-A row's share of TCP ("of TCP") is against raw TCP passes run between its own passes, one before each
-("TCP GB/s", the best of them): on a shared machine the ceiling moves by a third from minute to minute,
-and a ratio of two figures taken minutes apart would measure that. Beside throughput it prints the CPU time each GB cost the reading process and the
-serving one: on a machine whose cores they share, that cost, not the socket, bounds the throughput. The
-two-node row serves the rows as two shards, one node process each, read by two clients in threads of this
-process, one from the start of the epoch and one from its middle (`set_position`), half the epoch each:
-both nodes serve at once, each to one client; its serving CPU is both nodes'.
+any receiver can do). Every source gets one untimed pass first (an epoch of a long run, not its first). A
+row's share of TCP ("of TCP") is against raw TCP passes run between its own passes, one before each ("TCP
+GB/s", the best of them): on a shared machine the ceiling moves by a third from minute to minute, and a
+ratio of two figures taken minutes apart would measure that. Beside throughput it prints the CPU time
+each GB cost the reading process and the serving one: on a machine whose cores they share, that cost, not
+the socket, bounds the throughput. The two-node row serves the rows as two shards, one node process each,
+read by two clients in threads of this process, one from the start of the epoch and one from its middle
+(`set_position`), half the epoch each: both nodes serve at once, each to one client; its serving CPU is
+both nodes'.
 
-The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows
-(the shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
+The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows (the
+shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
 
     python bench/datacache.py [--rows 400000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 32]
                               [--small-rows 240000]
