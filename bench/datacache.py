@@ -51,7 +51,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from datacache import LocalDataset, StreamingDataset  # noqa: E402
-from datacache.local import token_matrix  # noqa: E402
+from datacache.parquet import token_matrix  # noqa: E402
 
 
 def _process_cpu(pid: int) -> float | None:

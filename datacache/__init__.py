@@ -1,11 +1,18 @@
 """trainjob's Arrow data cache: datasets that give every rank its exact share of a global sample order.
 
-Usable on its own: it never imports `trainer` or `launchers`.
+Usable on its own: it never imports `trainer` or `launchers`. Its names load on first use, so that a cache
+node (`python -m datacache`, `datacache.server`) never imports torch.
 """
 
-from datacache.dataset import StreamingDataset
-from datacache.local import LocalDataset
-from datacache.order import BatchPlan
-from datacache.server import CacheServer, DataCacheError
+import importlib
 
-__all__ = ["BatchPlan", "CacheServer", "DataCacheError", "LocalDataset", "StreamingDataset"]
+_HOMES = {"BatchPlan": "datacache.order", "CacheServer": "datacache.server", "DataCacheError": "datacache.server",
+          "LocalDataset": "datacache.local", "StreamingDataset": "datacache.dataset"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'datacache' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -45,8 +45,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 
-from datacache.local import token_matrix
 from datacache.order import BatchPlan
+from datacache.parquet import token_matrix
 from datacache.planned import PlannedDataset, rank_and_world
 from datacache.server import TOKEN_ENV, DataCacheError, encode_ticket
 

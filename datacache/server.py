@@ -38,7 +38,7 @@ import pyarrow.dataset as pads
 import pyarrow.flight as flight
 import pyarrow.parquet as pq
 
-from datacache.local import parquet_files
+from datacache.parquet import parquet_files
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from datacache.local import LocalDataset, parquet_files, read_token_rows
+from datacache.local import LocalDataset
+from datacache.parquet import parquet_files, read_token_rows
 from trainer.config import ConfigError
 from trainer.data import build_once
 from trainer.models.hf_tokenizer import HFTokenizer

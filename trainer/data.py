@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from datacache.local import parquet_files
+from datacache.parquet import parquet_files
 from trainer.config import CACHE_KEYS, ConfigError
 from trainer.models import tokenizer
 
