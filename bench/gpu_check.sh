@@ -64,8 +64,9 @@ PY
 
     # Each section has its own time cap, so the report fits one 10-minute call; a section cut short says so.
     section "pytest tests/ops (CUDA tensors, compiled kernels)"
-    # Every specialisation compiles on first use: spread the tests over processes (pytest-xdist is there).
-    parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+    # Every specialisation compiles on first use: spread the tests over processes, test by test, where
+    # pytest-xdist is there; where it is not, without pyproject's -n option, which needs it.
+    parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist load" || echo "-o addopts=-ra")
     timeout 120 python3 -m pytest tests/ops -q -p no:cacheprovider $parallel 2>&1 | tail -15
 
     section "python bench/kernels.py --check (Llama-3-8B shapes, 4096 tokens)"

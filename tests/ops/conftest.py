@@ -2,9 +2,9 @@
 under Triton's interpreter (the root conftest sets TRITON_INTERPRET=1 when there is no GPU).
 
 Under the interpreter the op tests (test_ops.py) record every kernel specialisation they launch
-(tests/ops/launches.py), and test_compile.py, which runs after them, compiles those for real GPUs. When
-this session did not run every op test to a pass (a selection, or a failure), test_compile.py runs them
-again itself to record their launches.
+(tests/ops/launches.py), and the file's last test compiles those for real GPUs. When this session did not
+run every op test to a pass (a selection, or a failure), that test runs them again itself to record their
+launches.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import os
 import pytest
 import torch
 
-from tests.ops.launches import Recorder
+from tests.ops.launches import RECORD_ENV, Recorder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-OP_TESTS, COMPILE_TEST = "tests/ops/test_ops.py", "tests/ops/test_compile.py"
+OP_TESTS = "tests/ops/test_ops.py"
+COMPILE_TEST = f"{OP_TESTS}::test_every_launched_kernel_compiles_for_sm90_and_sm80"
 
 
 class OpTestRecord:
@@ -39,18 +40,11 @@ RECORD = OpTestRecord()  # this session's (pytest_runtest_logreport is given no 
 
 
 def _is_op_test(nodeid: str) -> bool:
-    return nodeid.startswith(f"{OP_TESTS}::")
+    return nodeid.startswith(f"{OP_TESTS}::") and nodeid != COMPILE_TEST
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     RECORD.collected = {item.nodeid for item in items if _is_op_test(item.nodeid)}
-    # The compile check reads what the op tests recorded: it runs right after the last of them.
-    compile_items = [item for item in items if item.nodeid.startswith(f"{COMPILE_TEST}::")]
-    op_items = [i for i, item in enumerate(items) if _is_op_test(item.nodeid)]
-    if compile_items and op_items:
-        rest = [item for item in items if item not in compile_items]
-        last = max(i for i, item in enumerate(rest) if _is_op_test(item.nodeid))
-        items[:] = rest[:last + 1] + compile_items + rest[last + 1:]
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -65,8 +59,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.fixture(scope="session")
 def launch_record(tmp_path_factory) -> str:
-    """The file this session's op tests record their kernel launches in (under the interpreter)."""
-    return str(tmp_path_factory.mktemp("launches") / "launches.jsonl")
+    """The file this session's op tests record their kernel launches in (under the interpreter):
+    $TRAINJOB_RECORD_LAUNCHES when the compile test runs them in a session of their own."""
+    return os.environ.get(RECORD_ENV) or str(tmp_path_factory.mktemp("launches") / "launches.jsonl")
 
 
 @pytest.fixture(autouse=True, scope="module")

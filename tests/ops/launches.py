@@ -1,15 +1,14 @@
 """Every Triton kernel specialisation the op tests launch, recorded under the interpreter and compiled for
 real GPUs on a machine without one.
 
-As a pytest plugin (`-p tests.ops.launches`, with TRAINJOB_RECORD_LAUNCHES=<file>), it records each
-launch the interpreter runs (tests/ops/conftest.py records the op tests' launches in the session that
-runs them the same way) (and `python -m tests.ops.launches record-model-shapes <file>` records,
-without running them, the launches at a real model's shapes): the kernel, each argument's Triton type
-and 16-byte divisibility (as a GPU launch would specialise them), the constexpr values and the launch
-options (`num_warps`, `num_stages`). As a program (`python -m tests.ops.launches <file> 90 80`,
-TRITON_INTERPRET unset), it compiles each recorded specialisation with `triton.compile` for those
-architectures down to a cubin, checks that its shared memory fits the architecture, and prints one line
-per failure.
+`Recorder` records each launch the interpreter runs (tests/ops/conftest.py installs one while the op
+tests run, writing to $TRAINJOB_RECORD_LAUNCHES or a file of the session's), and `python -m
+tests.ops.launches record-model-shapes <file>` records, without running them, the launches at a real
+model's shapes: the kernel, each argument's Triton type and 16-byte divisibility (as a GPU launch would
+specialise them), the constexpr values and the launch options (`num_warps`, `num_stages`). As a program
+(`python -m tests.ops.launches <file> 90 80`, TRITON_INTERPRET unset), it compiles each recorded
+specialisation with `triton.compile` for those architectures down to a cubin, checks that its shared
+memory fits the architecture, and prints one line per failure.
 """
 
 from __future__ import annotations
@@ -122,12 +121,6 @@ class Recorder:
         from triton.runtime.interpreter import InterpretedFunction
 
         InterpretedFunction.run, self._run = self._run, None
-
-
-def pytest_configure(config) -> None:
-    path = os.environ.get(RECORD_ENV)
-    if path:
-        Recorder(path).install()
 
 
 def _reason(error: Exception) -> str:
