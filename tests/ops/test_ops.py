@@ -25,7 +25,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ops
-from tests.conftest import REPO
 from tests.ops.conftest import COMPILE_TEST, DEVICE, DTYPES, OP_TESTS, RECORD
 from tests.ops.launches import RECORD_ENV
 
@@ -516,6 +515,9 @@ def test_integer_pointwise_results_are_exact():
 # --- compiled for real GPUs -------------------------------------------------------------------------
 
 ARCHS = ["90", "80"]
+# Not tests.conftest's REPO: importing that conftest turns the interpreter on, and the compiler resolves
+# this module's @triton.jit functions by importing it.
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def _env(**changes) -> dict:
