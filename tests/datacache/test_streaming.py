@@ -31,7 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from datacache import CacheServer, DataCacheError, LocalDataset, StreamingDataset
 from datacache.dataset import _Stream, _to_tensor
 from datacache.server import decode_ticket, encode_ticket
-from tests.conftest import examples
+from tests.conftest import REPO, examples
 
 ROWS = 203  # prime: no batch size divides it
 
@@ -332,6 +332,17 @@ def test_a_plain_flight_client_reads_a_node_and_bad_tickets_are_refused(nodes):
 def _cli(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", "datacache", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def test_a_cache_node_never_imports_torch():
+    """`python -m datacache serve` and every `ready` probe start without torch's seconds of import."""
+    probe = ("import sys, runpy; sys.argv = ['datacache', '--help']\n"
+             "try:\n    runpy.run_module('datacache', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "import datacache.server\nfrom datacache import CacheServer, DataCacheError\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.timeout(120)
