@@ -2,9 +2,9 @@
 under Triton's interpreter (the root conftest sets TRITON_INTERPRET=1 when there is no GPU).
 
 Under the interpreter the op tests (test_ops.py) record every kernel specialisation they launch
-(tests/ops/launches.py), and the file's last test compiles those for real GPUs. When this session did not
-run every op test to a pass (a selection, or a failure), that test runs them again itself to record their
-launches.
+(tests/ops/launches.py, through that file's fixtures), and its last test compiles those for real GPUs.
+`RECORD` says whether this session ran every op test to a pass; when it did not (a selection, or a
+failure), that test runs them again itself to record their launches.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import os
 
 import pytest
 import torch
-
-from tests.ops.launches import RECORD_ENV, Recorder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -55,24 +53,6 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _is_op_test(report.nodeid) and report.when == "call" and report.passed:
         RECORD.passed.add(report.nodeid)
-
-
-@pytest.fixture(scope="session")
-def launch_record(tmp_path_factory) -> str:
-    """The file this session's op tests record their kernel launches in (under the interpreter):
-    $TRAINJOB_RECORD_LAUNCHES when the compile test runs them in a session of their own."""
-    return os.environ.get(RECORD_ENV) or str(tmp_path_factory.mktemp("launches") / "launches.jsonl")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _record_launches(request, launch_record):
-    if request.module.__name__.endswith("test_ops") and os.environ.get("TRITON_INTERPRET") == "1":
-        recorder = Recorder(launch_record)
-        recorder.install()
-        yield
-        recorder.uninstall()
-    else:
-        yield
 
 
 @pytest.fixture(params=DTYPES, ids=["fp32", "bf16", "fp16"])

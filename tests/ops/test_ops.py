@@ -26,11 +26,30 @@ from hypothesis import strategies as st
 
 import ops
 from tests.ops.conftest import COMPILE_TEST, DEVICE, DTYPES, OP_TESTS, RECORD
-from tests.ops.launches import RECORD_ENV
+from tests.ops.launches import RECORD_ENV, Recorder
 
 torch.manual_seed(0)
 GENERATED = settings(max_examples=12, deadline=None, derandomize=True)
 dtypes = st.sampled_from(DTYPES)
+
+
+@pytest.fixture(scope="module")
+def launch_record(tmp_path_factory) -> str:
+    """The file these op tests record their kernel launches in (under the interpreter):
+    $TRAINJOB_RECORD_LAUNCHES when the compile test below runs them in a session of their own."""
+    return os.environ.get(RECORD_ENV) or str(tmp_path_factory.mktemp("launches") / "launches.jsonl")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _record_launches(launch_record):
+    """Under the interpreter, every kernel specialisation this file's tests launch goes to `launch_record`."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    recorder = Recorder(launch_record)
+    recorder.install()
+    yield
+    recorder.uninstall()
 
 
 def _leaf(*shape, dtype=torch.float32, transpose=False, scale=1.0):
