@@ -9,7 +9,9 @@ in `StreamingDataset`'s default order, a permutation of them, which the node gat
 cache node and the TCP sender run in their own processes, as they would on a cluster; the TCP sender
 holds as many bytes in memory as the node and sends them once a pass, batch by batch, and the receiver
 reads each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least
-any receiver can do). Every source gets one untimed pass first (an epoch of a long run, not its first). A
+any receiver can do). StreamingDataset reads with its defaults unless `--prefetch`/`--readers` say
+otherwise, and every pass, TCP's too, runs under the malloc settings it sets in the process that reads
+(`datacache.memory`). Every source gets one untimed pass first (an epoch of a long run, not its first). A
 row's share of TCP ("of TCP") is against raw TCP passes run between its own passes, one before each ("TCP
 GB/s", the best of them): on a shared machine the ceiling moves by a third from minute to minute, and a
 ratio of two figures taken minutes apart would measure that. Beside throughput it prints the CPU time
@@ -23,7 +25,7 @@ The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in
 shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
 
     python bench/datacache.py [--rows 400000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 32]
-                              [--small-rows 240000]
+                              [--readers 2] [--small-rows 240000]
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from datacache import LocalDataset, StreamingDataset  # noqa: E402
+from datacache.memory import keep_freed_buffers  # noqa: E402
 from datacache.parquet import token_matrix  # noqa: E402
 
 
@@ -134,11 +137,7 @@ class TcpCeiling:
         self.sender.join(10)
 
 
-# glibc's largest mmap threshold (32 MiB on 64-bit; larger values are ignored), and no trimming.
-MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-
-
-def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, prefetch: int):
+def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, reading: dict):
     """[(source, (seconds, CPU here, CPU serving, seconds of raw TCP between its passes))] for all rows at one
     batch size; the TCP ceiling last."""
     row_bytes = tokens * 4
@@ -167,13 +166,13 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
         try:
             endpoint = node.stdout.readline().split()[-1]
             one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
-                                   prefetch=prefetch)
+                                   **reading)
             results.append(("1 Flight node -> 1 client", best(lambda: sum(1 for _ in one), node.pid)))
             shuffled = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=True, loop=False,
-                                        prefetch=prefetch)
+                                        **reading)
             results.append(("  the same, shuffled", best(lambda: sum(1 for _ in shuffled), node.pid)))
             halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
-                                       rank=r, world_size=2, prefetch=prefetch) for r in range(2)]
+                                       rank=r, world_size=2, **reading) for r in range(2)]
             results.append(("1 Flight node -> 2 clients", best(lambda: _together(halves), node.pid)))
         finally:
             node.terminate()
@@ -182,7 +181,7 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, pref
         try:
             endpoints = [n.stdout.readline().split()[-1] for n in nodes]
             pair = [StreamingDataset(endpoints, global_batch_size=batch_rows, shuffle=False, loop=False,
-                                     prefetch=prefetch) for _ in range(2)]
+                                     **reading) for _ in range(2)]
             half = rows // batch_rows // 2
             pair[1].set_position(0, half)  # in node 1's shard, as pair[0] starts in node 0's
             results.append(("2 Flight nodes -> 2 clients", best(lambda: _together(pair, half), [n.pid for n in nodes])))
@@ -213,7 +212,7 @@ def _together(datasets, steps: int | None = None) -> None:
         t.join()
 
 
-def small_batches(tmp: str, rows: int, epochs: int, prefetch: int, batch_rows: int = 100) -> None:
+def small_batches(tmp: str, rows: int, epochs: int, reading: dict, batch_rows: int = 100) -> None:
     """Rows/s for batches of 100 rows of an int64 id and 16 int32 tokens (per-step costs, not bytes)."""
     path = os.path.join(tmp, "small.parquet")
     ids = np.arange(rows, dtype=np.int64)
@@ -233,7 +232,7 @@ def small_batches(tmp: str, rows: int, epochs: int, prefetch: int, batch_rows: i
         endpoint = node.stdout.readline().split()[-1]
         for name, shuffle in (("1 Flight node -> 1 client", False), ("  the same, shuffled", True)):
             ds = StreamingDataset([endpoint], columns=["id", "tokens"], batch_size=batch_rows, shuffle=shuffle,
-                                  loop=False, prefetch=prefetch)
+                                  loop=False, **reading)
             results.append((name, _best(lambda d=ds: sum(1 for _ in d), epochs, node.pid)))
     finally:
         node.terminate()
@@ -248,10 +247,9 @@ def small_batches(tmp: str, rows: int, epochs: int, prefetch: int, batch_rows: i
 
 
 def main() -> None:
-    # glibc reads these at start-up: keeping freed memory instead of returning it to the OS saves a page
-    # fault per page of every fresh receive buffer. Set them for this process too, by starting over.
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    # What a StreamingDataset sets in the process that iterates it, set before any pass: the TCP receiver
+    # allocates its batches from the same heap, under the same rules.
+    keep_freed_buffers()
     # Tensors over Arrow's read-only buffers, never written to here.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -259,12 +257,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--batch-mb", default="2,4,8,16", help="batch sizes in MiB, comma-separated")
     parser.add_argument("--epochs", type=int, default=5, help="repeats; the best is reported")
-    default_prefetch = inspect.signature(StreamingDataset).parameters["prefetch"].default
-    parser.add_argument("--prefetch", type=int, default=default_prefetch,
+    defaults = inspect.signature(StreamingDataset).parameters
+    parser.add_argument("--prefetch", type=int, default=defaults["prefetch"].default,
                         help="StreamingDataset's steps read ahead (default: its default)")
+    parser.add_argument("--readers", type=int, default=defaults["readers"].default,
+                        help="StreamingDataset's read-ahead threads (default: its default)")
     parser.add_argument("--small-rows", type=int, default=240_000, help="rows for the 100-row batch table")
     args = parser.parse_args()
     row_bytes = args.tokens * 4
+    reading = {"prefetch": args.prefetch, "readers": args.readers}
     print(f"{args.rows} rows of {args.tokens} int32 tokens (~{args.rows * row_bytes / 1e9:.2f} GB) into torch "
           f"tensors, best of {args.epochs}, {os.cpu_count()} CPUs")
     print("CPU: seconds of CPU time per GB delivered (mean over the passes), in the reading process (all its "
@@ -276,13 +277,13 @@ def main() -> None:
             batch_rows = max(1, int(mb * 2**20) // row_bytes)
             rows = (args.rows // batch_rows) * batch_rows
             gb = rows * row_bytes / 1e9
-            results = measure(tmp, rows, args.tokens, batch_rows, args.epochs, args.prefetch)
+            results = measure(tmp, rows, args.tokens, batch_rows, args.epochs, reading)
             for name, (seconds, cpu_read, cpu_serve, tcp_seconds) in results:
                 serve = "-" if cpu_serve is None else f"{cpu_serve / gb:.2f}"
                 print(f"{batch_rows * row_bytes / 2**20:>5.1f}MiB  {name:<30}{gb / seconds:>8.2f}"
                       f"{rows / seconds:>12.0f}{tcp_seconds / seconds:>9.0%}{gb / tcp_seconds:>9.2f}"
                       f"{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
-        small_batches(tmp, args.small_rows, args.epochs, args.prefetch)
+        small_batches(tmp, args.small_rows, args.epochs, reading)
 
 
 if __name__ == "__main__":

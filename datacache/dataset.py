@@ -10,14 +10,20 @@ the process that iterates it, a DataLoader worker say, asks the nodes what they 
 connections. gRPC does not survive `fork`, so a worker forked from a process that had already connected
 is refused with an error saying so; forked workers of a parent that never iterated the dataset work.
 
-Reading ahead: a thread keeps up to `prefetch` steps asked for and not yet consumed. It asks each node,
-in one Flight call, for its part of as many steps as there is room for (at least half the room, so calls
-are few: a call costs about a millisecond before its first batch and a gRPC stream starts slowly; the
-default room of 32 steps makes calls of 16 steps or more), all nodes sending at once, and reads every
-call to its end. A node
-so sends only what is wanted and each step once, never waits on a slow consumer, and holds no stream
-that nobody reads: it goes idle when its clients do. `prefetch=0`: no thread, a call per step, made when
-the step is wanted. A batch that one node answers in one piece becomes a torch tensor without a copy.
+Reading ahead: `readers` threads (default 2), each over its own connection to every node, keep up to
+`prefetch` steps asked for and not yet consumed. A thread takes the next window of steps, as many as
+there is room for (at least half the room, so calls are few: a call costs about a millisecond before its
+first batch and a gRPC stream starts slowly; the default room of 32 steps makes calls of 16 steps or
+more), asks each node for its part of them in one Flight call, all nodes sending at once, and reads every
+call to its end; the consumer takes the windows in plan order, and a reader with steps still to read
+leaves free room to one that waits, so the two alternate. Two threads over two connections deliver
+more than one on the same cores (`bench/datacache.py`, 8 MiB batches from one node on 2 cores: 75-79% of
+raw loopback TCP, against 67% with one), where each batch costs the client a copy more than a raw
+socket does (gRPC hands a message over in slices, which Arrow joins into one buffer). A node so sends
+only what is wanted and each step once, never waits on a slow consumer, and holds no stream that nobody
+reads: it goes idle when its clients do. `prefetch=0`: no thread, a call per step, made when the step
+is wanted. A batch that one node answers in one piece becomes a torch tensor without a copy, in a buffer
+the process reuses (`datacache.memory`).
 
 Every step is checked as it arrives: its row count, column names and types; a node that answers
 otherwise is an error naming it. A node that cannot be reached, or fails mid-stream, is retried
@@ -45,16 +51,23 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 
+from datacache.memory import keep_freed_buffers
 from datacache.order import BatchPlan
 from datacache.parquet import token_matrix
 from datacache.planned import PlannedDataset, rank_and_world
-from datacache.server import TOKEN_ENV, DataCacheError, encode_ticket
+from datacache.server import MAX_READERS, TOKEN_ENV, DataCacheError, encode_ticket
 
 # A call carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
 SPAN_STEPS, SPAN_RUNS = 1024, 65536
 
 RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightInternalError,
              flight.FlightCancelledError, ConnectionError, OSError)
+
+# Arrow's buffers are read-only and torch warns of that in every tensor made over them; nothing here writes
+# them. One filter for this module's calls: warnings.catch_warnings is not thread-safe, and readers convert
+# batches in threads.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=__name__)
 
 FORKED = ("StreamingDataset: this process was forked from one that had already connected to cache nodes, and "
           "gRPC does not survive fork: iterate the dataset only in the DataLoader's workers (not in the parent "
@@ -86,9 +99,7 @@ def _to_numpy(column: pa.Array) -> np.ndarray:
 
 def _to_tensor(column: pa.Array | np.ndarray) -> torch.Tensor:
     values = _to_numpy(column) if isinstance(column, pa.Array) else column
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # Arrow's buffers are read-only; we never write them
-        return torch.from_numpy(values)
+    return torch.from_numpy(values)
 
 
 def _runs(rows: np.ndarray) -> np.ndarray:
@@ -156,6 +167,7 @@ class _Window:
 
     def __init__(self, layouts: list[tuple[int, int, list]], streams: dict[int, _Stream], last: bool):
         self.layouts, self.streams, self.last, self.read = layouts, streams, last, 0
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()  # its steps as read, for the consumer
 
     def __len__(self) -> int:
         return len(self.layouts)
@@ -166,19 +178,26 @@ class _Window:
 
 
 class _Room:
-    """Places for steps asked for and not yet consumed, at most `limit`; `close` releases a waiting fetcher."""
+    """Places for steps asked for and not yet consumed, at most `limit`. `close` (the consumer stopped) and
+    `end` (no steps left to ask for) release the readers waiting for room."""
 
     def __init__(self, limit: int):
-        self.limit, self.free, self.closed = limit, limit, False
+        self.limit, self.free, self.closed, self.ended = limit, limit, False, False
         self.least = (limit + 1) // 2  # a call asks for at least half the room: few calls, each long
+        self.waiting = 0  # readers with nothing to read, waiting for room
         self._cond = threading.Condition()
 
     def reserve(self, wait: bool) -> int:
-        """Every free place, once at least half the room is free (waiting for that if `wait`); else 0."""
+        """Every free place, once at least half the room is free (waiting for that if `wait`); else 0. A
+        reader that does not wait (it has steps to read) leaves the room to one that does."""
         with self._cond:
             if wait:
-                self._cond.wait_for(lambda: self.closed or self.free >= self.least)
-            if self.closed or self.free < self.least:
+                self.waiting += 1
+                self._cond.wait_for(lambda: self.closed or self.ended or self.free >= self.least)
+                self.waiting -= 1
+            elif self.waiting:
+                return 0
+            if self.closed or self.ended or self.free < self.least:
                 return 0
             taken, self.free = self.free, 0
             return taken
@@ -193,6 +212,11 @@ class _Room:
             self.closed = True
             self._cond.notify_all()
 
+    def end(self) -> None:
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
 
 class StreamingDataset(PlannedDataset):
     def __init__(self, endpoints: list[str], columns: list[str] | tuple[str, ...] = ("tokens",),
@@ -200,17 +224,21 @@ class StreamingDataset(PlannedDataset):
                  seed: int = 0, loop: bool = True, drop_last: bool = True, rank: int | None = None,
                  world_size: int | None = None, block_rows: int = 1, window_blocks: int = 1,
                  token: str | None = None, tls_root_cert: str | None = None, timeout: float = 30.0,
-                 retries: int = 3, backoff: float = 0.2, prefetch: int = 32):
+                 retries: int = 3, backoff: float = 0.2, prefetch: int = 32, readers: int = 2):
         if (batch_size is None) == (global_batch_size is None):
             raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
         if not endpoints:
             raise ValueError("StreamingDataset needs at least one cache node endpoint")
         if prefetch < 0:
             raise ValueError(f"prefetch={prefetch}: give the steps to read ahead, >= 0 (0: none, no thread)")
+        if not 1 <= readers <= MAX_READERS:
+            raise ValueError(f"readers={readers}: give the threads that read ahead, 1 to {MAX_READERS} (each opens "
+                             f"its own connection to every node)")
         env_rank, env_world = rank_and_world()
         rank = env_rank if rank is None else rank
         world = env_world if world_size is None else world_size
         self.columns, self.retries, self.backoff, self.prefetch = list(columns), retries, backoff, prefetch
+        self.readers = readers
         self.timeout = timeout
         tls_root = None
         if tls_root_cert:
@@ -222,7 +250,7 @@ class StreamingDataset(PlannedDataset):
                                shuffle=shuffle, seed=seed, block_rows=block_rows, window_blocks=window_blocks,
                                drop_last=drop_last)
         BatchPlan(num_rows=self._plan_args["global_batch_size"], **self._plan_args)  # the checks rows cannot fail
-        self._offsets = self._schema = self._sent = None
+        self._offsets = self._schema = self._sent = self._idle_lanes = None
         super().__init__(None, loop)
 
     @property
@@ -339,8 +367,9 @@ class StreamingDataset(PlannedDataset):
 
     # --- batches ---------------------------------------------------------------------------------------
 
-    def _window(self, planned, max_steps: int) -> _Window:
-        """The next planned steps, up to `max_steps` and about `SPAN_RUNS` row ranges, as one call per node."""
+    def _window(self, planned, max_steps: int, nodes: list[_Node]) -> _Window:
+        """The next planned steps, up to `max_steps` and about `SPAN_RUNS` row ranges, as one call per node
+        (over the connections of `nodes`)."""
         layouts, wanted, runs, last = [], collections.defaultdict(list), 0, False
         while len(layouts) < max_steps and runs < SPAN_RUNS:
             try:
@@ -359,7 +388,7 @@ class StreamingDataset(PlannedDataset):
                     wanted[n].append(_runs(rows[where]))
             runs += sum(len(wanted[n][-1]) for n, _ in parts)
             layouts.append((g, len(rows), parts))
-        return _Window(layouts, {n: _Stream(self._nodes[n], steps) for n, steps in wanted.items()}, last)
+        return _Window(layouts, {n: _Stream(nodes[n], steps) for n, steps in wanted.items()}, last)
 
     def _open(self, window: _Window) -> None:
         """Makes the window's calls, so that every node sends before any is read."""
@@ -390,7 +419,7 @@ class StreamingDataset(PlannedDataset):
 
     def fetch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         self.describe()
-        window = self._window(iter([(0, rows)]), 1)
+        window = self._window(iter([(0, rows)]), 1, self._nodes)
         try:
             self._open(window)
             return self._next_step(window)[1]
@@ -399,9 +428,10 @@ class StreamingDataset(PlannedDataset):
 
     def _fetched(self, planned):
         self.describe()
+        keep_freed_buffers()
         planned = iter(planned)
         if self.prefetch <= 0:  # a call per step, made when the step is wanted
-            while len(window := self._window(planned, 1)):
+            while len(window := self._window(planned, 1, self._nodes)):
                 try:
                     self._open(window)
                     step = self._next_step(window)
@@ -409,51 +439,84 @@ class StreamingDataset(PlannedDataset):
                     window.close()
                 yield step
             return
-        ready: queue.SimpleQueue = queue.SimpleQueue()
-        room = _Room(self.prefetch)
-        threading.Thread(target=self._produce, args=(planned, room, ready), name="datacache-fetch",
-                         daemon=True).start()
+        if self._idle_lanes is None:
+            self._idle_lanes = [self._nodes]  # the first reader uses the connections `describe` made
+        order: queue.SimpleQueue = queue.SimpleQueue()  # windows as cut, None after the last
+        room, cutting = _Room(self.prefetch), threading.Lock()
         try:
-            while True:
-                try:
-                    item = ready.get(timeout=self.patience)
-                except queue.Empty:
-                    raise DataCacheError(
-                        f"no batch from the cache nodes {', '.join(n.endpoint for n in self._nodes)} in "
-                        f"{self.patience:.0f} s (timeout={self.timeout} s, retries={self.retries})") from None
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                room.release()
-                yield item
+            for _ in range(min(self.readers, self.prefetch)):  # no more readers than places to read into
+                threading.Thread(target=self._produce, args=(self._lane(), planned, room, cutting, order),
+                                 name="datacache-fetch", daemon=True).start()
+            while (window := self._wait(order)) is not None:
+                for _ in range(len(window)):
+                    step = self._wait(window.ready)
+                    room.release()
+                    yield step
         finally:
             room.close()
 
-    def _produce(self, planned, room: _Room, ready: queue.SimpleQueue) -> None:
-        """The read-ahead thread: asks for windows of steps as the room allows and reads them in order, each
-        call to its end; hands the consumer each step, then None at the end, or the error that stopped it."""
+    def _lane(self) -> list[_Node]:
+        """Connections to every node for one reader: those of a reader that has finished, else new ones. A
+        reader of an iteration stopped early may still be finishing a read: it keeps its own."""
+        try:
+            return self._idle_lanes.pop()
+        except IndexError:
+            return [_Node(n.endpoint, n.token, n.timeout, n.tls_root) for n in self._nodes]
+
+    def _wait(self, ready: queue.SimpleQueue):
+        """The next item a reader handed over; raises what a reader raised, or when none comes in time."""
+        try:
+            item = ready.get(timeout=self.patience)
+        except queue.Empty:
+            raise DataCacheError(
+                f"no batch from the cache nodes {', '.join(n.endpoint for n in self._nodes)} in "
+                f"{self.patience:.0f} s (timeout={self.timeout} s, retries={self.retries})") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _produce(self, nodes: list[_Node], planned, room: _Room, cutting: threading.Lock,
+                 order: queue.SimpleQueue) -> None:
+        """A read-ahead thread, one of `readers`, each over its own connections (`nodes`): takes the next
+        window of steps as the room allows (windows are cut and handed to the consumer in plan order, under
+        `cutting`), makes its calls, and reads its windows in order, each call to its end, handing each step
+        to its window. An error goes to the first window it has not finished (the consumer reaches that
+        one first), else to the consumer's queue of windows."""
         windows: collections.deque[_Window] = collections.deque()
-        last = False
         try:
             while True:
-                if not last and (places := room.reserve(wait=not windows)):
-                    window = self._window(planned, min(places, SPAN_STEPS))
-                    room.release(places - len(window))
-                    last = window.last
-                    if len(window):
-                        windows.append(window)  # before opening: the finally below closes what did open
+                if not room.ended and (places := room.reserve(wait=not windows)):
+                    with cutting:
+                        window = (None if room.ended or room.closed
+                                  else self._cut(planned, min(places, SPAN_STEPS), nodes, room))
+                        room.release(places - (len(window) if window else 0))
+                        if window is not None:
+                            if len(window):
+                                windows.append(window)  # before opening: the finally below closes what did open
+                                order.put(window)
+                            if window.last:
+                                room.end()
+                                order.put(None)
+                    if window is not None and len(window):
                         self._open(window)
-                if room.closed:
+                if room.closed or not windows:
                     return
-                if not windows:
-                    ready.put(None)
-                    return
-                ready.put(self._next_step(windows[0]))
-                if windows[0].read == len(windows[0]):
+                window = windows[0]
+                window.ready.put(self._next_step(window))
+                if window.read == len(window):
                     windows.popleft().close()
         except BaseException as e:  # handed to the consumer, which raises it
-            ready.put(e)
+            (windows[0].ready if windows else order).put(e)
         finally:
             for window in windows:
                 window.close()
+            self._idle_lanes.append(nodes)
+
+    def _cut(self, planned, max_steps: int, nodes: list[_Node], room: _Room) -> _Window:
+        """The next window; if cutting it fails, no reader cuts another (so no end of the epoch is announced
+        before the error reaches the consumer)."""
+        try:
+            return self._window(planned, max_steps, nodes)
+        except BaseException:
+            room.end()
+            raise

@@ -23,6 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 import launchers
+from datacache.server import MAX_READERS
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer import peft_config, tracking
 from trainer.errors import ConfigError
@@ -107,6 +108,7 @@ class CacheConfig:
     # it as ${oc.env:TRAINJOB_CACHE_TOKEN}, and launchers hand it to the ranks in that variable.
     token: str | None = None
     prefetch: int = 32  # steps each rank reads ahead (datacache.StreamingDataset's prefetch)
+    readers: int = 2  # threads each rank reads ahead with, each over its own connections (StreamingDataset's)
     # PEM file of the CA that signed grpc+tls nodes' certificates (a private CA); null: the system's.
     tls_root_cert: str | None = None
     # Cache nodes the launcher starts beside the ranks over this run's corpus (0: none); they replace
@@ -115,6 +117,8 @@ class CacheConfig:
 
     def check(self) -> None:
         _require(self.prefetch >= 0, "data.cache.prefetch", self.prefetch, "must be >= 0 (0: no read-ahead thread)")
+        _require(1 <= self.readers <= MAX_READERS, "data.cache.readers", self.readers,
+                 f"must be 1 to {MAX_READERS} (read-ahead threads, each with a connection to every node)")
         for key in CACHE_KEYS.values():
             for i, endpoint in enumerate(getattr(self, key)):
                 _require(str(endpoint).startswith(FLIGHT_SCHEMES), f"data.cache.{key}[{i}]", endpoint,

@@ -83,7 +83,7 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
         return dataset(os.path.join(corpus, split), **kw)
     try:
         data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
-                                tls_root_cert=data_cfg.cache.tls_root_cert, **kw)
+                                readers=data_cfg.cache.readers, tls_root_cert=data_cfg.cache.tls_root_cert, **kw)
         rows, _ = data.schema.field("tokens").type, data.plan  # the nodes are asked what they hold
     except (DataCacheError, ValueError) as e:  # unreachable nodes; fewer rows than one global batch
         raise ConfigError(f"data.cache.{key}", endpoints, str(e)) from None

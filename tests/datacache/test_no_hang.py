@@ -1,6 +1,7 @@
 """No epoch hangs: real `python -m datacache serve` nodes over datasets of 1 to 50,000 rows, read whole by
-StreamingDataset for generated batch sizes, column subsets, prefetch depths and orders, each under a hard
-timeout; a node sends each step once, even to a slow reader, and goes idle when its clients close.
+StreamingDataset for generated batch sizes, column subsets, prefetch depths, reader threads and orders,
+each under a hard timeout; a node sends each step once, even to a slow reader, and goes idle when its
+clients close.
 """
 
 from __future__ import annotations
@@ -81,16 +82,17 @@ def reads(draw):
     rows = draw(st.sampled_from([d[0] for d in DATASETS]))
     batch = draw(st.integers(-(-rows // STEPS_AT_MOST), rows))
     columns = draw(st.sampled_from([["id"], ["tokens"], ["tokens", "id"]]))
-    return rows, batch, columns, draw(st.integers(0, 8)), draw(st.booleans()), draw(st.booleans())
+    prefetch, readers = draw(st.integers(0, 8)), draw(st.integers(1, 3))
+    return rows, batch, columns, prefetch, readers, draw(st.booleans()), draw(st.booleans())
 
 
 @pytest.mark.timeout(150)
 @settings(max_examples=examples(60), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=reads())
 def test_every_epoch_ends_with_every_row_whatever_the_sizes(clusters, case):
-    rows, batch, columns, prefetch, shuffle, drop_last = case
+    rows, batch, columns, prefetch, readers, shuffle, drop_last = case
     ds = StreamingDataset(clusters[rows][1], columns=columns, batch_size=batch, shuffle=shuffle, seed=7, loop=False,
-                          drop_last=drop_last, prefetch=prefetch, timeout=10, retries=1)
+                          drop_last=drop_last, prefetch=prefetch, readers=readers, timeout=10, retries=1)
     tic = time.monotonic()
     got = [b for b in ds]
     assert time.monotonic() - tic < 20
@@ -119,15 +121,16 @@ def test_the_reported_case_reads_three_epochs(clusters, batch, shuffle):
 
 
 class CountingNode(CacheServer):
-    """A real node, in this process, that counts the steps it sends."""
+    """A real node, in this process, that counts the steps it sends and the connections it is called on."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.sent, self.calls = 0, 0
+        self.sent, self.calls, self.peers = 0, 0, set()
         threading.Thread(target=self.serve, daemon=True).start()
 
     def do_get(self, context, ticket):
         self.calls += 1
+        self.peers.add(context.peer())
         return super().do_get(context, ticket)
 
     def _step_batches(self, steps, rows):
@@ -153,6 +156,20 @@ def test_a_node_sends_each_step_once_to_a_slow_reader(tmp_path, loop):
     # Each step is sent once: what was consumed and at most a room of 8 more (it was ~2,000 sent for 240).
     assert consumed <= node.sent <= consumed + 8
     assert node.calls <= 1 + 240 // 4  # a call asks for at least half the room
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("readers", [1, 2])
+def test_each_reader_has_its_own_connection_and_the_steps_come_in_plan_order(tmp_path, readers):
+    node = CountingNode(write_rows(tmp_path / "rows.parquet", 24_000, 3000))
+    try:
+        ds = StreamingDataset([node.location], columns=["id"], batch_size=100, seed=5, loop=False, prefetch=8,
+                              readers=readers)
+        ids = np.concatenate([b["id"].numpy() for b in ds])
+    finally:
+        node.shutdown()
+    assert ids.tolist() == ds.plan.epoch_order(0).tolist()  # 240 steps of 100 shuffled rows, each once
+    assert len(node.peers) == readers and node.sent == 240
 
 
 @pytest.mark.timeout(60)

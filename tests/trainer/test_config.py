@@ -127,6 +127,9 @@ BAD = [
     (["strategy.activation_checkpointing=some"],
      "strategy.activation_checkpointing='some': must be one of none, full, selective"),
     (["data.cache.prefetch=-1"], "data.cache.prefetch=-1: must be >= 0 (0: no read-ahead thread)"),
+    (["data.cache.readers=0"],
+     "data.cache.readers=0: must be 1 to 64 (read-ahead threads, each with a connection to every node)"),
+    (["data.cache.readers=65"], "data.cache.readers=65: must be 1 to 64"),
     (["data.cache.eval_endpoints=[http://node:50051]"],
      "data.cache.eval_endpoints[0]='http://node:50051': must be a Flight location such as grpc://host:50051"),
 ]

@@ -1,0 +1,83 @@
+"""A reading process keeps its freed batch buffers: after a StreamingDataset has been iterated there, a
+thread that fills and frees batch-sized blocks as a read-ahead does faults their pages in once, not every
+round; a user's own malloc settings are left as they are. Each case runs in a fresh interpreter, since
+malloc's settings last as long as the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Prints [faults of each round]: 16 blocks of 8 MiB malloc'd, written and freed by one thread, 5 times;
+# first iterating a StreamingDataset from the node at argv[1] if one is given.
+ROUNDS = """
+import ctypes, json, resource, sys, threading
+if len(sys.argv) > 1:
+    from datacache import StreamingDataset
+    sum(1 for _ in StreamingDataset([sys.argv[1]], columns=["id"], batch_size=10, loop=False))
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+size, faults = 8 << 20, []
+def rounds():
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        blocks = [libc.malloc(size) for _ in range(16)]
+        for b in blocks:
+            ctypes.memset(b, 1, size)
+        for b in blocks:
+            libc.free(b)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+thread = threading.Thread(target=rounds)
+thread.start()
+thread.join()
+print(json.dumps(faults))
+"""
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+
+
+def run(code: str, *args: str, env: dict | None = None) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env={**clean, **(env or {})},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rows") / "rows.parquet"
+    pq.write_table(pa.table({"id": np.arange(100, dtype=np.int64)}), path)
+    node = subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", str(path), "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    yield node.stdout.readline().split()[-1]
+    node.terminate()
+    node.wait(10)
+
+
+@pytest.mark.timeout(240)
+def test_a_reading_process_faults_batch_buffers_in_once(endpoint):
+    first, *later = json.loads(run(ROUNDS, endpoint))
+    assert first >= 16 * 2048 * 0.9  # 16 blocks of 2,048 pages each, touched the first time
+    assert max(later) < first * 0.01, later
+    # Without the dataset, glibc hands a thread's emptied heaps back and the pages fault in again.
+    first, *later = json.loads(run(ROUNDS))
+    assert min(later) > first * 0.25, later
+
+
+@pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"}, {"MALLOC_TOP_PAD_": "0"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}])
+def test_a_users_own_malloc_settings_decide(env):
+    code = "from datacache.memory import keep_freed_buffers as keep; print(keep(), keep())"
+    assert run(code, env=env) == "False False"
+    assert run(code) == "True True"
