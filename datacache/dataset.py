@@ -17,7 +17,7 @@ first batch and a gRPC stream starts slowly; the default room of 32 steps makes 
 more), asks each node for its part of them in one Flight call, all nodes sending at once, and reads every
 call to its end; the consumer takes the windows in plan order, and a reader with steps still to read
 leaves free room to one that waits, so the two alternate. Two threads over two connections deliver
-more than one on the same cores (`bench/datacache.py`, 8 MiB batches from one node on 2 cores: 75-79% of
+more than one on the same cores (`bench/datacache.py`, 8 MiB batches from one node on 2 cores: 71-79% of
 raw loopback TCP, against 67% with one), where each batch costs the client a copy more than a raw
 socket does (gRPC hands a message over in slices, which Arrow joins into one buffer). A node so sends
 only what is wanted and each step once, never waits on a slow consumer, and holds no stream that nobody
