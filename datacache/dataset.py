@@ -182,7 +182,7 @@ class _Room:
     `end` (no steps left to ask for) release the readers waiting for room."""
 
     def __init__(self, limit: int):
-        self.limit, self.free, self.closed, self.ended = limit, limit, False, False
+        self.free, self.closed, self.ended = limit, False, False
         self.least = (limit + 1) // 2  # a call asks for at least half the room: few calls, each long
         self.waiting = 0  # readers with nothing to read, waiting for room
         self._cond = threading.Condition()
@@ -485,7 +485,7 @@ class StreamingDataset(PlannedDataset):
         windows: collections.deque[_Window] = collections.deque()
         try:
             while True:
-                if not room.ended and (places := room.reserve(wait=not windows)):
+                if places := room.reserve(wait=not windows):  # 0 once the plan has ended
                     with cutting:
                         window = (None if room.ended or room.closed
                                   else self._cut(planned, min(places, SPAN_STEPS), nodes, room))
