@@ -4,9 +4,11 @@ cached corpus like `trainer.data`'s, and the dataset that reads them. A preferen
 conversation's row, then the rejected one's.
 
 Each conversation is rendered with the model directory's chat template and tokenizer
-(`trainer.models.hf_tokenizer`), cut to `data.seq_len + 1` tokens, and padded; `loss_mask` marks the
-assistant's tokens (the template's `{% generation %}` blocks). A conversation whose kept part has no
-assistant token after its first is dropped (it would teach nothing). Rows are
+(`trainer.models.hf_tokenizer`), cut to `data.seq_len + 1` tokens, and padded; `loss_mask` marks the tokens
+`data.chat.mask` counts: every assistant turn (the template's `{% generation %}` blocks, or each turn found
+message by message on a stock template), the last one, or all. A conversation whose kept part has no counted
+token after its first is dropped (it would teach nothing), as is one with no assistant turn or no messages;
+corpus.json counts them by reason, so that a split left too small names them. Rows are
 `{"tokens": int32[seq_len + 1], "loss_mask": int8[seq_len + 1]}`; ids of any vocabulary fit. With
 `data.packing=true` (data=chat), whole conversations are packed in order into each row instead, and a
 `documents` column numbers them, so that the model attends, and counts positions, within each only.
@@ -29,8 +31,8 @@ import torch
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
 from trainer.config import ConfigError
-from trainer.data import build_once
-from trainer.models.hf_tokenizer import HFTokenizer
+from trainer.data import build_once, dropped_text
+from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 log = logging.getLogger(__name__)
 ROWS_PER_SHARD = 8192
@@ -77,7 +79,6 @@ def _rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int, objec
 def _is_chat(messages) -> bool:
     return (
         isinstance(messages, list)
-        and bool(messages)
         and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages
@@ -113,9 +114,10 @@ def documents(name: str, path: str) -> Iterator[tuple[str, list[list[dict]]]]:
         yield doc, [[*prompt, {"role": "assistant", "content": row[k]}] for k in ("chosen", "rejected")]
 
 
-def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, loss mask) of one conversation, cut and padded to seq_len + 1."""
-    ids, mask = tok.apply_chat_template(messages)
+def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int, mask_mode: str = "assistant"
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, loss mask) of one conversation, cut and padded to seq_len + 1. Raises TemplateMaskError."""
+    ids, mask = tok.apply_chat_template(messages, mask_mode)
     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
     pad = seq_len + 1 - len(ids)
     return (np.array(ids + [pad_id] * pad, dtype=np.int32), np.array(mask + [0] * pad, dtype=np.int8))
@@ -199,22 +201,42 @@ def prepare(cfg) -> str:
         "seq_len": d.seq_len,
         "eval_percent": d.eval_percent,
         "source": _fingerprint(d, model_path),
-        "format": 1,
+        "format": 2,
         "packing": bool(d.packing),
+        "mask": d.chat.mask,
     }
     pad = next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
 
+    def encode(doc_id: str, chats: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]] | str:
+        """The conversations' rows, or why they are dropped."""
+        if not any(m["content"] for messages in chats for m in messages):
+            return "empty"
+        if d.chat.mask != "all" and not all(any(m["role"] == "assistant" for m in c) for c in chats):
+            return "no assistant turn"
+        try:
+            encoded = [encode_row(tok, messages, d.seq_len, pad, d.chat.mask) for messages in chats]
+        except TemplateMaskError as e:
+            raise ConfigError("data.chat.mask", d.chat.mask, f"the chat template of model.path={model_path} {e} "
+                              f"(conversation {doc_id} of data.path={d.path}), so its assistant turns cannot be "
+                              "found message by message: use data.chat.mask=last (the last assistant turn "
+                              "only) or data.chat.mask=all (every token), or a template with "
+                              "{% generation %} blocks") from None
+        if not all(mask[1:].any() for _, mask in encoded):
+            return f"no counted token within data.seq_len + 1 = {d.seq_len + 1} tokens"
+        return encoded
+
     def write(tmp: str) -> dict:
         splits: dict[str, list] = {"train": [], "eval": []}
-        dropped = 0
+        dropped: dict[str, int] = {}
         for doc_id, chats in documents(d.name, d.path):
-            encoded = [encode_row(tok, messages, d.seq_len, pad) for messages in chats]
-            if not all(mask[1:].any() for _, mask in encoded):
-                dropped += 1
+            encoded = encode(doc_id, chats)
+            if isinstance(encoded, str):
+                dropped[encoded] = dropped.get(encoded, 0) + 1
                 continue
             tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
             in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
             splits["eval" if in_eval else "train"].append((tokens, mask))
+        total = sum(len(rows) for rows in splits.values()) + sum(dropped.values())
         if d.packing:
             splits = {
                 name: pack([(t, m, _length(t, m, pad)) for t, m in rows], d.seq_len, pad)
@@ -223,9 +245,8 @@ def prepare(cfg) -> str:
         counts = {name: _write(rows, d.seq_len, os.path.join(tmp, name)) for name, rows in splits.items()}
         top = max((int(row[0].max()) for rows in splits.values() for row in rows), default=0)
         if dropped:
-            log.warning("data=%s: %d row(s) without an assistant token in their first %d tokens dropped",
-                        d.name, dropped, d.seq_len + 1)
-        return {"rows": counts, "max_token_id": top, "dropped": dropped}
+            log.warning("data=%s: %s", d.name, dropped_text(dropped, total))
+        return {"rows": counts, "max_token_id": top, "dropped": dropped, "conversations": total}
 
     return build_once(d.cache_dir, d.name, settings, write)
 

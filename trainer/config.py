@@ -131,6 +131,19 @@ class CacheConfig:
 
 
 DATASETS = ("stdlib", "parquet", "chat", "preference")
+CHAT_MASKS = ("assistant", "last", "all")
+
+
+@dataclass
+class ChatConfig:
+    """data=chat and data=preference: which tokens of each rendered conversation the loss counts."""
+
+    # assistant: every assistant turn (its content and end-of-turn token); last: the last assistant turn only;
+    # all: every token. The turns come from the template's {% generation %} blocks, or message by message.
+    mask: str = "assistant"
+
+    def check(self) -> None:
+        _one_of("data.chat.mask", self.mask, CHAT_MASKS)
 
 
 @dataclass
@@ -148,9 +161,11 @@ class DataConfig:
     # data=chat: pack conversations into rows (attention and positions within each) instead of padding each.
     packing: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
 
     def check(self) -> None:
         _one_of("data.name", self.name, DATASETS)
+        self.chat.check()
         _positive(self, "data", "seq_len")
         _require(0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent, "must be in (0, 100)")
         _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")

@@ -179,6 +179,12 @@ def prepare(cfg) -> str:
     return build_once(cfg.cache_dir, cfg.name, settings, write)
 
 
+def dropped_text(dropped: dict[str, int], total: int) -> str:
+    """'3 of 40 rows dropped (2 with no assistant turn, 1 empty)'."""
+    why = ", ".join(f"{n} {'' if reason == 'empty' else 'with '}{reason}" for reason, n in dropped.items())
+    return f"{sum(dropped.values())} of {total} rows dropped ({why})"
+
+
 def check_corpus(corpus: str, cfg) -> None:
     """Raise ConfigError unless the corpus can feed the job `cfg`: the model has an embedding for every
     token id in it, and every split read from it holds at least one global batch."""
@@ -198,6 +204,10 @@ def check_corpus(corpus: str, cfg) -> None:
         if getattr(d.cache, endpoints_key) or rows >= batch:
             continue
         fix = ("raise data.eval_percent" if split == "eval" else "lower data.eval_percent") + " or use more data"
+        dropped = sum(info.get("dropped", {}).values())
+        if dropped and info["conversations"] >= batch:  # the rows were there: dropping them is the cause
+            raise ConfigError("data.path", d.path, f"{dropped_text(info['dropped'], info['conversations'])}, which "
+                              f"leaves the {split} split {rows} rows, fewer than train.global_batch_size={batch}")
         if rows == 0 and split == "eval":
             raise ConfigError("data.eval_percent", d.eval_percent, f"leaves the eval split no rows: {fix}")
         raise ConfigError("train.global_batch_size", batch, f"the {split} split holds {rows} rows of "

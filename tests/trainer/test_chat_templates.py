@@ -1,0 +1,137 @@
+"""Loss masks on the chat templates real models ship (SmolLM2-135M-Instruct's from its PyPI package, Llama 3,
+Llama 3.1 and Qwen3's from the npm registry; `tests.trainer.real_models`), none of which has
+`{% generation %}` blocks: each assistant turn is found message by message, and gives, token for token, the
+mask that the same template with generation blocks added gives, in our renderer and in `transformers`'
+`return_assistant_tokens_mask`. A template that renders a turn differently alone than in the whole
+conversation (Qwen3's thinking block) is refused under data.chat.mask=assistant, naming the other masks."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import examples
+from tests.trainer import real_models
+from trainer import chat_data
+from trainer.config import ConfigError
+from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _generation_blocks(name: str, template: str) -> str:
+    """The stock template with `{% generation %}` around each assistant turn's content and end-of-turn token, as
+    TRL's and transformers' training templates mark it."""
+    if name == "smollm2":
+        turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+        marked = ("{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+                  "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}" + turn +
+                  "{% endif %}")
+    else:  # llama3, llama3_1
+        turn = "{{ content }}"
+        marked = ("{% if message['role'] == 'assistant' %}{{ (bos_token if loop.index0 == 0 else '') + "
+                  "'<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% generation %}"
+                  "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}" + turn +
+                  "{% endif %}")
+    assert template.count(turn) == 1, f"{name}'s stock template changed: {template!r}"
+    return template.replace(turn, marked)
+
+
+@pytest.fixture(scope="module")
+def templates():
+    """name -> (directory, stock template, the same with generation blocks)."""
+    dirs = {"smollm2": real_models.smollm2(), **{n: real_models.npm_tokenizer(n) for n in ("llama3", "llama3_1")}}
+    out = {}
+    for name, path in dirs.items():
+        stock = HFTokenizer(path).chat_template
+        assert not HFTokenizer(path).has_generation_blocks
+        out[name] = (path, stock, _generation_blocks(name, stock))
+    return out
+
+
+TEXT = st.text(string.ascii_letters + string.digits + " \n.,?!'é中", min_size=0, max_size=40)
+
+
+@st.composite
+def conversations(draw):
+    messages = [{"role": "system", "content": draw(TEXT)}] if draw(st.booleans()) else []
+    for _ in range(draw(st.integers(1, 3))):
+        messages += [{"role": "user", "content": draw(TEXT)}, {"role": "assistant", "content": draw(TEXT)}]
+    return messages
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["smollm2", "llama3", "llama3_1"]), messages=conversations(),
+       mask=st.sampled_from(["assistant", "last"]))
+def test_turns_found_message_by_message_are_the_generation_blocks_token_for_token(templates, name, messages, mask):
+    from transformers import AutoTokenizer
+
+    path, stock, marked = templates[name]
+    ours = HFTokenizer(path)
+    ids, by_role = ours.apply_chat_template(messages, mask)
+    ours.chat_template, ours._template = marked, None
+    marked_ids, blocks = ours.apply_chat_template(messages, mask)
+    assert (marked_ids, blocks) == (ids, by_role)
+    assert ours.apply_chat_template(messages, mask, by_role=True) == (ids, by_role)
+    if mask == "assistant":
+        theirs = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            messages, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert (list(theirs["input_ids"]), list(theirs["assistant_masks"])) == (ids, by_role)
+    counted = [t for t, m in zip(ids, by_role, strict=True) if m]
+    replies = [m for m in messages if m["role"] == "assistant"][-1:] if mask == "last" else \
+        [m for m in messages if m["role"] == "assistant"]
+    end = "<|im_end|>" if name == "smollm2" else "<|eot_id|>"
+    strip = str if name == "smollm2" else str.strip
+    assert ours.tokenizer.decode(counted, skip_special_tokens=False) == "".join(strip(m["content"]) + end
+                                                                                for m in replies)
+
+
+def test_mask_all_counts_every_token(templates):
+    path, _, _ = templates["llama3_1"]
+    tok = HFTokenizer(path)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = tok.apply_chat_template(messages, "all")
+    assert len(ids) > 6 and mask == [1] * len(ids)
+
+
+def test_qwen3s_thinking_block_is_counted_on_the_last_turn_and_refused_inside_a_conversation():
+    tok = HFTokenizer(real_models.npm_tokenizer("qwen3"))
+    one = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    ids, mask = tok.apply_chat_template(one)
+    assert tok.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False) \
+        == "<think>\n\n</think>\n\n4<|im_end|>"
+    two = [*one, {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+    with pytest.raises(TemplateMaskError, match=r"renders message 2 \(the assistant's\) as '<think>"):
+        tok.apply_chat_template(two)
+    ids, mask = tok.apply_chat_template(two, "last")
+    assert tok.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False) \
+        == "<think>\n\n</think>\n\n6<|im_end|>"
+
+
+def _chat_cfg(tmp_path, model: str, rows: list[dict], **data):
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = OmegaConf.create({"data": {"name": "chat", "path": str(path), "seq_len": 64, "eval_percent": 25.0,
+                                     "cache_dir": str(tmp_path / "cache"), "packing": False,
+                                     "chat": {"mask": data.pop("mask", "assistant")}, **data},
+                            "model": {"path": model}})
+    return cfg, str(path)
+
+
+def test_a_template_that_cannot_be_split_by_message_is_refused_naming_the_masks(tmp_path):
+    cfg, path = _chat_cfg(tmp_path, real_models.npm_tokenizer("qwen3"), [{"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}])
+    with pytest.raises(ConfigError) as e:
+        chat_data.prepare(cfg)
+    message = str(e.value)
+    assert message.startswith("invalid config: data.chat.mask='assistant': the chat template of model.path=")
+    assert "data.chat.mask=last" in message and "data.chat.mask=all" in message and f"data.path={path}" in message
+    assert not (tmp_path / "cache" / "corpus").exists() or not any(
+        p.name.startswith("chat-") for p in (tmp_path / "cache" / "corpus").iterdir())
