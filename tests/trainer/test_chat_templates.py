@@ -70,7 +70,7 @@ def conversations(draw):
 def test_turns_found_message_by_message_are_the_generation_blocks_token_for_token(templates, name, messages, mask):
     from transformers import AutoTokenizer
 
-    path, stock, marked = templates[name]
+    path, _, marked = templates[name]
     ours = HFTokenizer(path)
     ids, by_role = ours.apply_chat_template(messages, mask)
     ours.chat_template, ours._template = marked, None
@@ -135,3 +135,53 @@ def test_a_template_that_cannot_be_split_by_message_is_refused_naming_the_masks(
     assert "data.chat.mask=last" in message and "data.chat.mask=all" in message and f"data.path={path}" in message
     assert not (tmp_path / "cache" / "corpus").exists() or not any(
         p.name.startswith("chat-") for p in (tmp_path / "cache" / "corpus").iterdir())
+
+
+def _model_dir(tmp_path, tokenizer: str, model_type: str) -> str:
+    """The real tokenizer beside a small random model of its vocabulary (what the presets load)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.trainer.hf_models import SHAPE
+
+    path = tmp_path / f"model-{model_type}"
+    shutil.copytree(tokenizer, path)
+    config = AutoConfig.for_model(model_type, **{**SHAPE, "vocab_size": HFTokenizer(str(path)).vocab_size,
+                                                 "max_position_embeddings": 4096, "tie_word_embeddings": True})
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+PRESETS = [("llama3_2_1b_sft", "llama3_1", "llama"), ("llama3_2_1b_lora", "llama3_1", "llama"),
+           ("llama3_2_1b_dpo", "llama3_1", "llama"), ("qwen2_5_1_5b_lora", "qwen3", "qwen2")]
+
+
+@pytest.mark.parametrize(("preset", "tokenizer", "model_type"), PRESETS)
+def test_each_blueprint_prepares_its_data_on_a_real_stock_template(preset, tokenizer, model_type, tmp_path, capsys):
+    from tests.conftest import compose_refused, compose_run
+
+    model = _model_dir(tmp_path, real_models.npm_tokenizer(tokenizer), model_type)
+    rng = __import__("random").Random(0)
+    multi = tokenizer != "qwen3"  # Qwen3's template renders an earlier turn without its thinking block
+    rows = []
+    for i in range(40):
+        turns = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+        if multi and rng.random() < 0.5:
+            turns += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "the end"}]
+        rows.append({"prompt": f"question {i}", "chosen": f"yes {i}", "rejected": f"no {i}"} if "dpo" in preset
+                    else {"messages": turns})
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [f"+experiment={preset}", f"model.path={model}", f"data.path={path}", "train.global_batch_size=4",
+            "data.eval_percent=25", "data.seq_len=64"]
+    from omegaconf import OmegaConf
+
+    compose_run(tmp_path, *args)
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").data.chat.mask == "assistant"
+    if tokenizer == "qwen3":
+        with path.open("a") as f:
+            f.write(json.dumps({"messages": [*rows[0]["messages"], *rows[1]["messages"]]}) + "\n")
+        err = compose_refused(tmp_path, capsys, *args)
+        assert "data.chat.mask='assistant': the chat template of model.path=" in err and "data.chat.mask=last" in err
+        compose_run(tmp_path, *args, "data.chat.mask=last")

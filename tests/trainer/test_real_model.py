@@ -61,6 +61,11 @@ def sft_run(smollm2, tmp_path_factory, cache_dir):
     return chats, str(run_dir), cache_dir
 
 
+def _info(corpus: str) -> dict:
+    with open(os.path.join(corpus, "corpus.json")) as f:
+        return json.load(f)
+
+
 def test_sft_on_the_stock_template_counts_exactly_the_assistant_tokens(smollm2, sft_run):
     from transformers import AutoTokenizer
 
@@ -77,14 +82,13 @@ def test_sft_on_the_stock_template_counts_exactly_the_assistant_tokens(smollm2, 
         pad = SEQ + 1 - len(ids)
         expected.add((tuple(ids + [tok.pad_token_id] * pad), tuple(mask + [0] * pad)))
     (corpus,) = [d for d in glob.glob(os.path.join(cache_dir, "corpus", "chat-*"))
-                 if json.load(open(os.path.join(d, "corpus.json")))["source"]["files"][0][0].startswith(
-                     os.path.dirname(run_dir))]
+                 if _info(d)["source"]["files"][0][0].startswith(os.path.dirname(run_dir))]
     rows = set()
     for file in sorted(glob.glob(os.path.join(corpus, "*", "*.parquet"))):
         table = pq.read_table(file).to_pylist()
         rows |= {(tuple(r["tokens"]), tuple(r["loss_mask"])) for r in table}
     assert rows == expected
-    assert json.load(open(os.path.join(corpus, "corpus.json")))["dropped"] == {}
+    assert _info(corpus)["dropped"] == {}
 
 
 def test_the_exported_model_gives_our_logits_in_transformers_and_peft(smollm2, sft_run, tmp_path):
