@@ -8,13 +8,14 @@ conversation (Qwen3's thinking block) is refused under data.chat.mask=assistant,
 from __future__ import annotations
 
 import json
+import random
 import string
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import examples
+from tests.conftest import compose_refused, compose_run, examples
 from tests.trainer import real_models
 from trainer import chat_data
 from trainer.config import ConfigError
@@ -159,10 +160,8 @@ PRESETS = [("llama3_2_1b_sft", "llama3_1", "llama"), ("llama3_2_1b_lora", "llama
 
 @pytest.mark.parametrize(("preset", "tokenizer", "model_type"), PRESETS)
 def test_each_blueprint_prepares_its_data_on_a_real_stock_template(preset, tokenizer, model_type, tmp_path, capsys):
-    from tests.conftest import compose_refused, compose_run
-
     model = _model_dir(tmp_path, real_models.npm_tokenizer(tokenizer), model_type)
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     multi = tokenizer != "qwen3"  # Qwen3's template renders an earlier turn without its thinking block
     rows = []
     for i in range(40):
@@ -185,3 +184,20 @@ def test_each_blueprint_prepares_its_data_on_a_real_stock_template(preset, token
         err = compose_refused(tmp_path, capsys, *args)
         assert "data.chat.mask='assistant': the chat template of model.path=" in err and "data.chat.mask=last" in err
         compose_run(tmp_path, *args, "data.chat.mask=last")
+
+
+def test_rows_dropped_are_counted_by_reason_in_the_refusal_not_blamed_on_the_batch_size(tmp_path, capsys):
+    model = real_models.smollm2()
+    reply = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    rows = [{"messages": reply}] * 30 + [{"messages": [{"role": "user", "content": "Hi"}]}] * 4 + [{"messages": []}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["model=hf", f"model.path={model}", "recipe=sft", "data=chat", f"data.path={path}",
+            "train.global_batch_size=4", "data.eval_percent=25"]
+    # SmolLM2's template starts every conversation with a 20-token system prompt: nothing counted in 16.
+    err = compose_refused(tmp_path, capsys, *args, "data.seq_len=15")
+    assert err.startswith(f"error: invalid config: data.path='{path}': 35 of 35 rows dropped (30 with no counted "
+                          "token within data.seq_len + 1 = 16 tokens, 4 with no assistant turn, 1 empty), which "
+                          "leaves the train split 0 rows, fewer than train.global_batch_size=4"), err
+    assert "global_batch_size=4: the train split" not in err and len(err.strip().splitlines()) == 1
+    compose_run(tmp_path, *args, "data.seq_len=64")  # the same rows train once the replies fit
