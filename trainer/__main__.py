@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 import launchers
 from datacache.server import TOKEN_ENV
 from trainer import config
+from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
 from trainer.run_dir import RunDir
 
@@ -155,6 +156,9 @@ def _app(cfg: DictConfig) -> float:
     except launchers.LauncherError as e:  # the cluster, Docker or a cache node said no: one line
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    except Preempted as e:  # in process: SIGTERM, and the checkpoint to resume from is written
+        print(f"{e}; the same command resumes from it", file=sys.stderr)
+        raise SystemExit(EXIT_CODE) from None
     if state != launchers.JobState.COMPLETE:
         raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}

@@ -157,10 +157,15 @@ class Checkpointer:
             train_cfg.keep_latest_k
         self.model, self.optimizer, self.train_state, self.device = model, optimizer, train_state, device
 
-    def step(self, step: int) -> None:
-        """Step `step` is done: save it when due (every rank calls this)."""
+    def step(self, step: int) -> str | None:
+        """Step `step` is done: save it when due (every rank calls this); the checkpoint written, if any."""
         if step % self.every == 0 or step == self.last:
-            save(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
+            return self.save(step)
+        return None
+
+    def save(self, step: int) -> str:
+        """Save step `step` now, due or not (every rank calls this)."""
+        return save(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
 
 
 def load(path: str, model, optimizer, train_state: dict, device: torch.device) -> dict:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
-from trainer import checkpoint, metrics, models, parallel, plots
+from trainer import checkpoint, metrics, models, parallel, plots, preemption
 from trainer.chat_data import ChatDataset
 from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
 from trainer.parallel import ParallelDims
@@ -259,19 +259,24 @@ class Trainer:
         start_step, eval_loss = self.step, float("nan")
         self.model.train()
         data = iter(self._loader())
-        try:
-            while self.step < t.max_steps:
-                loss, grad_norm = self._train_step(next(data))  # on the device: only a metrics line waits
-                self.step += 1
-                evaluated = None
-                if self._eval_due():
+        with preemption.watch(self.device) as stop:
+            try:
+                while self.step < t.max_steps:
+                    loss, grad_norm = self._train_step(next(data))  # on the device: only a metrics line waits
+                    self.step += 1
+                    evaluated = None
+                    if self._eval_due():
+                        with logger.paused():
+                            evaluated = eval_loss = self.evaluate()
+                    logger.log(self.step, loss, grad_norm, self.scheduler.get_last_lr()[0], evaluated)
                     with logger.paused():
-                        evaluated = eval_loss = self.evaluate()
-                logger.log(self.step, loss, grad_norm, self.scheduler.get_last_lr()[0], evaluated)
-                with logger.paused():
-                    self.checkpointer.step(self.step)
-        finally:
-            logger.close(finished=self.step == t.max_steps)
+                        saved = self.checkpointer.step(self.step)
+                    if self.step < t.max_steps and stop.requested():
+                        with logger.paused():
+                            saved = saved or self.checkpointer.save(self.step)
+                        raise preemption.Preempted(self.step, saved)
+            finally:
+                logger.close(finished=self.step == t.max_steps)
         if math.isnan(eval_loss):  # no step was run
             eval_loss = self.evaluate()
         return self._summary(start_step, logger, eval_loss)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import chat_data, checkpoint, config, data, kernels, loop, lora, models
+from trainer import chat_data, checkpoint, config, data, kernels, loop, lora, models, preemption
 from trainer.config import CACHE_KEYS, Config, ConfigError
 from trainer.parallel import ParallelDims, parallelize
 from trainer.run_dir import RunDir
@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except preemption.Preempted as e:
+        print(str(e), file=sys.stderr)
+        code = preemption.EXIT_CODE
     # Done: leave without the interpreter's teardown, where a collective backend's threads, destroyed
     # late, have been seen to abort (SIGABRT) a rank that had succeeded.
     logging.shutdown()
