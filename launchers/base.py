@@ -124,6 +124,8 @@ class LaunchSpec:
     cache_dir: str | None = None
     files: dict[str, str] = field(default_factory=dict)
     cache_nodes: CacheNodes | None = None
+    # Seconds the ranks get between SIGTERM and SIGKILL to write a checkpoint (None: the platform's default).
+    stop_grace_s: int | None = None
 
     @property
     def world_size(self) -> int:

@@ -189,7 +189,7 @@ def _resources(res: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"limits": dict(amounts), "requests": dict(amounts)} if amounts else None
 
 
-def _pod_patch(lc: Mapping[str, Any], config_map: str) -> dict[str, Any]:
+def _pod_patch(lc: Mapping[str, Any], config_map: str, stop_grace_s: int | None) -> dict[str, Any]:
     volumes = [
         {"name": "trainjob-config", "configMap": {"name": config_map}},
         {"name": "trainjob-cache", "emptyDir": {}},
@@ -215,6 +215,8 @@ def _pod_patch(lc: Mapping[str, Any], config_map: str) -> dict[str, Any]:
         pod["tolerations"] = [dict(t) for t in lc["tolerations"]]
     if lc.get("service_account"):
         pod["serviceAccountName"] = lc["service_account"]
+    if stop_grace_s is not None:  # SIGTERM to SIGKILL: the step in flight and a checkpoint (train.preemption_grace_s)
+        pod["terminationGracePeriodSeconds"] = stop_grace_s
     return pod
 
 
@@ -320,7 +322,8 @@ def manifests(
                             "replicatedJobs": [
                                 {
                                     "name": "node",
-                                    "template": {"spec": {"template": {"spec": _pod_patch(lc, config_map)}}},
+                                    "template": {"spec": {"template": {"spec": _pod_patch(lc, config_map,
+                                                                                         spec.stop_grace_s)}}},
                                 }
                             ]
                         }
@@ -364,7 +367,7 @@ def cache_manifests(
     datacache ready` answers inside it; the same image, config and volumes as the ranks."""
     nodes, service, namespace = spec.cache_nodes, f"{name}-cache", lc["namespace"]
     selector = {"trainjob.dev/cache": name}
-    pod = _pod_patch(lc, config_map)
+    pod = _pod_patch(lc, config_map, None)
     mounts = pod.pop("containers")[0]["volumeMounts"]
     index = {
         "name": "POD_INDEX",

@@ -109,7 +109,8 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=int(runtime["nnodes"]) if runtime else 1,
         nproc_per_node=config.nproc_per_node(cfg), torchrun=torchrun, secrets=secrets, config=saved,
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
-        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes)
+        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes,
+        stop_grace_s=int(saved["train"]["preemption_grace_s"]))
     return Prepared(spec, resolved["launcher"], resolved["scheduler"])
 
 

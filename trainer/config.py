@@ -317,6 +317,9 @@ class TrainConfig:
     # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
     resume: str = "auto"
     progress: bool = True
+    # Seconds between SIGTERM (preemption, docker stop) and SIGKILL, for the step in flight and a checkpoint:
+    # the pods' terminationGracePeriodSeconds on Kubernetes, docker stop's timeout on Docker.
+    preemption_grace_s: int = 30
     # Where metrics lines go besides metrics.jsonl (tensorboard, mlflow, wandb), and their settings.
     trackers: list[str] = field(default_factory=lambda: ["jsonl"])
     mlflow: tracking.MlflowConfig = field(default_factory=tracking.MlflowConfig)
@@ -326,7 +329,7 @@ class TrainConfig:
         _one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
         _require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
         _positive(self, "train", "max_steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_every",
-                  "eval_batches", "checkpoint_every", "keep_latest_k")
+                  "eval_batches", "checkpoint_every", "keep_latest_k", "preemption_grace_s")
         if self.resume not in ("auto", "never"):
             _require(os.path.isfile(os.path.join(self.resume, ".metadata")), "train.resume", self.resume,
                      "must be auto, never, or a checkpoint directory (such as <run_dir>/checkpoints/step-100, "

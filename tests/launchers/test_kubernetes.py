@@ -81,6 +81,9 @@ def test_every_manifest_validates_against_the_crds(tmp_path, scheduler, strategy
             crds.validate(m)
     trainjob = manifests[-1]
     assert trainjob["spec"]["trainer"]["numNodes"] == nodes
+    (patch,) = trainjob["spec"]["runtimePatches"]
+    pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 30  # train.preemption_grace_s: SIGTERM to SIGKILL
     assert trainjob["spec"]["trainer"]["numProcPerNode"] == (4 if strategy == "fsdp2_tp" else 1)
     assert not any(e["name"].startswith("PET_") for e in trainjob["spec"]["trainer"]["env"])
     pod_config = yaml.safe_load(manifests[-2]["data"]["config.yaml"])

@@ -49,7 +49,7 @@ def _torchrun_agent(run_dir) -> int:
 
 def _resumed_equals_reference(cache_dir, tmp_path, run_dir, args, reference) -> None:
     proc = _start(cache_dir, tmp_path, *args, f"hydra.run.dir={run_dir}")
-    out, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     ours, ref = read_summary(str(run_dir)), read_summary(str(reference))
     assert (ours["final_train_loss"], ours["final_eval_loss"]) == (ref["final_train_loss"], ref["final_eval_loss"])
