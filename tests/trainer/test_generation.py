@@ -24,7 +24,8 @@ VOCAB = 320
 
 
 def _preset() -> models.Transformer:
-    cfg = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=VOCAB, max_seq_len=128)
+    cfg = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=VOCAB,
+                      max_seq_len=128)
     with torch.device("meta"):
         model = models.build(cfg)
     model.to_empty(device="cpu")
