@@ -6,12 +6,17 @@ The models are tiny random Hugging Face ones built with `transformers` (nothing 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import examples
+from tests.conftest import REPO, examples
 from tests.trainer.hf_models import make_llama, make_mistral, make_qwen2
 from trainer import models
 from trainer.config import ModelConfig
@@ -168,3 +173,26 @@ def test_bad_settings_are_refused_by_name(ours, kwargs, message):
     with pytest.raises(ValueError) as e:
         generate(ours["preset"], [[1, 2]], **{"max_new_tokens": 4, **kwargs})
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "tp"])
+def test_under_a_strategy_each_rank_generates_its_own_prompts(hf_dirs, ours, strategy, tmp_path):
+    """Two gloo ranks under torchrun (tests/trainer/generate_ranks.py): rank 1's rows end within three steps
+    while rank 0's run all sixteen, and each rank writes what one process writes for its prompts."""
+    from tests.trainer import generate_ranks
+
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "-m", "tests.trainer.generate_ranks", hf_dirs["qwen2"], strategy, str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        with open(tmp_path / f"rank-{rank}.json") as f:
+            written = json.load(f)
+        group = rank if strategy != "tp" else 0
+        assert written["prompts"] == generate_ranks.prompts(group)
+        eos = generate_ranks.end_tokens(ours["qwen2"], group)
+        assert written["completions"] == generate(ours["qwen2"], written["prompts"], 16, eos=eos)
+    if strategy != "tp":
+        with open(tmp_path / "rank-1.json") as f:
+            assert max(len(c) for c in json.load(f)["completions"]) <= 3
