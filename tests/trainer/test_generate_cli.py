@@ -29,10 +29,13 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, cache_dir, hf_dir):
-    """Two-step runs, `model=hf` from `hf_dir` and the tiny preset, and their last checkpoints."""
+    """Two-step runs, `model=hf` from `hf_dir` (whole, and with LoRA adapters) and the tiny preset, and their
+    last checkpoints."""
     root = tmp_path_factory.mktemp("runs")
     found = {}
-    for name, overrides in {"hf": ["model=hf", f"model.path={hf_dir}", *STEPS], "preset": [*TINY, *STEPS]}.items():
+    runs = {"hf": ["model=hf", f"model.path={hf_dir}", *STEPS], "preset": [*TINY, *STEPS],
+            "lora": ["model=hf", f"model.path={hf_dir}", "peft=lora", "optim.lr=0.5", *STEPS]}
+    for name, overrides in runs.items():
         proc = cli(cache_dir, root, *overrides, f"hydra.run.dir={root / name}", timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         found[name] = str(root / name / "checkpoints" / "step-2")
@@ -99,6 +102,15 @@ def test_on_a_model_hf_checkpoint_it_generates_from_the_trained_weights(checkpoi
     assert [r["token_ids"] for r in results] == reference
     # Training moved the weights, and what they write.
     assert reference != _hf_reference(hf_dir, hf_dir, chat=True)[0]
+
+
+def test_on_a_lora_checkpoint_it_generates_with_the_adapters_on(checkpoints, hf_dir, run_cli, tmp_path):
+    # A large learning rate moves the adapters far enough in two steps to change what greedy decoding writes.
+    results = _generate_cli(run_cli, checkpoints["lora"])
+    merged = export.export(checkpoints["lora"], str(tmp_path / "merged"), merge=True)
+    reference, _ = _hf_reference(merged, hf_dir, chat=False)
+    assert [r["token_ids"] for r in results] == reference
+    assert reference != _hf_reference(hf_dir, hf_dir, chat=False)[0]
 
 
 def test_on_a_preset_checkpoint_it_uses_the_byte_tokenizer(checkpoints, run_cli, tmp_path):
