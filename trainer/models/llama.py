@@ -5,7 +5,9 @@ kept in a ModuleDict keyed by index so that their names stay stable under any wr
 used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
 Pretrained families add q/k/v biases (Qwen2) and Llama 3.1's RoPE scaling (`trainer.models.hf`).
 The normalisation, rotary, gating and loss functions are attributes (PyTorch's by default) that
-`trainer.kernels` can point at the Triton ops of `ops/`.
+`trainer.kernels` can point at the Triton ops of `ops/`. Incremental decoding passes a
+`trainer.models.kv_cache.KVCache` through `forward(..., cache=)`: it gives the positions and the mask of the new
+tokens, and each attention layer appends its keys and values to its own slot of it.
 """
 
 from __future__ import annotations
@@ -53,16 +55,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = self.rope_fn(q, k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv is not None:  # decoding: attend to every key so far (the cache gives the mask)
+            k, v = kv.update(k, v)
         # mask (packed rows): (batch, 1, seq, seq), causal within each document; else plain causal.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-            enable_gqa=q.shape[2] != k.shape[2],
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1],
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -93,9 +97,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(dim, ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         # The mask goes by keyword: tensor parallelism's input plan covers the positional inputs.
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask, kv=kv)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -156,12 +160,20 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
 
-    def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+                      cache=None) -> torch.Tensor:
         """The final normed hidden states, (batch, seq, dim): what the output projection reads. `documents`
         (batch, seq) numbers the documents packed into each row: attention stays within a document and
-        positions restart with each."""
+        positions restart with each. `cache` (a `KVCache` the new tokens were appended to): the tokens
+        continue the ones it holds."""
         seq = tokens.shape[1]
         mask = None
+        if cache is not None:
+            cos, sin = self.rope_cos[cache.positions], self.rope_sin[cache.positions]
+            h = self.tok_embeddings(tokens)
+            for i, layer in enumerate(self.layers.values()):
+                h = layer(h, cos, sin, cache.mask, kv=cache.layers[i])
+            return self.norm(h)
         if documents is None:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:
@@ -183,11 +195,11 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """The logits, or with `targets` the mean cross-entropy (computed in fp32). The loss is taken here,
         inside forward, so that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits.
-        `documents`: see `hidden_states`."""
-        h = self.hidden_states(tokens, documents)
+        `documents`, `cache`: see `hidden_states`."""
+        h = self.hidden_states(tokens, documents, cache)
         if targets is not None and self.fused_loss_fn is not None:
             return self.fused_loss_fn(h, self.output_weight, targets)
         logits = self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)

@@ -1,0 +1,108 @@
+"""Sampling from our `Transformer` (a preset, or a `model=hf` model): batched prompts of any lengths, left
+padded, decoded token by token through a `KVCache`; greedy or sampled (`trainer.generate.sampling`); each row
+stops at one of its end tokens or after `max_new_tokens`. `python -m trainer.generate` is the command line.
+
+Under a strategy each rank generates for its own prompts: a DDP model decodes with its inner module (no
+collective); a sharded one (FSDP2, TP: DTensor parameters) makes every forward collective, so every rank
+steps until all ranks' rows have ended (one all-reduce per token), and ranks of a tensor-parallel group must
+be given the same prompts (and, when sampling, the same generator seed). Tensor parallelism splits the
+sequence of the norms' inputs evenly over its ranks, so there every call's tokens are left padded to a
+multiple of the tensor-parallel degree (one new token becomes `tp` columns, all but the last masked)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.generate import sampling
+from trainer.models import unwrap
+from trainer.models.kv_cache import KVCache
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad: int, device=None, multiple: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, valid), each (batch, the longest prompt rounded up to `multiple`): every prompt ends in the last
+    column."""
+    width = -(-max(len(p) for p in prompts) // multiple) * multiple
+    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            tokens[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+            valid[row, width - len(prompt) :] = True
+    return tokens.to(device), valid.to(device)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Sequence[int] = (),
+             pad: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             generator: torch.Generator | None = None) -> list[list[int]]:
+    """The tokens generated after each prompt (non-empty lists of ids), up to and including the first token
+    of `eos`, at most `max_new_tokens`. `pad` fills the left of shorter prompts (any id: padding is masked)."""
+    for name, value, allowed in sampling.problems(temperature, top_k, top_p):
+        raise ValueError(f"{name}={value}: {allowed}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    inner = unwrap(model)
+    width = max(len(p) for p in prompts)
+    if width + max_new_tokens > inner.max_seq_len:
+        raise ValueError(f"the longest prompt ({width} tokens) plus max_new_tokens={max_new_tokens} exceeds the "
+                         f"model's {inner.max_seq_len} positions")
+    device = inner.rope_cos.device
+    collective = any(isinstance(p, DTensor) for p in inner.parameters())
+    tp = _tp_degree(inner)
+    tokens, valid = left_padded(prompts, pad, device, multiple=tp)
+    cache = KVCache(len(inner.layers), tokens.shape[1] + max_new_tokens * tp)
+    stop = torch.tensor(sorted(set(eos)), dtype=torch.long, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    out = []
+    cache.append(valid)
+    logits = _last_logits(inner, tokens, cache)
+    for _ in range(max_new_tokens):
+        step = sampling.next_token(logits, temperature, top_k, top_p, generator)
+        step = torch.where(done, pad, step)
+        out.append(step)
+        done |= torch.isin(step, stop)
+        if len(out) == max_new_tokens or _all_ended(done, collective):
+            break
+        new, new_valid = left_padded([[t] for t in step.tolist()], pad, device, multiple=tp)
+        cache.append(new_valid)
+        logits = _last_logits(inner, new, cache)
+    rows = torch.stack(out, dim=1).tolist()
+    return [_until_end(row, set(eos)) for row in rows]
+
+
+def _tp_degree(model: nn.Module) -> int:
+    """The tensor-parallel degree the model's parameters are split over (1 without tensor parallelism)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
+            return p.device_mesh["tp"].size()
+    return 1
+
+
+def _last_logits(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    logits = model(tokens, cache=cache)[:, -1]
+    # Under tensor parallelism with loss parallelism the logits are split over the vocabulary.
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def _all_ended(done: torch.Tensor, collective: bool) -> bool:
+    """Whether every row has ended: this rank's, or with `collective` every rank's."""
+    if not collective:
+        return bool(done.all())
+    running = (~done).sum().to(torch.int64)
+    dist.all_reduce(running)
+    return int(running) == 0
+
+
+def _until_end(row: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(row):
+        if token in eos:
+            return row[: i + 1]
+    return row

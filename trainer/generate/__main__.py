@@ -1,0 +1,155 @@
+"""`python -m trainer.generate SOURCE --prompt TEXT [--prompt TEXT ...]`: completions from a trained model.
+
+SOURCE is a training checkpoint (`<run_dir>/checkpoints/step-<N>`, any strategy, LoRA adapters on) or a Hugging
+Face model directory. The text goes through the model's own tokenizer: the Hugging Face directory's (the run's
+`model.path` for a `model=hf` checkpoint), or the byte tokenizer of a built-in preset. `--chat` sends each prompt
+as a user message through the directory's chat template, with the generation prompt. Generation stops at an end
+token (the tokenizer's eos_token and every `eos_token_id` of generation_config.json, else of config.json) or
+after --max-new-tokens. Greedy by default; --temperature > 0 samples, from --top-k / --top-p when given.
+Every argument is checked, and the prompts tokenized, before any weight is read: a bad one is refused in one
+line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from trainer.config import ConfigError
+from trainer.generate import generate, sampling
+
+
+class _Text:
+    """Prompts to token ids and ids back to text, with the model's end and padding tokens."""
+
+    def __init__(self, hf_dir: str | None):
+        self.hf = None
+        if hf_dir is None:  # a built-in preset: the byte tokenizer
+            from trainer.models import tokenizer
+
+            self.eos, self.pad = [tokenizer.EOS], tokenizer.PAD
+            return
+        from trainer.models.hf_tokenizer import HFTokenizer
+
+        if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+            raise ConfigError("SOURCE", hf_dir, "holds no tokenizer.json: trainer.generate needs the model's tokenizer")
+        self.hf = HFTokenizer(hf_dir)
+        self.eos = sorted(set(_config_eos(hf_dir)) | {t for t in [self.hf.token_id("eos_token")] if t is not None})
+        pad = self.hf.token_id("pad_token")
+        self.pad = pad if pad is not None else (self.eos[0] if self.eos else 0)
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        if self.hf is None:
+            from trainer.models import tokenizer
+
+            if chat:
+                raise ConfigError("--chat", True, "a built-in preset's byte tokenizer has no chat template")
+            return tokenizer.encode(prompt, bos=False, eos=False).tolist()
+        if not chat:
+            return self.hf.encode(prompt)
+        if not self.hf.chat_template:
+            raise ConfigError("--chat", True, f"{self.hf.path} has no chat template (tokenizer_config.json's "
+                              "chat_template or chat_template.jinja)")
+        text, _ = self.hf.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.hf is None:
+            from trainer.models import tokenizer
+
+            return tokenizer.decode(ids)
+        return self.hf.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _config_eos(hf_dir: str) -> list[int]:
+    """The eos_token_id of generation_config.json, else of config.json (an int or a list), as a list."""
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(hf_dir, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                value = json.load(f).get("eos_token_id")
+            if value is not None:
+                return [value] if isinstance(value, int) else list(value)
+    return []
+
+
+def _source(path: str):
+    """(model loader, tokenizer directory or None, positions the model has) of SOURCE; checks it first."""
+    from trainer import export
+    from trainer.models import hf
+
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        cfg = export.run_config(path)
+        hf_dir = None
+        if cfg.model.name == "hf":
+            hf.read_config(cfg.model.path, key="model.path (of the run)")
+            hf_dir = cfg.model.path
+        return (lambda: export.load_model(path, cfg)), hf_dir, int(cfg.model.max_seq_len)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        hf.read_config(path, key="SOURCE")
+        return (lambda: hf.from_hf(path)), path, hf.settings(path)["max_seq_len"]
+    raise ConfigError("SOURCE", path, "must be a checkpoint (<run_dir>/checkpoints/step-<N>, holding .metadata) "
+                      "or a Hugging Face model directory (holding config.json)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", metavar="SOURCE", help="a checkpoint directory or a Hugging Face model directory")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat it for a batch")
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user message of the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the top-p nucleus (1: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per prompt (prompt, completion, token_ids) instead of the text")
+    return parser
+
+
+def _check(args) -> None:
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be >= 1")
+    for name, value, allowed in sampling.problems(args.temperature, args.top_k, args.top_p):
+        raise ConfigError("--" + name.replace("_", "-"), value, allowed)
+    if not all(args.prompt):
+        raise ConfigError("--prompt", "", "every prompt needs some text")
+
+
+def run(args) -> list[dict]:
+    """The completion of each prompt, {"prompt", "completion", "token_ids"}; raises ConfigError before any
+    weight is read."""
+    _check(args)
+    load, hf_dir, positions = _source(args.source)
+    text = _Text(hf_dir)
+    prompts = [text.encode(p, args.chat) for p in args.prompt]
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > positions:
+        raise ConfigError("--max-new-tokens", args.max_new_tokens,
+                          f"the longest prompt is {longest} tokens, and the model has {positions} positions")
+    model = load().eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    outputs = generate(model, prompts, args.max_new_tokens, eos=text.eos, pad=text.pad, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, generator=gen)
+    return [{"prompt": p, "completion": text.decode(ids), "token_ids": ids}
+            for p, ids in zip(args.prompt, outputs, strict=True)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        results = run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for result in results:
+        print(json.dumps(result) if args.json else result["completion"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The key/value cache of incremental decoding with our `Transformer`, for batches of left-padded rows.
+
+Each step appends the new tokens' validity (`append`): the cache then holds the rotary positions of the new
+tokens (count of real tokens before each, so a left-padded row starts at position 0 as an unpadded one does,
+as `transformers` numbers them) and their attention mask (causal, padding keys hidden). Each attention
+layer writes its keys and values into its own `LayerCache` slot, allocated on first use with the layer's
+local head count, so a tensor-parallel shard caches only its own heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One attention layer's keys and values, (batch, kv_heads, max_len, head_dim) each."""
+
+    def __init__(self, owner: KVCache):
+        self.owner = owner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' keys and values (batch, kv_heads, new, head_dim); return all of them so far."""
+        start, end = self.owner.start, self.owner.length
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.owner.max_len, k.shape[3])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """The cache of a whole model (`n_layers` layers) for rows of at most `max_len` tokens."""
+
+    def __init__(self, n_layers: int, max_len: int):
+        self.max_len = max_len
+        self.layers = [LayerCache(self) for _ in range(n_layers)]
+        self.start = self.length = 0
+        self.valid: torch.Tensor | None = None  # (batch, max_len): which cached tokens are real, not padding
+        self.positions: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    def append(self, valid: torch.Tensor) -> None:
+        """Take the next tokens, `valid` (batch, new) saying which are real (False for left padding), before
+        the forward that reads them; sets `positions` (batch, new) and `mask` (batch, 1, new, length)."""
+        batch, new = valid.shape
+        if self.length + new > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} tokens; {self.length} + {new} do not fit")
+        if self.valid is None:
+            self.valid = torch.zeros(batch, self.max_len, dtype=torch.bool, device=valid.device)
+        self.start, self.length = self.length, self.length + new
+        self.valid[:, self.start : self.length] = valid
+        seen = self.valid[:, : self.length]
+        self.positions = (seen.cumsum(1) - 1).clamp(min=0)[:, self.start :]
+        query = torch.arange(self.start, self.length, device=valid.device)[:, None]
+        key = torch.arange(self.length, device=valid.device)[None, :]
+        # A padding query still sees itself, so that no row of the mask is empty (SDPA would give NaN there);
+        # no real token ever sees a padding key, so what a padding position computes goes nowhere.
+        mask = ((key <= query)[None] & seen[:, None, :]) | (key == query)[None]
+        self.mask = mask[:, None]
