@@ -159,7 +159,7 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, read
 
     try:
         results.append(("Parquet file, read directly", best(parquet)))
-        local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
+        local = LocalDataset(path, global_batch_size=batch_rows, shuffle=False)
         results.append(("LocalDataset (in process)", best(lambda: sum(1 for _ in local))))
 
         node = _node(path, batch_rows * row_bytes)
@@ -225,7 +225,7 @@ def small_batches(tmp: str, rows: int, epochs: int, reading: dict, batch_rows: i
             torch.from_numpy(token_matrix(batch.column(1), "tokens"))
 
     results.append(("Parquet file, read directly", _best(parquet, epochs)))
-    local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
+    local = LocalDataset(path, global_batch_size=batch_rows, shuffle=False)
     results.append(("LocalDataset (in process)", _best(lambda: sum(1 for _ in local), epochs)))
     node = _node(path, 8 << 20)
     try:

@@ -3,7 +3,8 @@
 Given every node's endpoint, the client sees one dataset: each node says which global rows it holds,
 and all must share one schema and cover the rows without gaps. Each step's rows (by `BatchPlan`: the
 same order, sharding, epochs and resumption as `LocalDataset`) are asked of the nodes that hold them as
-runs of neighbouring rows.
+runs of neighbouring rows. One `iter()` is one epoch (as for any IterableDataset: a `for` loop over it
+ends); `loop=True` iterates endlessly, epoch after epoch, as a training loop counting steps wants.
 
 Nothing connects until the dataset is iterated (or its `plan`/`schema` is read, or `describe()` called):
 the process that iterates it, a DataLoader worker say, asks the nodes what they hold and opens its own
@@ -53,8 +54,8 @@ import torch
 
 from datacache.memory import keep_freed_buffers
 from datacache.order import BatchPlan
-from datacache.parquet import token_matrix
-from datacache.planned import PlannedDataset, rank_and_world
+from datacache.parquet import column_array
+from datacache.planned import PlannedDataset, plan_arguments
 from datacache.server import MAX_READERS, TOKEN_ENV, DataCacheError, encode_ticket
 
 # A call carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
@@ -92,9 +93,7 @@ def _server_reason(error: flight.FlightServerError) -> str:
 
 def _to_numpy(column: pa.Array) -> np.ndarray:
     """A fixed-size list column as a 2-D array, a primitive column as 1-D; zero-copy when possible."""
-    if pa.types.is_fixed_size_list(column.type):
-        return token_matrix(column, "a cached column")
-    return column.to_numpy(zero_copy_only=False)
+    return column_array(column, "a cached column")
 
 
 def _to_tensor(column: pa.Array | np.ndarray) -> torch.Tensor:
@@ -221,12 +220,10 @@ class _Room:
 class StreamingDataset(PlannedDataset):
     def __init__(self, endpoints: list[str], columns: list[str] | tuple[str, ...] = ("tokens",),
                  batch_size: int | None = None, global_batch_size: int | None = None, shuffle: bool = True,
-                 seed: int = 0, loop: bool = True, drop_last: bool = True, rank: int | None = None,
+                 seed: int = 0, loop: bool = False, drop_last: bool = True, rank: int | None = None,
                  world_size: int | None = None, block_rows: int = 1, window_blocks: int = 1,
                  token: str | None = None, tls_root_cert: str | None = None, timeout: float = 30.0,
                  retries: int = 3, backoff: float = 0.2, prefetch: int = 32, readers: int = 2):
-        if (batch_size is None) == (global_batch_size is None):
-            raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
         if not endpoints:
             raise ValueError("StreamingDataset needs at least one cache node endpoint")
         if prefetch < 0:
@@ -234,9 +231,8 @@ class StreamingDataset(PlannedDataset):
         if not 1 <= readers <= MAX_READERS:
             raise ValueError(f"readers={readers}: give the threads that read ahead, 1 to {MAX_READERS} (each opens "
                              f"its own connection to every node)")
-        env_rank, env_world = rank_and_world()
-        rank = env_rank if rank is None else rank
-        world = env_world if world_size is None else world_size
+        self._plan_args = plan_arguments(batch_size, global_batch_size, rank, world_size, shuffle=shuffle, seed=seed,
+                                         block_rows=block_rows, window_blocks=window_blocks, drop_last=drop_last)
         self.columns, self.retries, self.backoff, self.prefetch = list(columns), retries, backoff, prefetch
         self.readers = readers
         self.timeout = timeout
@@ -246,10 +242,6 @@ class StreamingDataset(PlannedDataset):
                 tls_root = f.read()
         token = (os.environ.get(TOKEN_ENV) or None) if token is None else token
         self._nodes = [_Node(e, token, timeout, tls_root) for e in endpoints]
-        self._plan_args = dict(global_batch_size=global_batch_size or batch_size * world, world_size=world, rank=rank,
-                               shuffle=shuffle, seed=seed, block_rows=block_rows, window_blocks=window_blocks,
-                               drop_last=drop_last)
-        BatchPlan(num_rows=self._plan_args["global_batch_size"], **self._plan_args)  # the checks rows cannot fail
         self._offsets = self._schema = self._sent = self._idle_lanes = None
         super().__init__(None, loop)
 
