@@ -17,6 +17,7 @@ No torch here: a cache node imports this module.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 # A StreamingDataset endpoint naming a Kubeflow cache's head (its Service), e.g.
 # kubeflow+grpc://<train-job>-cache-service:50051.
@@ -94,3 +95,40 @@ def client_partition(rank: int, world_size: int, worker: int, workers: int, seed
     rank `rank` of `world_size`, with its seed (`set_epoch(e)` adds `e` to it)."""
     total = workers * world_size
     return (worker * world_size + rank + seed) % total, total
+
+
+def find_runs(rows: int, holders: Callable[[int, int], list[str]]) -> list[tuple[int, int, str]]:
+    """Which worker holds which rows of a table of `rows` rows, learned from the head alone: runs `(first,
+    after the last, worker location)` covering `[0, rows)` in order, neighbours with the same worker merged.
+
+    The head says which workers hold part of a partition (`holders(index, total)`: the endpoints' locations),
+    and partitions are aligned ranges of `ceil(rows / total)` rows; a partition with one holder is that
+    worker's whole. So: partitions of the whole table, then of each range not yet known, twice as many each
+    round, down to single rows. That is a few calls per boundary between runs, not one per row. A row that
+    several workers claim is read from the first the head names."""
+    known: list[tuple[int, int, str]] = []
+    pending = [(0, rows)]
+    total = 1
+    while pending:
+        size = -(-rows // total)
+        still = []
+        for a, b in pending:
+            for index in range(a // size, (b - 1) // size + 1):
+                lo, hi = max(a, index * size), min(b, (index + 1) * size)
+                where = holders(index, total)
+                if len(set(where)) == 1 or (size == 1 and where):
+                    known.append((lo, hi, where[0]))
+                elif size == 1:
+                    raise ValueError(f"the head names no worker holding row {lo}")
+                elif still and still[-1][1] == lo:
+                    still[-1] = (still[-1][0], hi)
+                else:
+                    still.append((lo, hi))
+        pending, total = still, min(total * 2, rows)
+    runs: list[tuple[int, int, str]] = []
+    for lo, hi, where in sorted(known):
+        if runs and runs[-1][1] == lo and runs[-1][2] == where:
+            runs[-1] = (runs[-1][0], hi, where)
+        else:
+            runs.append((lo, hi, where))
+    return runs

@@ -93,7 +93,7 @@ class ModelConfig:
 
 # The data.cache keys naming the cache nodes that hold each split.
 CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
-FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://")
+FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://", "kubeflow+grpc://")  # the last: a Kubeflow cache's head
 
 
 @dataclass
@@ -122,7 +122,8 @@ class CacheConfig:
         for key in CACHE_KEYS.values():
             for i, endpoint in enumerate(getattr(self, key)):
                 _require(str(endpoint).startswith(FLIGHT_SCHEMES), f"data.cache.{key}[{i}]", endpoint,
-                         "must be a Flight location such as grpc://host:50051")
+                         "must be a Flight location such as grpc://host:50051 (or a Kubeflow cache's head, "
+                         "kubeflow+grpc://<job>-cache-service:50051)")
         _require(self.nodes >= 0, "data.cache.nodes", self.nodes, "must be >= 0 (0: start no cache nodes)")
         _require(not (self.nodes and (self.endpoints or self.eval_endpoints)), "data.cache.nodes", self.nodes,
                  "the run starts its own cache nodes: leave data.cache.endpoints and eval_endpoints empty")
