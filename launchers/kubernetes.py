@@ -377,7 +377,10 @@ def cache_manifests(
             "python",
             *nodes.argv(f"{CONFIG_DIR}/config.yaml", "$(POD_INDEX)", "0.0.0.0", nodes.port, nodes.eval_port),
         ],
-        "env": [index, {"name": "PYTHONUNBUFFERED", "value": "1"}, *secret_env],
+        # The nodes' own list, the one the ranks get: each node advertises its entry and lists the others,
+        # so that any node answers a Kubeflow client for the whole table.
+        "env": [index, {"name": "PYTHONUNBUFFERED", "value": "1"}, *secret_env,
+                *({"name": k, "value": v} for k, v in cache_endpoints(spec, name, namespace).items())],
         "ports": [{"name": "train", "containerPort": nodes.port}, {"name": "eval", "containerPort": nodes.eval_port}],
         "readinessProbe": {
             "exec": {"command": ["python", "-m", "datacache", "ready", f"grpc://127.0.0.1:{nodes.port}"]},
