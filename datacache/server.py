@@ -15,6 +15,15 @@ dataset:
   step leaves it idle between calls. The ticket may name the columns to send.
 - `do_action`: `health` (b"ok") and `stats` (JSON).
 
+It also speaks Kubeflow Trainer's cache protocol (`datacache.kubeflow`), so that a pod written for the
+`torch-distributed-with-cache` runtime reads it: `get_flight_info` with a path of two integers `[index,
+total]` answers that partition of the whole table, an endpoint per node holding part of it (this one and
+its `peers`, at their advertised addresses), each with one location and an `IndexPair` ticket for that
+node's part; `do_get` takes `IndexPair` tickets (rows `[start, end]` it holds, in the table's schema);
+`health_port` serves HTTP `GET /ready`. A path that is not two integers is INVALID_ARGUMENT, as Kubeflow's
+head answers (pyarrow adds the raising frame to the message); an empty partition is refused with "out of
+range" in the message, where Kubeflow's head answers OUT_OF_RANGE, a code a pyarrow server cannot send.
+
 A request is bounded before anything is sent: at most `MAX_TICKET_STEPS` steps and `MAX_TICKET_RANGES`
 ranges a ticket, every range non-empty and on this node, no step longer than the node. A malformed
 ticket, or anything else a request gets wrong, is a `FlightServerError` that says what, with no
@@ -237,7 +246,8 @@ def decode_ticket(ticket: bytes) -> tuple[list[np.ndarray], list[str] | None]:
 
 
 def _address(flag: str, text: str) -> str:
-    """`host:port` as given, checked."""
+    """`host:port`, given as that or as a Flight location (grpc://host:port), checked."""
+    text = text.split("://", 1)[-1]
     host, colon, port = text.rpartition(":")
     if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
         raise DataCacheError(f"{flag} {text!r}: give host:port, for example cache-0.cache:50051")
@@ -253,12 +263,9 @@ class CacheServer(flight.FlightServerBase):
         if not 0 <= shard < num_shards:
             raise DataCacheError(f"--shard {shard}/{num_shards}: the shard must be in [0, {num_shards})")
         if advertise is not None:
-            _address("--advertise", advertise)
-        if peers is not None:
-            peers = [_address("--peers", p) for p in peers]
-            if len(peers) != num_shards:
-                raise DataCacheError(f"--peers: {len(peers)} addresses for {num_shards} shards: give every node's "
-                                     f"host:port in shard order, this one's too")
+            advertise = _address("--advertise", advertise)
+        self.num_shards = num_shards
+        self.set_peers(peers)
         self.rows, self.offset, self.total_rows = load_shard(source, shard, num_shards, columns, row_filter, sql)
         self.shard, self.num_shards = shard, num_shards
         self.batch_rows = max(1, batch_bytes * max(1, self.rows.num_rows) // max(1, self.rows.nbytes))
@@ -272,11 +279,21 @@ class CacheServer(flight.FlightServerBase):
         host = location.split("://", 1)[1].rsplit(":", 1)[0]
         if advertise is None:  # a wildcard bind is no address to give clients: this machine's name is
             advertise = f"{socket.gethostname() if host in ('0.0.0.0', '::', '[::]', '') else host}:{self.port}"
-        self.location = f"{self.scheme}://{advertise}"
-        self.peers = peers
+        self.location = f"{self.scheme}://{_address('--advertise', advertise)}"
         self.health = ReadyServer(host, health_port) if health_port is not None else None
         log.info("cache node %d/%d at %s: rows [%d, %d) of %d, %.1f MB", shard, num_shards, self.location,
                  self.offset, self.offset + self.rows.num_rows, self.total_rows, self.rows.nbytes / 1e6)
+
+    def set_peers(self, peers: list[str] | None) -> None:
+        """Every node's host:port (or Flight location) in shard order, this one's too: then this node answers a
+        Kubeflow client for the whole table (None: for its own rows, the whole table only with one shard).
+        Nodes bound to port 0 learn their peers once all are up."""
+        if peers is not None:
+            peers = [_address("--peers", p) for p in peers]
+            if len(peers) != self.num_shards:
+                raise DataCacheError(f"--peers: {len(peers)} addresses for {self.num_shards} shards: give every "
+                                     f"node's host:port in shard order, this one's too")
+        self.peers = peers
 
     def shutdown(self):
         if self.health is not None:

@@ -178,6 +178,21 @@ def test_a_shard_without_peers_refuses_to_answer_for_the_whole_table(source):
         CacheServer(source, advertise="nohost")
 
 
+def test_nodes_on_port_0_learn_their_peers_once_up(source):
+    nodes = [CacheServer(source, shard=i, num_shards=2) for i in range(2)]
+    for node in nodes:
+        threading.Thread(target=node.serve, daemon=True).start()
+    try:
+        for node in nodes:
+            node.set_peers([n.location for n in nodes])  # Flight locations or host:port
+        info = flight.FlightClient(nodes[0].location).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+        assert [e.locations[0].uri.decode() for e in info.endpoints] == [n.location for n in nodes]
+        assert [kf.decode_index_pair(e.ticket.ticket) for e in info.endpoints] == [(0, 4999), (5000, 9999)]
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
 def test_a_node_with_a_token_refuses_kubeflows_client_saying_why(source):
     node = CacheServer(source, token="s3cret")
     threading.Thread(target=node.serve, daemon=True).start()
@@ -203,3 +218,24 @@ def test_ready_on_the_health_port_and_advertise_from_the_command_line(source):
             urllib.request.urlopen(f"http://127.0.0.1:{health}/other", timeout=5)
     finally:
         _stop([node])
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(rows=st.integers(1, 5000), data=st.data())
+def test_the_layout_is_found_from_partition_holders_alone(rows, data):
+    # Runs of rows on workers, a worker holding several runs (as Kubeflow deals files out round robin).
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, rows - 1)), max_size=min(12, rows - 1))))
+    bounds = [0, *cuts, rows]
+    owners = [data.draw(st.sampled_from("abc")) for _ in bounds[1:]]
+    owner_of = np.repeat(owners, np.diff(bounds))
+    calls = []
+
+    def holders(index, total):  # what the head answers: the workers holding part of the partition, in order
+        start, end = kf.partition(rows, index, total)
+        calls.append((index, total))
+        return list(dict.fromkeys(owner_of[start:end + 1]))
+
+    runs = kf.find_runs(rows, holders)
+    assert np.array_equal(np.repeat([w for _, _, w in runs], [b - a for a, b, _ in runs]), owner_of)
+    assert all(runs[i][1] == runs[i + 1][0] and runs[i][2] != runs[i + 1][2] for i in range(len(runs) - 1))
+    assert len(calls) <= 1 + 4 * len(bounds) * max(1, rows).bit_length()  # a few calls a boundary, not a row
