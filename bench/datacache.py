@@ -29,11 +29,12 @@ layout from the head, a call per step with an IndexPair ticket).
 A small table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows (the
 shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
 
-The last table is a training job: `python -m trainer +runtime=torch-distributed` (one rank, the debug
-model at `--job-overrides`) reading its local corpus, then the same job with `data.cache.nodes=2` (two
-cache nodes the run starts, the rank streaming from them), alternated `--job-rounds` times; each run's
-tokens/s is the median of its metrics lines after the first (`--job-steps` steps, a line every 10), and
-the row gives the median over the rounds and its ratio to the local corpus's.
+The last table is a training job: `python -m trainer +runtime=torch-distributed` (one rank, a model whose
+step takes milliseconds, and `--job-overrides`) reading its local corpus, then the same job with
+`data.cache.nodes=2` (two cache nodes the run starts, the rank streaming from them), alternated
+`--job-rounds` times; each run's tokens/s is the median of its metrics lines after the first (`--job-steps`
+steps, a line every 10), and the row gives the median over the rounds and its ratio to the local corpus's.
+`--batch-mb ''` and `--small-rows 0` leave out the other tables.
 
     python bench/datacache.py [--rows 400000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 32]
                               [--readers 2] [--small-rows 240000] [--job-steps 60] [--job-rounds 2]
@@ -274,8 +275,10 @@ def small_batches(tmp: str, rows: int, epochs: int, reading: dict, batch_rows: i
               flush=True)
 
 
-JOB = ["+runtime=torch-distributed", "runtime.nproc_per_node=1", "model=debug", "data.seq_len=256",
-       "train.global_batch_size=32", "train.log_every=10", "train.progress=false", "train.resume=never"]
+# A model whose step takes milliseconds, so that the data path's cost shows in tokens/s.
+JOB = ["+runtime=torch-distributed", "runtime.nproc_per_node=1", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+       "model.n_kv_heads=2", "model.ffn_dim=128", "data.seq_len=128", "train.global_batch_size=16",
+       "train.log_every=10", "train.progress=false", "train.resume=never"]
 
 
 def _job_tokens_per_s(tmp: str, name: str, steps: int, overrides: list[str]) -> float:
@@ -301,8 +304,8 @@ def training_job(tmp: str, steps: int, rounds: int, overrides: list[str]) -> Non
         runs["data.cache.nodes=2"].append(_job_tokens_per_s(tmp, f"nodes-{r}", steps,
                                                             [*overrides, "data.cache.nodes=2"]))
     base = statistics.median(runs["local corpus"])
-    print(f"\ntraining job ({' '.join(JOB[2:5] + overrides)}, 1 rank): tokens/s, median over {rounds} alternated "
-          f"runs of {steps} steps")
+    print(f"\ntraining job (the debug model at dim 64, 2 layers, {' '.join(JOB[7:9] + overrides)}, 1 rank): "
+          f"tokens/s, median over {rounds} alternated runs of {steps} steps")
     print(f"{'data':<30}{'tokens/s':>12}{'of local':>10}   runs")
     for name, rates in runs.items():
         median = statistics.median(rates)
@@ -339,7 +342,7 @@ def main() -> None:
     print(f"{'batch':>8}  {'source':<30}{'GB/s':>8}{'rows/s':>12}{'of TCP':>9}{'TCP GB/s':>9}{'CPU read':>10}"
           f"{'CPU serve':>11}")
     with tempfile.TemporaryDirectory() as tmp:
-        for mb in (float(x) for x in args.batch_mb.split(",")):
+        for mb in (float(x) for x in args.batch_mb.split(",") if x):  # --batch-mb '': no byte table
             batch_rows = max(1, int(mb * 2**20) // row_bytes)
             rows = (args.rows // batch_rows) * batch_rows
             gb = rows * row_bytes / 1e9
@@ -349,7 +352,8 @@ def main() -> None:
                 print(f"{batch_rows * row_bytes / 2**20:>5.1f}MiB  {name:<30}{gb / seconds:>8.2f}"
                       f"{rows / seconds:>12.0f}{tcp_seconds / seconds:>9.0%}{gb / tcp_seconds:>9.2f}"
                       f"{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
-        small_batches(tmp, args.small_rows, args.epochs, reading)
+        if args.small_rows:
+            small_batches(tmp, args.small_rows, args.epochs, reading)
         if args.job_steps:
             training_job(tmp, args.job_steps, args.job_rounds, args.job_overrides.split())
 

@@ -267,7 +267,7 @@ class CacheServer(flight.FlightServerBase):
         self.num_shards = num_shards
         self.set_peers(peers)
         self.rows, self.offset, self.total_rows = load_shard(source, shard, num_shards, columns, row_filter, sql)
-        self.shard, self.num_shards = shard, num_shards
+        self.shard = shard
         self.batch_rows = max(1, batch_bytes * max(1, self.rows.num_rows) // max(1, self.rows.nbytes))
         tls = None
         if tls_cert or tls_key:
