@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     corpus = data.prepare(cfg.data)
     token = os.environ.get(TOKEN_ENV) or None
     peers = _peers(cfg, count)
+    if peers:
+        logging.info("peers (for Kubeflow clients, which may ask any node for the whole table): %s", ", ".join(peers))
     servers = [CacheServer(os.path.join(corpus, "train"), f"grpc://{args.host}:{args.port}", shard=index,
                            num_shards=count, token=token, advertise=peers[index] if peers else None, peers=peers)]
     if args.eval_port is not None:
