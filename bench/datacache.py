@@ -21,11 +21,23 @@ read by two clients in threads of this process, one from the start of the epoch 
 (`set_position`), half the epoch each: both nodes serve at once, each to one client; its serving CPU is
 both nodes'.
 
-The last table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows (the
+Two rows read the same node through Kubeflow Trainer's cache protocol (`datacache.kubeflow`): Kubeflow's
+own client (its `DataCacheDataset`: partition 0 of 1 from the node as head, each endpoint's IndexPair
+ticket streamed whole), and `StreamingDataset` given the node as a Kubeflow head (`kubeflow+grpc://`: the
+layout from the head, a call per step with an IndexPair ticket).
+
+A small table reads `--small-rows` rows of an int64 `id` and 16 int32 tokens in batches of 100 rows (the
 shape that once stalled an epoch): per-step costs, not bytes, bound it, so it is in rows/s.
 
+The last table is a training job: `python -m trainer +runtime=torch-distributed` (one rank, a model whose
+step takes milliseconds, and `--job-overrides`) reading its local corpus, then the same job with
+`data.cache.nodes=2` (two cache nodes the run starts, the rank streaming from them), alternated
+`--job-rounds` times; each run's tokens/s is the median of its metrics lines after the first (`--job-steps`
+steps, a line every 10), and the row gives the median over the rounds and its ratio to the local corpus's.
+`--batch-mb ''` and `--small-rows 0` leave out the other tables.
+
     python bench/datacache.py [--rows 400000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 32]
-                              [--readers 2] [--small-rows 240000]
+                              [--readers 2] [--small-rows 240000] [--job-steps 60] [--job-rounds 2]
 """
 
 from __future__ import annotations
@@ -33,9 +45,11 @@ from __future__ import annotations
 import argparse
 import inspect
 import itertools
+import json
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +60,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.flight as flight
 import pyarrow.parquet as pq
 import torch
 
@@ -159,7 +174,7 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, read
 
     try:
         results.append(("Parquet file, read directly", best(parquet)))
-        local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
+        local = LocalDataset(path, global_batch_size=batch_rows, shuffle=False)
         results.append(("LocalDataset (in process)", best(lambda: sum(1 for _ in local))))
 
         node = _node(path, batch_rows * row_bytes)
@@ -174,6 +189,10 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, read
             halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
                                        rank=r, world_size=2, **reading) for r in range(2)]
             results.append(("1 Flight node -> 2 clients", best(lambda: _together(halves), node.pid)))
+            results.append(("1 node -> Kubeflow's client", best(lambda: kubeflow_client(endpoint), node.pid)))
+            as_head = StreamingDataset([f"kubeflow+{endpoint}"], global_batch_size=batch_rows, shuffle=False,
+                                       **reading)
+            results.append(("  StreamingDataset, kubeflow+", best(lambda: sum(1 for _ in as_head), node.pid)))
         finally:
             node.terminate()
             node.wait(10)
@@ -195,6 +214,16 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, read
         tcp.close()
         os.remove(path)
     return results
+
+
+def kubeflow_client(endpoint: str) -> None:
+    """What Kubeflow's DataCacheDataset does in one process (world size 1, no workers): partition 0 of 1 from
+    the head, then each endpoint's ticket from its location, every record batch a torch tensor."""
+    info = flight.connect(endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+    for e in info.endpoints:
+        for location in e.locations:
+            for chunk in flight.FlightClient(location.uri).do_get(e.ticket):
+                torch.from_numpy(token_matrix(chunk.data.column("tokens"), "tokens"))
 
 
 def _node(path: str, batch_bytes: int, shard: str = "0/1") -> subprocess.Popen:
@@ -225,7 +254,7 @@ def small_batches(tmp: str, rows: int, epochs: int, reading: dict, batch_rows: i
             torch.from_numpy(token_matrix(batch.column(1), "tokens"))
 
     results.append(("Parquet file, read directly", _best(parquet, epochs)))
-    local = LocalDataset(path, batch_rows, shuffle=False, loop=False)
+    local = LocalDataset(path, global_batch_size=batch_rows, shuffle=False)
     results.append(("LocalDataset (in process)", _best(lambda: sum(1 for _ in local), epochs)))
     node = _node(path, 8 << 20)
     try:
@@ -246,6 +275,43 @@ def small_batches(tmp: str, rows: int, epochs: int, reading: dict, batch_rows: i
               flush=True)
 
 
+# A model whose step takes milliseconds, so that the data path's cost shows in tokens/s.
+JOB = ["+runtime=torch-distributed", "runtime.nproc_per_node=1", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+       "model.n_kv_heads=2", "model.ffn_dim=128", "data.seq_len=128", "train.global_batch_size=16",
+       "train.log_every=10", "train.progress=false", "train.resume=never"]
+
+
+def _job_tokens_per_s(tmp: str, name: str, steps: int, overrides: list[str]) -> float:
+    """The median tokens/s of a real run's metrics lines after its first."""
+    run_dir = os.path.join(tmp, name)
+    proc = subprocess.run([sys.executable, "-m", "trainer", *JOB, *overrides, f"train.max_steps={steps}",
+                           f"train.eval_every={steps}", f"train.checkpoint_every={steps * 10}",
+                           f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"the job {' '.join(overrides)} failed:\n{proc.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rates = [m["tokens_per_s"] for m in map(json.loads, f) if "tokens_per_s" in m]
+    if len(rates) < 2:
+        raise SystemExit(f"--job-steps {steps} gives fewer than two metrics lines")
+    return statistics.median(rates[1:])
+
+
+def training_job(tmp: str, steps: int, rounds: int, overrides: list[str]) -> None:
+    """tokens/s of a job reading its local corpus and of the same job streaming from 2 cache nodes."""
+    runs = {"local corpus": [], "data.cache.nodes=2": []}
+    for r in range(rounds):  # alternated: on a shared machine the load moves from minute to minute
+        runs["local corpus"].append(_job_tokens_per_s(tmp, f"local-{r}", steps, overrides))
+        runs["data.cache.nodes=2"].append(_job_tokens_per_s(tmp, f"nodes-{r}", steps,
+                                                            [*overrides, "data.cache.nodes=2"]))
+    base = statistics.median(runs["local corpus"])
+    print(f"\ntraining job (the debug model at dim 64, 2 layers, {' '.join(JOB[7:9] + overrides)}, 1 rank): "
+          f"tokens/s, median over {rounds} alternated runs of {steps} steps")
+    print(f"{'data':<30}{'tokens/s':>12}{'of local':>10}   runs")
+    for name, rates in runs.items():
+        median = statistics.median(rates)
+        print(f"{name:<30}{median:>12.0f}{median / base:>10.1%}   {', '.join(f'{x:.0f}' for x in rates)}", flush=True)
+
+
 def main() -> None:
     # What a StreamingDataset sets in the process that iterates it, set before any pass: the TCP receiver
     # allocates its batches from the same heap, under the same rules.
@@ -263,6 +329,9 @@ def main() -> None:
     parser.add_argument("--readers", type=int, default=defaults["readers"].default,
                         help="StreamingDataset's read-ahead threads (default: its default)")
     parser.add_argument("--small-rows", type=int, default=240_000, help="rows for the 100-row batch table")
+    parser.add_argument("--job-steps", type=int, default=60, help="steps of each training job run (0: no job table)")
+    parser.add_argument("--job-rounds", type=int, default=2, help="alternated runs of each job")
+    parser.add_argument("--job-overrides", default="", help="more overrides for the jobs, space-separated")
     args = parser.parse_args()
     row_bytes = args.tokens * 4
     reading = {"prefetch": args.prefetch, "readers": args.readers}
@@ -273,7 +342,7 @@ def main() -> None:
     print(f"{'batch':>8}  {'source':<30}{'GB/s':>8}{'rows/s':>12}{'of TCP':>9}{'TCP GB/s':>9}{'CPU read':>10}"
           f"{'CPU serve':>11}")
     with tempfile.TemporaryDirectory() as tmp:
-        for mb in (float(x) for x in args.batch_mb.split(",")):
+        for mb in (float(x) for x in args.batch_mb.split(",") if x):  # --batch-mb '': no byte table
             batch_rows = max(1, int(mb * 2**20) // row_bytes)
             rows = (args.rows // batch_rows) * batch_rows
             gb = rows * row_bytes / 1e9
@@ -283,7 +352,10 @@ def main() -> None:
                 print(f"{batch_rows * row_bytes / 2**20:>5.1f}MiB  {name:<30}{gb / seconds:>8.2f}"
                       f"{rows / seconds:>12.0f}{tcp_seconds / seconds:>9.0%}{gb / tcp_seconds:>9.2f}"
                       f"{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
-        small_batches(tmp, args.small_rows, args.epochs, reading)
+        if args.small_rows:
+            small_batches(tmp, args.small_rows, args.epochs, reading)
+        if args.job_steps:
+            training_job(tmp, args.job_steps, args.job_rounds, args.job_overrides.split())
 
 
 if __name__ == "__main__":

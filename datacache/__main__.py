@@ -1,9 +1,15 @@
 """`python -m datacache`: run a cache node, describe one, or check that it is ready.
 
     python -m datacache serve --source 'data/*.parquet' --port 50051 [--shard 0/2] [--columns tokens]
-                              [--filter "split == 'train'"] [--token-file PATH] [--tls-cert C --tls-key K]
+                              [--filter "split == 'train'" | --sql "SELECT tokens FROM data WHERE quality > 0.5"]
+                              [--advertise HOST:PORT] [--peers H0:P0,H1:P1] [--health-port 8080]
+                              [--token-file PATH] [--tls-cert C --tls-key K]
     python -m datacache stat grpc://127.0.0.1:50051 [--token-file PATH]
     python -m datacache ready grpc://127.0.0.1:50051 [--token-file PATH]    # exit 0 once it serves (a readiness probe)
+
+A node also answers Kubeflow Trainer's cache clients (`datacache.kubeflow`): `--advertise` is the address
+it gives them (default: the bind host, or this machine's name for 0.0.0.0), `--peers` every node's address
+in shard order so that any node answers for the whole table, and `--health-port` serves `GET /ready`.
 
 The token (clients send it; the node refuses calls without it) comes from `--token-file`, or `--token`
 (which every user of the machine sees in `ps`), else the TRAINJOB_CACHE_TOKEN environment variable.
@@ -72,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--shard", type=_shard, default=(0, 1), help="i/n: hold the i-th of n equal parts")
     serve.add_argument("--columns", default=None, help="comma-separated columns to keep (default: all)")
     serve.add_argument("--filter", default=None, help="rows to keep, e.g. \"split == 'train' and length >= 128\"")
+    serve.add_argument("--sql", default=None, help="a DataFusion query over the source as table `data`, e.g. "
+                                                   "\"SELECT tokens FROM data WHERE quality > 0.5\": the node "
+                                                   "holds its result (in place of --columns and --filter)")
+    serve.add_argument("--advertise", default=None, help="host:port clients reach this node at (default: the bind "
+                                                         "host, or this machine's name when it binds 0.0.0.0)")
+    serve.add_argument("--peers", default=None, help="comma-separated host:port of every node, in shard order (this "
+                                                     "one too): any node then answers for the whole table")
+    serve.add_argument("--health-port", type=int, default=None, help="serve HTTP GET /ready on this port "
+                                                                     "(Kubeflow's cache uses 8080)")
     serve.add_argument("--batch-bytes", type=_bytes, default=8 << 20, help="record batch size (default 8MiB)")
     _add_token(serve)
     serve.add_argument("--tls-cert", default=None)
@@ -93,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             server = CacheServer(args.source, f"{scheme}://{args.host}:{args.port}", shard=args.shard[0],
                                  num_shards=args.shard[1], columns=args.columns.split(",") if args.columns else None,
                                  row_filter=args.filter, batch_bytes=args.batch_bytes, token=token,
-                                 tls_cert=args.tls_cert, tls_key=args.tls_key)
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key, advertise=args.advertise,
+                                 peers=args.peers.split(",") if args.peers else None, health_port=args.health_port,
+                                 sql=args.sql)
         except DataCacheError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if server.health:
+            logging.info("readiness: GET http://%s:%d/ready", args.host, server.health.port)
         print(f"serving on {server.location}", flush=True)
         server.serve()
         return 0

@@ -3,7 +3,8 @@
 Given every node's endpoint, the client sees one dataset: each node says which global rows it holds,
 and all must share one schema and cover the rows without gaps. Each step's rows (by `BatchPlan`: the
 same order, sharding, epochs and resumption as `LocalDataset`) are asked of the nodes that hold them as
-runs of neighbouring rows.
+runs of neighbouring rows. One `iter()` is one epoch (as for any IterableDataset: a `for` loop over it
+ends); `loop=True` iterates endlessly, epoch after epoch, as a training loop counting steps wants.
 
 Nothing connects until the dataset is iterated (or its `plan`/`schema` is read, or `describe()` called):
 the process that iterates it, a DataLoader worker say, asks the nodes what they hold and opens its own
@@ -51,10 +52,11 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 
+from datacache import kubeflow
 from datacache.memory import keep_freed_buffers
 from datacache.order import BatchPlan
-from datacache.parquet import token_matrix
-from datacache.planned import PlannedDataset, rank_and_world
+from datacache.parquet import column_array
+from datacache.planned import PlannedDataset, plan_arguments
 from datacache.server import MAX_READERS, TOKEN_ENV, DataCacheError, encode_ticket
 
 # A call carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
@@ -92,9 +94,7 @@ def _server_reason(error: flight.FlightServerError) -> str:
 
 def _to_numpy(column: pa.Array) -> np.ndarray:
     """A fixed-size list column as a 2-D array, a primitive column as 1-D; zero-copy when possible."""
-    if pa.types.is_fixed_size_list(column.type):
-        return token_matrix(column, "a cached column")
-    return column.to_numpy(zero_copy_only=False)
+    return column_array(column, "a cached column")
 
 
 def _to_tensor(column: pa.Array | np.ndarray) -> torch.Tensor:
@@ -113,11 +113,18 @@ def _runs(rows: np.ndarray) -> np.ndarray:
 
 
 class _Node:
-    """One cache node's endpoint, and this process's connection to it (made on first use)."""
+    """One cache node's endpoint, and this process's connection to it (made on first use). A Kubeflow cache's
+    worker (`kubeflow`) is asked for rows with IndexPair tickets, a range a call."""
 
-    def __init__(self, endpoint: str, token: str | None, timeout: float, tls_root: bytes | None):
+    def __init__(self, endpoint: str, token: str | None, timeout: float, tls_root: bytes | None,
+                 kubeflow: bool = False):
         self.endpoint, self.token, self.timeout, self.tls_root = endpoint, token, timeout, tls_root
+        self.kubeflow = kubeflow
         self._client = self._options = None
+
+    def copy(self) -> _Node:
+        """The same node, over a connection of its own."""
+        return _Node(self.endpoint, self.token, self.timeout, self.tls_root, self.kubeflow)
 
     @property
     def options(self) -> flight.FlightCallOptions:
@@ -160,6 +167,39 @@ class _Stream:
         if self.reader is not None and not self.finished:
             self.reader.cancel()  # only when the consumer stopped: the node stops sending what nobody reads
         self.reader = None
+
+
+class _PairReader:
+    """A Kubeflow worker's answers to steps, one step a `read_chunk()`: a do_get per run of the step's rows
+    with an IndexPair ticket (their protocol asks for one range of rows a call), its rows in the table's
+    schema, joined into one record batch of the columns asked for."""
+
+    Chunk = collections.namedtuple("Chunk", "data")
+
+    def __init__(self, client: flight.FlightClient, options: flight.FlightCallOptions, steps: list[np.ndarray],
+                 columns: list[str]):
+        self.client, self.options, self.steps, self.columns, self.next = client, options, steps, columns, 0
+
+    def read_chunk(self) -> Chunk:
+        if self.next == len(self.steps):
+            raise StopIteration
+        tables = [self.client.do_get(flight.Ticket(kubeflow.encode_index_pair(int(a), int(b) - 1)),
+                                     self.options).read_all() for a, b in self.steps[self.next]]
+        self.next += 1
+        table = pa.concat_tables(tables).select(self.columns).combine_chunks()
+        batches = table.to_batches()
+        return self.Chunk(batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema))
+
+    def cancel(self) -> None:
+        """Nothing to stop: each call was read to its end."""
+
+
+class _PairStream(_Stream):
+    """A Kubeflow worker's part of a window's steps, read step by step through `_PairReader`."""
+
+    def open(self, client: flight.FlightClient, columns: list[str]) -> None:
+        reader = _PairReader(client, self.node.options, self.steps[self.done:], columns)
+        self.client, self.reader, self.since_open = client, reader, 0
 
 
 class _Window:
@@ -221,12 +261,10 @@ class _Room:
 class StreamingDataset(PlannedDataset):
     def __init__(self, endpoints: list[str], columns: list[str] | tuple[str, ...] = ("tokens",),
                  batch_size: int | None = None, global_batch_size: int | None = None, shuffle: bool = True,
-                 seed: int = 0, loop: bool = True, drop_last: bool = True, rank: int | None = None,
+                 seed: int = 0, loop: bool = False, drop_last: bool = True, rank: int | None = None,
                  world_size: int | None = None, block_rows: int = 1, window_blocks: int = 1,
                  token: str | None = None, tls_root_cert: str | None = None, timeout: float = 30.0,
                  retries: int = 3, backoff: float = 0.2, prefetch: int = 32, readers: int = 2):
-        if (batch_size is None) == (global_batch_size is None):
-            raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
         if not endpoints:
             raise ValueError("StreamingDataset needs at least one cache node endpoint")
         if prefetch < 0:
@@ -234,9 +272,8 @@ class StreamingDataset(PlannedDataset):
         if not 1 <= readers <= MAX_READERS:
             raise ValueError(f"readers={readers}: give the threads that read ahead, 1 to {MAX_READERS} (each opens "
                              f"its own connection to every node)")
-        env_rank, env_world = rank_and_world()
-        rank = env_rank if rank is None else rank
-        world = env_world if world_size is None else world_size
+        self._plan_args = plan_arguments(batch_size, global_batch_size, rank, world_size, shuffle=shuffle, seed=seed,
+                                         block_rows=block_rows, window_blocks=window_blocks, drop_last=drop_last)
         self.columns, self.retries, self.backoff, self.prefetch = list(columns), retries, backoff, prefetch
         self.readers = readers
         self.timeout = timeout
@@ -245,11 +282,13 @@ class StreamingDataset(PlannedDataset):
             with open(tls_root_cert, "rb") as f:
                 tls_root = f.read()
         token = (os.environ.get(TOKEN_ENV) or None) if token is None else token
-        self._nodes = [_Node(e, token, timeout, tls_root) for e in endpoints]
-        self._plan_args = dict(global_batch_size=global_batch_size or batch_size * world, world_size=world, rank=rank,
-                               shuffle=shuffle, seed=seed, block_rows=block_rows, window_blocks=window_blocks,
-                               drop_last=drop_last)
-        BatchPlan(num_rows=self._plan_args["global_batch_size"], **self._plan_args)  # the checks rows cannot fail
+        heads = [e for e in endpoints if e.startswith(kubeflow.HEAD_SCHEME)]
+        if heads and len(endpoints) > 1:
+            raise ValueError(f"endpoints={list(endpoints)}: give a Kubeflow cache's head alone (its workers are "
+                             f"learned from it), or trainjob nodes only")
+        # A Kubeflow cache: its head (plain gRPC, no token); the workers, once known, are the nodes.
+        self._head = _Node(heads[0].removeprefix(kubeflow.HEAD_SCHEME), None, timeout, None) if heads else None
+        self._nodes = [] if heads else [_Node(e, token, timeout, tls_root) for e in endpoints]
         self._offsets = self._schema = self._sent = self._idle_lanes = None
         super().__init__(None, loop)
 
@@ -268,6 +307,8 @@ class StreamingDataset(PlannedDataset):
         DataCacheError for an unreachable, refusing or mismatched node, ValueError for too few rows."""
         if self._schema is not None:
             return
+        if self._head is not None:
+            return self._describe_kubeflow()
         layout = [self._describe(node) for node in self._nodes]
         self._check(layout)
         order = np.argsort([m["offset"] for m, _ in layout])
@@ -276,6 +317,40 @@ class StreamingDataset(PlannedDataset):
         self._plan = BatchPlan(num_rows=int(self._offsets[-1]), **self._plan_args)
         self._sent = pa.schema([layout[0][1].field(c) for c in self.columns])  # what each step must hold
         self._schema = layout[0][1]
+
+    def _describe_kubeflow(self) -> None:
+        """The table's size and layout from a Kubeflow cache's head (`kubeflow.find_runs`), and its schema from
+        the worker holding row 0 (the head's FlightInfo carries a schema of its own, not the table's)."""
+        head = self._head
+
+        def holders(index: int, total: int) -> list[flight.FlightEndpoint]:
+            descriptor = flight.FlightDescriptor.for_path(str(index), str(total))
+            return self._call(head, "get_flight_info", lambda c: c.get_flight_info(descriptor, head.options)).endpoints
+
+        try:
+            whole = holders(0, 1)
+            rows = 1 + max(kubeflow.decode_index_pair(e.ticket.ticket)[1] for e in whole) if whole else 0
+        except ValueError as e:
+            raise DataCacheError(f"Kubeflow cache head {head.endpoint}: its tickets are not IndexPairs ({e})") from None
+        if rows == 0:
+            raise DataCacheError(f"Kubeflow cache head {head.endpoint} names no worker for the table")
+        try:
+            runs = kubeflow.find_runs(rows, lambda i, t: [e.locations[0].uri.decode() for e in holders(i, t)
+                                                          if e.locations])
+        except ValueError as e:
+            raise DataCacheError(f"Kubeflow cache head {head.endpoint}: {e}") from None
+        self._nodes = [_Node(where, None, self.timeout, None, kubeflow=True) for _, _, where in runs]
+        self._offsets = np.array([lo for lo, _, _ in runs] + [rows])
+        first = self._nodes[0]
+        schema = self._call(first, "do_get", lambda c: c.do_get(
+            flight.Ticket(kubeflow.encode_index_pair(0, 0)), first.options).read_all()).schema
+        missing = [c for c in self.columns if c not in schema.names]
+        if missing:
+            raise DataCacheError(f"Kubeflow cache worker {first.endpoint} has no column {', '.join(missing)} (it has "
+                                 f"{', '.join(schema.names)})")
+        self._plan = BatchPlan(num_rows=rows, **self._plan_args)
+        self._sent = pa.schema([schema.field(c) for c in self.columns])
+        self._schema = schema
 
     def _make_plan(self) -> BatchPlan:
         self.describe()
@@ -298,6 +373,8 @@ class StreamingDataset(PlannedDataset):
                     raise DataCacheError(f"cache node {node.endpoint}: {what} failed {self.retries + 1} times; "
                                          f"last error: {type(e).__name__}: {e}") from None
                 time.sleep(self.backoff * 2**attempt)
+            except pa.ArrowException as e:  # a refusal of another code (INVALID_ARGUMENT, ...: Kubeflow's)
+                raise DataCacheError(f"cache node {node.endpoint} refused {what}: {_server_reason(e)}") from None
         raise AssertionError("unreachable")
 
     def _describe(self, node: _Node) -> tuple[dict[str, Any], pa.Schema]:
@@ -388,7 +465,8 @@ class StreamingDataset(PlannedDataset):
                     wanted[n].append(_runs(rows[where]))
             runs += sum(len(wanted[n][-1]) for n, _ in parts)
             layouts.append((g, len(rows), parts))
-        return _Window(layouts, {n: _Stream(nodes[n], steps) for n, steps in wanted.items()}, last)
+        return _Window(layouts, {n: (_PairStream if nodes[n].kubeflow else _Stream)(nodes[n], steps)
+                                 for n, steps in wanted.items()}, last)
 
     def _open(self, window: _Window) -> None:
         """Makes the window's calls, so that every node sends before any is read."""
@@ -461,7 +539,7 @@ class StreamingDataset(PlannedDataset):
         try:
             return self._idle_lanes.pop()
         except IndexError:
-            return [_Node(n.endpoint, n.token, n.timeout, n.tls_root) for n in self._nodes]
+            return [n.copy() for n in self._nodes]
 
     def _wait(self, ready: queue.SimpleQueue):
         """The next item a reader handed over; raises what a reader raised, or when none comes in time."""

@@ -1,5 +1,5 @@
-"""Parquet files and their fixed-length token columns as numpy arrays: what the cache node and the trainer
-read without torch (a cache node never imports it).
+"""Parquet files and their columns as numpy arrays: what the cache node and the trainer read without torch
+(a cache node never imports it).
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def parquet_files(path: str) -> list[str]:
-    """The Parquet files named by `path`: a file, a directory (searched recursively) or a glob."""
+def parquet_files(path: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The Parquet files named by `path`: a file, a directory (searched recursively) or a glob, or a list of
+    those (in the order given, each one's files sorted)."""
+    if not isinstance(path, str):
+        return [f for p in path for f in parquet_files(p)]
     if os.path.isdir(path):
         return sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True))
     return sorted(glob.glob(path))
@@ -27,6 +30,32 @@ def token_matrix(column: pa.ChunkedArray | pa.Array, what: str) -> np.ndarray:
         raise TypeError(f"{what} is {column.type}, not a fixed-size list of token ids")
     values = column.values.to_numpy(zero_copy_only=False)
     return values.reshape(len(column), column.type.list_size)
+
+
+def column_array(column: pa.ChunkedArray | pa.Array, what: str) -> np.ndarray:
+    """A fixed-size list column as a 2-D array, a primitive (number or bool) column as 1-D; zero-copy when it
+    can be. Anything else (strings, variable-length lists) has no fixed shape: a TypeError naming `what`."""
+    kind = column.type
+    if pa.types.is_fixed_size_list(kind):
+        return token_matrix(column, what)
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+        raise TypeError(f"{what} is {kind}: give fixed-size lists or number columns, which make tensors")
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return column.to_numpy(zero_copy_only=False)
+
+
+def read_columns(path: str | list[str] | tuple[str, ...], columns: list[str]) -> dict[str, np.ndarray]:
+    """Each of `columns` of every file at `path` (see `parquet_files`) as one array, rows in file order."""
+    files = parquet_files(path)
+    if not files:
+        raise FileNotFoundError(f"no Parquet files at {path!r}")
+    names = pq.ParquetFile(files[0]).schema_arrow.names
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise ValueError(f"{files[0]} has no column {', '.join(map(repr, missing))} (it has {', '.join(names)})")
+    table = pq.read_table(files if len(files) > 1 else files[0], columns=list(columns))
+    return {c: column_array(table.column(c), f"column {c!r} in {path!r}") for c in columns}
 
 
 def read_token_rows(path: str, column: str = "tokens") -> np.ndarray:

@@ -4,7 +4,8 @@ DataLoader worker `w` of `n` serves the steps `g` with `g % n == w` (counting fr
 which the DataLoader's round-robin over its workers puts back in order. The position is the absolute
 global step `epoch * batches_per_epoch + step`: `set_position(epoch, step)` starts any loader (any worker
 count, any world size with the same global batch) exactly there, and `state_dict()`/`load_state_dict()`
-carry each iterator's own next step, as torchdata's StatefulDataLoader expects of a dataset.
+carry each iterator's own next step, as torchdata's StatefulDataLoader expects of a dataset. An iteration
+ends with the epoch it starts in (`loop=False`), or goes on through the epochs that follow (`loop=True`).
 Subclasses say how to fetch rows: `fetch(row_indices) -> {"tokens": tensor}`, and may give their plan
 later (`_make_plan`, called where the plan is first needed: a dataset that must ask servers how many rows
 there are asks in the process that iterates it).
@@ -29,6 +30,21 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def plan_arguments(batch_size: int | None, global_batch_size: int | None, rank: int | None,
+                   world_size: int | None, **rest) -> dict[str, Any]:
+    """`BatchPlan`'s arguments but its rows, from a dataset's: exactly one of `batch_size` (per rank) and
+    `global_batch_size`; rank and world size from `rank_and_world()` where not given. Checked as a plan of one
+    global batch would be, so a bad value fails before any data is read."""
+    if (batch_size is None) == (global_batch_size is None):
+        raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
+    env_rank, env_world = rank_and_world()
+    world = env_world if world_size is None else world_size
+    args = dict(global_batch_size=global_batch_size or batch_size * world, world_size=world,
+                rank=env_rank if rank is None else rank, **rest)
+    BatchPlan(num_rows=args["global_batch_size"], **args)
+    return args
 
 
 class PlannedDataset(IterableDataset, abc.ABC):

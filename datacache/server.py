@@ -15,6 +15,15 @@ dataset:
   step leaves it idle between calls. The ticket may name the columns to send.
 - `do_action`: `health` (b"ok") and `stats` (JSON).
 
+It also speaks Kubeflow Trainer's cache protocol (`datacache.kubeflow`), so that a pod written for the
+`torch-distributed-with-cache` runtime reads it: `get_flight_info` with a path of two integers `[index,
+total]` answers that partition of the whole table, an endpoint per node holding part of it (this one and
+its `peers`, at their advertised addresses), each with one location and an `IndexPair` ticket for that
+node's part; `do_get` takes `IndexPair` tickets (rows `[start, end]` it holds, in the table's schema);
+`health_port` serves HTTP `GET /ready`. A path that is not two integers is INVALID_ARGUMENT, as Kubeflow's
+head answers (pyarrow adds the raising frame to the message); an empty partition is refused with "out of
+range" in the message, where Kubeflow's head answers OUT_OF_RANGE, a code a pyarrow server cannot send.
+
 A request is bounded before anything is sent: at most `MAX_TICKET_STEPS` steps and `MAX_TICKET_RANGES`
 ranges a ticket, every range non-empty and on this node, no step longer than the node. A malformed
 ticket, or anything else a request gets wrong, is a `FlightServerError` that says what, with no
@@ -28,8 +37,11 @@ from __future__ import annotations
 
 import ast
 import hmac
+import http.server
 import json
 import logging
+import socket
+import threading
 from typing import Any
 
 import numpy as np
@@ -38,7 +50,9 @@ import pyarrow.dataset as pads
 import pyarrow.flight as flight
 import pyarrow.parquet as pq
 
+from datacache import kubeflow
 from datacache.parquet import parquet_files
+from datacache.sql import SqlError, query
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +75,47 @@ class TokenAuth(flight.ServerMiddlewareFactory):
 
     def start_call(self, info, headers):
         values = headers.get("authorization") or headers.get("Authorization") or []
+        if not values:
+            raise flight.FlightUnauthenticatedError(
+                "datacache: missing or wrong token: this node was started with a token and the call carried none "
+                "(send `authorization: Bearer <token>`; Kubeflow Trainer's DataCacheDataset sends none, so serve it "
+                "from a node started without --token-file/--token/$TRAINJOB_CACHE_TOKEN)")
         if not any(hmac.compare_digest(v if isinstance(v, bytes) else v.encode(), self._expected) for v in values):
-            raise flight.FlightUnauthenticatedError("datacache: missing or wrong token")
+            raise flight.FlightUnauthenticatedError("datacache: missing or wrong token: the call's token is not this "
+                                                    "node's")
         return None  # accepted; nothing more to do for this call
+
+
+class ReadyServer(http.server.ThreadingHTTPServer):
+    """The node's readiness over HTTP, as Kubeflow's cache answers it: `GET /ready` is 200 `ready` (the node
+    holds its rows: it exists only once they are loaded); anything else 404. Serves from a thread of its own."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # the name http.server calls
+                ok = self.path.split("?", 1)[0] == "/ready"
+                body = b"ready" if ok else b"not found: GET /ready\n"
+                self.send_response(200 if ok else 404)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # no line per probe in the node's log
+                pass
+
+        try:
+            super().__init__((host.strip("[]"), port), Handler)
+        except OSError as e:
+            raise DataCacheError(f"--health-port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, name="datacache-ready", daemon=True).start()
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
 
 
 _COMPARE = {ast.Eq: "__eq__", ast.NotEq: "__ne__", ast.Lt: "__lt__", ast.LtE: "__le__", ast.Gt: "__gt__",
@@ -107,30 +159,42 @@ def _check_files(files: list[str]) -> None:
 
 
 def load_shard(source: str, shard: int, num_shards: int, columns: list[str] | None = None,
-               row_filter: str | None = None) -> tuple[pa.RecordBatch, int, int]:
-    """(this shard's rows as one contiguous record batch, its global row offset, the dataset's total rows)."""
+               row_filter: str | None = None, sql: str | None = None) -> tuple[pa.RecordBatch, int, int]:
+    """(this shard's rows as one contiguous record batch, its global row offset, the dataset's total rows): of
+    the source's rows, projected to `columns` and kept by `row_filter`, or of the result of `sql` over them
+    (`datacache.sql`: the table `data`)."""
     files = parquet_files(source)
     if not files:
         raise DataCacheError(f"--source {source!r}: no Parquet files there")
     _check_files(files)
-    dataset = pads.dataset(files, format="parquet")
-    expr = parse_filter(row_filter) if row_filter else None
-    if columns:
-        missing = [c for c in columns if c not in dataset.schema.names]
-        if missing:
-            raise DataCacheError(f"--columns: {', '.join(missing)} not in the dataset "
-                                 f"({', '.join(dataset.schema.names)})")
-    total = dataset.count_rows(filter=expr)
+    if sql is not None:
+        if columns or row_filter:
+            raise DataCacheError("--sql: give the query alone; its SELECT and WHERE do what --columns and --filter "
+                                 "would")
+        try:
+            schema, total, batches = query(files, sql)
+        except SqlError as e:
+            raise DataCacheError(f"--sql {sql!r}: {e}") from None
+    else:
+        dataset = pads.dataset(files, format="parquet")
+        expr = parse_filter(row_filter) if row_filter else None
+        if columns:
+            missing = [c for c in columns if c not in dataset.schema.names]
+            if missing:
+                raise DataCacheError(f"--columns: {', '.join(missing)} not in the dataset "
+                                     f"({', '.join(dataset.schema.names)})")
+        total = dataset.count_rows(filter=expr)
+        batches = dataset.to_batches(columns=columns, filter=expr)
+        schema = dataset.schema if not columns else pa.schema([dataset.schema.field(c) for c in columns])
     lo, hi = shard * total // num_shards, (shard + 1) * total // num_shards
     kept, seen = [], 0
-    for batch in dataset.to_batches(columns=columns, filter=expr):
+    for batch in batches:
         start, stop = max(lo - seen, 0), min(hi - seen, batch.num_rows)
         if start < stop:
             kept.append(batch.slice(start, stop - start))
         seen += batch.num_rows
         if seen >= hi:
             break
-    schema = dataset.schema if not columns else pa.schema([dataset.schema.field(c) for c in columns])
     whole = pa.Table.from_batches(kept, schema=schema).combine_chunks().to_batches()
     return (whole[0] if whole else pa.RecordBatch.from_pylist([], schema=schema)), lo, total
 
@@ -181,14 +245,29 @@ def decode_ticket(ticket: bytes) -> tuple[list[np.ndarray], list[str] | None]:
                                        f"{problem}") from None
 
 
+def _address(flag: str, text: str) -> str:
+    """`host:port`, given as that or as a Flight location (grpc://host:port), checked."""
+    text = text.split("://", 1)[-1]
+    host, colon, port = text.rpartition(":")
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        raise DataCacheError(f"{flag} {text!r}: give host:port, for example cache-0.cache:50051")
+    return text
+
+
 class CacheServer(flight.FlightServerBase):
     def __init__(self, source: str, location: str = "grpc://127.0.0.1:0", shard: int = 0, num_shards: int = 1,
                  columns: list[str] | None = None, row_filter: str | None = None, batch_bytes: int = 8 << 20,
-                 token: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
+                 token: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 advertise: str | None = None, peers: list[str] | None = None, health_port: int | None = None,
+                 sql: str | None = None):
         if not 0 <= shard < num_shards:
             raise DataCacheError(f"--shard {shard}/{num_shards}: the shard must be in [0, {num_shards})")
-        self.rows, self.offset, self.total_rows = load_shard(source, shard, num_shards, columns, row_filter)
-        self.shard, self.num_shards = shard, num_shards
+        if advertise is not None:
+            advertise = _address("--advertise", advertise)
+        self.num_shards = num_shards
+        self.set_peers(peers)
+        self.rows, self.offset, self.total_rows = load_shard(source, shard, num_shards, columns, row_filter, sql)
+        self.shard = shard
         self.batch_rows = max(1, batch_bytes * max(1, self.rows.num_rows) // max(1, self.rows.nbytes))
         tls = None
         if tls_cert or tls_key:
@@ -196,11 +275,30 @@ class CacheServer(flight.FlightServerBase):
                 tls = [flight.CertKeyPair(c.read(), k.read())]
         middleware = {"auth": TokenAuth(token)} if token else None
         super().__init__(location, tls_certificates=tls, middleware=middleware)
-        scheme = "grpc+tls" if tls else "grpc+tcp"
+        self.scheme = "grpc+tls" if tls else "grpc+tcp"
         host = location.split("://", 1)[1].rsplit(":", 1)[0]
-        self.location = f"{scheme}://{host}:{self.port}"
+        if advertise is None:  # a wildcard bind is no address to give clients: this machine's name is
+            advertise = f"{socket.gethostname() if host in ('0.0.0.0', '::', '[::]', '') else host}:{self.port}"
+        self.location = f"{self.scheme}://{_address('--advertise', advertise)}"
+        self.health = ReadyServer(host, health_port) if health_port is not None else None
         log.info("cache node %d/%d at %s: rows [%d, %d) of %d, %.1f MB", shard, num_shards, self.location,
                  self.offset, self.offset + self.rows.num_rows, self.total_rows, self.rows.nbytes / 1e6)
+
+    def set_peers(self, peers: list[str] | None) -> None:
+        """Every node's host:port (or Flight location) in shard order, this one's too: then this node answers a
+        Kubeflow client for the whole table (None: for its own rows, the whole table only with one shard).
+        Nodes bound to port 0 learn their peers once all are up."""
+        if peers is not None:
+            peers = [_address("--peers", p) for p in peers]
+            if len(peers) != self.num_shards:
+                raise DataCacheError(f"--peers: {len(peers)} addresses for {self.num_shards} shards: give every "
+                                     f"node's host:port in shard order, this one's too")
+        self.peers = peers
+
+    def shutdown(self):
+        if self.health is not None:
+            self.health.close()
+        super().shutdown()
 
     def stats(self) -> dict[str, Any]:
         return {"offset": self.offset, "rows": self.rows.num_rows, "total_rows": self.total_rows,
@@ -220,7 +318,45 @@ class CacheServer(flight.FlightServerBase):
         yield self._info(flight.FlightDescriptor.for_path("dataset"))
 
     def get_flight_info(self, context, descriptor):
+        if descriptor.descriptor_type == flight.DescriptorType.PATH and len(descriptor.path) == 2:
+            return self._partition_info(descriptor)  # Kubeflow's client: partition index of total
         return self._info(descriptor)
+
+    def holders(self) -> list[tuple[int, int, str]]:
+        """(first row, row after the last, location) of every node of the table, this one's included: its
+        peers' rows are where `load_shard` puts a shard of the same rows."""
+        if self.peers is None:
+            return [(self.offset, self.offset + self.rows.num_rows, self.location)]
+        n, total = self.num_shards, self.total_rows
+        return [(i * total // n, (i + 1) * total // n,
+                 self.location if i == self.shard else f"{self.scheme}://{peer}") for i, peer in enumerate(self.peers)]
+
+    def _partition_info(self, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
+        """Kubeflow's head's answer: partition `index` of `total` as an endpoint per node holding part of it,
+        each with one location and an IndexPair ticket for that node's part."""
+        texts = [p.decode(errors="replace") for p in descriptor.path]
+        if not all(t.isdigit() for t in texts):
+            # ValueError: Kubeflow's INVALID_ARGUMENT (pyarrow adds the raising frame to the message)
+            raise ValueError(f"datacache: path {texts}: give [index, total] as two integers, as Kubeflow's "
+                             f"DataCacheDataset does (FlightDescriptor.for_path(str(index), str(total)))")
+        index, total = int(texts[0]), int(texts[1])
+        if self.peers is None and self.num_shards > 1:
+            raise flight.FlightServerError(
+                f"datacache: this node holds shard {self.shard}/{self.num_shards} only and knows no peers: start "
+                f"every node with --peers host:port,... (all {self.num_shards}, in shard order) to answer for the "
+                f"whole table")
+        part = kubeflow.partition(self.total_rows, index, total)
+        if part is None:  # Kubeflow's head answers OUT_OF_RANGE, which a pyarrow server cannot send
+            raise flight.FlightServerError(f"datacache: out of range: partition {index} of {total} holds no rows of "
+                                           f"the table's {self.total_rows}")
+        start, end = part
+        endpoints = []
+        for lo, hi, where in self.holders():
+            a, b = max(start, lo), min(end, hi - 1)
+            if a <= b:
+                pair = kubeflow.encode_index_pair(a, b)
+                endpoints.append(flight.FlightEndpoint(pair, [where], app_metadata=pair))
+        return flight.FlightInfo(self.rows.schema, descriptor, endpoints, end - start + 1, -1, ordered=True)
 
     def _request(self, ticket: bytes) -> tuple[list[np.ndarray], pa.RecordBatch]:
         """The ticket's steps as local row ranges, and the columns asked for; checked before anything is sent."""
@@ -260,7 +396,16 @@ class CacheServer(flight.FlightServerBase):
                 yield rows.take(np.repeat(ranges[:, 0] - np.cumsum(lengths) + lengths, lengths)
                                 + np.arange(lengths.sum()))
 
+    def _pair_batches(self, ticket: bytes):
+        """Rows [start, end] of an IndexPair ticket that this node holds, in record batches of `batch_rows`."""
+        start, end = kubeflow.decode_index_pair(ticket)
+        lo, hi = max(start, self.offset) - self.offset, min(end + 1, self.offset + self.rows.num_rows) - self.offset
+        for a in range(lo, hi, self.batch_rows):
+            yield self.rows.slice(a, min(self.batch_rows, hi - a))
+
     def do_get(self, context, ticket):
+        if kubeflow.is_index_pair(ticket.ticket):  # Kubeflow's client, or StreamingDataset reading a Kubeflow cache
+            return flight.GeneratorStream(self.rows.schema, self._guarded(self._pair_batches(ticket.ticket)))
         try:
             steps, rows = self._request(ticket.ticket)
         except flight.FlightError:

@@ -66,6 +66,9 @@ class CacheNodes:
     command: list[str]
     port: int = 50051
     eval_port: int = 50052
+    # Kubeflow Trainer's cache in their place (`data.cache.backend=kubeflow`, Kubernetes only): its dataset
+    # initializer's settings (the data.cache.kubeflow section); `count` data nodes, no `command` run.
+    kubeflow: dict[str, str] | None = None
 
     ENDPOINTS_ENV = "TRAINJOB_CACHE_ENDPOINTS"
     EVAL_ENDPOINTS_ENV = "TRAINJOB_CACHE_EVAL_ENDPOINTS"

@@ -258,8 +258,15 @@ def manifests(
         raise LauncherError("launcher=kubernetes runs torchrun on every node: add +runtime=torch-distributed")
     namespace = lc["namespace"]
     labels = {**MANAGED_BY, RUN_LABEL: name}
-    cluster_ref = lc.get("runtime_ref") or spec.torchrun.name
+    kubeflow_cache = spec.cache_nodes.kubeflow if spec.cache_nodes else None
+    cluster_ref = lc.get("runtime_ref") or (KUBEFLOW_CACHE_RUNTIME if kubeflow_cache else spec.torchrun.name)
     out: list[dict[str, Any]] = []
+    if kubeflow_cache is not None and sc["name"] in schedulers.NEEDS_RUNTIME:
+        raise LauncherError(
+            f"data.cache.backend=kubeflow runs on the {KUBEFLOW_CACHE_RUNTIME} runtime, and scheduler={sc['name']} "
+            f"would derive a runtime of its own without the dataset initializer: use scheduler=none or kueue, or "
+            f"data.cache.backend=trainjob"
+        )
 
     ref = {"kind": "ClusterTrainingRuntime", "name": cluster_ref}
     if sc["name"] in schedulers.NEEDS_RUNTIME:
@@ -297,7 +304,9 @@ def manifests(
         **spec.env,
         **{str(k): str(v) for k, v in (lc.get("env") or {}).items()},
     }
-    if spec.cache_nodes:
+    if kubeflow_cache is not None:
+        env.update(kubeflow_cache_endpoints(spec, name, namespace))
+    elif spec.cache_nodes:
         out += cache_manifests(spec, lc, name, labels, config_map, secret_env)
         env.update(cache_endpoints(spec, name, namespace))
     trainer: dict[str, Any] = {
@@ -332,6 +341,8 @@ def manifests(
             }
         ],
     }
+    if kubeflow_cache is not None:
+        job_spec["initializer"] = kubeflow_dataset_initializer(spec)
     if lc.get("suspend"):
         job_spec["suspend"] = True
     if lc.get("active_deadline_seconds"):
@@ -352,6 +363,31 @@ def cache_endpoints(spec: LaunchSpec, name: str, namespace: str) -> dict[str, st
     nodes, service = spec.cache_nodes, f"{name}-cache"
     pods = [f"{service}-{i}.{service}.{namespace}.svc" for i in range(nodes.count)]
     return nodes.env([f"grpc://{p}:{nodes.port}" for p in pods], [f"grpc://{pods[0]}:{nodes.eval_port}"])
+
+
+KUBEFLOW_CACHE_RUNTIME = "torch-distributed-with-cache"  # Kubeflow Trainer's runtime with a data cache
+KUBEFLOW_CACHE_PORT = 50051
+# data.cache.kubeflow's keys as the environment of Kubeflow's dataset initializer (CacheDatasetInitializer
+# reads each of its fields from the variable of its name in capitals); CLUSTER_SIZE is data.cache.nodes.
+KUBEFLOW_INITIALIZER_ENV = {"metadata_loc": "METADATA_LOC", "iam_role": "IAM_ROLE", "head_cpu": "HEAD_CPU",
+                            "head_mem": "HEAD_MEM", "worker_cpu": "WORKER_CPU", "worker_mem": "WORKER_MEM"}
+
+
+def kubeflow_dataset_initializer(spec: LaunchSpec) -> dict[str, Any]:
+    """The TrainJob's `initializer` that has Kubeflow's dataset initializer start its cache: the table
+    (`storageUri`, cache://<schema>/<table>), its metadata, the number of data nodes and their resources."""
+    settings = spec.cache_nodes.kubeflow
+    env = [{"name": "CLUSTER_SIZE", "value": str(spec.cache_nodes.count)}]
+    env += [{"name": var, "value": str(settings[key])} for key, var in KUBEFLOW_INITIALIZER_ENV.items()
+            if settings.get(key) is not None]
+    return {"dataset": {"storageUri": str(settings["storage_uri"]), "env": env}}
+
+
+def kubeflow_cache_endpoints(spec: LaunchSpec, name: str, namespace: str) -> dict[str, str]:
+    """The ranks' environment naming Kubeflow's cache head, the Service its initializer makes for the job
+    (`<job>-cache-service`), as a StreamingDataset endpoint."""
+    head = f"kubeflow+grpc://{name}-cache-service.{namespace}.svc:{KUBEFLOW_CACHE_PORT}"
+    return {spec.cache_nodes.ENDPOINTS_ENV: f"[{head}]"}
 
 
 def cache_manifests(
@@ -380,7 +416,10 @@ def cache_manifests(
             "python",
             *nodes.argv(f"{CONFIG_DIR}/config.yaml", "$(POD_INDEX)", "0.0.0.0", nodes.port, nodes.eval_port),
         ],
-        "env": [index, {"name": "PYTHONUNBUFFERED", "value": "1"}, *secret_env],
+        # The nodes' own list, the one the ranks get: each node advertises its entry and lists the others,
+        # so that any node answers a Kubeflow client for the whole table.
+        "env": [index, {"name": "PYTHONUNBUFFERED", "value": "1"}, *secret_env,
+                *({"name": k, "value": v} for k, v in cache_endpoints(spec, name, namespace).items())],
         "ports": [{"name": "train", "containerPort": nodes.port}, {"name": "eval", "containerPort": nodes.eval_port}],
         "readinessProbe": {
             "exec": {"command": ["python", "-m", "datacache", "ready", f"grpc://127.0.0.1:{nodes.port}"]},
@@ -801,7 +840,7 @@ class KubernetesLauncher(Launcher):
         created: list[dict[str, Any]] = []
         try:
             for m in self.manifests(spec, runtime_spec, reveal=True):
-                if m["kind"] == "TrainJob" and spec.cache_nodes:
+                if m["kind"] == "TrainJob" and spec.cache_nodes and not spec.cache_nodes.kubeflow:
                     _wait_for_cache(
                         api, f"{name}-cache", namespace, spec.cache_nodes.count, float(lc.get("poll_seconds", 10.0))
                     )

@@ -117,10 +117,13 @@ class CacheNodeProcesses:
         self.procs: list[subprocess.Popen] = []
         self.logs = [os.path.join(spec.run_dir, "logs", f"cache-node-{i}.log") for i in range(nodes.count)]
         os.makedirs(os.path.dirname(self.logs[0]), exist_ok=True)
-        env = {**os.environ, **spec.env, **spec.secrets}
-        train, eval_ = [], []
-        for i in range(nodes.count):
-            port, eval_port = _free_port(), _free_port()
+        ports = [(_free_port(), _free_port()) for _ in range(nodes.count)]
+        train = [f"grpc://127.0.0.1:{port}" for port, _ in ports]
+        eval_ = [f"grpc://127.0.0.1:{ports[0][1]}"]
+        self.env = nodes.env(train, eval_)
+        # The nodes get the list the ranks get too: each then answers a Kubeflow client for the whole table.
+        env = {**os.environ, **spec.env, **spec.secrets, **self.env}
+        for i, (port, eval_port) in enumerate(ports):
             with open(self.logs[i], "ab") as log:
                 self.procs.append(
                     subprocess.Popen(
@@ -132,10 +135,6 @@ class CacheNodeProcesses:
                         preexec_fn=_die_with_parent,
                     )
                 )
-            train.append(f"grpc://127.0.0.1:{port}")
-            if i == 0:
-                eval_.append(f"grpc://127.0.0.1:{eval_port}")
-        self.env = nodes.env(train, eval_)
         try:
             self._wait_ready([(i, e) for i, e in enumerate(train)] + [(0, e) for e in eval_], env)
         except BaseException:

@@ -126,11 +126,13 @@ def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheN
         cache["token"] = f"${{oc.env:{TOKEN_ENV}}}"
     nodes = None
     if cache.get("nodes"):
+        kubeflow = cache["kubeflow"] if cache.get("backend") == "kubeflow" else None
         nodes = launchers.CacheNodes(count=int(cache["nodes"]), command=[
             "-m", "trainer.cache_node", "{config}", "--shard", "{index}/{count}", "--host", "{host}",
-            "--port", "{port}", "--eval-port", "{eval_port}"])
+            "--port", "{port}", "--eval-port", "{eval_port}"], kubeflow=kubeflow)
         cache["endpoints"] = f"${{oc.decode:${{oc.env:{nodes.ENDPOINTS_ENV}}}}}"
-        cache["eval_endpoints"] = f"${{oc.decode:${{oc.env:{nodes.EVAL_ENDPOINTS_ENV}}}}}"
+        if kubeflow is None:  # Kubeflow's cache holds one table: the eval rows come from the local corpus
+            cache["eval_endpoints"] = f"${{oc.decode:${{oc.env:{nodes.EVAL_ENDPOINTS_ENV}}}}}"
     return saved, secrets, nodes
 
 

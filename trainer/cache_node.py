@@ -4,7 +4,10 @@
 
 It builds the run's corpus (or finds it in `data.cache_dir`), then serves shard i of N of its training rows
 on port P, and with `--eval-port` all of its eval rows on port Q, over Arrow Flight until it is stopped.
-The token, if any, comes from TRAINJOB_CACHE_TOKEN, as for the ranks.
+The token, if any, comes from TRAINJOB_CACHE_TOKEN, as for the ranks. Where the launcher gives the nodes
+the endpoint list it gives the ranks (`data.cache.endpoints`, on Kubernetes the pods' stable names), node i
+advertises entry i and lists all of them as its peers, so that any node answers a Kubeflow client
+(`datacache.kubeflow`) for the whole table.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ from omegaconf import OmegaConf
 
 from datacache.server import TOKEN_ENV, CacheServer
 from trainer import data
+
+
+def _peers(cfg, count: int) -> list[str] | None:
+    """Every node's host:port in shard order, from the endpoints the launcher gave the run (None where it gave
+    this node none, or not one per node)."""
+    endpoints = OmegaConf.select(cfg, "data.cache.endpoints", default=None, throw_on_resolution_failure=False)
+    if endpoints is None or len(endpoints) != count:
+        return None
+    return [str(e).split("://", 1)[-1] for e in endpoints]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = OmegaConf.load(args.config)
     corpus = data.prepare(cfg.data)
     token = os.environ.get(TOKEN_ENV) or None
+    peers = _peers(cfg, count)
+    if peers:
+        logging.info("peers (for Kubeflow clients, which may ask any node for the whole table): %s", ", ".join(peers))
     servers = [CacheServer(os.path.join(corpus, "train"), f"grpc://{args.host}:{args.port}", shard=index,
-                           num_shards=count, token=token)]
+                           num_shards=count, token=token, advertise=peers[index] if peers else None, peers=peers)]
     if args.eval_port is not None:
         servers.append(CacheServer(os.path.join(corpus, "eval"), f"grpc://{args.host}:{args.eval_port}",
                                    token=token))

@@ -93,7 +93,33 @@ class ModelConfig:
 
 # The data.cache keys naming the cache nodes that hold each split.
 CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
-FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://")
+FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://", "kubeflow+grpc://")  # the last: a Kubeflow cache's head
+
+
+CACHE_BACKENDS = ("trainjob", "kubeflow")
+
+
+@dataclass
+class KubeflowCacheConfig:
+    # data.cache.backend=kubeflow: what Kubeflow Trainer's dataset initializer (its CacheDatasetInitializer)
+    # is given to start the cache over an Iceberg table; the resources are its head's and each data node's.
+    storage_uri: str | None = None  # cache://<schema>/<table>
+    metadata_loc: str | None = None  # the table's Iceberg metadata.json, e.g. s3a://bucket/path/metadata.json
+    iam_role: str | None = None  # the role the cache reads the table with
+    head_cpu: str = "1"
+    head_mem: str = "1Gi"
+    worker_cpu: str = "2"
+    worker_mem: str = "2Gi"
+
+    def check(self) -> None:
+        uri = str(self.storage_uri or "")
+        schema, _, table = uri.removeprefix("cache://").partition("/")
+        _require(uri.startswith("cache://") and bool(schema) and bool(table) and "/" not in table,
+                 "data.cache.kubeflow.storage_uri", self.storage_uri, "must be cache://<schema>/<table>, the table "
+                 "Kubeflow's cache serves")
+        for key in ("metadata_loc", "iam_role"):
+            _require(bool(getattr(self, key)), f"data.cache.kubeflow.{key}", getattr(self, key),
+                     "must be set for data.cache.backend=kubeflow (Kubeflow's dataset initializer needs it)")
 
 
 @dataclass
@@ -114,6 +140,12 @@ class CacheConfig:
     # Cache nodes the launcher starts beside the ranks over this run's corpus (0: none); they replace
     # endpoints and eval_endpoints, and stop when the run ends.
     nodes: int = 0
+    # Which cache data.cache.nodes are on Kubernetes: trainjob (a StatefulSet of ours over the run's corpus)
+    # or kubeflow (Kubeflow Trainer's, on the torch-distributed-with-cache runtime: its dataset initializer
+    # starts `nodes` data nodes over the table data.cache.kubeflow names; the ranks read the training rows
+    # from its head through StreamingDataset, the eval rows from the local corpus).
+    backend: str = "trainjob"
+    kubeflow: KubeflowCacheConfig = field(default_factory=KubeflowCacheConfig)
 
     def check(self) -> None:
         _require(self.prefetch >= 0, "data.cache.prefetch", self.prefetch, "must be >= 0 (0: no read-ahead thread)")
@@ -122,12 +154,18 @@ class CacheConfig:
         for key in CACHE_KEYS.values():
             for i, endpoint in enumerate(getattr(self, key)):
                 _require(str(endpoint).startswith(FLIGHT_SCHEMES), f"data.cache.{key}[{i}]", endpoint,
-                         "must be a Flight location such as grpc://host:50051")
+                         "must be a Flight location such as grpc://host:50051 (or a Kubeflow cache's head, "
+                         "kubeflow+grpc://<job>-cache-service:50051)")
         _require(self.nodes >= 0, "data.cache.nodes", self.nodes, "must be >= 0 (0: start no cache nodes)")
         _require(not (self.nodes and (self.endpoints or self.eval_endpoints)), "data.cache.nodes", self.nodes,
                  "the run starts its own cache nodes: leave data.cache.endpoints and eval_endpoints empty")
         _require(self.tls_root_cert is None or os.path.isfile(os.path.expanduser(self.tls_root_cert)),
                  "data.cache.tls_root_cert", self.tls_root_cert, "must be a readable PEM file")
+        _one_of("data.cache.backend", self.backend, CACHE_BACKENDS)
+        if self.backend == "kubeflow":
+            _require(self.nodes >= 1, "data.cache.nodes", self.nodes, "must be >= 1 with data.cache.backend=kubeflow: "
+                     "the data nodes Kubeflow's dataset initializer starts")
+            self.kubeflow.check()
 
 
 DATASETS = ("stdlib", "parquet", "chat", "preference")
@@ -502,6 +540,9 @@ def _check_across(job: Config) -> None:
              m.vocab_size, f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
     _require(job.data.seq_len <= m.max_seq_len, "data.seq_len", job.data.seq_len,
              f"must be <= model.max_seq_len={m.max_seq_len}")
+    _require(job.data.cache.backend != "kubeflow" or job.launcher.name == "kubernetes", "data.cache.backend",
+             job.data.cache.backend, f"Kubeflow Trainer's cache runs on Kubernetes: give launcher=kubernetes (not "
+             f"{job.launcher.name}), or data.cache.backend=trainjob")
     r = job.runtime
     if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
         _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",

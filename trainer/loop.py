@@ -107,7 +107,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
         shard = {"global_batch_size": t.global_batch_size, "seed": t.seed, "rank": dp_rank, "world_size": dp_size}
-        self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, **shard)
+        self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
         self.eval_data = split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard)
         self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims.tp)
                              else contextlib.nullcontext)

@@ -108,7 +108,8 @@ def test_every_epoch_ends_with_every_row_whatever_the_sizes(clusters, case):
 @pytest.mark.parametrize("batch,shuffle", [(100, False), (128, False), (240, True), (1000, True)])
 def test_the_reported_case_reads_three_epochs(clusters, batch, shuffle):
     # 24,000 rows in row groups of 3,000, ids only: it stalled after 200 of 240 batches of 100.
-    ds = StreamingDataset(clusters[24_000][1], columns=["id"], batch_size=batch, shuffle=shuffle, seed=7)
+    ds = StreamingDataset(clusters[24_000][1], columns=["id"], batch_size=batch, shuffle=shuffle, seed=7,
+                          loop=True)
     per_epoch = 24_000 // batch
     ids = []
     for b in StatefulDataLoader(ds, batch_size=None, num_workers=0):

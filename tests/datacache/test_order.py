@@ -25,7 +25,8 @@ def rows_path(tmp_path_factory):
 def _epoch(rows_path, world, workers, global_batch, shuffle=True, start=0):
     per_rank = []
     for rank in range(world):
-        ds = LocalDataset(rows_path, global_batch, shuffle=shuffle, seed=7, loop=False, rank=rank, world_size=world)
+        ds = LocalDataset(rows_path, global_batch_size=global_batch, shuffle=shuffle, seed=7, rank=rank,
+                          world_size=world)
         ds.set_position(0, start)
         loader = DataLoader(ds, batch_size=None, num_workers=workers)
         per_rank.append([b["tokens"][:, 0].tolist() for b in loader])

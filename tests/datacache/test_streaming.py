@@ -387,5 +387,5 @@ def test_batches_are_tensors_of_the_stored_type_from_several_nodes(tmp_path, dty
     assert batch["tokens"].dtype == stored and batch["tokens"].shape == (40, 4)
     rows = batch["tokens"].long()
     assert torch.equal(rows, rows[:, :1].expand(40, 4)) and len(set(rows[:, 0].tolist())) == 40
-    local = next(iter(LocalDataset(path, 40, shuffle=True)))["tokens"]  # the same batch, of the same type
+    local = next(iter(LocalDataset(path, global_batch_size=40, shuffle=True)))["tokens"]  # the same batch, type
     assert local.dtype == stored and torch.equal(local.long(), rows)

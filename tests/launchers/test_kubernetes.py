@@ -473,6 +473,8 @@ def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_tr
     env = {e["name"]: e.get("value") for e in docs[-1]["spec"]["trainer"]["env"]}
     pods = [f"grpc://{name}-cache-{i}.{name}-cache.ml.svc:50051" for i in range(3)]
     assert env["TRAINJOB_CACHE_ENDPOINTS"] == "[" + ",".join(pods) + "]"
+    # the nodes get the same list: each advertises its entry and answers for all (trainer.cache_node)
+    assert {"name": "TRAINJOB_CACHE_ENDPOINTS", "value": env["TRAINJOB_CACHE_ENDPOINTS"]} in container["env"]
     assert env["TRAINJOB_CACHE_EVAL_ENDPOINTS"] == f"[grpc://{name}-cache-0.{name}-cache.ml.svc:50052]"
     assert "s3cret" not in to_yaml(docs)
 

@@ -108,3 +108,16 @@ def test_hide_secrets_reads_the_token_as_hydra_does(monkeypatch):
     with pytest.raises(SystemExit) as refused:
         hide_secrets(["data.cache={token:x}"])
     assert refused.value.code == 2
+
+
+def test_a_node_given_the_runs_endpoints_advertises_its_own_and_lists_them_all(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from trainer.cache_node import _peers
+
+    saved = OmegaConf.create({"data": {"cache": {"endpoints": "${oc.decode:${oc.env:TRAINJOB_CACHE_ENDPOINTS}}"}}})
+    monkeypatch.delenv("TRAINJOB_CACHE_ENDPOINTS", raising=False)
+    assert _peers(saved, 2) is None  # the launcher gave this node no list: no peers
+    monkeypatch.setenv("TRAINJOB_CACHE_ENDPOINTS", "[grpc://j-cache-0.j-cache.ml.svc:50051,grpc://j-cache-1.j-cache.ml.svc:50051]")
+    assert _peers(saved, 2) == ["j-cache-0.j-cache.ml.svc:50051", "j-cache-1.j-cache.ml.svc:50051"]
+    assert _peers(saved, 3) is None  # not one per node

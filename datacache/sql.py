@@ -1,0 +1,42 @@
+"""Node-side SQL (`python -m datacache serve --sql ...`) with DataFusion, as Kubeflow's cache workers query
+their table: the Parquet source is the table `data`, and the query's result is what the node holds.
+
+The source is read in file order into one in-memory partition and queried there, so that the result's row
+order is the same on every node of a cluster (DataFusion scans files and row groups in parallel, in no fixed
+order, when it reads them itself): each node then keeps its shard of the same rows. Filtering and projection
+keep that order; a query that wants another says so with ORDER BY.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+TABLE = "data"
+
+
+class SqlError(ValueError):
+    """The query cannot run over the source: DataFusion's own words."""
+
+
+def query(files: list[str], sql: str) -> tuple[pa.Schema, int, Iterator[pa.RecordBatch]]:
+    """(the result's schema, its rows, its record batches in order) of `sql` over `files` as table `data`."""
+    from datafusion import SessionConfig, SessionContext  # only a node given --sql needs DataFusion
+
+    ctx = SessionContext(SessionConfig().with_target_partitions(1).with_repartition_file_scans(False))
+    source = pads.dataset(files, format="parquet")
+    batches = list(source.to_batches()) or [pa.RecordBatch.from_pylist([], schema=source.schema)]
+    ctx.register_record_batches(TABLE, [batches])
+    try:
+        frame = ctx.sql(sql)
+        schema, rows = frame.schema(), frame.count()
+    except Exception as e:  # DataFusion raises ValueError and Exception with its message for any planning error
+        raise SqlError(" ".join(str(e).split())) from None
+
+    def stream() -> Iterator[pa.RecordBatch]:
+        for batch in frame.execute_stream():
+            yield batch.to_pyarrow()
+
+    return schema, rows, stream()
