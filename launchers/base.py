@@ -109,7 +109,9 @@ class LaunchSpec:
     inside it, except that one whose nodes do not share this machine's disk (Kubernetes) ships it and
     moves the paths that `path_keys` names (`run_dir`, `cache_dir`: dotted keys of the document) onto its
     own volumes. `files` are other files of `run_dir` the command reads (name -> text), shipped the same
-    way. `cache_dir` is this machine's data cache, which the job reads and writes (Docker mounts it)."""
+    way. `cache_dir` is this machine's data cache, which the job reads and writes (Docker mounts it).
+    `hold_fd` is a descriptor the job's processes on this machine keep open while it runs (the run
+    directory's lock, so that it is held as long as the job runs, also after the driver has returned)."""
 
     run_dir: str
     command: list[str]
@@ -124,6 +126,7 @@ class LaunchSpec:
     cache_dir: str | None = None
     files: dict[str, str] = field(default_factory=dict)
     cache_nodes: CacheNodes | None = None
+    hold_fd: int | None = None
 
     @property
     def world_size(self) -> int:

@@ -388,6 +388,7 @@ class LocalLauncher(Launcher):
                 start_new_session=True,
                 preexec_fn=_die_with_parent if self.wait else None,
                 stdin=subprocess.DEVNULL,
+                pass_fds=() if spec.hold_fd is None else (spec.hold_fd,),
                 **({} if self.wait else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}),
             )
             deadline = time.monotonic() + 30

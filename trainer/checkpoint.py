@@ -22,6 +22,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,33 @@ def check_model(path: str, model_cfg, key: str, value) -> None:
             raise ConfigError(key, value, f"the checkpoint {path} holds model tensor {name} of shape "
                               f"{saved.get(name)}, this config's model {wanted.get(name)}: set the model.* "
                               "keys it was saved with")
+
+
+def data_order(cfg) -> dict:
+    """What, besides the global batch, fixes which rows a step trains on: a resumed run must keep them."""
+    return {"seed": int(cfg.train.seed), "seq_len": int(cfg.data.seq_len)}
+
+
+_ORDER_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len"}
+
+
+def check_data_order(path: str, cfg) -> None:
+    """Raise ConfigError unless checkpoint `path` was trained with this config's seed and sequence length
+    (another would repeat or skip rows, as another global batch would). A checkpoint too old to record them
+    passes."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    wanted = data_order(cfg)
+    saved = {"train": {"data": {k: -1 for k in wanted}}}
+    with warnings.catch_warnings():  # that it reads in this process alone, which is the intent
+        warnings.simplefilter("ignore")
+        dcp.load(saved, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    for name, value in saved["train"]["data"].items():
+        if value != -1 and value != wanted[name]:
+            key = _ORDER_KEYS[name]
+            raise ConfigError(key, wanted[name], f"the checkpoint {path} was trained with {key}={value}; resuming "
+                              f"with another would repeat or skip rows: keep {key}={value}, or start afresh "
+                              "(train.resume=never in a new run directory)")
 
 
 def _rng_key() -> str:

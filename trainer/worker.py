@@ -151,6 +151,7 @@ def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
             raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "
                               "moved?): give another, or train.resume=auto")
         checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
+        checkpoint.check_data_order(start, cfg)
     return corpus
 
 
