@@ -171,11 +171,15 @@ def run_name(run_dir: str, max_len: int = 52) -> str:
 
 
 def read_summary(run_dir: str) -> dict[str, Any] | None:
+    """The run's summary.json; None when there is none, or none that reads as one (truncated by a full
+    disk or a kill: the run did not get to write it whole)."""
     path = os.path.join(run_dir, "summary.json")
-    if not os.path.isfile(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return summary if isinstance(summary, dict) else None
 
 
 def read_progress(run_dir: str) -> dict[str, Any]:
@@ -187,12 +191,14 @@ def read_progress(run_dir: str) -> dict[str, Any]:
             for line in f:
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:  # a line being written
+                except ValueError:  # a line being written
+                    continue
+                if not isinstance(record, dict):
                     continue
                 found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
                 if record.get("eval_loss") is not None:
                     found["eval_loss"] = record["eval_loss"]
-    except FileNotFoundError:
+    except (OSError, UnicodeDecodeError):
         pass
     summary = read_summary(run_dir) if os.path.isdir(run_dir) else None
     if summary:
