@@ -138,11 +138,9 @@ MASK = "********"
 
 def write_private(path: str, text: str) -> None:
     """Write `path` readable by its owner only (0600), replacing it whole."""
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from launchers.paths import write_whole
+
+    write_whole(path, text, 0o600)
 
 
 def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:

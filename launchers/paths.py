@@ -32,3 +32,18 @@ def directory_problem(path: str) -> str | None:
             return f"is not writable ({reason})"
         return f"cannot be made: {existing} is not writable ({reason})"
     return None
+
+
+def write_whole(path: str, text: str, mode: int = 0o644) -> None:
+    """Write `path` whole or not at all: through `<path>.tmp`, renamed when complete; the temporary file is
+    removed when the write fails (a full disk), so nothing half-written stays either way."""
+    tmp = path + ".tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise

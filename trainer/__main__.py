@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import launchers
 from datacache.server import TOKEN_ENV
+from launchers.paths import write_whole
 from trainer import config
 from trainer.preflight import check
 from trainer.run_dir import Claim, RunDir, claim, remove_if_new
@@ -44,10 +45,7 @@ def _save_config(resolved: dict, run_dir: str) -> str:
         while os.path.exists(os.path.join(run_dir, f"config.{n}.yaml")):
             n += 1
         os.rename(path, os.path.join(run_dir, f"config.{n}.yaml"))
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_whole(path, text)
     return path
 
 

@@ -48,13 +48,37 @@ def _steps(root: str) -> list[tuple[int, str]]:
 
 
 def latest(root: str) -> str | None:
-    """The newest complete checkpoint under `root`, or None."""
-    steps = _steps(root)
-    return steps[-1][1] if steps else None
+    """The newest complete checkpoint under `root` that can be loaded, or None; each newer one that cannot
+    (a garbage .metadata, a truncated shard) is passed over with a warning that says why."""
+    for _, path in reversed(_steps(root)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s cannot be loaded (%s): resuming from an earlier one", path, problem)
+    return None
 
 
 def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def damage(path: str) -> str | None:
+    """Why checkpoint `path` cannot be loaded, or None: its .metadata does not unpickle, or a shard file is
+    missing or shorter than the metadata says (cut short by a full disk or a copy). Reads no tensor."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # unpickling garbage raises anything: UnpicklingError, EOFError, ValueError, ...
+        return f"its .metadata cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            return f"its shard {name} is missing"
+        if os.path.getsize(shard) < end:
+            return f"its shard {name} is truncated ({os.path.getsize(shard)} of {end} bytes)"
+    return None
 
 
 def set_aside_later(root: str, start: str) -> None:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
+from launchers.paths import write_whole
 from trainer import checkpoint, metrics, models, parallel, plots
 from trainer.chat_data import ChatDataset
 from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
@@ -315,10 +316,9 @@ class Trainer:
             "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:
-            with open(RunDir(self.cfg.run_dir).summary, "w") as f:
-                # A loss that was never measured (no step run) is null: strict JSON has no NaN.
-                json.dump({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()},
-                          f, indent=2)
+            # A loss that was never measured (no step run) is null: strict JSON has no NaN.
+            write_whole(RunDir(self.cfg.run_dir).summary, json.dumps(
+                {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()}, indent=2))
             plots.save_loss_png(self.cfg.run_dir)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
         return summary

@@ -150,6 +150,10 @@ def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
         if not checkpoint.is_checkpoint(start):
             raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "
                               "moved?): give another, or train.resume=auto")
+        problem = checkpoint.damage(start)
+        if problem:
+            raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} cannot be loaded: "
+                              f"{problem}; give another")
         checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
         checkpoint.check_data_order(start, cfg)
     return corpus
