@@ -10,6 +10,7 @@ the process with exit code 2 and one line before anything is launched, and leave
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import os
 import sys
@@ -158,6 +159,11 @@ def _app(cfg: DictConfig) -> float:
         raise SystemExit(2) from None
     except launchers.LauncherError as e:  # the cluster, Docker or a cache node said no: one line
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except OSError as e:  # in process, the disk filled: what the run wrote whole stays, the rest is gone
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: {e.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
     if state != launchers.JobState.COMPLETE:
         raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")

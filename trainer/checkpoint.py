@@ -15,6 +15,7 @@ Loading unpickles the checkpoint's metadata: a checkpoint is trusted like code.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -188,7 +189,16 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
-    dcp.save(state, checkpoint_id=tmp)
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+    except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
+        full = not isinstance(e, KeyboardInterrupt | SystemExit) and no_space(e, root)
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep the disk full
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
+                          f"removed): free space in {root}, then run again to resume from the last checkpoint") from e
+        raise
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -198,6 +208,27 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def no_space(error: BaseException, path: str) -> bool:
+    """Whether `error` (or what it wraps) came of a full disk: an ENOSPC in its chain, or less than 1 MiB left
+    where `path` is (torch's writer reports a short write as "unexpected pos", without the errno)."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (exception, traceback)
+        wrapped = [f[0] if isinstance(f, tuple) else f for f in (failures or {}).values()] \
+            if isinstance(failures, dict) else []
+        todo += [e.__cause__, e.__context__, *[w for w in wrapped if isinstance(w, BaseException)]]
+    try:
+        return shutil.disk_usage(path).free < 2**20
+    except OSError:
+        return False
 
 
 class Checkpointer:

@@ -13,6 +13,7 @@ it launches anything.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import logging
 import os
@@ -233,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: {e.strerror}", file=sys.stderr)
+        code = 1
     # Done: leave without the interpreter's teardown, where a collective backend's threads, destroyed
     # late, have been seen to abort (SIGABRT) a rank that had succeeded.
     logging.shutdown()
