@@ -13,9 +13,12 @@ import pyarrow.parquet as pq
 
 
 def parquet_files(path: str) -> list[str]:
-    """The Parquet files named by `path`: a file, a directory (searched recursively) or a glob."""
+    """The Parquet files named by `path`: a file, a directory (searched recursively) or a glob. A file or
+    directory that exists is taken as named, even with glob characters (`[`) in its name."""
     if os.path.isdir(path):
-        return sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True))
+        return sorted(glob.glob(os.path.join(glob.escape(path), "**", "*.parquet"), recursive=True))
+    if os.path.isfile(path):
+        return [path]
     return sorted(glob.glob(path))
 
 
