@@ -108,9 +108,11 @@ def _check_files(files: list[str]) -> None:
             raise DataCacheError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
         first = first or (path, schema)
         if not schema.equals(first[1]):
-            raise DataCacheError(f"{path}: its schema ({schema.to_string(show_schema_metadata=False)}) is not "
-                                 f"that of {first[0]} ({first[1].to_string(show_schema_metadata=False)})"
-                                 .replace("\n", ", "))
+            def fields(s: pa.Schema) -> str:
+                return ", ".join(f"{f.name}: {f.type}" for f in s)
+
+            raise DataCacheError(f"{path}: its schema ({fields(schema)}) is not that of {first[0]} "
+                                 f"({fields(first[1])}): the files of --source must share one")
 
 
 def _check_filter(dataset: pads.Dataset, row_filter: str, expr: pads.Expression) -> None:
