@@ -82,6 +82,8 @@ class Claim:
 def claim(run_dir: str, key: str = "hydra.run.dir") -> Claim:
     """Make `run_dir` (the value of `key`) and lock it for this process, or raise ConfigError when another
     process holds it. The lock file holds the holder's pid."""
+    if not os.path.exists(run_dir):
+        note_before_making(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path = RunDir(run_dir).lock
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
