@@ -87,8 +87,9 @@ def flat_config(run_dir: str) -> dict[str, str]:
     except Exception as e:  # YAML and OmegaConf raise many kinds: one line naming the file
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ReportError(f"{path}: not a run's config ({reason})") from None
-    if not isinstance(cfg, DictConfig) or not cfg:
-        raise ReportError(f"{path}: not a run's config ({'empty' if not cfg else 'not a mapping of keys'})")
+    if not isinstance(cfg, DictConfig) or not cfg or "run_dir" not in cfg:
+        what = "empty" if not cfg else "not a mapping of keys" if not isinstance(cfg, DictConfig) else "no run_dir"
+        raise ReportError(f"{path}: not a run's config ({what})")
     return flat_params(cfg)
 
 
