@@ -150,7 +150,8 @@ _ORDER_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len"}
 
 def check_data_order(path: str, cfg) -> None:
     """Raise ConfigError unless checkpoint `path` was trained with this config's seed and sequence length
-    (another would repeat or skip rows, as another global batch would). A checkpoint too old to record them
+    (going on along a line with another would repeat or skip rows, as another global batch would; a new
+    line from an explicit train.resume may choose another order). A checkpoint too old to record them
     passes."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -162,9 +163,9 @@ def check_data_order(path: str, cfg) -> None:
     for name, value in saved["train"]["data"].items():
         if value != -1 and value != wanted[name]:
             key = _ORDER_KEYS[name]
-            raise ConfigError(key, wanted[name], f"the checkpoint {path} was trained with {key}={value}; resuming "
-                              f"with another would repeat or skip rows: keep {key}={value}, or start afresh "
-                              "(train.resume=never in a new run directory)")
+            raise ConfigError(key, wanted[name], f"the checkpoint {path} was trained with {key}={value}; going "
+                              f"on with another would repeat or skip rows: keep {key}={value}, or branch from it "
+                              f"deliberately (train.resume={path})")
 
 
 def _rng_key() -> str:

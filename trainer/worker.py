@@ -156,7 +156,8 @@ def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
             raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} cannot be loaded: "
                               f"{problem}; give another")
         checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
-        checkpoint.check_data_order(start, cfg)
+        if start != cfg.train.resume:  # going on along this run's line; an explicit train.resume branches anew
+            checkpoint.check_data_order(start, cfg)
     return corpus
 
 
