@@ -165,6 +165,9 @@ def _app(cfg: DictConfig) -> float:
             raise
         print(f"error: {e.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
+        if run.spec.hold_fd is not None:
+            os.close(run.spec.hold_fd)
     if state != launchers.JobState.COMPLETE:
         raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}
