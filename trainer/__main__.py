@@ -25,7 +25,7 @@ from datacache.server import TOKEN_ENV
 from launchers.paths import write_whole
 from trainer import config
 from trainer.preflight import check
-from trainer.run_dir import Claim, RunDir, claim, remove_if_new
+from trainer.run_dir import Claim, RunDir, claim, let_go, remove_if_new
 
 log = logging.getLogger("trainer")
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -166,8 +166,7 @@ def _app(cfg: DictConfig) -> float:
         print(f"error: {e.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
-        if run.spec.hold_fd is not None:
-            os.close(run.spec.hold_fd)
+        let_go(run.spec.run_dir)
     if state != launchers.JobState.COMPLETE:
         raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}

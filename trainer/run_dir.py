@@ -70,18 +70,36 @@ class Claim:
     def __init__(self, run_dir: str, fd: int):
         self.run_dir, self.fd = run_dir, fd
 
+    def close(self) -> None:
+        """Let go of the lock (the run has ended; a job that runs on holds its own copy of it)."""
+        if _held.get(self.run_dir) is self:
+            del _held[self.run_dir]
+            os.close(self.fd)
+
     def release(self) -> None:
         """Give the directory up (a refused run): the lock file goes, then the directory if this process made
         it and nothing else is in it."""
         with contextlib.suppress(OSError):
             os.remove(RunDir(self.run_dir).lock)
-        os.close(self.fd)
+        self.close()
         remove_if_new(self.run_dir)
+
+
+_held: dict[str, Claim] = {}  # the run directories this process holds: claiming one again is no conflict
+
+
+def let_go(run_dir: str) -> None:
+    """Close this process's hold on `run_dir`, if it has one."""
+    if run_dir in _held:
+        _held[run_dir].close()
 
 
 def claim(run_dir: str, key: str = "hydra.run.dir") -> Claim:
     """Make `run_dir` (the value of `key`) and lock it for this process, or raise ConfigError when another
-    process holds it. The lock file holds the holder's pid."""
+    process holds it. The lock file holds the holder's pid. This process claiming it again gets its claim."""
+    run_dir = os.path.abspath(run_dir)
+    if run_dir in _held:
+        return _held[run_dir]
     if not os.path.exists(run_dir):
         note_before_making(run_dir)
     os.makedirs(run_dir, exist_ok=True)
@@ -97,4 +115,5 @@ def claim(run_dir: str, key: str = "hydra.run.dir") -> Claim:
                           "run directory") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return Claim(run_dir, fd)
+    _held[run_dir] = Claim(run_dir, fd)
+    return _held[run_dir]
