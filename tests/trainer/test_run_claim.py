@@ -103,6 +103,7 @@ def _files(run_dir) -> dict[str, bytes]:
 
 def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(trained, run_cli_batch, holder,
                                                                               tmp_path):
+    """And a copy of the run whose newest checkpoint is damaged goes on from the one before, saying so."""
     before = _files(trained)
     proc = holder(trained)
     second, = run_cli_batch([([*STEPS, f"hydra.run.dir={trained}", "optim.lr=0.01"], tmp_path)])
@@ -111,8 +112,17 @@ def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(
     proc.kill()
     proc.wait()
     assert _files(trained) == before  # config.yaml not replaced, no config.1.yaml
-    rerun, seed = run_cli_batch([([*STEPS, f"hydra.run.dir={trained}"], tmp_path),
-                                 ([*STEPS, f"hydra.run.dir={trained}", "train.max_steps=3", "train.seed=5"], tmp_path)])
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained, damaged)
+    newest = damaged / "checkpoints" / "step-2"
+    shard = next(newest.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 3)
+    rerun, seed, fallback = run_cli_batch([
+        ([*STEPS, f"hydra.run.dir={trained}"], tmp_path),
+        ([*STEPS, f"hydra.run.dir={trained}", "train.max_steps=3", "train.seed=5"], tmp_path),
+        ([*STEPS, f"hydra.run.dir={damaged}", "train.max_steps=3"], tmp_path)])
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert "already trained to step 2" in rerun.stdout + rerun.stderr
     assert seed.returncode == 2, seed.stderr[-2000:]
@@ -120,18 +130,10 @@ def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(
     assert line.startswith("error: invalid config: train.seed=5: the checkpoint ") and "keep train.seed=0" in line
     assert _files(trained) == before  # summary.json not rewritten by the rerun
 
-
-def test_a_damaged_newest_checkpoint_is_passed_over_with_a_log_line(trained, run_cli, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    newest = run_dir / "checkpoints" / "step-2"
-    shard = next(newest.glob("*.distcp"))
-    with open(shard, "r+b") as f:
-        f.truncate(shard.stat().st_size // 3)
-    proc = run_cli(*STEPS, "train.max_steps=3", f"hydra.run.dir={run_dir}", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"checkpoint {newest} cannot be loaded (its shard {shard.name} is truncated" in proc.stdout + proc.stderr
-    assert '"resumed_from": "' + str(run_dir / "checkpoints" / "step-1") in (run_dir / "summary.json").read_text()
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert (f"checkpoint {newest} cannot be loaded (its shard {shard.name} is truncated"
+            in fallback.stdout + fallback.stderr)
+    assert '"resumed_from": "' + str(damaged / "checkpoints" / "step-1") in (damaged / "summary.json").read_text()
 
 
 @settings(max_examples=examples(10), deadline=None)
