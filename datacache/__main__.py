@@ -18,11 +18,17 @@ The token (clients send it; the node refuses calls without it) comes from `--tok
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import json
 import logging
 import os
+import re
+import socket
+import ssl
 import sys
 
+import pyarrow as pa
 import pyarrow.flight as flight
 
 from datacache.server import TOKEN_ENV, CacheServer, DataCacheError
@@ -39,6 +45,64 @@ def _shard(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shard {text!r}: give it as i/n, for example 0/2") from None
     return i, n
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a port is a whole number from 0 to 65535 (0: any free one)")
+    return port
+
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+                       r"[A-Za-z0-9])?)*$")
+
+
+def _host(text: str) -> str:
+    """An IP address, or a host name that is not a malformed address (256.1.1.1)."""
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return text
+    except ValueError:
+        pass
+    if not _HOSTNAME.match(text) or re.fullmatch(r"[\d.]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: not an IP address or a host name")
+    return text
+
+
+def _endpoint(text: str) -> str:
+    """A Flight location, scheme included: grpc://host:port (or grpc+tcp://, grpc+tls://)."""
+    m = re.fullmatch(r"(grpc|grpc\+tcp|grpc\+tls)://(\[[^\]]+\]|[^:/\[\]]+):(\d+)", text)
+    if not m or not 0 < int(m.group(3)) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a node's location as grpc://host:port "
+                                         "(or grpc+tls://host:port)")
+    return text
+
+
+def _check_listen(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    """Before any data is read: the address can be bound (not in use, an address of this machine)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            what = "already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+            parser.error(f"--host {host} --port {port}: cannot listen there: {what}")
+
+
+def _check_tls(parser: argparse.ArgumentParser, cert: str, key: str) -> None:
+    """The certificate and key files exist, are PEM, and belong together."""
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not os.path.isfile(path):
+            parser.error(f"{flag} {path}: no such file")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        parser.error(f"--tls-cert {cert} --tls-key {key}: not a PEM certificate and its private key "
+                     f"({e.strerror or e.reason or e})")
 
 
 def _bytes(text: str) -> int:
@@ -68,13 +132,20 @@ def _token(args, parser: argparse.ArgumentParser) -> str | None:
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments in one line (not argparse's usage block before it), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m datacache", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m datacache", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="load Parquet data into memory and serve it over Arrow Flight")
     serve.add_argument("--source", required=True, help="a Parquet file, a directory or a glob")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--host", type=_host, default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=50051)
     serve.add_argument("--shard", type=_shard, default=(0, 1), help="i/n: hold the i-th of n equal parts")
     serve.add_argument("--columns", default=None, help="comma-separated columns to keep (default: all)")
     serve.add_argument("--filter", default=None, help="rows to keep, e.g. \"split == 'train' and length >= 128\"")
@@ -94,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stat", "ready"):
         p = sub.add_parser(name, help={"stat": "print a node's rows, bytes, schema and shard",
                                        "ready": "exit 0 when the node answers its health check"}[name])
-        p.add_argument("endpoint")
+        p.add_argument("endpoint", type=_endpoint)
         _add_token(p)
     args = parser.parse_args(argv)
     token = _token(args, parser)
@@ -103,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         if bool(args.tls_cert) != bool(args.tls_key):
             parser.error("--tls-cert and --tls-key go together")
+        if args.tls_cert:
+            _check_tls(parser, args.tls_cert, args.tls_key)
+        if args.port:
+            _check_listen(parser, args.host, args.port)
         scheme = "grpc+tls" if args.tls_cert else "grpc+tcp"
         try:
             server = CacheServer(args.source, f"{scheme}://{args.host}:{args.port}", shard=args.shard[0],
@@ -114,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         except DataCacheError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except pa.ArrowException as e:  # Flight could not start (the address was taken meanwhile)
+            print(f"error: --host {args.host} --port {args.port}: the node could not start: "
+                  f"{str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
         if server.health:
             logging.info("readiness: GET http://%s:%d/ready", args.host, server.health.port)
         print(f"serving on {server.location}", flush=True)
@@ -129,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         stats = json.loads(result.body.to_pybytes())
         print(json.dumps(stats, indent=2))
         return 0
-    except flight.FlightError as e:
-        print(f"error: {args.endpoint}: {type(e).__name__}: {e}", file=sys.stderr)
+    except (flight.FlightError, pa.ArrowException) as e:
+        print(f"error: {args.endpoint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
         return 1
 
 

@@ -14,11 +14,14 @@ import pyarrow.parquet as pq
 
 def parquet_files(path: str | list[str] | tuple[str, ...]) -> list[str]:
     """The Parquet files named by `path`: a file, a directory (searched recursively) or a glob, or a list of
-    those (in the order given, each one's files sorted)."""
+    those (in the order given, each one's files sorted). A file or directory that exists is taken as named,
+    even with glob characters (`[`) in its name."""
     if not isinstance(path, str):
         return [f for p in path for f in parquet_files(p)]
     if os.path.isdir(path):
-        return sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True))
+        return sorted(glob.glob(os.path.join(glob.escape(path), "**", "*.parquet"), recursive=True))
+    if os.path.isfile(path):
+        return [path]
     return sorted(glob.glob(path))
 
 

@@ -145,17 +145,35 @@ def parse_filter(text: str) -> pads.Expression:
 
     try:
         return build(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, KeyError) as e:
+    except (SyntaxError, ValueError, KeyError, TypeError) as e:  # TypeError: `x in 5`, a literal not a list
         raise DataCacheError(f"--filter {text!r}: give comparisons of columns with literals joined by and/or, "
                              f"such as \"split == 'train' and length >= 128\" ({e})") from None
 
 
 def _check_files(files: list[str]) -> None:
+    """Every file's footer reads, and every file has the first one's schema (one dataset, one schema)."""
+    first = None
     for path in files:
         try:
-            pq.ParquetFile(path).metadata  # noqa: B018 - reading the footer is the check
+            schema = pq.read_schema(path)
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataCacheError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        first = first or (path, schema)
+        if not schema.equals(first[1]):
+            def fields(s: pa.Schema) -> str:
+                return ", ".join(f"{f.name}: {f.type}" for f in s)
+
+            raise DataCacheError(f"{path}: its schema ({fields(schema)}) is not that of {first[0]} "
+                                 f"({fields(first[1])}): the files of --source must share one")
+
+
+def _check_filter(dataset: pads.Dataset, row_filter: str, expr: pads.Expression) -> None:
+    """Every column the filter names is in the dataset, and the filter's literals compare with them."""
+    try:
+        dataset.head(1, filter=expr)
+    except (pa.ArrowException, TypeError) as e:
+        raise DataCacheError(f"--filter {row_filter!r}: {str(e).splitlines()[0]} (the dataset has columns "
+                             f"{', '.join(dataset.schema.names)})") from None
 
 
 def load_shard(source: str, shard: int, num_shards: int, columns: list[str] | None = None,
@@ -178,6 +196,8 @@ def load_shard(source: str, shard: int, num_shards: int, columns: list[str] | No
     else:
         dataset = pads.dataset(files, format="parquet")
         expr = parse_filter(row_filter) if row_filter else None
+        if expr is not None:
+            _check_filter(dataset, row_filter, expr)
         if columns:
             missing = [c for c in columns if c not in dataset.schema.names]
             if missing:

@@ -112,7 +112,9 @@ class LaunchSpec:
     inside it, except that one whose nodes do not share this machine's disk (Kubernetes) ships it and
     moves the paths that `path_keys` names (`run_dir`, `cache_dir`: dotted keys of the document) onto its
     own volumes. `files` are other files of `run_dir` the command reads (name -> text), shipped the same
-    way. `cache_dir` is this machine's data cache, which the job reads and writes (Docker mounts it)."""
+    way. `cache_dir` is this machine's data cache, which the job reads and writes (Docker mounts it).
+    `hold_fd` is a descriptor the job's processes on this machine keep open while it runs (the run
+    directory's lock, so that it is held as long as the job runs, also after the driver has returned)."""
 
     run_dir: str
     command: list[str]
@@ -129,6 +131,7 @@ class LaunchSpec:
     cache_nodes: CacheNodes | None = None
     # Seconds the ranks get between SIGTERM and SIGKILL to write a checkpoint (None: the platform's default).
     stop_grace_s: int | None = None
+    hold_fd: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -140,11 +143,9 @@ MASK = "********"
 
 def write_private(path: str, text: str) -> None:
     """Write `path` readable by its owner only (0600), replacing it whole."""
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from launchers.paths import write_whole
+
+    write_whole(path, text, 0o600)
 
 
 def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:
@@ -173,11 +174,15 @@ def run_name(run_dir: str, max_len: int = 52) -> str:
 
 
 def read_summary(run_dir: str) -> dict[str, Any] | None:
+    """The run's summary.json; None when there is none, or none that reads as one (truncated by a full
+    disk or a kill: the run did not get to write it whole)."""
     path = os.path.join(run_dir, "summary.json")
-    if not os.path.isfile(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return summary if isinstance(summary, dict) else None
 
 
 def read_progress(run_dir: str) -> dict[str, Any]:
@@ -189,12 +194,14 @@ def read_progress(run_dir: str) -> dict[str, Any]:
             for line in f:
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:  # a line being written
+                except ValueError:  # a line being written
+                    continue
+                if not isinstance(record, dict):
                     continue
                 found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
                 if record.get("eval_loss") is not None:
                     found["eval_loss"] = record["eval_loss"]
-    except FileNotFoundError:
+    except (OSError, UnicodeDecodeError):
         pass
     summary = read_summary(run_dir) if os.path.isdir(run_dir) else None
     if summary:

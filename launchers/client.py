@@ -89,6 +89,9 @@ def function_script(func: Callable, func_args: dict[str, Any] | None) -> str:
     """The source that runs `func(**func_args)`: its definition (dedented), then the call."""
     if not callable(func) or not inspect.isfunction(func):
         raise ValueError(f"func must be a plain function (def ...), not {type(func).__name__}")
+    if func.__name__ == "<lambda>":
+        raise ValueError("func=<lambda>: give a function defined with def; a lambda's source is the whole line "
+                         "around it, which would not run on its own")
     args = dict(func_args or {})
     try:
         same = ast.literal_eval(repr(args)) == args
@@ -99,7 +102,11 @@ def function_script(func: Callable, func_args: dict[str, Any] | None) -> str:
             f"func_args={args!r}: values must be literals (numbers, strings, lists, dicts, None): "
             "they travel with the function's source"
         )
-    source = textwrap.dedent(inspect.getsource(func))
+    try:
+        source = textwrap.dedent(inspect.getsource(func))
+    except (OSError, TypeError):
+        raise ValueError(f"func={func.__name__}: its source cannot be read (defined on stdin, in a notebook "
+                         "cell lost since, or by exec?): define it in a file; the job runs its source") from None
     return f"{_TEE}\n{source}\n\nif __name__ == '__main__':\n    {func.__name__}(**{args!r})\n"
 
 
@@ -146,6 +153,9 @@ class Client:
             return self._train_func(func, func_args, num_nodes, nproc_per_node, run_dir)
         if func_args is not None:
             raise ValueError("func_args needs func=...")
+        if run_dir is not None and "${" in str(run_dir):
+            raise ValueError(f"run_dir={run_dir!r}: holds '${{', which the run's config would read as an "
+                             "interpolation: choose a path without it")
         return self._train_overrides(overrides, run_dir)
 
     def _train_overrides(self, overrides: Iterable[str], run_dir: str | None) -> str:

@@ -31,6 +31,7 @@ from launchers.base import (
     Launcher,
     LauncherError,
     LaunchSpec,
+    OptionError,
     read_progress,
     read_summary,
     run_name,
@@ -51,7 +52,13 @@ class LocalLauncherConfig:
 
 
 def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:
-    """Nothing about this machine can be refused before the data is read (the trainer checks that)."""
+    """The job registry must be writable (the job goes on record there); the rest about this machine is
+    what the data says (the trainer checks that)."""
+    problem = registry.home_problem()
+    if problem:
+        key, _, rest = problem.partition(": ")
+        name, _, value = key.partition("=")
+        raise OptionError(name if value else "TRAINJOB_HOME", value or registry.home(), rest)
 
 
 def job_name(spec: LaunchSpec) -> str:
@@ -349,6 +356,32 @@ class LocalJob(Job):
         )
 
 
+class DamagedJob(Job):
+    """A job whose record cannot be read: every question about it is that one-line error, and `delete`
+    removes the record (and its console log)."""
+
+    def __init__(self, name: str, error: registry.DamagedRecord):
+        self.name, self.error = name, error
+
+    def status(self) -> JobState:
+        raise self.error
+
+    def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
+        raise self.error
+
+    def wait(self, timeout: float | None = None) -> JobState:
+        raise self.error
+
+    def cancel(self) -> None:
+        """Nothing to stop that the record could say."""
+
+    def info(self) -> JobInfo:
+        raise self.error
+
+    def delete(self) -> None:
+        registry.remove(self.name)
+
+
 class LocalLauncher(Launcher):
     name = "local"
 
@@ -387,6 +420,7 @@ class LocalLauncher(Launcher):
                 start_new_session=True,
                 preexec_fn=_die_with_parent if self.wait else None,
                 stdin=subprocess.DEVNULL,
+                pass_fds=() if spec.hold_fd is None else (spec.hold_fd,),
                 **({} if self.wait else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}),
             )
             deadline = time.monotonic() + 30
@@ -405,7 +439,10 @@ class LocalLauncher(Launcher):
         return [LocalJob(r) for r in registry.all_records()]
 
     def job(self, name: str) -> Job:
-        record = registry.load(name)
+        try:
+            record = registry.read(name)
+        except registry.DamagedRecord as e:
+            return DamagedJob(name, e)
         if record is None:
             raise LauncherError(
                 f"no local job {name!r} (the jobs on record are in {registry.jobs_dir()}: python -m launchers list)"

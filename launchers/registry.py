@@ -3,23 +3,47 @@
 and deleted from any other. A record holds the job's supervisor pid, run directory, command, start and
 end times, and its exit code once `launchers.supervise` wrote it (`<name>.log` beside it holds what the
 job printed); a supervisor that died without writing one (killed outright) leaves a pid that is gone, and
-the job counts as ended then.
+the job counts as ended then. A record that cannot be read (truncated, not a record) is named in one line
+by `python -m launchers list` and removed by `delete`; it never hides the other jobs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
 
+from launchers.base import LauncherError
+from launchers.paths import directory_problem
+
 HOME_ENV = "TRAINJOB_HOME"
+log = logging.getLogger("launchers")
+
+
+def home() -> str:
+    return os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".local", "state", "trainjob")
 
 
 def jobs_dir() -> str:
-    home = os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".local", "state", "trainjob")
-    return os.path.join(home, "jobs")
+    return os.path.join(home(), "jobs")
+
+
+def home_problem(writing: bool = True) -> str | None:
+    """What stops the registry from being used (read, or also written), naming its directory and how it is
+    chosen: one line, or None."""
+    problem = directory_problem(home()) or directory_problem(jobs_dir())
+    if problem is None or (not writing and "not writable" in problem):
+        return None
+    where = f"{HOME_ENV}={home()}" if os.environ.get(HOME_ENV) else f"the job registry {jobs_dir()}"
+    return f"{where}: {problem}; local jobs are on record in <{HOME_ENV}>/jobs (default ~/.local/state/trainjob)"
+
+
+class DamagedRecord(LauncherError):
+    """A job record that exists but cannot be read; the message names the file."""
 
 
 @dataclass
@@ -46,6 +70,9 @@ class JobRecord:
         return os.path.join(jobs_dir(), f"{self.name}.log")
 
     def save(self) -> None:
+        problem = home_problem()
+        if problem:
+            raise LauncherError(problem)
         os.makedirs(jobs_dir(), exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -85,19 +112,52 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def load(name: str) -> JobRecord | None:
+_FIELDS = {f.name: f for f in dataclasses.fields(JobRecord)}
+
+
+def read(name: str) -> JobRecord | None:
+    """Job `name`'s record, None when there is none; DamagedRecord when its file cannot be read as one."""
+    path = os.path.join(jobs_dir(), f"{name}.json")
     try:
-        with open(os.path.join(jobs_dir(), f"{name}.json")) as f:
-            return JobRecord(**json.load(f))
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
     except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # truncated, empty, not UTF-8, unreadable
+        raise DamagedRecord(f"job record {path} cannot be read ({e}): python -m launchers delete {name}") from None
+    unknown = sorted(set(data) - set(_FIELDS)) if isinstance(data, dict) else []
+    missing = sorted(k for k, f in _FIELDS.items() if isinstance(data, dict) and k not in data
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if not isinstance(data, dict) or unknown or missing or data.get("name") != name:
+        what = (f"a JSON {type(data).__name__}, not an object" if not isinstance(data, dict)
+                else f"unknown keys {unknown}" if unknown else f"no {missing}" if missing
+                else f"the record of {data.get('name')!r}")
+        raise DamagedRecord(f"job record {path} is not a job record ({what}): python -m launchers delete {name}")
+    return JobRecord(**data)
+
+
+def load(name: str) -> JobRecord | None:
+    """Job `name`'s record, or None when there is none or it is damaged (an attempt that ended)."""
+    try:
+        return read(name)
+    except DamagedRecord:
         return None
 
 
 def all_records() -> list[JobRecord]:
-    """Every job on record, oldest first."""
+    """Every job on record, oldest first; each damaged record is skipped with a warning that names it."""
+    problem = home_problem(writing=False)
+    if problem:
+        raise LauncherError(problem)
     if not os.path.isdir(jobs_dir()):
         return []
-    records = [load(f[:-5]) for f in os.listdir(jobs_dir()) if f.endswith(".json")]
+    records = []
+    for f in sorted(os.listdir(jobs_dir())):
+        if f.endswith(".json"):
+            try:
+                records.append(read(f[:-5]))
+            except DamagedRecord as e:
+                log.warning("warning: %s", e)
     return sorted((r for r in records if r is not None), key=lambda r: r.created)
 
 

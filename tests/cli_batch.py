@@ -3,7 +3,7 @@ interpreter importing torch and Hydra: the parent imports the module once, then 
 which runs the module as `python -m` does (`runpy`, `sys.argv`), in its own directory and environment, with
 its own stdout and stderr, and exits with the module's exit code. Children run one after another.
 
-    python -m tests.cli_batch <module>    stdin: [{"args", "cwd", "env"}, ...]
+    python -m tests.cli_batch <module>    stdin: [{"args", "cwd", "env", "unset" (optional)}, ...]
                                           stdout: [{"returncode", "stdout", "stderr"}, ...]
 """
 
@@ -32,10 +32,14 @@ def _exit_code(e: SystemExit) -> int:
 def _child(module: str, run: dict, out: int, err: int) -> int:
     os.chdir(run["cwd"])
     os.environ.update(run["env"])
+    for name in run.get("unset", []):  # a hostile environment: HOME not set, say
+        os.environ.pop(name, None)
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.argv = [module, *run["args"]]  # runpy puts the module's file in argv[0], as `python -m` does
     sys.modules.pop(f"{module}.__main__", None)  # run afresh as __main__, as in a new interpreter
+    if importlib.util.find_spec(module).submodule_search_locations is None:
+        sys.modules.pop(module, None)  # a plain module (trainer.export) runs as __main__, not as imported
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
@@ -50,7 +54,8 @@ def _child(module: str, run: dict, out: int, err: int) -> int:
 
 
 def run_all(module: str, runs: list[dict]) -> list[dict]:
-    main = f"{module}.__main__" if importlib.util.find_spec(f"{module}.__main__") else module
+    package = importlib.util.find_spec(module).submodule_search_locations is not None
+    main = f"{module}.__main__" if package else module  # `python -m pkg` runs pkg.__main__; a module runs itself
     importlib.import_module(main)  # its imports are what the children share
     results = []
     for run in runs:

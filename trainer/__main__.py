@@ -10,40 +10,29 @@ the process with exit code 2 and one line before anything is launched, and leave
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, fields
+from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import launchers
 from datacache.server import TOKEN_ENV
+from launchers.paths import write_whole
 from trainer import config
 from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
-from trainer.run_dir import RunDir
+from trainer.run_dir import Claim, RunDir, claim, let_go, remove_if_new
 
 log = logging.getLogger("trainer")
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-_START = time.time()
 _job_started = False
 
 config.register()
-
-
-def _remove_new_empty_dirs(path: str) -> None:
-    """Remove `path` and its parents while they are empty and were made by this process (Hydra makes the
-    run directory before the task starts); stop at the working directory."""
-    stop = os.path.abspath(os.getcwd())
-    path = os.path.abspath(path)
-    while path != stop and path.startswith(stop + os.sep) and os.path.isdir(path):
-        if os.listdir(path) or os.stat(path).st_ctime < _START - 1:
-            return
-        os.rmdir(path)
-        path = os.path.dirname(path)
 
 
 def _save_config(resolved: dict, run_dir: str) -> str:
@@ -58,10 +47,7 @@ def _save_config(resolved: dict, run_dir: str) -> str:
         while os.path.exists(os.path.join(run_dir, f"config.{n}.yaml")):
             n += 1
         os.rename(path, os.path.join(run_dir, f"config.{n}.yaml"))
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_whole(path, text)
     return path
 
 
@@ -83,24 +69,41 @@ class Prepared:
         return launchers.get(self.launcher, self.scheduler)
 
 
+def _refuse(e: Exception, run_dir: str, claimed: Claim | None = None) -> NoReturn:
+    """End a run that cannot start: one line, exit 2, and nothing of it left (its directory, if new)."""
+    print(f"error: {e}", file=sys.stderr)
+    if claimed is not None:
+        claimed.release()
+    else:
+        remove_if_new(run_dir)
+    raise SystemExit(2) from None
+
+
 def prepare_run(cfg: DictConfig) -> Prepared:
-    """Check `cfg`, save it into its run directory (not for a dry run, which only prints what it would
-    launch), and describe the run."""
+    """Check `cfg`, claim its run directory and save it there (not for a dry run, which only prints what it
+    would launch), and describe the run. The claim comes after the checks and before anything is written:
+    a refused run leaves nothing, and a second driver into a running run's directory changes nothing."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
         check(cfg)
     except config.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        _remove_new_empty_dirs(run_dir)
-        raise SystemExit(2) from None
+        _refuse(e, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     saved, secrets, cache_nodes = _as_launched(resolved)
+    lock_fd = None
     if resolved["launcher"].get("dry_run"):
-        _remove_new_empty_dirs(run_dir)
+        remove_if_new(run_dir)
         path = RunDir(run_dir).config
     else:
-        os.makedirs(run_dir, exist_ok=True)
-        path = _save_config(saved, run_dir)
+        claimed = None
+        try:
+            claimed = claim(run_dir)
+            path = _save_config(saved, run_dir)
+        except config.ConfigError as e:
+            _refuse(e, run_dir, claimed)
+        except OSError as e:
+            _refuse(f"hydra.run.dir={run_dir}: {e.strerror or e} ({e.filename or run_dir})", run_dir, claimed)
+        lock_fd = claimed.fd
     runtime = resolved.get("runtime")
     torchrun = None
     if runtime is not None:
@@ -109,7 +112,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=int(runtime["nnodes"]) if runtime else 1,
         nproc_per_node=config.nproc_per_node(cfg), torchrun=torchrun, secrets=secrets, config=saved,
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
-        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes,
+        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fd=lock_fd,
         stop_grace_s=int(saved["train"]["preemption_grace_s"]))
     return Prepared(spec, resolved["launcher"], resolved["scheduler"])
 
@@ -140,6 +143,8 @@ def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheN
 def _app(cfg: DictConfig) -> float:
     global _job_started
     _job_started = True
+    if _FULL_ERROR_SET:  # from here on, Hydra reports what goes wrong as it always does
+        os.environ.pop(FULL_ERROR_ENV, None)
     run = prepare_run(cfg)
     options = run.launcher
     try:
@@ -162,6 +167,13 @@ def _app(cfg: DictConfig) -> float:
     except Preempted as e:  # in process: SIGTERM, and the checkpoint to resume from is written
         print(f"{e}; the same command resumes from it", file=sys.stderr)
         raise SystemExit(EXIT_CODE) from None
+    except OSError as e:  # in process, the disk filled: what the run wrote whole stays, the rest is gone
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: {e.strerror}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
+        let_go(run.spec.run_dir)
     if state != launchers.JobState.COMPLETE:
         raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")
     summary = job.result() or {}
@@ -199,10 +211,34 @@ def hide_secrets(argv: list[str]) -> list[str]:
     return hidden
 
 
+def composition_error(e: Exception) -> str:
+    """Hydra's report of an override it could not apply (several lines: the override, OmegaConf's reason,
+    its full_key and types) as one line naming the override and the reason."""
+    text = str(e) if e.__cause__ is None or str(e.__cause__) in str(e) else f"{e}\n{e.__cause__}"
+    text = text.split("Config search path:")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()
+             and not line.strip().startswith(("full_key:", "reference_type", "object_type"))]
+    return " ".join(line if line.endswith((":", ".")) else line + ";" for line in lines).rstrip(";")
+
+
+FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
+_FULL_ERROR_SET = False
+
+
 def main() -> None:
+    global _FULL_ERROR_SET
     sys.argv[1:] = hide_secrets(sys.argv[1:])
+    # Until the job starts, Hydra's errors (a bad override) come here rather than as its several lines.
+    _FULL_ERROR_SET = FULL_ERROR_ENV not in os.environ
+    if _FULL_ERROR_SET:
+        os.environ[FULL_ERROR_ENV] = "1"
     try:
         _app()
+    except Exception as e:
+        if _job_started or not _FULL_ERROR_SET:
+            raise
+        print(f"error: {composition_error(e)}", file=sys.stderr)
+        raise SystemExit(2) from None
     except SystemExit as e:
         # Hydra reports a composition error (unknown key, wrong type, missing option) as exit 1 before
         # any job starts; that is a config error like the others.

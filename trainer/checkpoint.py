@@ -15,6 +15,7 @@ Loading unpickles the checkpoint's metadata: a checkpoint is trusted like code.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,13 +49,37 @@ def _steps(root: str) -> list[tuple[int, str]]:
 
 
 def latest(root: str) -> str | None:
-    """The newest complete checkpoint under `root`, or None."""
-    steps = _steps(root)
-    return steps[-1][1] if steps else None
+    """The newest complete checkpoint under `root` that can be loaded, or None; each newer one that cannot
+    (a garbage .metadata, a truncated shard) is passed over with a warning that says why."""
+    for _, path in reversed(_steps(root)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s cannot be loaded (%s): resuming from an earlier one", path, problem)
+    return None
 
 
 def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def damage(path: str) -> str | None:
+    """Why checkpoint `path` cannot be loaded, or None: its .metadata does not unpickle, or a shard file is
+    missing or shorter than the metadata says (cut short by a full disk or a copy). Reads no tensor."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # unpickling garbage raises anything: UnpicklingError, EOFError, ValueError, ...
+        return f"its .metadata cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            return f"its shard {name} is missing"
+        if os.path.getsize(shard) < end:
+            return f"its shard {name} is truncated ({os.path.getsize(shard)} of {end} bytes)"
+    return None
 
 
 def set_aside_later(root: str, start: str) -> None:
@@ -114,6 +140,34 @@ def check_model(path: str, model_cfg, key: str, value) -> None:
                               "keys it was saved with")
 
 
+def data_order(cfg) -> dict:
+    """What, besides the global batch, fixes which rows a step trains on: a resumed run must keep them."""
+    return {"seed": int(cfg.train.seed), "seq_len": int(cfg.data.seq_len)}
+
+
+_ORDER_KEYS = {"seed": "train.seed", "seq_len": "data.seq_len"}
+
+
+def check_data_order(path: str, cfg) -> None:
+    """Raise ConfigError unless checkpoint `path` was trained with this config's seed and sequence length
+    (going on along a line with another would repeat or skip rows, as another global batch would; a new
+    line from an explicit train.resume may choose another order). A checkpoint too old to record them
+    passes."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    wanted = data_order(cfg)
+    saved = {"train": {"data": {k: -1 for k in wanted}}}
+    with warnings.catch_warnings():  # that it reads in this process alone, which is the intent
+        warnings.simplefilter("ignore")
+        dcp.load(saved, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    for name, value in saved["train"]["data"].items():
+        if value != -1 and value != wanted[name]:
+            key = _ORDER_KEYS[name]
+            raise ConfigError(key, wanted[name], f"the checkpoint {path} was trained with {key}={value}; going "
+                              f"on with another would repeat or skip rows: keep {key}={value}, or branch from it "
+                              f"deliberately (train.resume={path})")
+
+
 def _rng_key() -> str:
     return f"rng.rank{dist.get_rank()}"
 
@@ -136,7 +190,16 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
-    dcp.save(state, checkpoint_id=tmp)
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+    except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
+        full = not isinstance(e, KeyboardInterrupt | SystemExit) and no_space(e, root)
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep the disk full
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
+                          f"removed): free space in {root}, then run again to resume from the last checkpoint") from e
+        raise
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -146,6 +209,27 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def no_space(error: BaseException, path: str) -> bool:
+    """Whether `error` (or what it wraps) came of a full disk: an ENOSPC in its chain, or less than 1 MiB left
+    where `path` is (torch's writer reports a short write as "unexpected pos", without the errno)."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (exception, traceback)
+        wrapped = [f[0] if isinstance(f, tuple) else f for f in (failures or {}).values()] \
+            if isinstance(failures, dict) else []
+        todo += [e.__cause__, e.__context__, *[w for w in wrapped if isinstance(w, BaseException)]]
+    try:
+        return shutil.disk_usage(path).free < 2**20
+    except OSError:
+        return False
 
 
 class Checkpointer:

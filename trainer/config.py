@@ -517,6 +517,8 @@ def _finite(section: Any, prefix: str) -> None:
             _finite(value, f"{prefix}.{f.name}")
         elif isinstance(value, float):
             _require(math.isfinite(value), f"{prefix}.{f.name}", value, "must be a finite number")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _require(-(2**63) <= value < 2**63, f"{prefix}.{f.name}", value, "must be within a 64-bit integer")
 
 
 def _validate_launcher(cfg: DictConfig) -> None:

@@ -85,7 +85,7 @@ def _documents(cfg) -> Iterator[tuple[str, np.ndarray]]:
             raise ConfigError(key, column, f"{path} has no such column; it has {', '.join(pf.schema_arrow.names)}")
         _check_column_type(key, column, pf.schema_arrow.field(column).type, path)
         row = 0
-        for batch in pf.iter_batches(columns=[column]):
+        for batch in _batches(pf, column, cfg.path, path):
             if cfg.tokens_column:
                 _check_token_ids(batch.column(0), column, path)
             for value in batch.column(0).to_pylist():
@@ -94,6 +94,20 @@ def _documents(cfg) -> Iterator[tuple[str, np.ndarray]]:
                            else tokenizer.encode(value))
                     yield f"{doc}:{row}", ids
                 row += 1
+
+
+def _batches(pf: pq.ParquetFile, column: str, source: str, path: str) -> Iterator[pa.RecordBatch]:
+    """The column's record batches; a page that cannot be decoded (corrupt, cut short) is a ConfigError
+    naming the file."""
+    batches = pf.iter_batches(columns=[column])
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as e:
+            raise ConfigError("data.path", source, f"{path} cannot be read: {str(e).splitlines()[0]}") from None
+        yield batch
 
 
 def _check_column_type(key: str, column: str, kind: pa.DataType, path: str) -> None:
@@ -110,7 +124,10 @@ def _check_column_type(key: str, column: str, kind: pa.DataType, path: str) -> N
 
 
 def _check_token_ids(lists: pa.Array, column: str, path: str) -> None:
-    ids = pc.min_max(pc.list_flatten(lists))
+    flat = pc.list_flatten(lists)
+    if flat.null_count:
+        raise ConfigError("data.tokens_column", column, f"{path} holds a null token id: every id must be a number")
+    ids = pc.min_max(flat)
     low, high = ids["min"].as_py(), ids["max"].as_py()
     if low is not None and (low < 0 or high > MAX_TOKEN_ID):
         raise ConfigError("data.tokens_column", column, f"{path} holds token id {low if low < 0 else high}: "
@@ -134,6 +151,26 @@ def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:
     return n
 
 
+def corpus_damage(corpus: str) -> str | None:
+    """What is wrong with the cached corpus directory `corpus` (no readable corpus.json, a split's shard
+    missing, truncated or unreadable: a disk that filled, a hand that deleted), or None. Reads footers only."""
+    try:
+        with open(os.path.join(corpus, "corpus.json")) as f:
+            rows = json.load(f)["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"corpus.json cannot be read: {type(e).__name__}: {e}"
+    for split, count in (rows.items() if isinstance(rows, dict) else []):
+        found = 0
+        for shard in sorted(glob.glob(os.path.join(glob.escape(os.path.join(corpus, split)), "*.parquet"))):
+            try:
+                found += pq.read_metadata(shard).num_rows
+            except (OSError, pa.ArrowException) as e:
+                return f"{shard} cannot be read: {e}"
+        if isinstance(count, int) and found != count:
+            return f"its {split} split holds {found} rows, corpus.json says {count} (a shard is missing)"
+    return None
+
+
 def build_once(cache_dir: str, name: str, settings: dict, write: Callable[[str], dict]) -> str:
     """The corpus directory for `settings` under `cache_dir`, built by `write(tmp)` when missing: it fills a
     fresh directory and returns what corpus.json adds to the settings (at least `rows`, `max_token_id`).
@@ -142,13 +179,23 @@ def build_once(cache_dir: str, name: str, settings: dict, write: Callable[[str],
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = os.path.join(os.path.expanduser(cache_dir), "corpus")
     target = os.path.join(root, f"{name}-{key}")
-    if os.path.isdir(target):
+    if os.path.isdir(target) and corpus_damage(target) is None:
         return target
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, f".{name}-{key}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isdir(target):
+        problem = corpus_damage(target) if os.path.isdir(target) else None
+        if os.path.isdir(target) and problem is None:
             return target
+        # Holding the lock, no other builder of this corpus is at work: what is left of one is a killed
+        # build's temporary directory, or a damaged corpus, and goes.
+        for stale in glob.glob(os.path.join(glob.escape(root), f".{name}-{key}-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+        if problem:
+            log.warning("the cached corpus %s is damaged (%s): building it again", target, problem)
+            aside = tempfile.mkdtemp(prefix=f".{name}-{key}-damaged-", dir=root)
+            os.rename(target, os.path.join(aside, "corpus"))
+            shutil.rmtree(aside, ignore_errors=True)
         log.info("tokenizing the %s corpus into %s (once)", name, target)
         tmp = tempfile.mkdtemp(prefix=f".{name}-{key}-", dir=root)
         try:

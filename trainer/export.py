@@ -25,7 +25,9 @@ import warnings
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from launchers.paths import directory_problem, nearest_existing
 from trainer import lora, models
+from trainer.checkpoint import damage
 from trainer.config import ConfigError
 from trainer.models import hf
 
@@ -55,7 +57,17 @@ def run_config(checkpoint: str) -> DictConfig:
             checkpoint,
             f"its run's config {path} is missing: the checkpoint must stay in <run_dir>/checkpoints/",
         )
-    return OmegaConf.load(path)
+    problem = damage(checkpoint)
+    if problem:
+        raise ConfigError("CHECKPOINT", checkpoint, f"cannot be loaded: {problem}")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # YAML and OmegaConf raise many kinds: one line naming the file
+        raise ConfigError("CHECKPOINT", checkpoint, f"its run's config {path} cannot be read: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(cfg, DictConfig) or "model" not in cfg:
+        raise ConfigError("CHECKPOINT", checkpoint, f"its run's config {path} is not a run's config (no model)")
+    return cfg
 
 
 def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
@@ -115,9 +127,11 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
     from safetensors.torch import save_file
 
     out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+    existed = nearest_existing(os.path.dirname(out))
+    tmp = None
     try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
         params = dict(model.named_parameters())
         if any(lora.is_adapter(name) for name in params):
             tensors = {lora.peft_name(n): p.detach().contiguous() for n, p in params.items() if lora.is_adapter(n)}
@@ -135,7 +149,12 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
                     shutil.copy2(os.path.join(cfg.model.path, name), tmp)
         os.rename(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        parent = os.path.dirname(out)
+        while parent != existed and parent.startswith(existed) and not os.listdir(parent):  # made here
+            os.rmdir(parent)
+            parent = os.path.dirname(parent)
         raise
 
 
@@ -144,6 +163,9 @@ def export(checkpoint: str, out: str, merge: bool = False) -> str:
     Raises ConfigError before writing anything."""
     if os.path.exists(out):
         raise ConfigError("OUT", out, "already exists: give a new directory (nothing is overwritten)")
+    problem = directory_problem(out)
+    if problem:
+        raise ConfigError("OUT", out, f"{problem}; the model directory is written there")
     cfg = run_config(checkpoint)
     if merge and _peft(cfg).name != "lora":
         raise ConfigError(
@@ -172,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk filled while writing: nothing of OUT is left
+        print(f"error: could not write {args.out}: {e.strerror or e} ({e.filename or args.out})", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}")
     return 0
 

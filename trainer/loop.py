@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
+from launchers.paths import write_whole
 from trainer import checkpoint, metrics, models, parallel, plots, preemption
 from trainer.chat_data import ChatDataset
 from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
@@ -127,11 +128,14 @@ class Trainer:
         epoch, step_in_epoch = self.train_data.plan.position(self.step)
         return {"step": self.step, "scheduler": self.scheduler.state_dict(),
                 "data": {"epoch": epoch, "step_in_epoch": step_in_epoch,
-                         "samples_seen": self.step * self.cfg.train.global_batch_size}}
+                         "samples_seen": self.step * self.cfg.train.global_batch_size,
+                         **checkpoint.data_order(self.cfg)}}
 
     def restore(self, path: str) -> None:
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        state = checkpoint.load(path, self.model, self.optimizer, self._train_state(), self.device)
+        template = self._train_state()  # the data order is checked before (a checkpoint may predate it)
+        template["data"] = {k: v for k, v in template["data"].items() if k not in checkpoint.data_order(self.cfg)}
+        state = checkpoint.load(path, self.model, self.optimizer, template, self.device)
         self.step = int(state["step"])
         seen, batch = int(state["data"]["samples_seen"]), self.cfg.train.global_batch_size
         if self.step and seen != self.step * batch:  # the data position is step x batch: it would move
@@ -254,6 +258,11 @@ class Trainer:
         """Train to `train.max_steps`; each owner decides its own timing: the metrics logger its lines, the
         checkpointer its saves, `_eval_due` the evals."""
         t = self.cfg.train
+        done = self._finished_summary()
+        if done is not None:
+            log.info("the run was already trained to step %d: nothing to do, %s kept", self.step,
+                     RunDir(self.cfg.run_dir).summary)
+            return done
         logger = metrics.MetricsLogger(self.cfg, t.global_batch_size * self.cfg.data.seq_len, self.device, self.step,
                                        self.flops_per_token, self.peak_flops, extras=self._dpo_record)
         start_step, eval_loss = self.step, float("nan")
@@ -281,6 +290,21 @@ class Trainer:
             eval_loss = self.evaluate()
         return self._summary(start_step, logger, eval_loss)
 
+    def _finished_summary(self) -> dict | None:
+        """The summary of a run already trained to its last step (its command run again), read by rank 0 and
+        shared: kept as it is rather than rewritten with a run of no steps."""
+        found = [None]
+        if self.rank == 0 and self.step >= self.cfg.train.max_steps:
+            try:
+                with open(RunDir(self.cfg.run_dir).summary) as f:
+                    summary = json.load(f)
+            except (OSError, ValueError):
+                summary = None
+            if isinstance(summary, dict) and summary.get("steps") == self.step:
+                found[0] = summary
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
+
     def _summary(self, start_step: int, logger: metrics.MetricsLogger, eval_loss: float) -> dict:
         """The run's final metrics, the same on every rank; rank 0 writes them to summary.json."""
         elapsed = time.perf_counter() - logger.started
@@ -297,10 +321,9 @@ class Trainer:
             "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:
-            with open(RunDir(self.cfg.run_dir).summary, "w") as f:
-                # A loss that was never measured (no step run) is null: strict JSON has no NaN.
-                json.dump({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()},
-                          f, indent=2)
+            # A loss that was never measured (no step run) is null: strict JSON has no NaN.
+            write_whole(RunDir(self.cfg.run_dir).summary, json.dumps(
+                {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()}, indent=2))
             plots.save_loss_png(self.cfg.run_dir)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
         return summary

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from launchers.paths import write_whole
 from trainer import progress, tracking
 from trainer.run_dir import RunDir
 
@@ -81,6 +82,9 @@ def keep_metrics_until(path: str, step: int) -> None:
             except json.JSONDecodeError:
                 broken += 1
                 continue
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                broken += 1
+                continue
             if record["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
             else:
@@ -89,9 +93,7 @@ def keep_metrics_until(path: str, step: int) -> None:
         log.warning("%s: dropped %d unreadable line(s) (cut short by a kill or a full disk?)", path, broken)
     if after:
         log.info("%s: dropped %d record(s) after step %d, where this run goes on from", path, after, step)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    write_whole(path, "".join(kept))
 
 
 class MetricsLogger:

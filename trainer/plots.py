@@ -25,12 +25,14 @@ def read_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return records
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for line in f:
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                record = json.loads(line)
+            except ValueError:
                 continue
+            if isinstance(record, dict) and isinstance(record.get("step", 0), int):  # a line of another kind
+                records.append(record)
     return records
 
 
@@ -39,8 +41,11 @@ def tokens_per_step(run_dir: str) -> int | None:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         return None
-    cfg = OmegaConf.load(path)
-    return int(cfg.train.global_batch_size) * int(cfg.data.seq_len)
+    try:
+        cfg = OmegaConf.load(path)
+        return int(cfg.train.global_batch_size) * int(cfg.data.seq_len)
+    except Exception:  # a damaged config.yaml (YAML or OmegaConf errors): the picture has no tokens axis
+        return None
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -103,10 +108,15 @@ def report_figure(curves: list[tuple[str, list[dict]]]) -> Figure:
 
 
 def save(fig: Figure, path: str) -> str:
-    """Write `fig` as a PNG at `path`, whole or not at all."""
+    """Write `fig` as a PNG at `path`, whole or not at all (no temporary file left either way)."""
     tmp = path + ".tmp"
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
     return path
 
 

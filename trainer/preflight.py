@@ -5,14 +5,18 @@ every job of a `-m` sweep, so that a bad value anywhere in a sweep is refused be
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationResolutionError
 
+from launchers.paths import directory_problem
 from trainer.config import ConfigError, parallel_dims, validate
+from trainer.run_dir import note_before_making
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
@@ -21,7 +25,7 @@ def check(cfg: DictConfig) -> None:
     """Resolve `cfg` in place and check it: the rules, then (where the ranks run on this machine) what the
     data, the checkpoint and the cache nodes say. Raises ConfigError; writes nothing but the corpus cache."""
     run_dir = os.path.abspath(cfg.run_dir)
-    OmegaConf.resolve(cfg)
+    _resolve(cfg)
     cfg.run_dir = run_dir
     if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
         from trainer.models import hf
@@ -31,6 +35,11 @@ def check(cfg: DictConfig) -> None:
     if job.launcher.name == "local":
         from trainer import worker
 
+        problem = directory_problem(job.data.cache_dir)
+        if problem:
+            raise ConfigError("data.cache_dir", job.data.cache_dir, f"{problem}; the corpus is cached there "
+                              "(its default is $TRAINJOB_CACHE, else ~/.cache/trainjob)")
+
         worker.check_inputs(job, parallel_dims(job))
     c = job.data.cache  # a warning only once the config passed: a refusal stays one line
     plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
@@ -39,19 +48,49 @@ def check(cfg: DictConfig) -> None:
               "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
 
 
+def _unresolvable(node: Any, prefix: str = "") -> str | None:
+    """The dotted key of the first value of `node` that cannot be resolved, or None."""
+    for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+        path = f"{prefix}.{key}" if prefix and isinstance(node, DictConfig) else (
+            f"{prefix}[{key}]" if prefix else str(key))
+        try:
+            child = node[key]
+        except InterpolationResolutionError:
+            return path
+        if isinstance(child, (DictConfig, ListConfig)):
+            found = _unresolvable(child, path)
+            if found:
+                return found
+    return None
+
+
+def _resolve(cfg: DictConfig) -> None:
+    """Resolve `cfg` in place; a value that cannot be resolved (an environment variable that is not set,
+    such as HOME for the default data.cache_dir) is a ConfigError on its key."""
+    try:
+        OmegaConf.resolve(cfg)
+    except InterpolationResolutionError as e:
+        reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", str(e).splitlines()[0]).strip("\"")
+        key = e.full_key or _unresolvable(cfg) or "?"
+        node, leaf = (cfg, key) if "." not in key else (OmegaConf.select(cfg, key.rsplit(".", 1)[0]),
+                                                        key.rsplit(".", 1)[1])
+        raw = node._get_node(leaf)._value() if isinstance(node, DictConfig) and leaf in node else None
+        raise ConfigError(key, raw, f"cannot be resolved: {reason}: set it, or give {key} a value") from None
+
+
 def _refuse(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def _check_directory(key: str, path: str) -> None:
-    """Refuse `path` (the value of `key`) where it, or the nearest part of it that exists, is not a directory."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        what = "is a file" if existing == os.path.abspath(path) else f"is inside {existing}, which is a file"
-        _refuse(f"{key}={path}: {what}; the run writes a directory there")
+    """Refuse `path` (the value of `key`) where it cannot become a directory this process writes in (a file,
+    inside a file, read-only); else note what of it exists, so that a refused run removes only what Hydra
+    makes of it."""
+    problem = directory_problem(path)
+    if problem:
+        _refuse(f"{key}={path}: {problem}; the run writes a directory there")
+    note_before_making(path)
 
 
 def _sweep_jobs(hydra_cfg: DictConfig) -> list[tuple[list[str], list[str]]] | None:

@@ -20,6 +20,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from launchers.paths import directory_problem
+
 log = logging.getLogger(__name__)
 # Keys that differ between any two runs without being a choice: where each run went.
 NOT_CHOICES = ("run_dir",)
@@ -75,10 +77,20 @@ def find_runs(path: str) -> list[str]:
 
 
 def flat_config(run_dir: str) -> dict[str, str]:
-    """The run's config.yaml as dotted keys and text values (interpolations left as written)."""
+    """The run's config.yaml as dotted keys and text values (interpolations left as written); ReportError
+    naming the file when it is not a config (empty, not YAML, not a mapping)."""
     from trainer.tracking import flat_params
 
-    return flat_params(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
+    path = os.path.join(run_dir, "config.yaml")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # YAML and OmegaConf raise many kinds: one line naming the file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ReportError(f"{path}: not a run's config ({reason})") from None
+    if not isinstance(cfg, DictConfig) or not cfg or "run_dir" not in cfg:
+        what = "empty" if not cfg else "not a mapping of keys" if not isinstance(cfg, DictConfig) else "no run_dir"
+        raise ReportError(f"{path}: not a run's config ({what})")
+    return flat_params(cfg)
 
 
 def differing(configs: list[dict[str, str]]) -> list[str]:
@@ -89,11 +101,21 @@ def differing(configs: list[dict[str, str]]) -> list[str]:
 
 
 def _summary(run_dir: str) -> dict[str, Any]:
+    """The run's summary.json; {} when there is none, and, with a warning naming it, when it is not whole
+    (the row then comes from the metrics lines, as for a run still going)."""
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError) as e:
+        summary = e
+    if not isinstance(summary, dict):
+        why = summary if isinstance(summary, Exception) else f"a JSON {type(summary).__name__}"
+        print(f"warning: {path} is not a run's summary ({why}); its row comes from metrics.jsonl", file=sys.stderr)
+        return {}
+    return summary
 
 
 def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]) -> RunRow:
@@ -180,6 +202,11 @@ def table(rows: list[RunRow]):
     return t
 
 
+def default_output(paths: list[str]) -> str:
+    """report.png in the paths' common folder."""
+    return os.path.join(os.path.commonpath([os.path.abspath(p) for p in paths]), "report.png")
+
+
 def report(paths: list[str], output: str | None = None, console=None) -> tuple[list[RunRow], str]:
     """Print the table of the runs under `paths` and write their curves to `output` (default: report.png in
     the paths' common folder); return the rows and the picture's path."""
@@ -188,8 +215,7 @@ def report(paths: list[str], output: str | None = None, console=None) -> tuple[l
     from trainer import plots
 
     rows, curves = collect(paths)
-    if output is None:
-        output = os.path.join(os.path.commonpath([os.path.abspath(p) for p in paths]), "report.png")
+    output = output or default_output(paths)
     # Not on a terminal (a log, a pipe): wide enough that a sweep's columns are not cut to a few letters.
     (console or Console(width=None if sys.stdout.isatty() else 200)).print(table(rows))
     plots.save(plots.report_figure(curves), output)
@@ -208,10 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         parser.error(f"--output {args.output}: no such directory {os.path.dirname(os.path.abspath(args.output))}")
     try:
-        _, output = report(args.paths, args.output)
+        for path in args.paths:
+            find_runs(path)
+        output = args.output or default_output(args.paths)
+        problem = "is a directory" if os.path.isdir(output) else directory_problem(os.path.dirname(output))
+        if problem:
+            raise ReportError(f"{'--output ' if args.output else ''}{output}: {problem}; the picture is written "
+                              "there" + ("" if args.output else " (give -o elsewhere.png)"))
+        _, output = report(args.paths, output)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk filled, or the folder went away, while writing
+        print(f"error: could not write {e.filename or output}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"report: {output}")
     return 0
 

@@ -1,15 +1,22 @@
-"""Where a run's files live, under its run directory: the one place that names them.
+"""Where a run's files live, under its run directory: the one place that names them; and `claim`, which
+makes a run directory this process's own before anything is written into it.
 
 config.yaml          the resolved config every rank ran
 metrics.jsonl        one JSON object per logged step (rank 0)
 summary.json         the final metrics (rank 0)
 checkpoints/step-N/  DCP checkpoints
 logs/rank-R.log      each rank's log
+.lock                held (flock) by the driver that trains here, and by the job it launched
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+
+from launchers.paths import nearest_existing
+from trainer.errors import ConfigError
 
 
 class RunDir:
@@ -22,6 +29,91 @@ class RunDir:
         self.summary = os.path.join(root, "summary.json")
         self.checkpoints = os.path.join(root, "checkpoints")
         self.logs = os.path.join(root, "logs")
+        self.lock = os.path.join(root, ".lock")
 
     def rank_log(self, rank: int) -> str:
         return os.path.join(self.logs, f"rank-{rank}.log")
+
+
+# The nearest ancestor of each directory Hydra is about to make that already exists (noted by the
+# Preflight callback before Hydra makes it): what a refused run may remove stops there.
+_existed: dict[str, str] = {}
+
+
+def note_before_making(path: str) -> None:
+    """Remember what of `path` exists before Hydra makes it."""
+    path = os.path.abspath(path)
+    _existed[path] = nearest_existing(path)
+
+
+def remove_if_new(path: str) -> None:
+    """Remove `path` and its parents while they are empty and were made by this process (after
+    `note_before_making` of it or of a parent); a directory that existed before is never removed."""
+    path = os.path.abspath(path)
+    stop = next((_existed[p] for p in sorted(_existed, key=len, reverse=True)
+                 if path == p or path.startswith(p.rstrip(os.sep) + os.sep)), None)
+    if stop is None:
+        return
+    while path != stop and path.startswith(stop.rstrip(os.sep) + os.sep) and os.path.isdir(path):
+        try:
+            os.rmdir(path)  # only while empty
+        except OSError:
+            return
+        path = os.path.dirname(path)
+
+
+class Claim:
+    """This process's hold on a run directory: an exclusive flock on `<run_dir>/.lock`, which the kernel
+    drops when every process holding the descriptor (this one, and the job it hands `fd` to) has ended.
+    Two drivers can never train in one directory, and a driver killed outright leaves no stale lock."""
+
+    def __init__(self, run_dir: str, fd: int):
+        self.run_dir, self.fd = run_dir, fd
+
+    def close(self) -> None:
+        """Let go of the lock (the run has ended; a job that runs on holds its own copy of it)."""
+        if _held.get(self.run_dir) is self:
+            del _held[self.run_dir]
+            os.close(self.fd)
+
+    def release(self) -> None:
+        """Give the directory up (a refused run): the lock file goes, then the directory if this process made
+        it and nothing else is in it."""
+        with contextlib.suppress(OSError):
+            os.remove(RunDir(self.run_dir).lock)
+        self.close()
+        remove_if_new(self.run_dir)
+
+
+_held: dict[str, Claim] = {}  # the run directories this process holds: claiming one again is no conflict
+
+
+def let_go(run_dir: str) -> None:
+    """Close this process's hold on `run_dir`, if it has one."""
+    if run_dir in _held:
+        _held[run_dir].close()
+
+
+def claim(run_dir: str, key: str = "hydra.run.dir") -> Claim:
+    """Make `run_dir` (the value of `key`) and lock it for this process, or raise ConfigError when another
+    process holds it. The lock file holds the holder's pid. This process claiming it again gets its claim."""
+    run_dir = os.path.abspath(run_dir)
+    if run_dir in _held:
+        return _held[run_dir]
+    if not os.path.exists(run_dir):
+        note_before_making(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    path = RunDir(run_dir).lock
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(key, run_dir, f"an earlier attempt of this run is still running in this directory "
+                          f"(started by pid {holder}; it holds {path}): wait for it to end, or choose another "
+                          "run directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[run_dir] = Claim(run_dir, fd)
+    return _held[run_dir]

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from datacache.server import TOKEN_ENV
+from launchers.paths import write_whole
 from trainer.errors import ConfigError
 from trainer.run_dir import RunDir
 
@@ -153,10 +154,7 @@ def _read_state(run_dir: str) -> dict:
 
 def _write_state(run_dir: str, **entries: Any) -> None:
     state = {**_read_state(run_dir), **entries}
-    path = os.path.join(run_dir, STATE_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(state, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_whole(os.path.join(run_dir, STATE_FILE), json.dumps(state, indent=2))
 
 
 class JsonlTracker:

@@ -13,6 +13,7 @@ it launches anything.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import logging
 import os
@@ -150,7 +151,13 @@ def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
         if not checkpoint.is_checkpoint(start):
             raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "
                               "moved?): give another, or train.resume=auto")
+        problem = checkpoint.damage(start)
+        if problem:
+            raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} cannot be loaded: "
+                              f"{problem}; give another")
         checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
+        if start != cfg.train.resume:  # going on along this run's line; an explicit train.resume branches anew
+            checkpoint.check_data_order(start, cfg)
     return corpus
 
 
@@ -231,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     except preemption.Preempted as e:
         print(str(e), file=sys.stderr)
         code = preemption.EXIT_CODE
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: {e.strerror}", file=sys.stderr)
+        code = 1
     # Done: leave without the interpreter's teardown, where a collective backend's threads, destroyed
     # late, have been seen to abort (SIGABRT) a rank that had succeeded.
     logging.shutdown()

@@ -1,0 +1,91 @@
+"""A job record or a run's files damaged (cut short by a full disk, edited by hand, written by something
+else) never hide the other jobs: `list` names the damaged record in a warning and lists the rest, `get`
+says which file is wrong in one line, `delete` removes it; a truncated summary.json or a metrics line
+that is no object reads as missing. Also the Client's refusals of what cannot run as a job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from launchers import Client, registry
+from launchers.base import LauncherError, read_progress, read_summary
+from launchers.local import LocalLauncher
+
+GOOD = registry.JobRecord(name="tj-good-0000aaaa", run_dir="/nowhere", command=["true"], exit_code=0, ended=2.0)
+
+# What a record file can hold instead of a record: a cut-off record, bytes that are no text, JSON that is
+# not an object, an object with a key a record has not, or another job's record.
+_text = json.dumps(GOOD.__dict__ | {"name": "tj-bad-0000bbbb"})
+DAMAGE = st.one_of(
+    st.integers(0, len(_text) - 1).map(lambda n: _text[:n].encode()),
+    st.binary(min_size=1, max_size=40).filter(lambda b: not b.strip().startswith(b"{")),
+    st.sampled_from([b"[1, 2]", b"42", b'"tj-bad"', b"null"]),
+    st.text("abcdef", min_size=1, max_size=8).map(lambda k: json.dumps({**json.loads(_text), f"x{k}": 1}).encode()),
+    st.just(json.dumps({**json.loads(_text), "name": "tj-other"}).encode()),
+)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
+    GOOD.save()
+    return tmp_path / "home"
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=DAMAGE)
+def test_a_damaged_record_is_named_listed_around_and_deletable(home, content, caplog):
+    path = home / "jobs" / "tj-bad-0000bbbb.json"
+    path.write_bytes(content)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="launchers"):
+        assert [r.name for r in registry.all_records()] == [GOOD.name]
+    assert [r.getMessage() for r in caplog.records] == [caplog.records[0].getMessage()]
+    assert str(path) in caplog.records[0].getMessage()
+    client = Client("local")
+    assert [j.name for j in client.list_jobs()] == [GOOD.name]
+    with pytest.raises(LauncherError, match=f"job record {path} .*: python -m launchers delete tj-bad-0000bbbb"):
+        client.get_job("tj-bad-0000bbbb")
+    client.delete_job("tj-bad-0000bbbb")
+    assert not path.exists()
+    assert registry.load(GOOD.name) == GOOD
+
+
+def test_a_registry_where_a_file_is_is_one_line_naming_the_variable(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "a-file"))
+    with pytest.raises(LauncherError, match=r"^TRAINJOB_HOME=.*a-file: is a file"):
+        LocalLauncher({}).list_jobs()
+    with pytest.raises(LauncherError, match=r"^TRAINJOB_HOME=.*a-file: is a file"):
+        GOOD.save()
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
+@settings(max_examples=25)
+@given(cut=st.integers(0, 60), junk=st.lists(st.sampled_from(["[1]", "7", '"s"', "null", '{"step": 2, "lo'])))
+def test_a_cut_summary_or_metrics_lines_of_another_kind_read_as_missing(tmp_path_factory, cut, junk):
+    run = tmp_path_factory.mktemp("run")
+    summary = json.dumps({"steps": 3, "final_train_loss": 1.5, "final_eval_loss": 1.25})
+    (run / "metrics.jsonl").write_text("\n".join([json.dumps({"step": 1, "loss": 2.0}), *junk]) + "\n")
+    (run / "summary.json").write_text(summary[:cut])
+    assert read_summary(str(run)) is None
+    assert read_progress(str(run)) == {"step": 1, "loss": 2.0, "eval_loss": None}
+
+
+def test_the_client_refuses_what_cannot_run_as_a_job(tmp_path):
+    client = Client("local")
+    with pytest.raises(ValueError, match="func=<lambda>: give a function defined with def"):
+        client.train(func=lambda: None, run_dir=str(tmp_path / "l"))
+    namespace: dict = {}
+    exec("def made_by_exec():\n    pass\n", namespace)  # a function without a source file
+    with pytest.raises(ValueError, match="func=made_by_exec: its source cannot be read"):
+        client.train(func=namespace["made_by_exec"], run_dir=str(tmp_path / "e"))
+    with pytest.raises(ValueError, match=r"holds '\$\{', which the run's config would read as an interpolation"):
+        client.train("train.max_steps=1", run_dir=str(tmp_path / "dollar${oc.env:HOME}x"))
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,172 @@
+"""A run directory belongs to one driver at a time, and what a run finished or set is kept: the directory is
+claimed (an flock released by the holder's death) after the checks and before anything is written; a
+second driver, a rerun of a finished run, a resume with another seed or sequence length change nothing;
+a damaged newest checkpoint is passed over with a log line; a full disk says so and leaves no partial
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO, TINY, examples
+from trainer import checkpoint
+from trainer.errors import ConfigError
+from trainer.run_dir import RunDir, claim, note_before_making, remove_if_new
+
+HOLD = ("import sys, time; from trainer.run_dir import claim; claim(sys.argv[1]); print('held', flush=True); "
+        "time.sleep(600)")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process of its own that claims a run directory and holds it until it is killed."""
+    procs = []
+
+    def start(run_dir) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": REPO})
+        assert proc.stdout.readline() == "held\n"
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_claimed_directory_is_refused_until_its_holder_dies(tmp_path, holder):
+    run_dir = str(tmp_path / "run")
+    proc = holder(run_dir)
+    with pytest.raises(ConfigError, match=rf"still running in this directory \(started by pid {proc.pid}"):
+        claim(run_dir)
+    proc.send_signal(signal.SIGKILL)  # no clean-up of its own: the kernel drops the lock
+    proc.wait()
+    claimed = claim(run_dir)
+    with open(RunDir(run_dir).lock) as f:
+        assert f.read().strip() == str(os.getpid())
+    claimed.release()
+    assert os.listdir(run_dir) == []  # the lock file goes; the directory, which the holder made, stays
+    fresh = claim(str(tmp_path / "fresh" / "run"))
+    fresh.release()
+    assert os.listdir(tmp_path) == ["run"]  # what this process made for its claim goes with it
+
+
+@settings(max_examples=examples(25))
+@given(existing=st.integers(0, 3), new=st.integers(1, 3), other_file=st.booleans())
+def test_a_refused_run_removes_exactly_the_folders_made_for_it(tmp_path_factory, existing, new, other_file):
+    root = tmp_path_factory.mktemp("made")
+    before = root.joinpath(*[f"e{i}" for i in range(existing)])
+    before.mkdir(parents=True, exist_ok=True)
+    run_dir = before.joinpath(*[f"n{i}" for i in range(new)])
+    note_before_making(str(run_dir))
+    run_dir.mkdir(parents=True)  # what Hydra does before the task starts
+    if other_file:  # something else appeared meanwhile in a folder made for the run: it stays
+        (run_dir.parent / "theirs.txt").write_text("x")
+    remove_if_new(str(run_dir))
+    assert before.is_dir()
+    assert not run_dir.exists()
+    assert (run_dir.parent / "theirs.txt").exists() == other_file
+    if not other_file:
+        assert not any(before.iterdir())
+
+
+STEPS = [*TINY, "train.max_steps=2", "train.checkpoint_every=1", "train.keep_latest_k=2", "train.eval_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """A finished two-step run with a checkpoint at each step."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    proc = subprocess.run([sys.executable, "-m", "trainer", *STEPS, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                          env={**os.environ, "TRAINJOB_CACHE": cache_dir}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def _files(run_dir) -> dict[str, bytes]:
+    """What the run wrote (not its logs, nor the lock file, which holds whoever holds the directory)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()
+            and "logs" not in p.parts and p.name != ".lock"}
+
+
+def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(trained, run_cli_batch, holder,
+                                                                              tmp_path):
+    """And a copy of the run whose newest checkpoint is damaged goes on from the one before, saying so."""
+    before = _files(trained)
+    proc = holder(trained)
+    second, = run_cli_batch([([*STEPS, f"hydra.run.dir={trained}", "optim.lr=0.01"], tmp_path)])
+    assert second.returncode == 2, second.stderr
+    assert "an earlier attempt of this run is still running" in second.stderr.strip().splitlines()[-1]
+    proc.kill()
+    proc.wait()
+    assert _files(trained) == before  # config.yaml not replaced, no config.1.yaml
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained, damaged)
+    newest = damaged / "checkpoints" / "step-2"
+    shard = next(newest.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 3)
+    rerun, seed, fallback = run_cli_batch([
+        ([*STEPS, f"hydra.run.dir={trained}"], tmp_path),
+        ([*STEPS, f"hydra.run.dir={trained}", "train.max_steps=3", "train.seed=5"], tmp_path),
+        ([*STEPS, f"hydra.run.dir={damaged}", "train.max_steps=3"], tmp_path)])
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "already trained to step 2" in rerun.stdout + rerun.stderr
+    assert seed.returncode == 2, seed.stderr[-2000:]
+    line = seed.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: invalid config: train.seed=5: the checkpoint ") and "keep train.seed=0" in line
+    assert _files(trained) == before  # summary.json not rewritten by the rerun
+
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert (f"checkpoint {newest} cannot be loaded (its shard {shard.name} is truncated"
+            in fallback.stdout + fallback.stderr)
+    assert '"resumed_from": "' + str(damaged / "checkpoints" / "step-1") in (damaged / "summary.json").read_text()
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(cut=st.floats(0, 0.999), garbage=st.binary(min_size=0, max_size=64))
+def test_any_truncated_shard_or_garbage_metadata_is_found_before_loading(trained, tmp_path_factory, cut, garbage):
+    copy = tmp_path_factory.mktemp("damaged") / "step-2"
+    shutil.copytree(trained / "checkpoints" / "step-2", copy)
+    assert checkpoint.damage(str(copy)) is None
+    shard = next(copy.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(int(shard.stat().st_size * cut))
+    assert "is truncated" in checkpoint.damage(str(copy))
+    (copy / ".metadata").write_bytes(garbage)
+    assert checkpoint.damage(str(copy)).startswith("its .metadata cannot be read")
+
+
+def test_a_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoint(run_cli, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("a small tmpfs cannot be mounted here (needs root with CAP_SYS_ADMIN)")
+    try:
+        proc = run_cli(*STEPS, "train.max_steps=1", f"hydra.run.dir={disk / 'run'}", timeout=300)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith("error: no space left on device for checkpoint "), line
+        leftovers = [p.name for p in disk.rglob("*") if p.name.endswith((".partial", ".tmp"))]
+        assert leftovers == []
+        assert shutil.disk_usage(disk).free > 1 << 20  # the partial checkpoint no longer fills it
+    finally:
+        for _ in range(20):
+            if subprocess.run(["umount", str(disk)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
