@@ -57,8 +57,13 @@ def _rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int, objec
     """(file, row number, row) of every row of the source."""
     for file in _files(path):
         if file.endswith((".jsonl", ".json")):
-            with open(file) as f:
-                for i, line in enumerate(f):
+            with open(file, "rb") as f:
+                for i, raw in enumerate(f):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise ConfigError("data.path", path, f"line {i + 1} of {file} is not UTF-8 text "
+                                          f"(byte {e.start + 1}: {raw[e.start:e.start + 1]!r})") from None
                     if line.strip():
                         try:
                             yield file, i, json.loads(line)

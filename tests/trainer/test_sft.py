@@ -134,6 +134,12 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
     assert f"data.path='{bad}': row 2 of {bad} has no 'messages' list" in err
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode() + b"\n" +
+                      '{"messages": [{"role": "user", "content": "café"}]}'.encode("latin-1") + b"\n")
+    err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={latin}")
+    assert err.strip() == (f"error: invalid config: data.path='{latin}': line 2 of {latin} is not UTF-8 text "
+                           "(byte 47: b'\\xe9')")
     assert not os.path.exists(tmp_path / "run" / "config.yaml")
 
 
