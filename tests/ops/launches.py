@@ -88,6 +88,8 @@ class Recorder:
             import inspect
 
             params = inspect.signature(fn.fn).parameters
+            # Arguments the kernel names in `do_not_specialize` get no value or alignment specialisation.
+            plain = set(fn.kwargs.get("do_not_specialize") or [])
             bound = dict(zip(fn.arg_names, args, strict=False))  # the rest come as keywords
             bound.update({k: v for k, v in kwargs.items() if k in params})
             signature, constexprs, aligned = {}, {}, []
@@ -97,7 +99,8 @@ class Recorder:
                     signature[name] = "constexpr"
                     constexprs[name] = _describe(value)
                     continue
-                kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+                free = name in plain or i in plain
+                kind, attr = native_specialize_impl(BaseBackend, value, False, not free, not free)
                 signature[name] = kind
                 if kind == "constexpr":  # an int equal to 1 is specialised as a constant, as on a GPU
                     constexprs[name] = value
