@@ -8,6 +8,7 @@ run under Triton's interpreter when TRITON_INTERPRET=1 is set (slow; for tests).
 from ops import interpreter
 from ops.activations import gelu, gelu_and_mul, silu, silu_and_mul
 from ops.aten import disable, enable, registered, use_kernels
+from ops.attention import scaled_dot_product_attention
 from ops.blas import addmm
 from ops.losses import cross_entropy, fused_linear_cross_entropy
 from ops.norms import layer_norm, rms_norm
@@ -35,6 +36,7 @@ __all__ = [
            "registered",
            "rms_norm",
            "rotary_embedding",
+           "scaled_dot_product_attention",
            "silu",
            "silu_and_mul",
            "softmax",

@@ -27,9 +27,10 @@ LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
-# The masks and sizes are runtime arguments, not specialised: one compiled kernel per dtype and head dim
-# serves causal or not, documents or not, any length and any head grouping.
-RUNTIME = ["Sq", "Sk", "heads", "group", "causal", "documents", "sdb"]
+# The masks and sizes are runtime arguments, not specialised: one compiled kernel per dtype and padded
+# head dim serves causal or not, documents or not, any length and any head grouping; EVEN_D (a head dim
+# that fills its tile) drops the head-dim mask so that loads stay vectorised.
+RUNTIME = ["Sq", "Sk", "heads", "group", "causal", "documents", "sdb", "head_dim"]
 
 
 @triton.jit
@@ -38,6 +39,13 @@ def _visible(rows, cols, Sq, Sk, doc_q, doc_k, causal):
     (without documents both ids are 0 everywhere)."""
     ok = (rows[:, None] < Sq) & (cols[None, :] < Sk) & (doc_q[:, None] == doc_k[None, :])
     return ok & ((cols[None, :] <= rows[:, None]) | (causal == 0))
+
+
+@triton.jit
+def _head_mask(offs_d, head_dim, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    if EVEN_D:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    return offs_d < head_dim
 
 
 @triton.jit
@@ -56,9 +64,9 @@ def _causal_end(Sk, start_m, causal, BM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=RUNTIME)
-def _attn_fwd(Q, K, V, O, LSE, DOCS, scale_log2, Sq, Sk, heads, group, causal, documents,
-              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sdb,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _attn_fwd(Q, K, V, OUT, LSE, DOCS, scale_log2, Sq, Sk, heads, group, causal, documents,
+              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, sdb, head_dim,
+              EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               PRECISION: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -68,7 +76,7 @@ def _attn_fwd(Q, K, V, O, LSE, DOCS, scale_log2, Sq, Sk, heads, group, causal, d
     rows = start_m * BM + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=(rows[:, None] < Sq) & d_ok[None, :], other=0.0)
     k_base = K + b * skb + kvh * skh
@@ -96,14 +104,14 @@ def _attn_fwd(Q, K, V, O, LSE, DOCS, scale_log2, Sq, Sk, heads, group, causal, d
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(O + b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
+    tl.store(OUT + b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod, out.to(OUT.dtype.element_ty),
              mask=(rows[:, None] < Sq) & d_ok[None, :])
     # log2 of the row's softmax denominator, in the scaled base-2 domain the backward recomputes in.
     tl.store(LSE + bh.to(tl.int64) * Sq + rows, m_i + tl.log2(l_safe), mask=rows < Sq)
 
 
-@triton.jit(do_not_specialize=["Sq", "heads"])
-def _attn_delta(O, DO, DELTA, Sq, heads, sob, soh, som, sod, sgb, sgh, sgm, sgd, HEAD_DIM: tl.constexpr,
+@triton.jit(do_not_specialize=["Sq", "heads", "head_dim"])
+def _attn_delta(OUT, DO, DELTA, Sq, heads, sob, soh, som, sod, sgb, sgh, sgm, sgd, head_dim, EVEN_D: tl.constexpr,
                 BLOCK_D: tl.constexpr, BM: tl.constexpr):
     """delta = rowsum(dO * O), the softmax backward's correction term, one value per query row."""
     bh = tl.program_id(1)
@@ -111,8 +119,8 @@ def _attn_delta(O, DO, DELTA, Sq, heads, sob, soh, som, sod, sgb, sgh, sgm, sgd,
     h = (bh % heads).to(tl.int64)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod, mask=mask, other=0.0)
+    mask = (rows[:, None] < Sq) & _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)[None, :]
+    o = tl.load(OUT + b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod, mask=mask, other=0.0)
     g = tl.load(DO + b * sgb + h * sgh + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * g.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * Sq + rows, delta, mask=rows < Sq)
@@ -121,8 +129,8 @@ def _attn_delta(O, DO, DELTA, Sq, heads, sob, soh, som, sod, sgb, sgh, sgm, sgd,
 @triton.jit(do_not_specialize=RUNTIME)
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DOCS, DK, DV, scale, scale_log2, Sq, Sk, heads, group, causal,
                    documents, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
-                   sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, sdb,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, sdb, head_dim,
+                   EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    PRECISION: tl.constexpr):
     """dK and dV of one block of keys of one K/V head, summed over the query heads of its group
     (`heads` here counts the K/V heads)."""
@@ -133,7 +141,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DOCS, DK, DV, scale, scale_log2, Sq,
     cols = start_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)
     kv_mask = (cols[:, None] < Sk) & d_ok[None, :]
     k = tl.load(K + b * skb + kvh * skh + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
@@ -173,8 +181,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DOCS, DK, DV, scale, scale_log2, Sq,
 @triton.jit(do_not_specialize=RUNTIME)
 def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DOCS, DQ, scale, scale_log2, Sq, Sk, heads, group, causal, documents,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
-                 sdqb, sdqh, sdqm, sdqd, sdb,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 sdqb, sdqh, sdqm, sdqd, sdb, head_dim,
+                 EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  PRECISION: tl.constexpr):
     """dQ of one block of query rows of one head."""
     start_m = tl.program_id(0)
@@ -185,7 +193,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DOCS, DQ, scale, scale_log2, Sq, Sk, h
     rows = start_m * BM + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)
     row_ok = rows < Sq
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
@@ -254,7 +262,8 @@ class _Attention(torch.autograd.Function):
             grid = (triton.cdiv(sq, meta["BM"]), batch * heads)
             _attn_fwd[grid](q, k, v, o, lse, docs, scale * LOG2E, sq, sk, heads, heads // kv_heads, int(causal),
                             int(documents is not None), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                            doc_stride, HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **meta)
+                            doc_stride, head_dim, EVEN_D=head_dim == block_d, BLOCK_D=block_d,
+                            PRECISION=_precision(q.dtype), **meta)
         ctx.save_for_backward(q, k, v, o, lse, documents)
         ctx.args = (causal, scale, block_d)
         return o
@@ -273,17 +282,17 @@ class _Attention(torch.autograd.Function):
         delta = torch.empty_like(lse)
         meta = _settings(block_d, q.dtype, backward=True)
         masks = (int(causal), int(documents is not None))
-        common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **meta)
+        common = dict(EVEN_D=head_dim == block_d, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **meta)
         _attn_delta[(triton.cdiv(sq, meta["BM"]), batch * heads)](
-            o, do, delta, sq, heads, *_strides(o), *_strides(do), HEAD_DIM=head_dim, BLOCK_D=block_d, BM=meta["BM"],
-            num_warps=4)
+            o, do, delta, sq, heads, *_strides(o), *_strides(do), head_dim, EVEN_D=head_dim == block_d,
+            BLOCK_D=block_d, BM=meta["BM"], num_warps=4)
         operands = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
         _attn_bwd_dkdv[(triton.cdiv(sk, meta["BN"]), batch * kv_heads)](
             q, k, v, do, lse, delta, docs, dk, dv, scale, scale * LOG2E, sq, sk, kv_heads, group, *masks, *operands,
-            *_strides(dk), *_strides(dv), doc_stride, **common)
+            *_strides(dk), *_strides(dv), doc_stride, head_dim, **common)
         _attn_bwd_dq[(triton.cdiv(sq, meta["BM"]), batch * heads)](
             q, k, v, do, lse, delta, docs, dq, scale, scale * LOG2E, sq, sk, heads, group, *masks, *operands,
-            *_strides(dq), doc_stride, **common)
+            *_strides(dq), doc_stride, head_dim, **common)
         return dq, dk, dv, None, None, None
 
 

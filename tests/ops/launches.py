@@ -195,6 +195,8 @@ def record_model_shapes(path: str) -> None:
             (lambda x: ops.log_softmax(x, -1), [leaf(tokens, vocab)]),
             (lambda x: ops.cross_entropy(x, target), [leaf(tokens, vocab)]),
             (ops.addmm, [leaf(1024), leaf(1024, 1024), leaf(1024, 1024)]),
+            (lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             [leaf(1, heads, tokens, head_dim)] + [leaf(1, kv_heads, tokens, head_dim) for _ in "kv"]),
         ]
         for fn, inputs in calls:
             out = fn(*inputs)
