@@ -43,6 +43,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 class Attention(nn.Module):
     rope_fn = staticmethod(apply_rotary)
+    attention_fn = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qkv_bias: bool = False):
         super().__init__()
@@ -60,7 +61,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = self.rope_fn(q, k, cos, sin)
         # mask (packed rows): (batch, 1, seq, seq), causal within each document; else plain causal.
-        out = F.scaled_dot_product_attention(
+        out = self.attention_fn(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             enable_gqa=q.shape[2] != k.shape[2],
         )
