@@ -61,10 +61,16 @@ def _nbytes(values) -> int:
     return total
 
 
-def _where(func, routed: set[str]) -> str:
+def _name(func) -> str:
+    """The op as `ops.enable` names it: `mm`, `add.Tensor` (the overload when it is not the default)."""
     name = func._schema.name.split("::")[-1]
-    if name in routed:
+    return name if func._overloadname == "default" else f"{name}.{func._overloadname}"
+
+
+def _where(func, routed: set[str]) -> str:
+    if _name(func) in routed:
         return "ours"
+    name = func._schema.name.split("::")[-1]
     if func.is_view or name in {"view", "_unsafe_view", "alias", "as_strided", "t", "expand", "unsqueeze"}:
         return "excluded: view"
     for reason, names in EXCLUDED.items():
@@ -87,7 +93,7 @@ class Trace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
-            name = func._schema.name.split("::")[-1]
+            name = _name(func)
             row = self.rows.setdefault(name, Row(name, where=_where(func, self.routed)))
             row.calls += 1
             if row.where != "excluded: view":
@@ -151,7 +157,7 @@ def trace_step(overrides: list[str], seq: int = 64, batch: int = 2):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     vocab = model.output_weight.shape[0]
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = ops.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
     launches: collections.Counter = collections.Counter()
     with ops.use_kernels():

@@ -9,9 +9,11 @@ from ops import interpreter
 from ops.activations import gelu, gelu_and_mul, silu, silu_and_mul
 from ops.aten import disable, enable, registered, use_kernels
 from ops.attention import scaled_dot_product_attention
-from ops.blas import addmm
+from ops.blas import addmm, bmm, mm
+from ops.embedding import embedding
 from ops.losses import cross_entropy, fused_linear_cross_entropy
 from ops.norms import layer_norm, rms_norm
+from ops.optim import AdamW, adamw
 from ops.pointwise import add, div, maximum, mul, pointwise, sub
 from ops.rope import rotary_embedding
 from ops.softmax import log_softmax, softmax
@@ -19,11 +21,15 @@ from ops.softmax import log_softmax, softmax
 interpreter.install()
 
 __all__ = [
+           "AdamW",
+           "adamw",
            "add",
            "addmm",
+           "bmm",
            "cross_entropy",
            "disable",
            "div",
+           "embedding",
            "enable",
            "fused_linear_cross_entropy",
            "gelu",
@@ -31,6 +37,7 @@ __all__ = [
            "layer_norm",
            "log_softmax",
            "maximum",
+           "mm",
            "mul",
            "pointwise",
            "registered",

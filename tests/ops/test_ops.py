@@ -531,6 +531,85 @@ def test_integer_pointwise_results_are_exact():
     assert torch.equal(ops.maximum(a, torch.tensor(0, device=DEVICE)), torch.clamp(a, min=0))
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["mm", "bmm"])
+def test_mm_and_bmm(batched, dtype):
+    lead = (3,) if batched else ()
+    a = _leaf(*lead, 37, 50, dtype=dtype)
+    b = _leaf(*lead, 29, 50, dtype=dtype).detach().transpose(-1, -2).requires_grad_()  # strided, as linear's
+    ours, ref = (ops.bmm, torch.bmm) if batched else (ops.mm, torch.mm)
+    _check(ours, ref, [a, b], reduced=50, dtype=dtype)
+    with pytest.raises(ValueError, match="mm takes two matrices"):
+        ops.mm(a.detach()[None], b.detach())
+
+
+@pytest.mark.parametrize(("padding_idx", "scale_grad_by_freq"), [(None, False), (3, True)])
+def test_embedding(padding_idx, scale_grad_by_freq, dtype):
+    weight = _leaf(11, 37, dtype=dtype)
+    indices = torch.randint(0, 11, (4, 9), device=DEVICE)
+    indices[0, :4] = 3  # repeated, and the padding index
+
+    def ours(w):
+        return ops.embedding(indices, w, padding_idx, scale_grad_by_freq)
+
+    def ref(w):
+        return F.embedding(indices, w, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+
+    _check(ours, ref, [weight], reduced=36, dtype=dtype)
+    grads = []
+    for _ in range(2):  # the same bits each time: each row is summed by one program, in order
+        weight.grad = None
+        ours(weight).backward(torch.ones(4, 9, 37, dtype=dtype, device=DEVICE))
+        grads.append(weight.grad.clone())
+    assert torch.equal(*grads)
+    with pytest.raises(ValueError, match="indices are torch.float32: give an integer tensor"):
+        ops.embedding(indices.float(), weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_adamw_steps_as_torch_does(dtype):
+    """Three steps of ours against torch.optim.AdamW on float64 copies of the same parameters and grads."""
+    params = [_leaf(37, 5, dtype=dtype), _leaf(1100, dtype=dtype), _leaf(1, dtype=dtype)]
+    refs = [p.detach().double().requires_grad_() for p in params]
+    kwargs = {"lr": 0.1, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    ours, ref = ops.AdamW(params, **kwargs), torch.optim.AdamW(refs, **kwargs)
+    for _ in range(3):
+        for p, r in zip(params, refs, strict=True):
+            g = torch.randn(p.shape, dtype=torch.float64, device=DEVICE)
+            p.grad, r.grad = g.to(dtype), g.to(dtype).double()
+        ours.step()
+        ref.step()
+    atol, rtol = _tolerance(dtype)
+    for p, r in zip(params, refs, strict=True):
+        torch.testing.assert_close(p.detach().double(), r.detach(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(ours.state[p]["exp_avg_sq"].double(), ref.state[r]["exp_avg_sq"], atol=atol,
+                                   rtol=rtol)
+    assert ours.state[params[0]]["step"] == 3
+    with pytest.raises(ValueError, match=r"betas=\(1.0, 0.9\): each must be in \[0, 1\)"):
+        ops.AdamW(params, betas=(1.0, 0.9))
+
+
+def test_aten_routes_the_matmuls_embedding_and_arithmetic():
+    from ops.aten import calls
+
+    a, b, w = _leaf(6, 10), _leaf(10, 7), _leaf(13, 10)
+    idx = torch.randint(0, 13, (2, 3), device=DEVICE)
+    before = dict(calls)
+    with ops.use_kernels(include=["mm", "bmm", "embedding", "add", "sub", "mul", "div"]):
+        y = (a @ b) * 2.0 + torch.bmm(a[None], b[None])[0] / 3.0 - F.embedding(idx, w).sum()
+        y.sum().backward()
+        z = torch.add(a, a, alpha=3)
+    for name in ("mm", "bmm", "embedding", "embedding_dense_backward", "add.Tensor", "sub.Tensor", "mul.Tensor",
+                 "div.Tensor"):
+        assert calls[name] > before.get(name, 0), name
+    torch.testing.assert_close(z, 4 * a.detach())
+    a64, b64, w64 = (t.detach().double().requires_grad_() for t in (a, b, w))
+    y64 = (a64 @ b64) * 2.0 + torch.bmm(a64[None], b64[None])[0] / 3.0 - F.embedding(idx, w64).sum()
+    y64.sum().backward()
+    torch.testing.assert_close(y.double(), y64, atol=1e-4, rtol=1e-5)
+    for t, r in ((a, a64), (b, b64), (w, w64)):
+        torch.testing.assert_close(t.grad.double(), r.grad, atol=1e-4, rtol=1e-5)
+
+
 def _attention_reference(q, k, v, documents=None, is_causal=False, scale=None):
     """PyTorch's attention with the K/V heads repeated per group and both masks as one boolean matrix."""
     group = q.shape[1] // k.shape[1]
@@ -712,7 +791,7 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80(request, launch_record
     # Every family of kernels was seen, generated pointwise kernels included.
     for name in ("_norm_fwd", "_norm_bwd", "_softmax_fwd", "_softmax_bwd", "_rope", "_ce_loss", "_ce_grad",
                  "_matmul", "_pw_T_o1_r1", "_pw_TTT_o2_r1", "_attn_fwd", "_attn_delta", "_attn_bwd_dkdv",
-                 "_attn_bwd_dq"):
+                 "_attn_bwd_dq", "_embedding_fwd", "_embedding_bwd", "_adamw"):
         assert name in kernels, f"{name} was never launched by the op tests"
     built = subprocess.run([sys.executable, "-m", "tests.ops.launches", str(record), *ARCHS], cwd=REPO, env=_env(),
                            capture_output=True, text=True, timeout=900)
