@@ -255,17 +255,23 @@ def main() -> None:
                 t_compiled = _time(torch.compile(eager, dynamic=False), inputs)
             t_liger = _time(liger, inputs) if liger else float("nan")
             t_gems = _time(eager, inputs, gems) if gems else float("nan")
-            best_peer = min((t for t in (t_liger, t_gems) if t == t), default=float("nan"))
             gbs = moved / (t_ours / 1e3) / 1e9
-            print(f"{name:<30}{dtype_name:>6}{t_ours:>9.3f}{t_eager:>10.3f}{t_compiled:>11.3f}{t_liger:>10.3f}"
-                  f"{t_gems:>9.3f}{t_eager / t_ours:>8.2f}x{t_compiled / t_ours:>10.2f}x{best_peer / t_ours:>8.2f}x"
-                  f"{gbs:>10.0f}{gbs / peak_bw:>8.0%}{m_ours:>8.2f}{m_eager:>9.2f}"
-                  + (f"  {verdict}" if args.check else ""))
+            print(row(name, dtype_name, t_ours, t_eager, t_compiled, t_liger, t_gems, gbs / peak_bw, gbs, m_ours,
+                      m_eager) + (f"  {verdict}" if args.check else ""))
             del inputs
             torch.cuda.empty_cache()
 
 
-# The table's columns; bench/gpu_report.py reads the rows back by these names.
+def row(name: str, dtype: str, t_ours: float, t_eager: float, t_compiled: float, t_liger: float, t_gems: float,
+        of_copy: float, gbs: float, m_ours: float, m_eager: float) -> str:
+    """One line of the table (times in ms, NaN where not measured); bench/gpu_report.py reads it back."""
+    best_peer = min((t for t in (t_liger, t_gems) if t == t), default=float("nan"))
+    return (f"{name:<30}{dtype:>6}{t_ours:>9.3f}{t_eager:>10.3f}{t_compiled:>11.3f}{t_liger:>10.3f}{t_gems:>9.3f}"
+            f"{t_eager / t_ours:>8.2f}x{t_compiled / t_ours:>10.2f}x{best_peer / t_ours:>8.2f}x{gbs:>10.0f}"
+            f"{of_copy:>8.0%}{m_ours:>8.2f}{m_eager:>9.2f}")
+
+
+# The table's columns, in the order of `row`.
 HEADER = (f"{'op':<30}{'dtype':>6}{'ours ms':>9}{'eager ms':>10}{'compile ms':>11}{'liger ms':>10}{'gems ms':>9}"
           f"{'vs eager':>9}{'vs compile':>11}{'vs peer':>9}{'ours GB/s':>10}{'of copy':>8}{'ours GB':>8}"
           f"{'eager GB':>9}")
