@@ -710,7 +710,7 @@ def test_attention_holds_no_seq_by_seq_matrix_and_its_gradients_are_deterministi
                     self.bytes = max(self.bytes, t.numel() * t.element_size())
             return out
 
-    q, k, v = _leaf(1, 2, 256, 64), _leaf(1, 1, 256, 64), _leaf(1, 1, 256, 64)
+    q, k, v = _leaf(1, 2, 160, 64), _leaf(1, 1, 160, 64), _leaf(1, 1, 160, 64)
     grads = []
     for _ in range(2):
         for t in (q, k, v):
@@ -719,7 +719,7 @@ def test_attention_holds_no_seq_by_seq_matrix_and_its_gradients_are_deterministi
         with largest:
             out = ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             out.backward(torch.ones_like(out))
-        assert largest.bytes <= q.numel() * 4 < 256 * 256 * 4
+        assert largest.bytes <= q.numel() * 4 < 160 * 160 * 4
         grads.append([t.grad.clone() for t in (q, k, v)])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
