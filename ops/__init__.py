@@ -15,6 +15,7 @@ from ops.losses import cross_entropy, fused_linear_cross_entropy
 from ops.norms import layer_norm, rms_norm
 from ops.optim import AdamW, adamw
 from ops.pointwise import add, div, maximum, mul, pointwise, sub
+from ops.reductions import sum
 from ops.rope import rotary_embedding
 from ops.softmax import log_softmax, softmax
 
@@ -48,5 +49,6 @@ __all__ = [
            "silu_and_mul",
            "softmax",
            "sub",
+           "sum",
            "use_kernels",
 ]

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ops import activations, embedding, pointwise
+from ops import activations, embedding, pointwise, reductions
 from ops.blas import matmul
 from ops.softmax import softmax_backward, softmax_forward
 
@@ -77,6 +77,9 @@ TABLE = [
     ("sub", "sub.Tensor", _binary(pointwise.sub, scaled=True)),
     ("mul", "mul.Tensor", _binary(pointwise.mul)),
     ("div", "div.Tensor", _binary(pointwise.div)),
+    ("sum", "sum", lambda self, *, dtype=None: reductions._sum(self, None, False, dtype)),
+    ("sum", "sum.dim_IntList",
+     lambda self, dim, keepdim=False, *, dtype=None: reductions._sum(self, dim, keepdim, dtype)),
 ]
 OPS = {aten: fn for _, aten, fn in TABLE}
 # A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).
@@ -104,8 +107,8 @@ def _aten_names(names: list[str]) -> list[str]:
 
 def enable(include: list[str] | None = None, exclude: list[str] | None = None) -> None:
     """Route the ops named in `include` (default: all), less `exclude`, to our kernels. A name is our op's
-    (`softmax`, `log_softmax`, `silu`, `gelu`, `addmm`, `mm`, `bmm`, `embedding`, `add`, `sub`, `mul`, `div`:
-    forward and backward) or an ATen op's (`_softmax`, `add.Tensor`)."""
+    (`softmax`, `log_softmax`, `silu`, `gelu`, `addmm`, `mm`, `bmm`, `embedding`, `add`, `sub`, `mul`, `div`,
+    `sum`: forward and backward) or an ATen op's (`_softmax`, `add.Tensor`)."""
     global _library, _routed
     chosen = _aten_names(list(include)) if include else list(OPS)
     excluded = set(_aten_names(list(exclude or [])))

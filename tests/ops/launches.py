@@ -200,6 +200,7 @@ def record_model_shapes(path: str) -> None:
              [leaf(1, heads, tokens, head_dim)] + [leaf(1, kv_heads, tokens, head_dim) for _ in "kv"]),
             (lambda w: ops.embedding(target, w), [leaf(vocab, dim)]),
             (ops.bmm, [leaf(heads, tokens, head_dim), leaf(heads, head_dim, tokens)]),
+            (lambda x: ops.sum(x, 0), [leaf(tokens, vocab)]),
         ]
         for fn, inputs in calls:
             out = fn(*inputs)

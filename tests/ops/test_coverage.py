@@ -17,7 +17,8 @@ coverage = sys.modules["bench_coverage"] = importlib.util.module_from_spec(_spec
 _spec.loader.exec_module(coverage)
 
 # What the step runs in ours today: a change that sends any of it back to torch fails here.
-ROUTED = {"mm", "embedding", "embedding_dense_backward", "add.Tensor", "mul.Tensor", "div.Tensor"}
+ROUTED = {"mm", "embedding", "embedding_dense_backward", "add.Tensor", "mul.Tensor", "div.Tensor", "sum",
+          "sum.dim_IntList"}
 # The model's fused modules and the optimizer, which never reach ATen: their kernels must launch.
 KERNELS = {"_norm_fwd", "_norm_bwd", "_rope", "_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_pw_TT_o1_r1",
            "_pw_TTT_o2_r1", "_ce_loss", "_ce_grad", "_matmul", "_embedding_fwd", "_embedding_bwd", "_adamw"}
@@ -36,7 +37,7 @@ def test_a_training_step_runs_in_our_kernels(step):
     assert set(launches) >= KERNELS, f"not launched: {sorted(KERNELS - set(launches))}"
     assert launches["_adamw"] == 12  # one per parameter of one layer, the embedding and the norm
     s = coverage.summary(rows)
-    assert s["ours_calls"] / s["calls"] >= 0.7 and s["ours_bytes"] / s["bytes"] >= 0.85, s
+    assert s["ours_calls"] / s["calls"] >= 0.8 and s["ours_bytes"] / s["bytes"] >= 0.85, s
     # Views move nothing; every op the step calls has a row, with its calls.
     assert rows["view"].where == "excluded: view" and rows["view"].bytes == 0
     assert rows["mm"].calls >= 7 * 2 and rows["mm"].bytes > 0  # seven linears, forward and backward

@@ -610,6 +610,37 @@ def test_aten_routes_the_matmuls_embedding_and_arithmetic():
         torch.testing.assert_close(t.grad.double(), r.grad, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.timeout(300)
+@GENERATED
+@given(shape=st.lists(st.integers(1, 9), min_size=0, max_size=3), long_row=st.booleans(), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32]), keepdim=st.booleans())
+def test_sum_generated(shape, long_row, data, dtype, keepdim):
+    if long_row:  # a row longer than one block is summed block by block
+        shape = [2, 9000]
+    n = len(shape)
+    dims = data.draw(st.one_of(st.none(), st.lists(st.integers(0, n - 1), unique=True, max_size=n))) if n else None
+    if dims:
+        dims = [d - n if d % 2 else d for d in dims]  # negative dimensions too
+    x = (torch.randn(shape, dtype=torch.float64) * 10).to(device=DEVICE, dtype=dtype)
+    if n >= 2 and data.draw(st.booleans()):
+        x = x.transpose(0, -1)  # reduced dimensions that are not innermost
+    if dtype.is_floating_point:
+        x.requires_grad_()
+    got = ops.sum(x, dims, keepdim)
+    expected = torch.sum(x.double(), dim=dims, keepdim=keepdim)
+    assert got.dtype == (torch.int64 if dtype == torch.int32 else dtype) and got.shape == expected.shape
+    atol, rtol = _tolerance(dtype if dtype.is_floating_point else torch.float32, reduced=max(1, x.numel()))
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+    if x.requires_grad:  # the gradient: the incoming one expanded over the summed dimensions
+        g = torch.randn(got.shape, dtype=torch.float64, device=DEVICE)
+        got.backward(g.to(dtype))
+        torch.testing.assert_close(x.grad.double(), torch.autograd.grad(expected, x, g)[0].double())
+        x = x.detach()
+    with ops.use_kernels(include=["sum"]):  # routed: torch.sum and x.sum(dim) land here, and match
+        routed = torch.sum(x, dim=dims, keepdim=keepdim)
+    assert torch.equal(routed, got)
+
+
 def _attention_reference(q, k, v, documents=None, is_causal=False, scale=None):
     """PyTorch's attention with the K/V heads repeated per group and both masks as one boolean matrix."""
     group = q.shape[1] // k.shape[1]
@@ -791,7 +822,7 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80(request, launch_record
     # Every family of kernels was seen, generated pointwise kernels included.
     for name in ("_norm_fwd", "_norm_bwd", "_softmax_fwd", "_softmax_bwd", "_rope", "_ce_loss", "_ce_grad",
                  "_matmul", "_pw_T_o1_r1", "_pw_TTT_o2_r1", "_attn_fwd", "_attn_delta", "_attn_bwd_dkdv",
-                 "_attn_bwd_dq", "_embedding_fwd", "_embedding_bwd", "_adamw"):
+                 "_attn_bwd_dq", "_embedding_fwd", "_embedding_bwd", "_adamw", "_row_sum"):
         assert name in kernels, f"{name} was never launched by the op tests"
     built = subprocess.run([sys.executable, "-m", "tests.ops.launches", str(record), *ARCHS], cwd=REPO, env=_env(),
                            capture_output=True, text=True, timeout=900)
