@@ -8,21 +8,29 @@ run under Triton's interpreter when TRITON_INTERPRET=1 is set (slow; for tests).
 from ops import interpreter
 from ops.activations import gelu, gelu_and_mul, silu, silu_and_mul
 from ops.aten import disable, enable, registered, use_kernels
-from ops.blas import addmm
+from ops.attention import scaled_dot_product_attention
+from ops.blas import addmm, bmm, mm
+from ops.embedding import embedding
 from ops.losses import cross_entropy, fused_linear_cross_entropy
 from ops.norms import layer_norm, rms_norm
+from ops.optim import AdamW, adamw
 from ops.pointwise import add, div, maximum, mul, pointwise, sub
+from ops.reductions import sum
 from ops.rope import rotary_embedding
 from ops.softmax import log_softmax, softmax
 
 interpreter.install()
 
 __all__ = [
+           "AdamW",
+           "adamw",
            "add",
            "addmm",
+           "bmm",
            "cross_entropy",
            "disable",
            "div",
+           "embedding",
            "enable",
            "fused_linear_cross_entropy",
            "gelu",
@@ -30,14 +38,17 @@ __all__ = [
            "layer_norm",
            "log_softmax",
            "maximum",
+           "mm",
            "mul",
            "pointwise",
            "registered",
            "rms_norm",
            "rotary_embedding",
+           "scaled_dot_product_attention",
            "silu",
            "silu_and_mul",
            "softmax",
            "sub",
+           "sum",
            "use_kernels",
 ]

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ops import activations
+from ops import activations, embedding, pointwise, reductions
 from ops.blas import matmul
 from ops.softmax import softmax_backward, softmax_forward
 
@@ -40,6 +40,24 @@ def _softmax_backward_data(grad_output, output, dim, input_dtype, log=False):
     return softmax_backward(grad_output, output, dim % max(output.dim(), 1), log, input_dtype)
 
 
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return embedding._forward(weight, indices)
+
+
+def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    return embedding._backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+
+
+def _binary(op, scaled: bool = False):
+    """An ATen binary op (`add.Tensor`, ...) as our pointwise op; `alpha` scales the second operand."""
+    def impl(self, other, *, alpha=1):
+        if scaled and alpha != 1:
+            other = pointwise.mul(other, alpha)
+        return op(self, other)
+
+    return impl
+
+
 # (our public op, the ATen op it routes, our function with the ATen op's signature)
 TABLE = [
     ("silu", "silu", lambda self: activations.silu_fwd(self)),
@@ -51,6 +69,17 @@ TABLE = [
     ("log_softmax", "_log_softmax", functools.partial(_softmax, log=True)),
     ("log_softmax", "_log_softmax_backward_data", functools.partial(_softmax_backward_data, log=True)),
     ("addmm", "addmm", lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta)),
+    ("mm", "mm", lambda self, mat2: matmul(self, mat2)),
+    ("bmm", "bmm", lambda self, mat2: matmul(self, mat2)),
+    ("embedding", "embedding", _embedding),
+    ("embedding", "embedding_dense_backward", _embedding_dense_backward),
+    ("add", "add.Tensor", _binary(pointwise.add, scaled=True)),
+    ("sub", "sub.Tensor", _binary(pointwise.sub, scaled=True)),
+    ("mul", "mul.Tensor", _binary(pointwise.mul)),
+    ("div", "div.Tensor", _binary(pointwise.div)),
+    ("sum", "sum", lambda self, *, dtype=None: reductions._sum(self, None, False, dtype)),
+    ("sum", "sum.dim_IntList",
+     lambda self, dim, keepdim=False, *, dtype=None: reductions._sum(self, dim, keepdim, dtype)),
 ]
 OPS = {aten: fn for _, aten, fn in TABLE}
 # A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).
@@ -78,7 +107,8 @@ def _aten_names(names: list[str]) -> list[str]:
 
 def enable(include: list[str] | None = None, exclude: list[str] | None = None) -> None:
     """Route the ops named in `include` (default: all), less `exclude`, to our kernels. A name is our op's
-    (`softmax`, `log_softmax`, `silu`, `gelu`, `addmm`: forward and backward) or an ATen op's (`_softmax`)."""
+    (`softmax`, `log_softmax`, `silu`, `gelu`, `addmm`, `mm`, `bmm`, `embedding`, `add`, `sub`, `mul`, `div`,
+    `sum`: forward and backward) or an ATen op's (`_softmax`, `add.Tensor`)."""
     global _library, _routed
     chosen = _aten_names(list(include)) if include else list(OPS)
     excluded = set(_aten_names(list(exclude or [])))

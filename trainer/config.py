@@ -287,7 +287,8 @@ class RuntimeConfig:
 
 KERNELS = ("torch", "triton")
 # The model functions `kernels=triton` can route to ops/ (trainer/kernels.py applies them).
-TRITON_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "fused_linear_cross_entropy")
+TRITON_OPS = ("rms_norm", "rotary_embedding", "scaled_dot_product_attention", "silu_and_mul",
+              "fused_linear_cross_entropy")
 
 
 @dataclass

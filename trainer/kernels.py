@@ -1,7 +1,7 @@
 """The kernel backend: `kernels=torch` keeps PyTorch's eager kernels; `kernels=triton` points the model's
-RMSNorm, rotary embedding, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused with the
-output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude` choose
-among those four (`trainer.config.TRITON_OPS`).
+RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused
+with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
+choose among those five (`trainer.config.TRITON_OPS`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RMSNorm) and "rms_norm" in chosen:
             module.norm_fn = ops.rms_norm
-        elif isinstance(module, Attention) and "rotary_embedding" in chosen:
-            module.rope_fn = ops.rotary_embedding
+        elif isinstance(module, Attention):
+            if "rotary_embedding" in chosen:
+                module.rope_fn = ops.rotary_embedding
+            if "scaled_dot_product_attention" in chosen:
+                module.attention_fn = ops.scaled_dot_product_attention
         elif isinstance(module, FeedForward) and "silu_and_mul" in chosen:
             module.gate_fn = ops.silu_and_mul
         elif isinstance(module, Transformer) and "fused_linear_cross_entropy" in chosen:

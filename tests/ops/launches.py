@@ -88,6 +88,8 @@ class Recorder:
             import inspect
 
             params = inspect.signature(fn.fn).parameters
+            # Arguments the kernel names in `do_not_specialize` get no value or alignment specialisation.
+            plain = set(fn.kwargs.get("do_not_specialize") or [])
             bound = dict(zip(fn.arg_names, args, strict=False))  # the rest come as keywords
             bound.update({k: v for k, v in kwargs.items() if k in params})
             signature, constexprs, aligned = {}, {}, []
@@ -97,7 +99,8 @@ class Recorder:
                     signature[name] = "constexpr"
                     constexprs[name] = _describe(value)
                     continue
-                kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+                free = name in plain or i in plain
+                kind, attr = native_specialize_impl(BaseBackend, value, False, not free, not free)
                 signature[name] = kind
                 if kind == "constexpr":  # an int equal to 1 is specialised as a constant, as on a GPU
                     constexprs[name] = value
@@ -163,7 +166,8 @@ def compile_spec(spec: dict, archs: list[int]) -> list[str]:
 
 def record_model_shapes(path: str) -> None:
     """Record, without running, every op forward and backward at Llama-3-8B's row lengths (hidden 4096,
-    FFN 14336, vocabulary 128256, 32/8 heads of 128) and a 1024-cube matmul, in bf16 and fp32: the
+    FFN 14336, vocabulary 128256, 32/8 heads of 128), a 1024-cube matmul, attention, the embedding and an
+    AdamW step, in bf16 and fp32: the
     block sizes, warps and tiles a GPU uses at those shapes, which the op tests' small shapes never
     reach. (The fused linear cross-entropy's kernels are the cross-entropy ones at the same vocabulary.)"""
     import torch
@@ -192,10 +196,18 @@ def record_model_shapes(path: str) -> None:
             (lambda x: ops.log_softmax(x, -1), [leaf(tokens, vocab)]),
             (lambda x: ops.cross_entropy(x, target), [leaf(tokens, vocab)]),
             (ops.addmm, [leaf(1024), leaf(1024, 1024), leaf(1024, 1024)]),
+            (lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             [leaf(1, heads, tokens, head_dim)] + [leaf(1, kv_heads, tokens, head_dim) for _ in "kv"]),
+            (lambda w: ops.embedding(target, w), [leaf(vocab, dim)]),
+            (ops.bmm, [leaf(heads, tokens, head_dim), leaf(heads, head_dim, tokens)]),
+            (lambda x: ops.sum(x, 0), [leaf(tokens, vocab)]),
         ]
         for fn, inputs in calls:
             out = fn(*inputs)
             out.backward(torch.ones_like(out))
+        weight = leaf(ffn, dim)
+        weight.grad = torch.zeros_like(weight)
+        ops.AdamW([weight]).step()
 
 
 def compile_all(path: str, archs: list[int]) -> list[str]:

@@ -531,6 +531,248 @@ def test_integer_pointwise_results_are_exact():
     assert torch.equal(ops.maximum(a, torch.tensor(0, device=DEVICE)), torch.clamp(a, min=0))
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["mm", "bmm"])
+def test_mm_and_bmm(batched, dtype):
+    lead = (3,) if batched else ()
+    a = _leaf(*lead, 37, 50, dtype=dtype)
+    b = _leaf(*lead, 29, 50, dtype=dtype).detach().transpose(-1, -2).requires_grad_()  # strided, as linear's
+    ours, ref = (ops.bmm, torch.bmm) if batched else (ops.mm, torch.mm)
+    _check(ours, ref, [a, b], reduced=50, dtype=dtype)
+    with pytest.raises(ValueError, match="mm takes two matrices"):
+        ops.mm(a.detach()[None], b.detach())
+
+
+@pytest.mark.parametrize(("padding_idx", "scale_grad_by_freq"), [(None, False), (3, True)])
+def test_embedding(padding_idx, scale_grad_by_freq, dtype):
+    weight = _leaf(11, 37, dtype=dtype)
+    indices = torch.randint(0, 11, (4, 9), device=DEVICE)
+    indices[0, :4] = 3  # repeated, and the padding index
+
+    def ours(w):
+        return ops.embedding(indices, w, padding_idx, scale_grad_by_freq)
+
+    def ref(w):
+        return F.embedding(indices, w, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+
+    _check(ours, ref, [weight], reduced=36, dtype=dtype)
+    grads = []
+    for _ in range(2):  # the same bits each time: each row is summed by one program, in order
+        weight.grad = None
+        ours(weight).backward(torch.ones(4, 9, 37, dtype=dtype, device=DEVICE))
+        grads.append(weight.grad.clone())
+    assert torch.equal(*grads)
+    with pytest.raises(ValueError, match="indices are torch.float32: give an integer tensor"):
+        ops.embedding(indices.float(), weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_adamw_steps_as_torch_does(dtype):
+    """Three steps of ours against torch.optim.AdamW on float64 copies of the same parameters and grads."""
+    params = [_leaf(37, 5, dtype=dtype), _leaf(1100, dtype=dtype), _leaf(1, dtype=dtype)]
+    refs = [p.detach().double().requires_grad_() for p in params]
+    kwargs = {"lr": 0.1, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    ours, ref = ops.AdamW(params, **kwargs), torch.optim.AdamW(refs, **kwargs)
+    for _ in range(3):
+        for p, r in zip(params, refs, strict=True):
+            g = torch.randn(p.shape, dtype=torch.float64, device=DEVICE)
+            p.grad, r.grad = g.to(dtype), g.to(dtype).double()
+        ours.step()
+        ref.step()
+    atol, rtol = _tolerance(dtype)
+    for p, r in zip(params, refs, strict=True):
+        torch.testing.assert_close(p.detach().double(), r.detach(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(ours.state[p]["exp_avg_sq"].double(), ref.state[r]["exp_avg_sq"], atol=atol,
+                                   rtol=rtol)
+    assert ours.state[params[0]]["step"] == 3
+    with pytest.raises(ValueError, match=r"betas=\(1.0, 0.9\): each must be in \[0, 1\)"):
+        ops.AdamW(params, betas=(1.0, 0.9))
+
+
+def test_aten_routes_the_matmuls_embedding_and_arithmetic():
+    from ops.aten import calls
+
+    a, b, w = _leaf(6, 10), _leaf(10, 7), _leaf(13, 10)
+    idx = torch.randint(0, 13, (2, 3), device=DEVICE)
+    before = dict(calls)
+    with ops.use_kernels(include=["mm", "bmm", "embedding", "add", "sub", "mul", "div"]):
+        y = (a @ b) * 2.0 + torch.bmm(a[None], b[None])[0] / 3.0 - F.embedding(idx, w).sum()
+        y.sum().backward()
+        z = torch.add(a, a, alpha=3)
+    for name in ("mm", "bmm", "embedding", "embedding_dense_backward", "add.Tensor", "sub.Tensor", "mul.Tensor",
+                 "div.Tensor"):
+        assert calls[name] > before.get(name, 0), name
+    torch.testing.assert_close(z, 4 * a.detach())
+    a64, b64, w64 = (t.detach().double().requires_grad_() for t in (a, b, w))
+    y64 = (a64 @ b64) * 2.0 + torch.bmm(a64[None], b64[None])[0] / 3.0 - F.embedding(idx, w64).sum()
+    y64.sum().backward()
+    torch.testing.assert_close(y.double(), y64, atol=1e-4, rtol=1e-5)
+    for t, r in ((a, a64), (b, b64), (w, w64)):
+        torch.testing.assert_close(t.grad.double(), r.grad, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@GENERATED
+@given(shape=st.lists(st.integers(1, 9), min_size=0, max_size=3), long_row=st.booleans(), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32]), keepdim=st.booleans())
+def test_sum_generated(shape, long_row, data, dtype, keepdim):
+    if long_row:  # a row longer than one block is summed block by block
+        shape = [2, 9000]
+    n = len(shape)
+    dims = data.draw(st.one_of(st.none(), st.lists(st.integers(0, n - 1), unique=True, max_size=n))) if n else None
+    if dims:
+        dims = [d - n if d % 2 else d for d in dims]  # negative dimensions too
+    x = (torch.randn(shape, dtype=torch.float64) * 10).to(device=DEVICE, dtype=dtype)
+    if n >= 2 and data.draw(st.booleans()):
+        x = x.transpose(0, -1)  # reduced dimensions that are not innermost
+    if dtype.is_floating_point:
+        x.requires_grad_()
+    got = ops.sum(x, dims, keepdim)
+    expected = torch.sum(x.double(), dim=dims, keepdim=keepdim)
+    assert got.dtype == (torch.int64 if dtype == torch.int32 else dtype) and got.shape == expected.shape
+    atol, rtol = _tolerance(dtype if dtype.is_floating_point else torch.float32, reduced=max(1, x.numel()))
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+    if x.requires_grad:  # the gradient: the incoming one expanded over the summed dimensions
+        g = torch.randn(got.shape, dtype=torch.float64, device=DEVICE)
+        got.backward(g.to(dtype))
+        torch.testing.assert_close(x.grad.double(), torch.autograd.grad(expected, x, g)[0].double())
+        x = x.detach()
+    with ops.use_kernels(include=["sum"]):  # routed: torch.sum and x.sum(dim) land here, and match
+        routed = torch.sum(x, dim=dims, keepdim=keepdim)
+    assert torch.equal(routed, got)
+
+
+def _attention_reference(q, k, v, documents=None, is_causal=False, scale=None):
+    """PyTorch's attention with the K/V heads repeated per group and both masks as one boolean matrix."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+    if is_causal:
+        mask = mask.tril()
+    if documents is not None:
+        mask = mask & (documents[:, :, None] == documents[:, None, :])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _documents(batch, seq, count):
+    """Packed rows: document ids that never decrease along a row, `count` documents at most."""
+    return torch.sort(torch.randint(0, count, (batch, seq)), dim=1).values.to(DEVICE)
+
+
+def _check_attention(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, causal=False, documents=None,
+                     model_layout=False, scale=None):
+    """Ours against the float64 reference, forward and the three input gradients. With `model_layout` the
+    inputs are (batch, seq, heads, dim) tensors seen transposed, as the model hands them over.
+
+    fp32 within the op tests' tolerance. In 16 bits, FlashAttention's own bar: the largest error at most
+    twice that of PyTorch's attention in the same dtype, plus one rounding at the tensor's scale (the
+    probabilities meet V and dS meets K and Q as 16-bit tiles, so errors grow with the sums, not with
+    each element)."""
+    def leaf(h, s):
+        return _leaf(batch, s, h, head_dim, dtype=dtype) if model_layout else _leaf(batch, h, s, head_dim, dtype=dtype)
+
+    def run(fn, tensors, grad):
+        views = [t.transpose(1, 2) if model_layout else t for t in tensors]
+        out = fn(*views, documents=documents, is_causal=causal, scale=scale)
+        out.backward(grad.to(out.dtype))
+        return [out.detach().double()] + [t.grad.double() for t in tensors]
+
+    def ours(q, k, v, documents, is_causal, scale):
+        return ops.scaled_dot_product_attention(q, k, v, attn_mask=documents, is_causal=is_causal, scale=scale,
+                                                enable_gqa=True)
+
+    inputs = [leaf(heads, seq_q), leaf(kv_heads, seq_k), leaf(kv_heads, seq_k)]
+    grad = torch.randn(batch, heads, seq_q, head_dim, dtype=torch.float64, device=DEVICE)
+    expected = run(_attention_reference, [t.detach().double().requires_grad_() for t in inputs], grad)
+    got = run(ours, inputs, grad)
+    if dtype == torch.float32:
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1.3e-6)
+        return
+    eager = run(_attention_reference, [t.detach().clone().requires_grad_() for t in inputs], grad)
+    eps = torch.finfo(dtype).eps
+    for name, g, e, p in zip(("output", "dq", "dk", "dv"), got, expected, eager, strict=True):
+        error, allowed = (g - e).abs().max().item(), 2 * (p - e).abs().max().item() + eps * e.abs().max().item()
+        assert error <= allowed, f"{name}: off by {error:.3g}, allowed {allowed:.3g} (twice eager's, one rounding)"
+
+
+@pytest.mark.parametrize(("shape", "causal", "packed", "model_layout"), [
+    ((2, 4, 2, 37, 37, 64), True, False, True),    # grouped heads, the model's layout, causal
+    ((1, 2, 1, 20, 20, 80), False, True, False),   # documents, not causal; 80 padded to 128
+    ((1, 2, 2, 70, 70, 96), True, True, True),     # causal within each document, several blocks
+    ((1, 2, 1, 29, 5, 128), True, False, False),   # causal, more queries than keys (top-left aligned)
+], ids=["gqa-causal", "documents-hd80", "packed-hd96", "causal-rect-hd128"])
+def test_scaled_dot_product_attention(shape, causal, packed, model_layout, dtype):
+    batch, _, _, seq, _, _ = shape
+    documents = _documents(batch, seq, 3) if packed else None
+    _check_attention(*shape, dtype, causal=causal, documents=documents, model_layout=model_layout)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(kv_heads=st.integers(1, 2), group=st.integers(1, 3), seq_q=st.integers(1, 48), seq_k=st.integers(1, 48),
+       head_dim=st.sampled_from([64, 80, 96, 128]), dtype=dtypes, causal=st.booleans(), packed=st.integers(0, 4),
+       model_layout=st.booleans(), scale=st.sampled_from([None, 0.3]))
+def test_scaled_dot_product_attention_generated(kv_heads, group, seq_q, seq_k, head_dim, dtype, causal, packed,
+                                                model_layout, scale):
+    torch.manual_seed(seq_q * 100 + seq_k)  # the same values each time hypothesis replays a case
+    documents = None
+    if packed:  # document ids describe one sequence: as many keys as queries
+        seq_k = seq_q
+        documents = _documents(1, seq_q, packed)
+    _check_attention(1, kv_heads * group, kv_heads, seq_q, seq_k, head_dim, dtype, causal=causal, documents=documents,
+                     model_layout=model_layout, scale=scale)
+
+
+def test_attention_holds_no_seq_by_seq_matrix_and_its_gradients_are_deterministic():
+    """Every tensor the forward and backward allocate is at most as large as q (in bytes: the interpreter
+    sees tensors as bytes too): no (seq, seq) scores, not even one head's; and
+    the K/V gradients of grouped heads, summed in one program each, are the same bits run after run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.bytes = max(self.bytes, t.numel() * t.element_size())
+            return out
+
+    q, k, v = _leaf(1, 2, 160, 64), _leaf(1, 1, 160, 64), _leaf(1, 1, 160, 64)
+    grads = []
+    for _ in range(2):
+        for t in (q, k, v):
+            t.grad = None
+        largest = Largest()
+        with largest:
+            out = ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.backward(torch.ones_like(out))
+        assert largest.bytes <= q.numel() * 4 < 160 * 160 * 4
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_attention_refuses_what_it_does_not_take():
+    q, k = torch.zeros(1, 4, 8, 64, device=DEVICE), torch.zeros(1, 2, 8, 64, device=DEVICE)
+    sdpa = ops.scaled_dot_product_attention
+    with pytest.raises(ValueError, match="give document ids, an integer tensor"):
+        sdpa(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="need enable_gqa=True"):
+        sdpa(q, k, k)
+    with pytest.raises(ValueError, match="not a multiple of 3 key/value heads"):
+        sdpa(q, q[:, :3], q[:, :3], enable_gqa=True)
+    with pytest.raises(ValueError, match="dropout_p=0.1"):
+        sdpa(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"document ids need \(batch, seq\) = \(1, 8\)"):
+        sdpa(q, q, q, attn_mask=torch.zeros(1, 7, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="head_dim 320: at most 256"):
+        z = torch.zeros(1, 1, 2, 320, device=DEVICE)
+        sdpa(z, z, z)
+
+
 # --- compiled for real GPUs -------------------------------------------------------------------------
 
 ARCHS = ["90", "80"]
@@ -579,7 +821,8 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80(request, launch_record
     kernels = {json.loads(line)["kernel"]["name"] for line in record.read_text().splitlines()}
     # Every family of kernels was seen, generated pointwise kernels included.
     for name in ("_norm_fwd", "_norm_bwd", "_softmax_fwd", "_softmax_bwd", "_rope", "_ce_loss", "_ce_grad",
-                 "_matmul", "_pw_T_o1_r1", "_pw_TTT_o2_r1"):
+                 "_matmul", "_pw_T_o1_r1", "_pw_TTT_o2_r1", "_attn_fwd", "_attn_delta", "_attn_bwd_dkdv",
+                 "_attn_bwd_dq", "_embedding_fwd", "_embedding_bwd", "_adamw", "_row_sum"):
         assert name in kernels, f"{name} was never launched by the op tests"
     built = subprocess.run([sys.executable, "-m", "tests.ops.launches", str(record), *ARCHS], cwd=REPO, env=_env(),
                            capture_output=True, text=True, timeout=900)

@@ -45,6 +45,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 class Attention(nn.Module):
     rope_fn = staticmethod(apply_rotary)
+    attention_fn = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qkv_bias: bool = False):
         super().__init__()
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         if kv is not None:  # decoding: attend to every key so far (the cache gives the mask)
             k, v = kv.update(k, v)
         # mask (packed rows): (batch, 1, seq, seq), causal within each document; else plain causal.
-        out = F.scaled_dot_product_attention(
+        out = self.attention_fn(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1],
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
