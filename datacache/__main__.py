@@ -31,6 +31,7 @@ import sys
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from datacache.args import OneLineParser
 from datacache.server import TOKEN_ENV, CacheServer, DataCacheError
 
 
@@ -132,15 +133,8 @@ def _token(args, parser: argparse.ArgumentParser) -> str | None:
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments in one line (not argparse's usage block before it), exit 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m datacache", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m datacache", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="load Parquet data into memory and serve it over Arrow Flight")
     serve.add_argument("--source", required=True, help="a Parquet file, a directory or a glob")

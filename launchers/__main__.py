@@ -17,6 +17,7 @@ import dataclasses
 import json
 import sys
 
+from datacache.args import OneLineParser
 from launchers import JobInfo, JobState, LauncherError, OptionError
 from launchers.client import Client
 
@@ -38,7 +39,7 @@ def _cell(value) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m launchers",
         description="Follow and manage trainjob jobs on a "
         "launcher (start them with python -m trainer or launchers.Client).",

@@ -12,7 +12,6 @@ advertises entry i and lists all of them as its peers, so that any node answers 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ import threading
 
 from omegaconf import OmegaConf
 
+from datacache.args import OneLineParser
 from datacache.server import TOKEN_ENV, CacheServer
 from trainer import data
 
@@ -35,7 +35,7 @@ def _peers(cfg, count: int) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.cache_node", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m trainer.cache_node", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the run's resolved config.yaml")
     parser.add_argument("--shard", required=True, help="i/N: serve the i-th of N parts of the training rows")
     parser.add_argument("--host", default="127.0.0.1")

@@ -14,7 +14,6 @@ renamed when complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ import warnings
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from datacache.args import OneLineParser
 from launchers.paths import directory_problem, nearest_existing
 from trainer import lora, models
 from trainer.checkpoint import damage
@@ -182,7 +182,7 @@ def export(checkpoint: str, out: str, merge: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint directory, <run_dir>/checkpoints/step-<N>")
     parser.add_argument("out", help="the Hugging Face model directory to write (must not exist)")
     parser.add_argument(

@@ -8,7 +8,6 @@ A `-m` sweep writes the same into its sweep directory when it ends: `SweepReport
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from datacache.args import OneLineParser
 from launchers.paths import directory_problem
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ def report(paths: list[str], output: str | None = None, console=None) -> tuple[l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m trainer.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", metavar="PATH", help="run or sweep directories")
     parser.add_argument(
         "-o", "--output", help="where to write the picture (default: report.png in the paths' common folder)"

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from datacache.args import OneLineParser
 from trainer.config import ConfigError
 from trainer.generate import generate, sampling
 
@@ -97,7 +98,7 @@ def _source(path: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", metavar="SOURCE", help="a checkpoint directory or a Hugging Face model directory")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat it for a batch")
     parser.add_argument("--chat", action="store_true", help="send each prompt as a user message of the chat template")
