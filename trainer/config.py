@@ -148,6 +148,9 @@ class DataConfig:
     # data=chat: pack conversations into rows (attention and positions within each) instead of padding each.
     packing: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # Set by the driver where it checked the corpus (launcher=local, docker): the key of the build its ranks
+    # must read (`trainer.data.prepare`); a rank whose source would make another corpus refuses to start.
+    fingerprint: str | None = None
 
     def check(self) -> None:
         _one_of("data.name", self.name, DATASETS)

@@ -1,0 +1,254 @@
+"""The Docker launcher against a real Docker engine: real containers of the image built from this
+repository's Dockerfile (`.ci/docker-image` builds `trainjob:test` on a Debian base made locally), on a real
+bridge network of the job's own, running real torchrun and gloo ranks.
+
+They skip, saying why, where no engine answers or the image is missing; where TRAINJOB_DOCKER_IMAGE is set
+(CI exports it once it has built the image) they fail instead. The image's Python is Debian's, not this
+host's, so its standard library (the default corpus's source) differs from the driver's: the runs below
+train on the driver's corpus only because the ranks read the build the driver pinned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from launchers import Client, JobState, LauncherError
+from launchers import get as get_launcher
+from launchers.docker import RUN_LABEL, cpu_shares, host_cpus
+from tests.conftest import REFERENCE, TINY, compose_run, read_metrics, read_summary
+
+IMAGE = os.environ.get("TRAINJOB_DOCKER_IMAGE") or "trainjob:test"
+NOBODY = 65534  # the user the driver runs as when the tests run as root
+DOCKER = ["launcher=docker", "+runtime=torch-distributed", "runtime.nnodes=2", f"launcher.image={IMAGE}"]
+
+pytestmark = pytest.mark.slow
+
+
+def docker(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=120)
+
+
+def _unavailable() -> str | None:
+    if shutil.which("docker") is None:
+        return "no docker CLI on PATH"
+    info = docker("info", "--format", "{{.ServerVersion}}")
+    if info.returncode != 0:
+        return f"no Docker engine answers ({(info.stderr.strip().splitlines() or ['?'])[-1]})"
+    if docker("image", "inspect", IMAGE).returncode != 0:
+        return f"no image {IMAGE}: build it with .ci/docker-image"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine():
+    reason = _unavailable()
+    if reason and os.environ.get("TRAINJOB_DOCKER_IMAGE"):
+        pytest.fail(f"TRAINJOB_DOCKER_IMAGE is set and {reason}")
+    if reason:
+        pytest.skip(reason)
+
+
+def leftovers(name: str) -> list[str]:
+    """The containers of run `name` and its network, where any remain."""
+    ps = docker("ps", "--all", "--filter", f"label={RUN_LABEL}={name}", "--format", "{{.Names}}")
+    network = ["network " + name] if docker("network", "inspect", name).returncode == 0 else []
+    return ps.stdout.split() + network
+
+
+def losses(run_dir: str) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def same_run(run_dir: str, reference: str) -> None:
+    assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-6)
+    assert read_summary(run_dir)["final_eval_loss"] == pytest.approx(read_summary(reference)["final_eval_loss"],
+                                                                     rel=1e-6)
+
+
+def as_user(uid: int, gid: int) -> dict:
+    """subprocess.run's options that run a command as uid:gid, with the docker socket's group when it
+    needs one (root only; as another user, the command runs as that user anyway)."""
+    if os.getuid() != 0:
+        return {}
+    socket = "/var/run/docker.sock"
+    groups = [os.stat(socket).st_gid] if os.path.exists(socket) else []
+    return {"user": uid, "group": gid, "extra_groups": groups}
+
+
+def test_two_nodes_train_as_local_torchrun_as_the_invoking_user_each_on_its_own_cpus(cache_dir, ddp_reference):
+    """2 nodes x 1 process give the losses of local torchrun with 2 processes (the driver's corpus, not the
+    image's); every file of the run is the invoking user's, who can delete it; each node has its own CPUs
+    and as many threads as CPUs."""
+    uid, gid = (NOBODY, NOBODY) if os.getuid() == 0 else (os.getuid(), os.getgid())
+    top = tempfile.mkdtemp(prefix="trainjob-docker-", dir="/tmp")  # outside pytest's root-only directories
+    try:
+        cache, home, run_dir = (os.path.join(top, d) for d in ("cache", "home", "run"))
+        shutil.copytree(os.path.join(cache_dir, "corpus"), os.path.join(cache, "corpus"))  # the driver's build
+        os.makedirs(home)
+        for root, dirs, files in os.walk(top):
+            for p in [root, *(os.path.join(root, x) for x in dirs + files)]:
+                os.chown(p, uid, gid)
+        env = {**os.environ, "TRAINJOB_CACHE": cache, "HOME": home, "TRAINJOB_HOME": home, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.run([sys.executable, "-m", "trainer", *REFERENCE, *DOCKER, f"hydra.run.dir={run_dir}"],
+                              cwd=top, env=env, capture_output=True, text=True, timeout=300, **as_user(uid, gid))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        same_run(run_dir, ddp_reference)
+
+        written = [os.path.join(r, x) for r, dirs, files in os.walk(run_dir) for x in dirs + files]
+        assert any("checkpoints" in p for p in written) and any(p.endswith("rank-1.log") for p in written)
+        assert {p: os.lstat(p).st_uid for p in written if os.lstat(p).st_uid != uid} == {}
+
+        # Rank r runs on node r (torchrun ranks the nodes by host name): its own CPUs, a thread for each.
+        shares = cpu_shares(2, None, host_cpus())
+        for rank, cpus in enumerate(shares):
+            with open(os.path.join(run_dir, "logs", f"rank-{rank}.log")) as f:
+                assert f", {len(cpus)} threads on CPUs {','.join(map(str, cpus))}" in f.read()
+        assert not set(shares[0]) & set(shares[1])
+
+        name = job_name_of(run_dir)
+        assert leftovers(name) == []
+        rm = subprocess.run(["rm", "-r", run_dir], capture_output=True, text=True, **as_user(uid, gid))
+        assert rm.returncode == 0 and not os.path.exists(run_dir), rm.stderr
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def job_name_of(run_dir: str) -> str:
+    from launchers.base import run_name
+
+    return run_name(os.path.abspath(run_dir), max_len=49)
+
+
+def test_cache_nodes_run_in_containers_and_a_relaunch_resumes(run_cli, tmp_path, ddp_reference):
+    run_dir = tmp_path / "run"
+    first = run_cli(*REFERENCE, *DOCKER, "data.cache.nodes=2", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    same_run(str(run_dir), ddp_reference)  # the batches the local corpus gives, from the cache containers
+    name = job_name_of(str(run_dir))
+    assert leftovers(name) == []
+
+    again = run_cli(*REFERENCE, *DOCKER, "data.cache.nodes=2", "train.max_steps=8", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-6'} (step 6)" in again.stderr
+    summary = read_summary(str(run_dir))
+    assert (summary["steps"], summary["steps_this_run"]) == (8, 2)
+    assert [m["step"] for m in read_metrics(str(run_dir)) if "loss" in m] == list(range(1, 9))
+    assert leftovers(name) == []
+
+
+def test_a_node_that_fails_to_start_takes_the_others_and_the_network_with_it(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    name = job_name_of(str(run_dir))
+    blocker = f"{name}-node-1"  # a container of that name, not the job's: docker refuses to start node 1
+    assert docker("create", "--name", blocker, IMAGE, "true").returncode == 0
+    try:
+        proc = run_cli(*TINY, *DOCKER, "train.max_steps=2", f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 1
+        (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert error.startswith(f"error: docker could not start container {blocker}: ") and "Conflict" in error
+        assert error.endswith("; removed what this launch had started")
+        assert leftovers(name) == []  # node 0 and the network are gone
+        assert docker("inspect", blocker).returncode == 0  # what was not the launch's stays
+    finally:
+        docker("rm", "--force", blocker)
+
+
+def test_a_rank_whose_corpus_is_not_the_drivers_refuses_before_its_first_step(tmp_path):
+    """The driver pins the corpus it checked; ranks that can neither read that build nor make it again
+    (here its Parquet source changed after the driver checked it) refuse in one line, and train nothing."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    run_dir.mkdir()
+    source = run_dir / "docs.parquet"  # in the run directory: the containers see it at the same path
+    pq.write_table(pa.table({"text": [f"document {i}: " + "lorem ipsum dolor " * 12 for i in range(300)]}), source)
+    run = compose_run(tmp_path, *TINY, *DOCKER, "data=parquet", f"data.path={source}", "data.eval_percent=20",
+                      f"data.cache_dir={cache}", "train.max_steps=2")
+    pinned = run.spec.config["data"]["fingerprint"]  # the key of the build the driver checked
+    assert [d for d in os.listdir(cache / "corpus") if not d.startswith(".")] == [f"parquet-{pinned}"]
+    shutil.rmtree(cache / "corpus")
+    os.utime(source, (source.stat().st_atime, source.stat().st_mtime + 60))  # the source is not what was checked
+
+    job = get_launcher(run.launcher).launch(run.spec)
+    lines = list(job.logs(0, follow=True))
+    assert job.wait(timeout=120) == JobState.FAILED
+    refusals = [line for line in lines if line.startswith("error: ")]
+    assert len(refusals) == 1, lines[-20:]
+    assert refusals[0].startswith(f"error: invalid config: data.fingerprint='{pinned}': the driver checked that "
+                                  f"parquet corpus, and it is not in {cache / 'corpus'} here, where the source "
+                                  "makes corpus ")
+    assert not os.path.exists(run_dir / "metrics.jsonl")  # no step ran
+    assert not os.path.exists(cache / "corpus") or os.listdir(cache / "corpus") == []  # nothing built
+    assert leftovers(job.name) == []
+
+
+def test_the_client_follows_a_job_and_a_dry_run_prints_what_a_launch_runs(run_cli, tmp_path, cache_dir,
+                                                                          monkeypatch):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, "+runtime=torch-distributed", "runtime.nnodes=2", "train.max_steps=4",
+                 "train.eval_every=2"]
+    dry = run_cli("launcher=docker", f"launcher.image={IMAGE}", *overrides, "launcher.dry_run=true",
+                  f"hydra.run.dir={run_dir}")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    printed = [shlex.split(line) for line in dry.stdout.splitlines()]
+    assert [c[:3] for c in printed] == [["docker", "network", "create"], *[["docker", "run", "--detach"]] * 2]
+
+    monkeypatch.setenv("TRAINJOB_CACHE", cache_dir)
+    client = Client("docker", image=IMAGE)
+    name = client.train(*overrides, run_dir=str(run_dir))
+    try:
+        assert name == job_name_of(str(run_dir))
+        # What runs is what the dry run printed: the network, then each container as its command says.
+        network = json.loads(docker("network", "inspect", name).stdout)[0]
+        assert printed[0] == ["docker", "network", "create", "--label", f"{RUN_LABEL}={network['Labels'][RUN_LABEL]}",
+                              network["Name"]]
+        for cmd in printed[1:]:
+            assert_runs_as_printed(cmd)
+
+        assert name in [j.name for j in client.list_jobs()]
+        info = client.get_job(name)
+        assert info.state in (JobState.CREATED, JobState.RUNNING, JobState.COMPLETE)
+        assert info.run_dir == str(run_dir) and info.start_time is not None
+        followed = list(client.get_job_logs(name, follow=True))  # until node 0's container has exited
+        assert docker("inspect", "--format", "{{.State.Status}}", f"{name}-node-0").stdout.strip() == "exited"
+        assert any("done: step 4" in line for line in followed), followed[-10:]
+        done = client.wait_for_job_status(name, "Complete", timeout=120, polling_interval=0.5)
+        assert (done.state, done.step) == (JobState.COMPLETE, 4) and done.eval_loss is not None
+        assert done.end_time is not None and done.end_time >= done.start_time
+    finally:
+        client.delete_job(name)
+    assert leftovers(name) == []
+    with pytest.raises(LauncherError, match=f"no docker job '{name}'"):
+        client.get_job(name)
+
+
+def assert_runs_as_printed(cmd: list[str]) -> None:
+    """The container that `cmd` (a printed `docker run --detach ...`) started has each of its options."""
+    opts, at = {}, 3
+    while cmd[at].startswith("--"):
+        opts.setdefault(cmd[at], []).append(cmd[at + 1])
+        at += 2
+    image, args = cmd[at], cmd[at + 1:]
+    (c,) = json.loads(docker("inspect", opts["--name"][0]).stdout)
+    config, host = c["Config"], c["HostConfig"]
+    assert (config["Image"], config["Entrypoint"] or [], config["Cmd"]) == (image, [], args)
+    assert config["Hostname"] == opts["--hostname"][0] and host["NetworkMode"] == opts["--network"][0]
+    assert config["User"] == opts["--user"][0] == f"{os.getuid()}:{os.getgid()}"
+    assert set(opts["--env"]) <= set(config["Env"])
+    assert {k: config["Labels"][k] for k in dict(x.split("=", 1) for x in opts["--label"])} == dict(
+        x.split("=", 1) for x in opts["--label"])
+    assert sorted(host["Binds"]) == sorted(opts["--volume"])
+    assert host["CpusetCpus"] == opts["--cpuset-cpus"][0]
+    path, options = opts["--tmpfs"][0].split(":", 1)
+    assert host["Tmpfs"] == {path: options}
+    assert host["ShmSize"] == 8 * 2**30 and opts["--shm-size"] == ["8g"]
+    assert set(opts) == {"--name", "--hostname", "--network", "--user", "--tmpfs", "--label", "--shm-size",
+                         "--volume", "--env", "--cpuset-cpus"}
