@@ -171,8 +171,13 @@ def _docker(*args: str, check: bool = True, env: dict[str, str] | None = None) -
     except FileNotFoundError:
         raise LauncherError("launcher=docker needs the docker CLI on PATH") from None
     if check and proc.returncode != 0:
-        raise LauncherError(f"docker {' '.join(args[:2])} failed: {proc.stderr.strip()}")
+        raise LauncherError(f"docker {' '.join(args[:2])} failed: {_reason(proc.stderr)}")
     return proc
+
+
+def _reason(stderr: str) -> str:
+    """Docker's error on one line, without its pointer to `--help`."""
+    return " ".join(line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith("See '"))
 
 
 def _remove(name: str, containers: list[str], own_network: bool) -> None:
@@ -439,7 +444,7 @@ class DockerLauncher(Launcher):
                 _remove(name, started, own_network)  # nothing half-started stays behind
                 what = f"container {container}" if container else f"network {cmd[-1]}"
                 raise LauncherError(
-                    f"docker could not start {what}: {proc.stderr.strip()}; removed what this launch had started"
+                    f"docker could not start {what}: {_reason(proc.stderr)}; removed what this launch had started"
                 )
             if container:
                 started.append(container)

@@ -10,12 +10,13 @@ train on the driver's corpus only because the ranks read the build the driver pi
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import pyarrow as pa
@@ -28,7 +29,7 @@ from launchers.docker import RUN_LABEL, cpu_shares, host_cpus
 from tests.conftest import REFERENCE, TINY, compose_run, read_metrics, read_summary
 
 IMAGE = os.environ.get("TRAINJOB_DOCKER_IMAGE") or "trainjob:test"
-NOBODY = 65534  # the user the driver runs as when the tests run as root
+NOBODY = 65534  # the invoking user of the test that runs the driver as another user
 DOCKER = ["launcher=docker", "+runtime=torch-distributed", "runtime.nnodes=2", f"launcher.image={IMAGE}"]
 
 pytestmark = pytest.mark.slow
@@ -75,50 +76,47 @@ def same_run(run_dir: str, reference: str) -> None:
                                                                      rel=1e-6)
 
 
-def as_user(uid: int, gid: int) -> dict:
-    """subprocess.run's options that run a command as uid:gid, with the docker socket's group when it
-    needs one (root only; as another user, the command runs as that user anyway)."""
-    if os.getuid() != 0:
-        return {}
-    socket = "/var/run/docker.sock"
-    groups = [os.stat(socket).st_gid] if os.path.exists(socket) else []
-    return {"user": uid, "group": gid, "extra_groups": groups}
+def test_two_nodes_train_as_local_torchrun_each_on_its_own_cpus(run_cli, tmp_path, ddp_reference):
+    """2 nodes x 1 process give the losses of local torchrun with 2 processes: the driver's corpus, not the
+    one the image's Python would make; each node has CPUs of its own and a thread for each."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(*REFERENCE, *DOCKER, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same_run(str(run_dir), ddp_reference)
+    shares = cpu_shares(2, None, host_cpus())
+    for rank, cpus in enumerate(shares):  # rank r on node r: torchrun ranks the nodes by host name
+        with open(run_dir / "logs" / f"rank-{rank}.log") as f:
+            assert f", {len(cpus)} threads on CPUs {','.join(map(str, cpus))}" in f.read()
+    assert len(host_cpus()) < 2 or not set(shares[0]) & set(shares[1])
+    assert leftovers(job_name_of(str(run_dir))) == []
 
 
-def test_two_nodes_train_as_local_torchrun_as_the_invoking_user_each_on_its_own_cpus(cache_dir, ddp_reference):
-    """2 nodes x 1 process give the losses of local torchrun with 2 processes (the driver's corpus, not the
-    image's); every file of the run is the invoking user's, who can delete it; each node has its own CPUs
-    and as many threads as CPUs."""
-    uid, gid = (NOBODY, NOBODY) if os.getuid() == 0 else (os.getuid(), os.getgid())
+def test_the_containers_run_as_the_invoking_user_who_can_delete_the_run(tmp_path):
+    """A driver run by user 65534 (in a container of the image, with the docker CLI and the engine's socket:
+    this host's interpreter lies where only root may read) starts ranks that write the run directory as
+    65534, who can then delete all of it."""
     top = tempfile.mkdtemp(prefix="trainjob-docker-", dir="/tmp")  # outside pytest's root-only directories
     try:
-        cache, home, run_dir = (os.path.join(top, d) for d in ("cache", "home", "run"))
-        shutil.copytree(os.path.join(cache_dir, "corpus"), os.path.join(cache, "corpus"))  # the driver's build
-        os.makedirs(home)
-        for root, dirs, files in os.walk(top):
-            for p in [root, *(os.path.join(root, x) for x in dirs + files)]:
-                os.chown(p, uid, gid)
-        env = {**os.environ, "TRAINJOB_CACHE": cache, "HOME": home, "TRAINJOB_HOME": home, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.run([sys.executable, "-m", "trainer", *REFERENCE, *DOCKER, f"hydra.run.dir={run_dir}"],
-                              cwd=top, env=env, capture_output=True, text=True, timeout=300, **as_user(uid, gid))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        same_run(run_dir, ddp_reference)
-
-        written = [os.path.join(r, x) for r, dirs, files in os.walk(run_dir) for x in dirs + files]
-        assert any("checkpoints" in p for p in written) and any(p.endswith("rank-1.log") for p in written)
-        assert {p: os.lstat(p).st_uid for p in written if os.lstat(p).st_uid != uid} == {}
-
-        # Rank r runs on node r (torchrun ranks the nodes by host name): its own CPUs, a thread for each.
-        shares = cpu_shares(2, None, host_cpus())
-        for rank, cpus in enumerate(shares):
-            with open(os.path.join(run_dir, "logs", f"rank-{rank}.log")) as f:
-                assert f", {len(cpus)} threads on CPUs {','.join(map(str, cpus))}" in f.read()
-        assert not set(shares[0]) & set(shares[1])
-
-        name = job_name_of(run_dir)
-        assert leftovers(name) == []
-        rm = subprocess.run(["rm", "-r", run_dir], capture_output=True, text=True, **as_user(uid, gid))
-        assert rm.returncode == 0 and not os.path.exists(run_dir), rm.stderr
+        source, run_dir = os.path.join(top, "docs.parquet"), os.path.join(top, "run")
+        pq.write_table(pa.table({"text": [f"doc {i}: " + "lorem ipsum " * 20 for i in range(300)]}), source)
+        os.chown(top, NOBODY, NOBODY)
+        os.chown(source, NOBODY, NOBODY)
+        socket = "/var/run/docker.sock"
+        driver = ["python", "-m", "trainer", *TINY, *DOCKER, "data=parquet", f"data.path={source}",
+                  "data.eval_percent=20", "train.max_steps=2", "train.checkpoint_every=1", f"hydra.run.dir={run_dir}"]
+        cli = shutil.which("docker")
+        proc = docker("run", "--rm", "--user", f"{NOBODY}:{NOBODY}", "--group-add", str(os.stat(socket).st_gid),
+                      "--volume", f"{socket}:{socket}", "--volume", f"{cli}:/usr/local/bin/docker:ro",
+                      "--volume", f"{top}:{top}", "--workdir", top, "--env", f"HOME={top}",
+                      "--env", f"TRAINJOB_CACHE={top}/cache", IMAGE, "sh", "-c",
+                      f"{shlex.join(driver)} && ls -ln {run_dir}/checkpoints && rm -r {run_dir}")
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert "final eval loss:" in proc.stdout
+        assert re.search(rf"\S+ +\d+ {NOBODY} +{NOBODY} .* step-2$", proc.stdout, re.MULTILINE), proc.stdout[-2000:]
+        assert not os.path.exists(run_dir)  # the user deleted all of it, checkpoints and logs included
+        assert {p: os.lstat(p).st_uid for p in glob.glob(f"{top}/cache/**", recursive=True)
+                if os.lstat(p).st_uid != NOBODY} == {}
+        assert leftovers(job_name_of(run_dir)) == []
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
