@@ -76,11 +76,14 @@ def same_run(run_dir: str, reference: str) -> None:
                                                                      rel=1e-6)
 
 
-def test_two_nodes_train_as_local_torchrun_each_on_its_own_cpus(run_cli, tmp_path, ddp_reference):
-    """2 nodes x 1 process give the losses of local torchrun with 2 processes: the driver's corpus, not the
-    one the image's Python would make; each node has CPUs of its own and a thread for each."""
+def test_two_nodes_train_as_local_torchrun_each_on_its_own_cpus_and_a_relaunch_resumes(run_cli, tmp_path,
+                                                                                         ddp_reference):
+    """2 nodes x 1 process, their batches from 2 cache containers, give the losses of local torchrun with 2
+    processes: the driver's corpus, not the one the image's Python would make. Each node has CPUs of its own
+    and a thread for each. Launched again (no cache nodes, 2 more steps), the run resumes, its ranks reading
+    the driver's build: the image's Python makes another corpus, which they would refuse."""
     run_dir = tmp_path / "run"
-    proc = run_cli(*REFERENCE, *DOCKER, f"hydra.run.dir={run_dir}")
+    proc = run_cli(*REFERENCE, *DOCKER, "data.cache.nodes=2", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     same_run(str(run_dir), ddp_reference)
     shares = cpu_shares(2, None, host_cpus())
@@ -88,7 +91,17 @@ def test_two_nodes_train_as_local_torchrun_each_on_its_own_cpus(run_cli, tmp_pat
         with open(run_dir / "logs" / f"rank-{rank}.log") as f:
             assert f", {len(cpus)} threads on CPUs {','.join(map(str, cpus))}" in f.read()
     assert len(host_cpus()) < 2 or not set(shares[0]) & set(shares[1])
-    assert leftovers(job_name_of(str(run_dir))) == []
+    name = job_name_of(str(run_dir))
+    assert leftovers(name) == []
+
+    again = run_cli(*REFERENCE, *DOCKER, "train.max_steps=8", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    with open(run_dir / "logs" / "rank-0.log") as f:
+        assert f"resumed from {run_dir / 'checkpoints' / 'step-6'} (step 6)" in f.read()
+    summary = read_summary(str(run_dir))
+    assert (summary["steps"], summary["steps_this_run"]) == (8, 2)
+    assert [m["step"] for m in read_metrics(str(run_dir)) if "loss" in m] == list(range(1, 9))
+    assert leftovers(name) == []
 
 
 def test_the_containers_run_as_the_invoking_user_who_can_delete_the_run(tmp_path):
@@ -102,8 +115,9 @@ def test_the_containers_run_as_the_invoking_user_who_can_delete_the_run(tmp_path
         os.chown(top, NOBODY, NOBODY)
         os.chown(source, NOBODY, NOBODY)
         socket = "/var/run/docker.sock"
-        driver = ["python", "-m", "trainer", *TINY, *DOCKER, "data=parquet", f"data.path={source}",
-                  "data.eval_percent=20", "train.max_steps=2", "train.checkpoint_every=1", f"hydra.run.dir={run_dir}"]
+        driver = ["python", "-m", "trainer", *TINY, *DOCKER, "runtime.nnodes=1", "data=parquet", f"data.path={source}",
+                  "data.eval_percent=20", "train.max_steps=2", "train.checkpoint_every=1",
+                  f"hydra.run.dir={run_dir}"]
         cli = shutil.which("docker")
         proc = docker("run", "--rm", "--user", f"{NOBODY}:{NOBODY}", "--group-add", str(os.stat(socket).st_gid),
                       "--volume", f"{socket}:{socket}", "--volume", f"{cli}:/usr/local/bin/docker:ro",
@@ -125,23 +139,6 @@ def job_name_of(run_dir: str) -> str:
     from launchers.base import run_name
 
     return run_name(os.path.abspath(run_dir), max_len=49)
-
-
-def test_cache_nodes_run_in_containers_and_a_relaunch_resumes(run_cli, tmp_path, ddp_reference):
-    run_dir = tmp_path / "run"
-    first = run_cli(*REFERENCE, *DOCKER, "data.cache.nodes=2", f"hydra.run.dir={run_dir}")
-    assert first.returncode == 0, first.stderr[-3000:]
-    same_run(str(run_dir), ddp_reference)  # the batches the local corpus gives, from the cache containers
-    name = job_name_of(str(run_dir))
-    assert leftovers(name) == []
-
-    again = run_cli(*REFERENCE, *DOCKER, "data.cache.nodes=2", "train.max_steps=8", f"hydra.run.dir={run_dir}")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step-6'} (step 6)" in again.stderr
-    summary = read_summary(str(run_dir))
-    assert (summary["steps"], summary["steps_this_run"]) == (8, 2)
-    assert [m["step"] for m in read_metrics(str(run_dir)) if "loss" in m] == list(range(1, 9))
-    assert leftovers(name) == []
 
 
 def test_a_node_that_fails_to_start_takes_the_others_and_the_network_with_it(run_cli, tmp_path):
@@ -168,8 +165,8 @@ def test_a_rank_whose_corpus_is_not_the_drivers_refuses_before_its_first_step(tm
     run_dir.mkdir()
     source = run_dir / "docs.parquet"  # in the run directory: the containers see it at the same path
     pq.write_table(pa.table({"text": [f"document {i}: " + "lorem ipsum dolor " * 12 for i in range(300)]}), source)
-    run = compose_run(tmp_path, *TINY, *DOCKER, "data=parquet", f"data.path={source}", "data.eval_percent=20",
-                      f"data.cache_dir={cache}", "train.max_steps=2")
+    run = compose_run(tmp_path, *TINY, *DOCKER, "runtime.nnodes=1", "data=parquet", f"data.path={source}",
+                      "data.eval_percent=20", f"data.cache_dir={cache}", "train.max_steps=2")
     pinned = run.spec.config["data"]["fingerprint"]  # the key of the build the driver checked
     assert [d for d in os.listdir(cache / "corpus") if not d.startswith(".")] == [f"parquet-{pinned}"]
     shutil.rmtree(cache / "corpus")
@@ -191,8 +188,7 @@ def test_a_rank_whose_corpus_is_not_the_drivers_refuses_before_its_first_step(tm
 def test_the_client_follows_a_job_and_a_dry_run_prints_what_a_launch_runs(run_cli, tmp_path, cache_dir,
                                                                           monkeypatch):
     run_dir = tmp_path / "run"
-    overrides = [*TINY, "+runtime=torch-distributed", "runtime.nnodes=2", "train.max_steps=4",
-                 "train.eval_every=2"]
+    overrides = [*TINY, "+runtime=torch-distributed", "runtime.nnodes=2", "train.max_steps=2"]
     dry = run_cli("launcher=docker", f"launcher.image={IMAGE}", *overrides, "launcher.dry_run=true",
                   f"hydra.run.dir={run_dir}")
     assert dry.returncode == 0, dry.stderr[-3000:]
@@ -217,9 +213,9 @@ def test_the_client_follows_a_job_and_a_dry_run_prints_what_a_launch_runs(run_cl
         assert info.run_dir == str(run_dir) and info.start_time is not None
         followed = list(client.get_job_logs(name, follow=True))  # until node 0's container has exited
         assert docker("inspect", "--format", "{{.State.Status}}", f"{name}-node-0").stdout.strip() == "exited"
-        assert any("done: step 4" in line for line in followed), followed[-10:]
+        assert any("done: step 2" in line for line in followed), followed[-10:]
         done = client.wait_for_job_status(name, "Complete", timeout=120, polling_interval=0.5)
-        assert (done.state, done.step) == (JobState.COMPLETE, 4) and done.eval_loss is not None
+        assert (done.state, done.step) == (JobState.COMPLETE, 2) and done.eval_loss is not None
         assert done.end_time is not None and done.end_time >= done.start_time
     finally:
         client.delete_job(name)
