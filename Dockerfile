@@ -2,7 +2,10 @@
 # (the image Kubeflow Trainer's torch-distributed runtime uses) plus trainjob, with the experiment trackers'
 # packages (`train.trackers`), which rank 0 imports where it runs.
 #   docker build -t <registry>/trainjob:<tag> .
-FROM pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+# BASE picks another base with python, pip and torch on PATH: CI builds the image its real-engine tests run on
+# a base it makes itself (.ci/docker-image: `--build-arg BASE=trainjob-base:bookworm`).
+ARG BASE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+FROM ${BASE}
 WORKDIR /opt/trainjob
 COPY pyproject.toml README.md ./
 COPY conf conf

@@ -5,7 +5,11 @@ reached by its container name on the job's network. The run directory and the da
 at the same paths as on this host, so the resolved config and the worker command are the launcher's
 usual ones. Data cache nodes (`data.cache.nodes`) run as containers `<job>-cache-<i>` of the same image
 on the network, and the ranks start once each answers `python -m datacache ready`. Node `i` gets GPUs
-`i*g .. i*g+g-1` of the host (`launcher.gpus_per_node=g`). Secrets reach the containers as environment
+`i*g .. i*g+g-1` of the host (`launcher.gpus_per_node=g`) and, as every node shares this host, CPUs
+`i*c .. i*c+c-1` of those this process may use (`--cpuset-cpus`; `launcher.cpus_per_node=c`, by default
+an equal share), with OMP_NUM_THREADS set to its ranks' share of them. The containers run as the user
+who launched them (`--user uid:gid`, HOME a private tmpfs), so that the run directory and the data cache
+stay theirs. Secrets reach the containers as environment
 variables named on the command line and valued from the docker CLI's own environment, so no value shows
 in `ps` or in the printed commands. A relaunch of the same run
 directory first removes the last attempt's stopped containers and network; a launch that fails half way
@@ -15,6 +19,7 @@ directory). It drives the `docker` CLI; `launcher.dry_run=true` prints the comma
 
 from __future__ import annotations
 
+import getpass
 import os
 import shlex
 import subprocess
@@ -42,6 +47,7 @@ from launchers.base import (
 )
 
 RDZV_PORT = 29400
+HOME = "/home/trainjob"  # each container's HOME
 RUN_LABEL, ROLE_LABEL, DIR_LABEL = "trainjob.run", "trainjob.role", "trainjob.run_dir"
 
 
@@ -51,6 +57,7 @@ class DockerLauncherConfig:
     image: str = MISSING
     network: str | None = None  # null: one per job, named after it
     gpus_per_node: int = 0
+    cpus_per_node: int | None = None  # null: this host's CPUs split equally among the nodes
     shm_size: str = "8g"
     env: dict[str, str] = field(default_factory=dict)
     dry_run: bool = False
@@ -77,6 +84,8 @@ def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, st
         "launcher=docker runs torchrun on every node: add +runtime=torch-distributed",
     )
     require(options["gpus_per_node"] >= 0, "launcher.gpus_per_node", options["gpus_per_node"], "must be >= 0")
+    cpus = options.get("cpus_per_node")
+    require(cpus is None or cpus >= 1, "launcher.cpus_per_node", cpus, "must be >= 1, or null for an equal share")
     for key, path in paths.items():  # docker reads ':' in a --volume as its separator
         require(":" not in path, key, path, "must not hold ':' with launcher=docker (docker's volume separator)")
 
@@ -104,6 +113,30 @@ def _check_spec(spec: LaunchSpec, image: str) -> None:
 def gpu_devices(node: int, per_node: int) -> str:
     """The `--gpus` value that gives node `node` its own GPUs (docker's CSV form needs the quotes)."""
     return '"device=' + ",".join(str(node * per_node + i) for i in range(per_node)) + '"'
+
+
+def host_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity), which the nodes share out."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def cpu_shares(nnodes: int, per_node: int | None, cpus: list[int]) -> list[list[int]]:
+    """Each node's own CPUs: `per_node` of `cpus` (None: an equal share, at least one), consecutive; where
+    the nodes ask for more than there are, the shares wrap around (launch refuses that)."""
+    per_node = per_node or max(1, len(cpus) // nnodes)
+    return [[cpus[(node * per_node + i) % len(cpus)] for i in range(per_node)] for node in range(nnodes)]
+
+
+def _user() -> tuple[str, dict[str, str], list[str]]:
+    """`--user`, the environment and the options that make a container run as the invoking user, with a
+    HOME of its own that it can write (a tmpfs: the image has no home for an arbitrary uid)."""
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        user = getpass.getuser()  # torch and triton name their caches after it; the image has no passwd entry
+    except (KeyError, OSError):
+        user = f"uid{uid}"
+    opts = ["--tmpfs", f"{HOME}:uid={uid},gid={gid},mode=0700"]
+    return f"{uid}:{gid}", {"HOME": HOME, "USER": user}, opts
 
 
 def host_gpus() -> int | None:
@@ -138,8 +171,13 @@ def _docker(*args: str, check: bool = True, env: dict[str, str] | None = None) -
     except FileNotFoundError:
         raise LauncherError("launcher=docker needs the docker CLI on PATH") from None
     if check and proc.returncode != 0:
-        raise LauncherError(f"docker {' '.join(args[:2])} failed: {proc.stderr.strip()}")
+        raise LauncherError(f"docker {' '.join(args[:2])} failed: {_reason(proc.stderr)}")
     return proc
+
+
+def _reason(stderr: str) -> str:
+    """Docker's error on one line, without its pointer to `--help`."""
+    return " ".join(line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith("See '"))
 
 
 def _remove(name: str, containers: list[str], own_network: bool) -> None:
@@ -270,6 +308,8 @@ class DockerLauncher(Launcher):
             env["TRAINJOB_CACHE"] = spec.cache_dir
         cmds = [] if lc.get("network") else [["docker", "network", "create", "--label", f"{RUN_LABEL}={name}", network]]
         mounts = [spec.run_dir, *([spec.cache_dir] if spec.cache_dir else [])]
+        user, user_env, user_opts = _user()
+        env = {**user_env, **env}
 
         def container(cname: str, role: str) -> list[str]:
             cmd = [
@@ -282,6 +322,9 @@ class DockerLauncher(Launcher):
                 cname,
                 "--network",
                 network,
+                "--user",
+                user,
+                *user_opts,
                 "--label",
                 f"{RUN_LABEL}={name}",
                 "--label",
@@ -315,10 +358,14 @@ class DockerLauncher(Launcher):
                 nodes.env([f"grpc://{c}:{nodes.port}" for c in caches], [f"grpc://{caches[0]}:{nodes.eval_port}"])
             )
         endpoint = f"{name}-node-0:{RDZV_PORT}"
+        shares = cpu_shares(spec.nnodes, lc.get("cpus_per_node"), host_cpus())
+        # Each rank's threads: its share of its node's CPUs (launcher.env may set its own).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(shares[0]) // spec.nproc_per_node)))
         for node in range(spec.nnodes):
             cmd = container(f"{name}-node-{node}", "node")
+            at = cmd.index("--shm-size")
+            cmd[at:at] = ["--cpuset-cpus", ",".join(map(str, shares[node]))]
             if lc.get("gpus_per_node"):
-                at = cmd.index("--shm-size")
                 cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
             cmds.append([*cmd, lc["image"], "torchrun", *torchrun_args(spec, endpoint=endpoint), *spec.command])
         return cmds
@@ -366,6 +413,14 @@ class DockerLauncher(Launcher):
                     f"runtime.nnodes={spec.nnodes} x launcher.gpus_per_node={lc['gpus_per_node']} = "
                     f"{want} GPUs, and this host has {have}"
                 )
+        cpus = host_cpus()
+        per_node = len(cpu_shares(spec.nnodes, lc.get("cpus_per_node"), cpus)[0])
+        if spec.nnodes * per_node > len(cpus):
+            raise LauncherError(
+                f"runtime.nnodes={spec.nnodes} x {per_node} CPUs per node (launcher.cpus_per_node) = "
+                f"{spec.nnodes * per_node} CPUs, and this process may use {len(cpus)} of this host's: every node "
+                "runs here, so lower runtime.nnodes or launcher.cpus_per_node"
+            )
         leftovers = _containers(name)
         running = [c["name"] for c in leftovers if c["state"] in ("running", "restarting", "paused")]
         if running:
@@ -389,7 +444,7 @@ class DockerLauncher(Launcher):
                 _remove(name, started, own_network)  # nothing half-started stays behind
                 what = f"container {container}" if container else f"network {cmd[-1]}"
                 raise LauncherError(
-                    f"docker could not start {what}: {proc.stderr.strip()}; removed what this launch had started"
+                    f"docker could not start {what}: {_reason(proc.stderr)}; removed what this launch had started"
                 )
             if container:
                 started.append(container)

@@ -171,13 +171,30 @@ def corpus_damage(corpus: str) -> str | None:
     return None
 
 
-def build_once(cache_dir: str, name: str, settings: dict, write: Callable[[str], dict]) -> str:
+def corpus_key(corpus: str) -> str:
+    """The fingerprint of the corpus in directory `<name>-<key>`: its key (a hash of source and settings)."""
+    return os.path.basename(corpus).rsplit("-", 1)[1]
+
+
+def _describe(source: dict) -> str:
+    text = json.dumps(source, sort_keys=True)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def build_once(cache_dir: str, name: str, settings: dict, write: Callable[[str], dict],
+               pinned: str | None = None) -> str:
     """The corpus directory for `settings` under `cache_dir`, built by `write(tmp)` when missing: it fills a
     fresh directory and returns what corpus.json adds to the settings (at least `rows`, `max_token_id`).
     One builder at a time (ranks and sweep jobs share the cache); the others wait and then reuse it, and a
-    build that fails leaves nothing behind."""
+    build that fails leaves nothing behind. With `pinned` (the key the driver checked, `data.fingerprint`),
+    settings of another key raise ConfigError instead: this process would train on other data."""
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = os.path.join(os.path.expanduser(cache_dir), "corpus")
+    if pinned and key != pinned:
+        raise ConfigError("data.fingerprint", pinned, f"the driver checked that {name} corpus, and it is not "
+                          f"in {root} here, where the source makes corpus {key} "
+                          f"({_describe(settings['source'])}): mount the driver's data.cache_dir at the same path, "
+                          "or give the ranks the same source")
     target = os.path.join(root, f"{name}-{key}")
     if os.path.isdir(target) and corpus_damage(target) is None:
         return target
@@ -210,7 +227,13 @@ def build_once(cache_dir: str, name: str, settings: dict, write: Callable[[str],
 
 
 def prepare(cfg) -> str:
-    """The corpus directory for `cfg` (a DataConfig), building it first if it is missing."""
+    """The corpus directory for `cfg` (a DataConfig), building it first if it is missing. Where the driver
+    pinned it (`data.fingerprint`), its build when the data cache holds it (the source is not read then),
+    else a build of the same key or ConfigError."""
+    pinned = getattr(cfg, "fingerprint", None)  # None too in a config.yaml saved before the key existed
+    built = os.path.join(os.path.expanduser(cfg.cache_dir), "corpus", f"{cfg.name}-{pinned}")
+    if pinned and os.path.isfile(os.path.join(built, "corpus.json")):
+        return built
     settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": cfg.eval_percent,
                 "source": _fingerprint(cfg), "format": 3}
 
@@ -223,7 +246,7 @@ def prepare(cfg) -> str:
         top = max((int(ids.max()) for docs in splits.values() for ids in docs if len(ids)), default=0)
         return {"rows": counts, "max_token_id": top}
 
-    return build_once(cfg.cache_dir, cfg.name, settings, write)
+    return build_once(cfg.cache_dir, cfg.name, settings, write, pinned)
 
 
 def dropped_text(dropped: dict[str, int], total: int) -> str:

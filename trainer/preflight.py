@@ -32,15 +32,18 @@ def check(cfg: DictConfig) -> None:
 
         hf.fill_config(cfg.model)
     job = validate(cfg)
-    if job.launcher.name == "local":
-        from trainer import worker
+    # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
+    if job.launcher.name == "local" or (job.launcher.name == "docker" and not job.launcher.dry_run):
+        from trainer import data, worker
 
         problem = directory_problem(job.data.cache_dir)
         if problem:
             raise ConfigError("data.cache_dir", job.data.cache_dir, f"{problem}; the corpus is cached there "
                               "(its default is $TRAINJOB_CACHE, else ~/.cache/trainjob)")
 
-        worker.check_inputs(job, parallel_dims(job))
+        corpus = worker.check_inputs(job, parallel_dims(job))
+        if corpus is not None:  # pinned: every rank reads this build, wherever it runs
+            cfg.data.fingerprint = data.corpus_key(corpus)
     c = job.data.cache  # a warning only once the config passed: a refusal stays one line
     plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
     if c.token and plain:

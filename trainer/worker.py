@@ -211,9 +211,10 @@ def _train(cfg: Config, env: DistEnv) -> dict:
     models.init_or_load(model, shapes, cfg)
     if cfg.peft.name == "lora":
         lora.init_adapters(model, shapes, cfg.train.seed)
-    log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s",
+    log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
-             dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device)
+             dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device, torch.get_num_threads(),
+             ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     reference = _reference(cfg, dims, model) if cfg.recipe.name == "dpo" else None
     trainer = loop.Trainer(cfg, model, dims, env.device, corpus, reference)
     start = resume_path(cfg)

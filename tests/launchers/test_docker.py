@@ -1,7 +1,9 @@
-"""The Docker launcher. No Docker engine runs on these machines, so what is checked is what the launcher
-would run (the network, one container per node, the mounts, each node's own GPUs, torchrun's
-rendezvous) and, against `fake_docker.py` (a test double of the docker CLI on PATH), what it does when a
-node fails to start, when a run is launched again, and once a job has finished."""
+"""The Docker launcher's commands and what a real engine cannot show: what the launcher would run (the
+network, one container per node, the mounts, each node's own GPUs and CPUs, the invoking user, torchrun's
+rendezvous), and, against `fake_docker.py` (a test double of the docker CLI on PATH), what only the CLI's
+callers see: GPUs this host does not have, secrets in the CLI's environment and never on its command lines,
+the order in which cache nodes start, are polled and the ranks start. What a real engine does (a node that
+fails to start, relaunching, the Client, real containers training) is tests/launchers/test_docker_engine.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.docker import RDZV_PORT, job_name
+from launchers.docker import HOME, RDZV_PORT, cpu_shares, host_cpus, job_name
 from tests.conftest import compose_run
 
 
@@ -59,6 +61,33 @@ def test_one_container_per_node_on_the_jobs_network(tmp_path):
         assert f"--rdzv-endpoint={name}-node-0:{RDZV_PORT}" in tail and "--rdzv-backend=c10d" in tail
         assert tail[-3:] == ["-m", "trainer.worker", run.spec.config_path]
     assert os.path.isfile(run.spec.config_path)
+
+
+def test_each_node_gets_its_own_cpus_and_runs_as_the_invoking_user(tmp_path):
+    cpus = host_cpus()
+    for overrides, per_node in (([], max(1, len(cpus) // 2)), (["launcher.cpus_per_node=1"], 1)):
+        run = make_run(tmp_path, "runtime.nnodes=2", "runtime.nproc_per_node=1", *overrides)
+        nodes = [c for c in commands(run) if c[1] == "run"]
+        shares = [c[c.index("--cpuset-cpus") + 1] for c in nodes]
+        assert shares == [",".join(map(str, s)) for s in cpu_shares(2, per_node, cpus)]
+        assert len(shares[0].split(",")) == per_node and (len(cpus) < 2 or not set(shares[0]) & set(shares[1]))
+        for cmd in nodes:
+            assert f"OMP_NUM_THREADS={per_node}" in cmd
+            assert cmd[cmd.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
+            assert cmd[cmd.index("--tmpfs") + 1] == f"{HOME}:uid={os.getuid()},gid={os.getgid()},mode=0700"
+            assert f"HOME={HOME}" in cmd
+    two = make_run(tmp_path, "runtime.nnodes=1", "runtime.nproc_per_node=2", f"launcher.cpus_per_node={len(cpus)}")
+    assert f"OMP_NUM_THREADS={max(1, len(cpus) // 2)}" in commands(two)[-1]  # a rank's share of its node's
+
+
+def test_more_cpus_than_the_host_has_are_refused_before_anything_starts(tmp_path, docker):
+    _, _, calls = docker
+    n = len(host_cpus())
+    run = make_run(tmp_path, "runtime.nnodes=1", f"launcher.cpus_per_node={n + 1}")
+    with pytest.raises(LauncherError, match=f"runtime.nnodes=1 x {n + 1} CPUs per node .* = {n + 1} CPUs, and this "
+                       f"process may use {n} of this host's"):
+        get_launcher(run.launcher).launch(run.spec)
+    assert calls() == []
 
 
 def test_existing_network_and_no_gpus(tmp_path):
@@ -111,17 +140,6 @@ def docker(tmp_path, monkeypatch):
         return [json.loads(line) for line in log.read_text().splitlines()]
 
     return read_state, set_state, calls
-
-
-def test_a_node_that_fails_to_start_removes_the_others_and_the_network(tmp_path, docker):
-    read_state, set_state, calls = docker
-    run = make_run(tmp_path, "runtime.nnodes=3", "train.global_batch_size=12")
-    name = job_name(run.spec)
-    set_state(fail=[f"{name}-node-1"])
-    with pytest.raises(LauncherError, match="could not start container .*-node-1: .*could not select device"):
-        get_launcher(run.launcher).launch(run.spec)
-    assert read_state()["containers"] == {} and read_state()["networks"] == []
-    assert not any(c["argv"][0] == "run" and f"{name}-node-2" in c["argv"] for c in calls())  # stopped at node 1
 
 
 def test_a_relaunch_removes_the_last_attempts_containers_and_finished_jobs_clean_up(tmp_path, docker):
@@ -224,6 +242,7 @@ def test_cache_nodes_run_as_containers_and_the_ranks_start_once_they_serve(tmp_p
 MISREAD = [
     (["launcher.image=--privileged"], "launcher.image='--privileged': launcher=docker needs an image reference"),
     (["hydra.run.dir=runs/a:b"], "a:b': must not hold ':' with launcher=docker"),
+    (["launcher.cpus_per_node=0"], "launcher.cpus_per_node=0: must be >= 1, or null for an equal share"),
 ]
 
 

@@ -1,0 +1,83 @@
+"""The same job under local torchrun and under `launcher=docker` on this host: throughput once started and the
+time from `python -m trainer` to the first step.
+
+Both are world size 2 on the `debug` model: local torchrun with 2 processes, Docker with 2 nodes of 1
+process each (containers of `--image`, built by .ci/docker-image). Each run logs every step; tokens/s is the
+median over the steps after `--warmup` of the per-step figure the worker logs (robust to a busy, shared
+machine); the time to the first step is from starting `python -m trainer` until its first metrics line is
+on disk (process starts, containers, rendezvous, model build and the first step). The runs alternate,
+local then Docker, `--rounds` times, on one warm corpus cache.
+
+    python bench/docker.py [--image trainjob:test] [--steps 30] [--warmup 5] [--rounds 2] [override ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = {
+    "local torchrun": ["+runtime=torch-distributed", "runtime.nproc_per_node=2"],
+    "docker": ["launcher=docker", "+runtime=torch-distributed", "runtime.nnodes=2"],
+}
+
+
+def run(mode: str, args, cache: str, run_dir: str) -> dict:
+    overrides = [*MODES[mode], *([f"launcher.image={args.image}"] if mode == "docker" else []),
+                 f"train.max_steps={args.steps}", "train.log_every=1", "train.eval_every=100000",
+                 "train.checkpoint_every=100000", "train.progress=false", f"hydra.run.dir={run_dir}", *args.overrides]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    env = {**os.environ, "TRAINJOB_CACHE": cache, "PYTHONPATH": REPO}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = None
+    while proc.poll() is None:
+        if first is None and os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+            first = time.perf_counter() - start
+        time.sleep(0.05)
+    total = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode}: python -m trainer exited with code {proc.returncode}: {proc.stderr.read()[-2000:]}")
+    with open(metrics) as f:
+        records = [json.loads(line) for line in f]
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > args.warmup]
+    return {"tok_s": statistics.median(rates), "first_step_s": first, "total_s": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--image", default=os.environ.get("TRAINJOB_DOCKER_IMAGE", "trainjob:test"))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="more trainer overrides, for both")
+    args = parser.parse_args()
+    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="bench-docker-") as top:
+        cache = os.path.join(top, "cache")
+        for r in range(args.rounds):
+            for mode in MODES:
+                results[mode].append(run(mode, args, cache, os.path.join(top, f"{mode.split()[0]}-{r}")))
+    local = statistics.mean(x["tok_s"] for x in results["local torchrun"])
+    print(f"\ndebug model, world size 2, {args.steps} steps, median tokens/s after step {args.warmup}, "
+          f"{args.rounds} rounds, {os.cpu_count()} CPUs")
+    print(f"{'':16} {'tokens/s':>10} {'vs local':>9} {'to 1st step s':>14} {'whole run s':>12}")
+    for mode, rows in results.items():
+        tok = statistics.mean(x["tok_s"] for x in rows)
+        first = statistics.mean(x["first_step_s"] for x in rows)
+        total = statistics.mean(x["total_s"] for x in rows)
+        print(f"{mode:16} {tok:10.0f} {100 * (tok / local - 1):+8.1f}% {first:14.1f} {total:12.1f}")
+    for mode, rows in results.items():
+        print(f"  {mode}: tokens/s by round " + ", ".join(f"{x['tok_s']:.0f}" for x in rows)
+              + "; first step s " + ", ".join(f"{x['first_step_s']:.1f}" for x in rows))
+
+
+if __name__ == "__main__":
+    main()
