@@ -333,6 +333,8 @@ class DockerLauncher(Launcher):
                 f"{DIR_LABEL}={spec.run_dir}",
                 "--shm-size",
                 lc["shm_size"],
+                # docker stop's SIGTERM to SIGKILL: the step in flight and a checkpoint (train.preemption_grace_s)
+                *(["--stop-timeout", str(spec.stop_grace_s)] if spec.stop_grace_s is not None else []),
             ]
             for path in mounts:
                 cmd += ["--volume", f"{path}:{path}"]

@@ -244,5 +244,6 @@ def assert_runs_as_printed(cmd: list[str]) -> None:
     path, options = opts["--tmpfs"][0].split(":", 1)
     assert host["Tmpfs"] == {path: options}
     assert host["ShmSize"] == 8 * 2**30 and opts["--shm-size"] == ["8g"]
+    assert config["StopTimeout"] == int(opts["--stop-timeout"][0]) == 30  # train.preemption_grace_s
     assert set(opts) == {"--name", "--hostname", "--network", "--user", "--tmpfs", "--label", "--shm-size",
-                         "--volume", "--env", "--cpuset-cpus"}
+                         "--stop-timeout", "--volume", "--env", "--cpuset-cpus"}
