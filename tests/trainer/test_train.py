@@ -32,7 +32,7 @@ def test_in_process_run_writes_config_metrics_checkpoints_summary(run_cli, tmp_p
                    "train.keep_latest_k=2", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     assert f"run directory: {run_dir}" in proc.stdout
-    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml", "logs", "loss.png", "metrics.jsonl",
+    assert sorted(os.listdir(run_dir)) == [".lock", "checkpoints", "config.yaml", "logs", "loss.png", "metrics.jsonl",
                                           "summary.json"]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step-4", "step-6"]  # keep_latest_k=2
     metrics = read_metrics(str(run_dir))
