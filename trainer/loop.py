@@ -268,7 +268,7 @@ class Trainer:
         start_step, eval_loss = self.step, float("nan")
         self.model.train()
         data = iter(self._loader())
-        with preemption.watch(self.device) as stop:
+        with preemption.watch() as stop:
             try:
                 while self.step < t.max_steps:
                     loss, grad_norm = self._train_step(next(data))  # on the device: only a metrics line waits

@@ -16,7 +16,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 log = logging.getLogger(__name__)
 EXIT_CODE = 128 + signal.SIGTERM
@@ -33,9 +32,9 @@ class Preempted(Exception):
 class Watch:
     """Notes SIGTERM while installed (see `watch`); `requested()` asks every rank whether one was told."""
 
-    def __init__(self, device: Any):
+    def __init__(self):
         self.received: float | None = None
-        self.device = device
+        self.group = None  # the ranks' CPU group for the flag, made on first use (every rank makes it)
 
     def _note(self, signum, frame) -> None:
         if self.received is None:
@@ -43,21 +42,24 @@ class Watch:
             log.warning("SIGTERM: finishing this step, then writing a checkpoint and exiting with %d", EXIT_CODE)
 
     def requested(self) -> bool:
-        """Whether any rank has received SIGTERM (a collective: every rank calls it after the same step)."""
+        """Whether any rank has received SIGTERM (a collective: every rank calls it after the same step). The
+        flag goes through a gloo group on the CPU, so that asking never waits for the GPU's queued work."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([0.0 if self.received is None else 1.0], device=self.device)
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if self.group is None:
+                self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
 
 @contextlib.contextmanager
-def watch(device: Any) -> Iterator[Watch]:
+def watch() -> Iterator[Watch]:
     """Note SIGTERM instead of dying of it, for the duration; the previous handler comes back after. Off
     the main thread (where Python cannot set handlers) nothing is installed and no stop is ever requested."""
-    w = Watch(device)
+    w = Watch()
     if threading.current_thread() is not threading.main_thread():
         yield w
         return
