@@ -12,7 +12,7 @@ import random
 import string
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, compose_run, examples
@@ -65,9 +65,13 @@ def conversations(draw):
     return messages
 
 
-@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(["smollm2", "llama3", "llama3_1"]), messages=conversations(),
        mask=st.sampled_from(["assistant", "last"]))
+# Llama 3's base template ends every rendering with an assistant header: a reply "n" is found before it.
+@example(name="llama3", mask="assistant", messages=[
+    {"role": "user", "content": ""}, {"role": "assistant", "content": "n"},
+    {"role": "user", "content": ""}, {"role": "assistant", "content": ""}])
 def test_turns_found_message_by_message_are_the_generation_blocks_token_for_token(templates, name, messages, mask):
     from transformers import AutoTokenizer
 

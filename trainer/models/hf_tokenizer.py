@@ -206,18 +206,18 @@ class HFTokenizer:
 
 
 def _content_end(added: str, content: str, special: re.Pattern) -> int:
-    """Where a turn's content ends in what the turn adds: after its last occurrence outside a special token
-    (templates trim it, or put a thinking block before it), else 0."""
+    """Where a turn's content ends in what the turn adds: after its first occurrence outside a special token
+    (templates trim it, put a thinking block before it, or a header after it), else 0."""
     content = content.strip()
     tokens = [m.span() for m in special.finditer(added)]
-    at = len(added)
+    at = 0
     while content:
-        found = added.rfind(content, 0, at)
+        found = added.find(content, at)
         if found < 0:
             break
         if not any(start < found + len(content) and found < end for start, end in tokens):
             return found + len(content)
-        at = found + len(content) - 1
+        at = found + 1
     return 0
 
 
