@@ -34,6 +34,12 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # ATen ops that compute nothing a kernel of ours would replace, by the reason the table gives.
+WHY = {
+    "view": "a new view of the same memory: moves no data",
+    "allocation": "new memory, empty or filled with a constant: the allocator's and a memset's work",
+    "copy": "a copy or dtype cast the step needs anyway (autocast's casts, .item(), detach)",
+    "metadata": "sizes, strides and profiler marks: no tensor data",
+}
 EXCLUDED = {
     "allocation": {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "scalar_tensor",
                    "zeros", "zeros_like", "ones_like", "new_zeros", "new_ones", "full", "full_like"},
@@ -186,6 +192,7 @@ def table(rows: dict[str, Row], launches: collections.Counter) -> str:
     s = summary(rows)
     lines.append(f"computing ops in ours: {s['ours_ops']} of {s['ops']}; calls {s['ours_calls']} of {s['calls']} "
                  f"({s['ours_calls'] / max(1, s['calls']):.0%}); bytes {s['ours_bytes'] / max(1, s['bytes']):.0%}")
+    lines.append("excluded ops stay in torch eager, by design: " + "; ".join(f"{k}: {v}" for k, v in WHY.items()))
     lines.append("")
     lines.append(f"{'our Triton kernel':<40}{'launches':>9}")
     lines += [f"{name:<40}{count:>9}" for name, count in sorted(launches.items())]

@@ -14,7 +14,7 @@ from ops.embedding import embedding
 from ops.losses import cross_entropy, fused_linear_cross_entropy
 from ops.norms import layer_norm, rms_norm
 from ops.optim import AdamW, adamw
-from ops.pointwise import add, div, maximum, mul, pointwise, sub
+from ops.pointwise import add, clamp, div, maximum, minimum, mul, ne, pointwise, reciprocal, sub
 from ops.reductions import sum
 from ops.rope import rotary_embedding
 from ops.softmax import log_softmax, softmax
@@ -27,6 +27,7 @@ __all__ = [
            "add",
            "addmm",
            "bmm",
+           "clamp",
            "cross_entropy",
            "disable",
            "div",
@@ -38,9 +39,12 @@ __all__ = [
            "layer_norm",
            "log_softmax",
            "maximum",
+           "minimum",
            "mm",
            "mul",
+           "ne",
            "pointwise",
+           "reciprocal",
            "registered",
            "rms_norm",
            "rotary_embedding",

@@ -48,6 +48,20 @@ def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sc
     return embedding._backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
+def _mul_(self, other):
+    """In place where the result fits `self` as it is (contiguous, the broadcast shape), else computed and
+    copied back."""
+    if self.is_contiguous() and self.shape == torch.broadcast_shapes(self.shape, getattr(other, "shape", ())):
+        return pointwise.mul(self, other, out=self)
+    return self.copy_(pointwise.mul(self, other))
+
+
+def _mm_out(self, mat2, *, out):
+    if tuple(out.shape) != (self.shape[0], mat2.shape[1]):
+        out.resize_(self.shape[0], mat2.shape[1])
+    return matmul(self, mat2, out=out)
+
+
 def _binary(op, scaled: bool = False):
     """An ATen binary op (`add.Tensor`, ...) as our pointwise op; `alpha` scales the second operand."""
     def impl(self, other, *, alpha=1):
@@ -69,14 +83,21 @@ TABLE = [
     ("log_softmax", "_log_softmax", functools.partial(_softmax, log=True)),
     ("log_softmax", "_log_softmax_backward_data", functools.partial(_softmax_backward_data, log=True)),
     ("addmm", "addmm", lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta)),
+    ("addmm", "addmm_", lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta, out=self)),
     ("mm", "mm", lambda self, mat2: matmul(self, mat2)),
+    ("mm", "mm.out", _mm_out),
     ("bmm", "bmm", lambda self, mat2: matmul(self, mat2)),
     ("embedding", "embedding", _embedding),
     ("embedding", "embedding_dense_backward", _embedding_dense_backward),
     ("add", "add.Tensor", _binary(pointwise.add, scaled=True)),
     ("sub", "sub.Tensor", _binary(pointwise.sub, scaled=True)),
     ("mul", "mul.Tensor", _binary(pointwise.mul)),
+    ("mul", "mul_.Tensor", _mul_),
     ("div", "div.Tensor", _binary(pointwise.div)),
+    ("ne", "ne.Scalar", lambda self, other: pointwise.ne(self, other)),
+    ("ne", "ne.Tensor", lambda self, other: pointwise.ne(self, other)),
+    ("clamp", "clamp", lambda self, min=None, max=None: pointwise.clamp(self, min, max)),
+    ("reciprocal", "reciprocal", lambda self: pointwise.reciprocal(self)),
     ("sum", "sum", lambda self, *, dtype=None: reductions._sum(self, None, False, dtype)),
     ("sum", "sum.dim_IntList",
      lambda self, dim, keepdim=False, *, dtype=None: reductions._sum(self, dim, keepdim, dtype)),
@@ -108,7 +129,8 @@ def _aten_names(names: list[str]) -> list[str]:
 def enable(include: list[str] | None = None, exclude: list[str] | None = None) -> None:
     """Route the ops named in `include` (default: all), less `exclude`, to our kernels. A name is our op's
     (`softmax`, `log_softmax`, `silu`, `gelu`, `addmm`, `mm`, `bmm`, `embedding`, `add`, `sub`, `mul`, `div`,
-    `sum`: forward and backward) or an ATen op's (`_softmax`, `add.Tensor`)."""
+    `ne`, `clamp`, `reciprocal`, `sum`: forward and backward, in-place and out= forms included) or an ATen
+    op's (`_softmax`, `add.Tensor`)."""
     global _library, _routed
     chosen = _aten_names(list(include)) if include else list(OPS)
     excluded = set(_aten_names(list(exclude or [])))

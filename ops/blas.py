@@ -80,9 +80,11 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alpha: float = 1.0,
-           beta: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           beta: float = 1.0, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """alpha * (a @ b) + beta * bias for a (M, K), b (K, N) of one dtype, bias broadcastable to (M, N); or a
-    batched product of a (B, M, K) and b (B, K, N), without bias."""
+    batched product of a (B, M, K) and b (B, K, N), without bias. `out`: the (M, N) result's tensor, any
+    strides, which may be `bias` itself (each element is read and written by the same program: how
+    `addmm_` and `mm.out` run)."""
     batched = a.dim() == 3
     if a.dim() != b.dim() or a.dim() not in (2, 3) or (batched and (bias is not None or a.shape[0] != b.shape[0])):
         raise ValueError(f"mat1 {tuple(a.shape)} and mat2 {tuple(b.shape)}: give two matrices, or two batches of "
@@ -93,7 +95,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
     if a.dtype != b.dtype:
         raise ValueError(f"mat1 ({a.dtype}) and mat2 ({b.dtype}) must have the same dtype")
     batch = a.shape[0] if batched else 1
-    c = torch.empty((*a.shape[:-2], m, n), dtype=out_dtype or a.dtype, device=a.device)
+    shape = (*a.shape[:-2], m, n)
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"out {tuple(out.shape)}: the product of mat1 {tuple(a.shape)} and mat2 {tuple(b.shape)} "
+                         f"is {shape}")
+    c = out if out is not None else torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
     bias_full = bias.expand(m, n) if bias is not None else a.new_empty(0, 0)  # never read without a bias
     if c.numel():
         meta = _settings(m, n, k, a.dtype)

@@ -3,9 +3,11 @@
 
 The op's arity is the function's: each argument is a tensor (broadcast against the others, read through
 its strides, never copied) or a Python number (passed to the kernel as a scalar). Dtypes are promoted by
-torch's rules (`promote="float"`: integer results become the default float dtype, as for activations);
-the function receives fp32 values (int64 ones when the result is an integer: exact) and returns one
-value, or a tuple of `outputs` values, each written to a new tensor of the promoted dtype.
+torch's rules (`promote="float"`: integer results become the default float dtype, as for activations;
+`promote="bool"`: a comparison, computed in the operands' promoted dtype, gives bool); the function
+receives fp32 values (int64 ones when the operands are integers: exact) and returns one value, or a
+tuple of `outputs` values, each written to a new tensor of the promoted dtype, or, for a one-output op
+called with `out=`, into that tensor (contiguous, of the broadcast shape: how in-place ops run).
 
 One kernel is generated per (which arguments are tensors, number of outputs, rank after merging the
 dimensions that every operand walks contiguously), so a contiguous op runs one flat loop and a broadcast
@@ -28,7 +30,8 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from ops.settings import POINTWISE_BLOCK, warps
 
 # torch's own n-ary promotion rules, as its reference ops use them.
-KIND = {"default": ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT, "float": ELEMENTWISE_TYPE_PROMOTION_KIND.INT_TO_FLOAT}
+KIND = {"default": ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT, "float": ELEMENTWISE_TYPE_PROMOTION_KIND.INT_TO_FLOAT,
+        "bool": ELEMENTWISE_TYPE_PROMOTION_KIND.ALWAYS_BOOL}
 _NAME = re.compile(r"_pw_([TS]+)_o([1-9])_r([1-9][0-9]?)$")
 _INT32_LIMIT = 2**31
 
@@ -116,17 +119,25 @@ def _merge(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list
 
 
 def _compute(dtype: torch.dtype):
-    """Floating results are computed in fp32; integer and bool results exactly, in int64."""
+    """Floating operands are computed in fp32; integer and bool ones exactly, in int64."""
     return tl.float32 if dtype.is_floating_point else tl.int64
 
 
-def _launch(fn, args, dtype: torch.dtype, outputs: int):
+def _check_out(out: torch.Tensor, shape: torch.Size, name: str) -> None:
+    if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise ValueError(f"{name}: out {tuple(out.shape)} must be contiguous and of the broadcast shape "
+                         f"{tuple(shape)}")
+
+
+def _launch(fn, args, compute: torch.dtype, dtype: torch.dtype, outputs: int, out: torch.Tensor | None = None):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
         raise TypeError(f"{fn.__name__} needs at least one tensor argument")
     device = next((t.device for t in tensors if t.dim() > 0), tensors[0].device)
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-    outs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(outputs)]
+    if out is not None:
+        _check_out(out, shape, fn.__name__)
+    outs = [out] if out is not None else [torch.empty(shape, dtype=dtype, device=device) for _ in range(outputs)]
     n = outs[0].numel()
     if n:
         operands = [t.to(device).expand(shape) for t in tensors]
@@ -138,16 +149,18 @@ def _launch(fn, args, dtype: torch.dtype, outputs: int):
         values = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
         flat_strides = [st for s in strides for st in s]
         kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](
-            *values, *outs, n, *sizes, *flat_strides, FN=fn, COMPUTE=_compute(dtype),
+            *values, *outs, n, *sizes, *flat_strides, FN=fn, COMPUTE=_compute(compute),
             WIDE=max(n, reach + 1) + POINTWISE_BLOCK > _INT32_LIMIT, BLOCK=POINTWISE_BLOCK,
             num_warps=warps(POINTWISE_BLOCK))
     return outs[0] if outputs == 1 else tuple(outs)
 
 
-def _launch_flat(fn, args, outputs: int):
+def _launch_flat(fn, args, outputs: int, out: torch.Tensor | None = None):
     """Same-shape, same-dtype, contiguous float tensors: one flat loop."""
     first = args[0]
-    outs = [torch.empty_like(first) for _ in range(outputs)]
+    if out is not None:
+        _check_out(out, first.shape, fn.__name__)
+    outs = [out] if out is not None else [torch.empty_like(first) for _ in range(outputs)]
     n = first.numel()
     if n:
         kernel = _kernel(f"_pw_{'T' * len(args)}_o{outputs}_r1")
@@ -162,7 +175,7 @@ def pointwise(arity: int | None = None, promote: str = "default", outputs: int =
     """Decorate a scalar `@triton.jit` function into an elementwise op. `arity`, when given, must equal
     the function's number of arguments; `outputs` is how many values it returns."""
     if promote not in KIND:
-        raise ValueError(f"promote={promote!r}: use 'default' or 'float'")
+        raise ValueError(f"promote={promote!r}: use 'default', 'float' or 'bool'")
     if not 1 <= outputs <= 9:
         raise ValueError(f"outputs={outputs}: a pointwise op returns 1 to 9 tensors")
 
@@ -172,19 +185,22 @@ def pointwise(arity: int | None = None, promote: str = "default", outputs: int =
             raise ValueError(f"{fn.__name__} takes {len(names)} arguments ({', '.join(names)}), not arity={arity}")
 
         @functools.wraps(fn)
-        def op(*args):
+        def op(*args, out: torch.Tensor | None = None):
             if len(args) != len(names):
                 raise TypeError(f"{fn.__name__} takes {len(names)} tensors or numbers ({', '.join(names)}), "
                                 f"got {len(args)}")
+            if out is not None and outputs != 1:
+                raise ValueError(f"{fn.__name__} returns {outputs} tensors: out= takes one-output ops only")
             first = args[0]
-            if (isinstance(first, torch.Tensor) and first.is_floating_point() and first.is_contiguous()
+            if (promote != "bool" and isinstance(first, torch.Tensor) and first.is_floating_point()
+                    and first.is_contiguous() and (out is None or out.dtype == first.dtype)
                     and all(isinstance(a, torch.Tensor) and a.shape == first.shape and a.dtype == first.dtype
                             and a.device == first.device and a.is_contiguous() for a in args)):
                 # The common case (an activation of a layer's output), without promotion or merging:
                 # Python time per call is what small models pay.
-                return _launch_flat(fn, args, outputs)
-            _, dtype = elementwise_dtypes(*args, type_promotion_kind=KIND[promote])
-            return _launch(fn, args, dtype, outputs)
+                return _launch_flat(fn, args, outputs, out)
+            compute, dtype = elementwise_dtypes(*args, type_promotion_kind=KIND[promote])
+            return _launch(fn, args, compute, out.dtype if out is not None else dtype, outputs, out)
 
         return op
 
@@ -222,3 +238,52 @@ def div(x, y):
 @triton.jit
 def maximum(x, y):
     return tl.maximum(x, y)
+
+
+@pointwise()
+@triton.jit
+def minimum(x, y):
+    return tl.minimum(x, y)
+
+
+@pointwise(promote="float")
+@triton.jit
+def reciprocal(x):
+    return 1.0 / x
+
+
+@pointwise(promote="bool")
+@triton.jit
+def ne(x, y):
+    return x != y
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    # torch.clamp's order (min first, then max: hi wins when lo > hi); a NaN stays NaN.
+    y = tl.where(x < lo, lo, x)
+    return tl.where(y > hi, hi, y)
+
+
+@triton.jit
+def _clamp_min(x, lo):
+    return tl.where(x < lo, lo, x)
+
+
+@triton.jit
+def _clamp_max(x, hi):
+    return tl.where(x > hi, hi, x)
+
+
+_clamp_ops = {"both": pointwise()(_clamp), "min": pointwise()(_clamp_min), "max": pointwise()(_clamp_max)}
+
+
+def clamp(x: torch.Tensor, min=None, max=None) -> torch.Tensor:
+    """`torch.clamp`: bounds are numbers or tensors (broadcast), either may be None (not both)."""
+    if min is None and max is None:
+        raise ValueError("clamp: give min, max or both")
+    if max is None:
+        return _clamp_ops["min"](x, min)
+    if min is None:
+        return _clamp_ops["max"](x, max)
+    return _clamp_ops["both"](x, min, max)
