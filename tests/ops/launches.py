@@ -166,8 +166,8 @@ def compile_spec(spec: dict, archs: list[int]) -> list[str]:
 
 def record_model_shapes(path: str) -> None:
     """Record, without running, every op forward and backward at Llama-3-8B's row lengths (hidden 4096,
-    FFN 14336, vocabulary 128256, 32/8 heads of 128), a 1024-cube matmul, attention, the embedding and an
-    AdamW step, in bf16 and fp32: the
+    FFN 14336, vocabulary 128256, 32/8 heads of 128), a 1024-cube matmul, attention, the embedding, the
+    loss's comparisons, clamps and reciprocals, and an AdamW step, in bf16 and fp32: the
     block sizes, warps and tiles a GPU uses at those shapes, which the op tests' small shapes never
     reach. (The fused linear cross-entropy's kernels are the cross-entropy ones at the same vocabulary.)"""
     import torch
@@ -205,6 +205,12 @@ def record_model_shapes(path: str) -> None:
         for fn, inputs in calls:
             out = fn(*inputs)
             out.backward(torch.ones_like(out))
+        # The token count of the loss and in-place arithmetic (no gradient): the step's remaining ops.
+        x = torch.zeros(tokens, ffn, dtype=dtype)
+        for fn in (lambda: ops.ne(target, -100), lambda: ops.clamp(target, min=1), lambda: ops.clamp(x, max=1.0),
+                   lambda: ops.clamp(x, -1.0, 1.0), lambda: ops.reciprocal(x), lambda: ops.minimum(x, x),
+                   lambda: ops.mul(x, x[0], out=x)):
+            fn()
         weight = leaf(ffn, dim)
         weight.grad = torch.zeros_like(weight)
         ops.AdamW([weight]).step()
