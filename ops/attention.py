@@ -55,6 +55,19 @@ def _documents(DOCS, index, ok, documents):
 
 
 @triton.jit
+def _program(heads, group, head_dim, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """What this program works on: its block of rows (queries, or keys for the dK/dV kernel, whose
+    `heads` counts the K/V heads and `group` is 1), its batch, head and K/V head, and the head-dim
+    offsets with their mask."""
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    return bh, b, h, h // group, rows, offs_d, _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)
+
+
+@triton.jit
 def _causal_end(Sk, start_m, causal, BM: tl.constexpr):
     """Where the key blocks one block of query rows sees end: past its last row they are all masked."""
     hi = Sk
@@ -69,14 +82,8 @@ def _attn_fwd(Q, K, V, OUT, LSE, DOCS, scale_log2, Sq, Sk, heads, group, causal,
               EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               PRECISION: tl.constexpr):
     start_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
-    kvh = h // group
-    rows = start_m * BM + tl.arange(0, BM)
+    bh, b, h, kvh, rows, offs_d, d_ok = _program(heads, group, head_dim, EVEN_D, BLOCK_D, BM)
     offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=(rows[:, None] < Sq) & d_ok[None, :], other=0.0)
     k_base = K + b * skb + kvh * skh
@@ -114,12 +121,8 @@ def _attn_fwd(Q, K, V, OUT, LSE, DOCS, scale_log2, Sq, Sk, heads, group, causal,
 def _attn_delta(OUT, DO, DELTA, Sq, heads, sob, soh, som, sod, sgb, sgh, sgm, sgd, head_dim, EVEN_D: tl.constexpr,
                 BLOCK_D: tl.constexpr, BM: tl.constexpr):
     """delta = rowsum(dO * O), the softmax backward's correction term, one value per query row."""
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < Sq) & _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)[None, :]
+    bh, b, h, _, rows, offs_d, d_ok = _program(heads, 1, head_dim, EVEN_D, BLOCK_D, BM)
+    mask = (rows[:, None] < Sq) & d_ok[None, :]
     o = tl.load(OUT + b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod, mask=mask, other=0.0)
     g = tl.load(DO + b * sgb + h * sgh + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * g.to(tl.float32), 1)
@@ -135,13 +138,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DOCS, DK, DV, scale, scale_log2, Sq,
     """dK and dV of one block of keys of one K/V head, summed over the query heads of its group
     (`heads` here counts the K/V heads)."""
     start_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    kvh = (bh % heads).to(tl.int64)
-    cols = start_n * BN + tl.arange(0, BN)
+    _, b, kvh, _, cols, offs_d, d_ok = _program(heads, 1, head_dim, EVEN_D, BLOCK_D, BN)
     offs_m = tl.arange(0, BM)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)
     kv_mask = (cols[:, None] < Sk) & d_ok[None, :]
     k = tl.load(K + b * skb + kvh * skh + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
@@ -186,14 +184,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DOCS, DQ, scale, scale_log2, Sq, Sk, h
                  PRECISION: tl.constexpr):
     """dQ of one block of query rows of one head."""
     start_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
-    kvh = h // group
-    rows = start_m * BM + tl.arange(0, BM)
+    bh, b, h, kvh, rows, offs_d, d_ok = _program(heads, group, head_dim, EVEN_D, BLOCK_D, BM)
     offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = _head_mask(offs_d, head_dim, EVEN_D, BLOCK_D)
     row_ok = rows < Sq
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
