@@ -1,11 +1,13 @@
 """The kernel backend: `kernels=torch` keeps PyTorch's eager kernels; `kernels=triton` points the model's
 RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused
 with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
-choose among those five (`trainer.config.TRITON_OPS`).
+choose among those five (`trainer.config.TRITON_OPS`). Attention takes packed rows (`data.packing=true`)
+as document ids (`attention`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from trainer.config import TRITON_OPS
@@ -18,6 +20,25 @@ def selected(cfg) -> list[str]:
         return []
     chosen = list(cfg.include) if cfg.include else list(TRITON_OPS)
     return [op for op in chosen if op not in (cfg.exclude or [])]
+
+
+def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=False):
+    """`ops.scaled_dot_product_attention` as the model calls it. Packed rows come as the model's boolean
+    (batch, 1, seq, seq) mask, causal within each document (`Transformer.hidden_states`): query i then
+    sees keys start..i of its document, so i + 1 - (its visible keys) is where that document starts, a
+    number that is the same for every token of the document and differs between documents: the
+    document ids the kernel takes, with causal attention. Any other mask goes to the op, which says what
+    it takes."""
+    import ops
+
+    if (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+            and attn_mask.shape[1] == 1 and attn_mask.shape[2] == attn_mask.shape[3] == query.shape[2]):
+        seq = attn_mask.shape[-1]
+        starts = torch.arange(1, seq + 1, device=attn_mask.device) - attn_mask[:, 0].sum(-1)
+        return ops.scaled_dot_product_attention(query, key, value, attn_mask=starts, is_causal=True,
+                                                enable_gqa=enable_gqa)
+    return ops.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                            enable_gqa=enable_gqa)
 
 
 def apply(model: nn.Module, cfg) -> nn.Module:
@@ -34,7 +55,7 @@ def apply(model: nn.Module, cfg) -> nn.Module:
             if "rotary_embedding" in chosen:
                 module.rope_fn = ops.rotary_embedding
             if "scaled_dot_product_attention" in chosen:
-                module.attention_fn = ops.scaled_dot_product_attention
+                module.attention_fn = attention
         elif isinstance(module, FeedForward) and "silu_and_mul" in chosen:
             module.gate_fn = ops.silu_and_mul
         elif isinstance(module, Transformer) and "fused_linear_cross_entropy" in chosen:

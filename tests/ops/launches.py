@@ -188,6 +188,8 @@ def record_model_shapes(path: str) -> None:
             (lambda x, w, b: ops.layer_norm(x, (dim,), w, b), [leaf(tokens, dim), leaf(dim), leaf(dim)]),
             (lambda q, k: torch.cat([t.flatten() for t in ops.rotary_embedding(q, k, cos, sin)]),
              [leaf(1, tokens, heads, head_dim), leaf(1, tokens, kv_heads, head_dim)]),
+            (lambda q, k: torch.cat([t.flatten() for t in ops.rotary_embedding(q, k, cos[None], sin[None])]),
+             [leaf(1, tokens, heads, head_dim), leaf(1, tokens, kv_heads, head_dim)]),  # per-row tables
             (ops.silu_and_mul, [leaf(tokens, ffn), leaf(tokens, ffn)]),
             (ops.gelu_and_mul, [leaf(tokens, ffn), leaf(tokens, ffn)]),
             (ops.silu, [leaf(tokens, ffn)]),
@@ -207,10 +209,8 @@ def record_model_shapes(path: str) -> None:
             out.backward(torch.ones_like(out))
         # The token count of the loss and in-place arithmetic (no gradient): the step's remaining ops.
         x = torch.zeros(tokens, ffn, dtype=dtype)
-        for fn in (lambda: ops.ne(target, -100), lambda: ops.clamp(target, min=1), lambda: ops.clamp(x, max=1.0),
-                   lambda: ops.clamp(x, -1.0, 1.0), lambda: ops.reciprocal(x), lambda: ops.minimum(x, x),
-                   lambda: ops.mul(x, x[0], out=x)):
-            fn()
+        ops.ne(target, -100), ops.clamp(target, min=1), ops.clamp(x, max=1.0), ops.clamp(x, -1.0, 1.0)
+        ops.reciprocal(x), ops.minimum(x, x), ops.mul(x, x[0], out=x)
         weight = leaf(ffn, dim)
         weight.grad = torch.zeros_like(weight)
         ops.AdamW([weight]).step()

@@ -59,12 +59,6 @@ def check(cfg) -> None:
             )
     if cfg.data.packing and data != "chat":
         raise ConfigError("data.packing", True, f"packs conversations of data=chat; data={data} has none to pack")
-    if cfg.data.packing and cfg.kernels.name == "triton":
-        raise ConfigError(
-            "data.packing",
-            True,
-            "restarts positions per conversation, which the Triton rotary kernel does not take: use kernels=torch",
-        )
     if recipe == "dpo":
         beta = cfg.recipe.beta
         if not beta > 0:
