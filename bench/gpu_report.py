@@ -7,12 +7,15 @@ flash SDPA forward + backward; `kernels=triton` at least 1.10x `kernels=torch` e
 (bench/e2e.py's lines).
 
     python bench/gpu_report.py <gpu_check.txt>
+    python bench/gpu_report.py --run <run dir> <model> <kernels>     one end-to-end line of the report
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import sys
 
 DTYPES = ("bf16", "fp32", "fp16")
@@ -80,9 +83,25 @@ def targets(ops: list[OpRow], e2e: dict[tuple[str, str], float]) -> list[tuple[s
     return lines
 
 
+def run_line(run_dir: str, model: str, kernels: str) -> str:
+    """The report's end-to-end line of one `python -m trainer` run: tokens/s and MFU, the means over the
+    second half of its logged steps (compiled and warmed up), from the run's metrics.jsonl."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [row for row in map(json.loads, filter(str.strip, f)) if "tokens_per_s" in row]
+    if not rows:
+        return f"{model:<8}{kernels:<8}{'failed':>12}  (no step logged tokens/s in {run_dir})"
+    steady = rows[len(rows) // 2:]
+    tokens = sum(r["tokens_per_s"] for r in steady) / len(steady)
+    mfu = sum(r.get("mfu", 0.0) for r in steady) / len(steady)
+    return f"{model:<8}{kernels:<8}{tokens:>12.0f}{mfu:>8.1%}  (mean of {len(steady)} logged steps)"
+
+
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--run":
+        print(run_line(*sys.argv[2:]))
+        return
     if len(sys.argv) != 2:
-        sys.exit("usage: python bench/gpu_report.py <gpu_check.txt>")
+        sys.exit("usage: python bench/gpu_report.py <gpu_check.txt> | --run <run dir> <model> <kernels>")
     try:
         with open(sys.argv[1]) as f:
             text = f.read()

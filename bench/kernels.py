@@ -89,11 +89,31 @@ def cases(tokens: int, dtype: torch.dtype, attn_seq: int = 8192, device: str = "
         ("bmm", lambda: [leaf(HEADS, tokens, HEAD_DIM), leaf(HEADS, HEAD_DIM, tokens, scale=0.1)], ops.bmm,
          torch.bmm),
         ("embedding", lambda: [leaf(VOCAB, DIM)], lambda w: ops.embedding(target, w), lambda w: F.embedding(target, w)),
+        # The residual add, a scale by a broadcast row, and a bias gradient's column sum: the elementwise
+        # ops and reductions of the step (FlagGems has each; Liger has none). The elementwise ops are ours
+        # as the step runs them: torch's own, routed to our kernels (ROUTED), forward and backward.
+        ("add", lambda: [leaf(tokens, DIM), leaf(tokens, DIM)], torch.add, torch.add),
+        ("mul", lambda: [leaf(tokens, DIM), leaf(DIM)], torch.mul, torch.mul),
+        ("sum", lambda: [leaf(tokens, DIM)], lambda x: ops.sum(x, 0), lambda x: torch.sum(x, 0)),
         ("scaled_dot_product_attention",
          lambda: [leaf(1, HEADS, attn_seq, HEAD_DIM), leaf(1, KV_HEADS, attn_seq, HEAD_DIM),
                   leaf(1, KV_HEADS, attn_seq, HEAD_DIM)],
          lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), _flash_sdpa),
     ]]
+
+
+# Cases whose `ours` is torch's function with these ops routed to our kernels (`ops.use_kernels`), as
+# FlagGems' column is eager under `use_gems()`.
+ROUTED = {"add": ["add"], "mul": ["mul"]}
+
+
+def ours_context(name: str):
+    """What `ours` of the case `name` runs under: the routing of its ATen ops, or nothing."""
+    import ops
+
+    if name in ROUTED:
+        return lambda: ops.use_kernels(include=ROUTED[name])
+    return contextlib.nullcontext
 
 
 def liger_ops(cos: torch.Tensor, sin: torch.Tensor, target: torch.Tensor) -> dict:
@@ -123,7 +143,8 @@ def gems_context():
     """FlagGems' ATen replacement as a context manager, or None where it is not installed."""
     try:
         import flag_gems
-    except (ImportError, RuntimeError):  # RuntimeError: it refuses to import without a device
+    except Exception as e:  # missing, or refusing this machine (no device, another torch): no gems column
+        print(f"  (flag_gems does not import here: {type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
         return None
     return flag_gems.use_gems
 
@@ -155,16 +176,16 @@ def measure(fn, inputs):
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def check(ours, eager, inputs, peers: dict) -> str:
-    """Compare ours, eager and each peer ({name: (fn, context)}) with a wider-precision reference; 'ok' or
-    what differs, then the largest error of each (output and gradients together)."""
+def check(ours, eager, inputs, peers: dict, context=contextlib.nullcontext) -> str:
+    """Compare ours (run under `context`), eager and each peer ({name: (fn, context)}) with a wider-precision
+    reference; 'ok' or what differs, then the largest error of each (output and gradients together)."""
     wide = torch.float64 if inputs[0].dtype == torch.float32 else torch.float32
     refs = [t.detach().to(wide).requires_grad_() for t in inputs]
     grad = torch.randn_like(eager(*refs))
     expected = _step(eager, refs, grad)
     scales = [expected.abs().max().item()] + [r.grad.abs().max().item() for r in refs]
     errors = {}
-    runs = {"ours": (ours, contextlib.nullcontext), "eager": (eager, contextlib.nullcontext), **peers}
+    runs = {"ours": (ours, context), "eager": (eager, contextlib.nullcontext), **peers}
     failed = []
     for label, (fn, context) in runs.items():
         try:
@@ -245,9 +266,10 @@ def main() -> None:
             inputs = make()
             runs = {**({"liger": (liger, contextlib.nullcontext)} if liger else {}),
                     **({"gems": (eager, gems)} if gems else {})}
-            verdict = check(ours, eager, inputs, runs) if args.check else ""
+            verdict = check(ours, eager, inputs, runs, ours_context(name)) if args.check else ""
             moved = 2 * sum(t.numel() * t.element_size() for t in inputs) * 2
-            t_ours, m_ours = measure(ours, inputs)
+            with ours_context(name)():
+                t_ours, m_ours = measure(ours, inputs)
             t_eager, m_eager = measure(eager, inputs)
             t_compiled = float("nan")
             if dtype_name in args.compile_dtypes.split(","):
