@@ -48,10 +48,25 @@ def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sc
     return embedding._backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
+def _shares(self, *others) -> bool:
+    """Whether another operand reads `self`'s memory, which a kernel writing `self` in place could overwrite
+    before another program reads it."""
+    ptr = self.untyped_storage().data_ptr()
+    return any(isinstance(o, torch.Tensor) and o is not self and o.untyped_storage().data_ptr() == ptr
+               for o in others)
+
+
+def _addmm_(self, mat1, mat2, *, beta=1, alpha=1):
+    if _shares(self, mat1, mat2):
+        return self.copy_(matmul(mat1, mat2, self, alpha, beta))
+    return matmul(mat1, mat2, self, alpha, beta, out=self)
+
+
 def _mul_(self, other):
-    """In place where the result fits `self` as it is (contiguous, the broadcast shape), else computed and
-    copied back."""
-    if self.is_contiguous() and self.shape == torch.broadcast_shapes(self.shape, getattr(other, "shape", ())):
+    """In place where the result fits `self` as it is (contiguous, the broadcast shape) and `other` reads
+    none of its memory, else computed and copied back."""
+    if (self.is_contiguous() and not _shares(self, other)
+            and self.shape == torch.broadcast_shapes(self.shape, getattr(other, "shape", ()))):
         return pointwise.mul(self, other, out=self)
     return self.copy_(pointwise.mul(self, other))
 
@@ -59,6 +74,8 @@ def _mul_(self, other):
 def _mm_out(self, mat2, *, out):
     if tuple(out.shape) != (self.shape[0], mat2.shape[1]):
         out.resize_(self.shape[0], mat2.shape[1])
+    if _shares(out, self, mat2):
+        return out.copy_(matmul(self, mat2))
     return matmul(self, mat2, out=out)
 
 
@@ -83,7 +100,7 @@ TABLE = [
     ("log_softmax", "_log_softmax", functools.partial(_softmax, log=True)),
     ("log_softmax", "_log_softmax_backward_data", functools.partial(_softmax_backward_data, log=True)),
     ("addmm", "addmm", lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta)),
-    ("addmm", "addmm_", lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta, out=self)),
+    ("addmm", "addmm_", _addmm_),
     ("mm", "mm", lambda self, mat2: matmul(self, mat2)),
     ("mm", "mm.out", _mm_out),
     ("bmm", "bmm", lambda self, mat2: matmul(self, mat2)),

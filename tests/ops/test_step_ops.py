@@ -94,6 +94,8 @@ def test_routed_in_place_and_out_forms_match_torch():
         scaled = c.clone().mul_(g)  # a broadcast row, in place
         narrow = c[:, :1].clone().t()  # (1, 6), non-contiguous after t(): computed, then copied back
         narrow.mul_(2.0)
+        rows = c.clone()
+        rows.mul_(rows[0])  # reads its own first row: computed apart, then copied back
         count = (target != -100).sum().clamp(min=1).to(torch.float32)
         scale = 1.0 / count
     assert all(calls[name] > before[name] for name in names), {n: calls[n] - before[n] for n in names}
@@ -102,4 +104,5 @@ def test_routed_in_place_and_out_forms_match_torch():
     torch.testing.assert_close(product.double(), a64 @ b64, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(scaled, c * g)
     torch.testing.assert_close(narrow, 2.0 * c[:, :1].t())
+    torch.testing.assert_close(rows, c * c[0])
     assert count.item() == 2.0 and scale.item() == 0.5
