@@ -35,7 +35,7 @@ def _load(name: str):
 
 bench = _load("kernels")
 
-SMALL = ("rms_norm", "rotary_embedding", "add", "mul", "sum")  # the rest: larger rows, slow interpreted
+SMALL = ("rms_norm", "rotary_embedding", "add", "mul")  # the rest: slow under the interpreter at these shapes
 
 
 @pytest.mark.timeout(300)
