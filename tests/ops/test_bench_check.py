@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.ops.conftest import DEVICE
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -54,7 +56,7 @@ def test_the_bench_cases_pass_the_check_beside_their_peers():
 
     seen, with_liger = set(), set()
     routed = calls["add.Tensor"], calls["mul.Tensor"]
-    for name, make, ours, eager, liger in bench.cases(2, torch.float32, attn_seq=4, device="cpu"):
+    for name, make, ours, eager, liger in bench.cases(2, torch.float32, attn_seq=4, device=DEVICE):
         if name not in SMALL:
             continue
         seen.add(name)
@@ -78,7 +80,7 @@ def test_the_bench_cases_pass_the_check_beside_their_peers():
 
 
 def test_check_calls_a_kernel_wrong_when_it_strays_further_than_eager():
-    x, w = (torch.randn(4, 8, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    x, w = (torch.randn(4, 8, dtype=torch.bfloat16, device=DEVICE).requires_grad_() for _ in range(2))
     verdict = bench.check(lambda a, b: torch.mul(a, b) * 1.05, torch.mul, [x, w], {})
     assert verdict.startswith("WRONG output: ours "), verdict
     assert "grad of input 0: ours" in verdict and "grad of input 1: ours" in verdict
