@@ -37,7 +37,9 @@ def _load(name: str):
 
 bench = _load("kernels")
 
-SMALL = ("rms_norm", "rotary_embedding", "add", "mul")  # the rest: slow under the interpreter at these shapes
+# Liger's rotary kernel (which runs under the interpreter) and the routed elementwise ops; the rest are
+# slow interpreted at these shapes (4096-wide rows) and have their own tests.
+SMALL = ("rotary_embedding", "add", "mul")
 
 
 @pytest.mark.timeout(300)
@@ -76,7 +78,7 @@ def test_the_bench_cases_pass_the_check_beside_their_peers():
     assert seen == set(SMALL) and len(entered) == len(SMALL)
     assert calls["add.Tensor"] > routed[0] and calls["mul.Tensor"] > routed[1]  # ours ran in our kernels
     if importlib.util.find_spec("liger_kernel"):  # where Liger has the op, its column is checked
-        assert with_liger == {"rms_norm", "rotary_embedding"}
+        assert with_liger == {"rotary_embedding"}
 
 
 def test_check_calls_a_kernel_wrong_when_it_strays_further_than_eager():

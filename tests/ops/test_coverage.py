@@ -5,7 +5,6 @@ compiled on a GPU), traced at the ATen level: every op that computes runs in our
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,7 +64,9 @@ def test_a_hugging_face_models_step_runs_in_our_kernels(tmp_path):
     assert "_attn_bwd_dq" in launches
 
 
-def test_coverage_refuses_bad_sizes_before_any_work():
-    run = subprocess.run([sys.executable, "bench/coverage.py", "--seq", "0"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 2 and "--seq 0 --batch 2: both must be at least 1" in run.stderr
+def test_coverage_refuses_bad_sizes_before_any_work(monkeypatch, capsys):
+    """In this process (bench/coverage.py's main, as its command line runs it): exit 2 and one line."""
+    monkeypatch.setattr(sys, "argv", ["bench/coverage.py", "--seq", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        coverage.main()
+    assert exit_.value.code == 2 and "--seq 0 --batch 2: both must be at least 1" in capsys.readouterr().err
