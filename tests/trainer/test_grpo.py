@@ -56,18 +56,17 @@ def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts
     run = tmp_path / "run"
     proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY},tests.trainer.grpo_rewards:length]",
                    "recipe.reward_weights=[1.0,0.5]", "recipe.num_iterations=2", "recipe.scale_rewards=batch",
-                   "train.max_steps=4", "train.eval_every=4", "train.grad_accum_steps=2", "strategy=fsdp2",
+                   "train.max_steps=2", "train.eval_every=2", "train.grad_accum_steps=2", "strategy=fsdp2",
                    "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
-    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         weighted = m["rewards/lowercase/mean"] + 0.5 * m["rewards/length/mean"]
         assert m["reward"] == pytest.approx(weighted, rel=1e-5)
     # The second update of a generation batch reuses its completions: the same rewards, and a ratio that moved.
     assert lines[1]["reward"] == pytest.approx(lines[0]["reward"], rel=1e-6)
-    assert lines[3]["reward"] == pytest.approx(lines[2]["reward"], rel=1e-6)
-    assert lines[0]["clip_ratio"] == 0 and any(m["clip_ratio"] > 0 for m in lines[1::2])
+    assert lines[0]["clip_ratio"] == 0 and lines[1]["clip_ratio"] > 0
 
 
 def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):

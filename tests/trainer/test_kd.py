@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -90,7 +91,8 @@ ARGS = ["recipe=kd", "data=chat", "data.seq_len=48", "data.eval_percent=20", "tr
 def test_the_students_kl_to_the_teacher_falls(models, run_cli, tmp_path):
     student, teacher, chats = models
     proc = run_cli("model=hf", f"model.path={student}", f"recipe.teacher.path={teacher}", f"data.path={chats}",
-                   *ARGS, "recipe.kd.alpha=1.0", "train.max_steps=8", "train.eval_every=8", f"hydra.run.dir={tmp_path / 'run'}")
+                   *ARGS, "recipe.kd.alpha=1.0", "train.max_steps=8", "train.eval_every=8",
+                   f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(tmp_path / "run"))
     kl = [m["kd/divergence"] for m in lines]
@@ -102,9 +104,8 @@ def test_the_students_kl_to_the_teacher_falls(models, run_cli, tmp_path):
 def test_a_teacher_that_cannot_teach_is_refused(models, tmp_path, capsys):
     student, teacher, chats = models
     other = tmp_path / "other-vocab"
-    other.mkdir()
-    with open(os.path.join(teacher, "config.json")) as f:
-        config = json.load(f)
+    shutil.copytree(teacher, other)
+    config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 400}))
     base = ["model=hf", f"model.path={student}", f"data.path={chats}", *ARGS]
     err = compose_refused(tmp_path, capsys, *base, f"recipe.teacher.path={other}")

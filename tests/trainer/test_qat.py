@@ -53,10 +53,10 @@ def test_qat_keeps_the_loss_at_int4_better_than_post_training_quantisation():
             return float(model(held_out[:, :-1], held_out[:, 1:]))
 
     start = _model()
-    _train(start, 50, 1e-2, seed=1)
+    _train(start, 60, 1e-2, seed=1)
     ptq_gap = loss(qat.quantize(copy.deepcopy(start), SCHEME, 32)) - loss(start)
     trained = qat.prepare(copy.deepcopy(start), SCHEME, 32)
-    _train(trained, 20, 1e-3, seed=2)
+    _train(trained, 30, 1e-3, seed=2)
     plain = _model()
     plain.load_state_dict(trained.state_dict())  # the fake-quantised layers keep the plain names
     qat_gap = loss(qat.quantize(copy.deepcopy(plain), SCHEME, 32)) - loss(plain)

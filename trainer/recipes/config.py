@@ -171,6 +171,7 @@ def _check_kd(cfg) -> None:
                           "(holding config.json)")
     from trainer.models import hf  # reads config.json only
 
+    hf.read_config(path, key="recipe.teacher.path")  # a directory trainjob can load, or refused naming the key
     teacher = hf.settings(path)
     if teacher["vocab_size"] != cfg.model.vocab_size:
         raise ConfigError("recipe.teacher.path", path, f"the teacher has a vocabulary of {teacher['vocab_size']} "
