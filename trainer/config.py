@@ -25,7 +25,7 @@ from omegaconf.errors import MissingMandatoryValue
 import launchers
 from datacache.server import MAX_READERS
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
-from trainer import peft_config, tracking
+from trainer import peft_config, qat_config, tracking
 from trainer.errors import ConfigError
 from trainer.peft_config import PeftConfig
 from trainer.recipes import config as recipe_config
@@ -168,7 +168,7 @@ class CacheConfig:
             self.kubeflow.check()
 
 
-DATASETS = ("stdlib", "parquet", "chat", "preference")
+DATASETS = ("stdlib", "parquet", "chat", "preference", "prompts")
 CHAT_MASKS = ("assistant", "last", "all")
 
 
@@ -362,6 +362,10 @@ class TrainConfig:
     # Seconds between SIGTERM (preemption, docker stop) and SIGKILL, for the step in flight and a checkpoint:
     # the pods' terminationGracePeriodSeconds on Kubernetes, docker stop's timeout on Docker.
     preemption_grace_s: int = 30
+    # Quantization-aware training (trainer.qat_config): none, or int8_dynamic_act_int4_weight (torchao), whose
+    # int4 weights are quantised in groups of qat_group_size along each row.
+    qat: str = "none"
+    qat_group_size: int = 32
     # Where metrics lines go besides metrics.jsonl (tensorboard, mlflow, wandb), and their settings.
     trackers: list[str] = field(default_factory=lambda: ["jsonl"])
     mlflow: tracking.MlflowConfig = field(default_factory=tracking.MlflowConfig)
@@ -542,7 +546,8 @@ def _check_across(job: Config) -> None:
     from trainer.models.tokenizer import VOCAB_SIZE
 
     # Chat and preference data are tokenized by the model directory's tokenizer, the rest byte by byte.
-    _require(job.data.name in ("chat", "preference") or m.vocab_size >= VOCAB_SIZE, "model.vocab_size",
+    own_tokenizer = job.data.name in ("chat", "preference") or (job.data.name == "prompts" and m.name == "hf")
+    _require(own_tokenizer or m.vocab_size >= VOCAB_SIZE, "model.vocab_size",
              m.vocab_size, f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
     _require(job.data.seq_len <= m.max_seq_len, "data.seq_len", job.data.seq_len,
              f"must be <= model.max_seq_len={m.max_seq_len}")
@@ -572,6 +577,12 @@ def _check_across(job: Config) -> None:
                  f"strategy={s.name} hands the kernels DTensors")
     recipe_config.check(job)
     peft_config.check(job)
+    qat_config.check(job)
+    if job.recipe.name == "grpo":  # each rank generates for whole prompts
+        prompts = t.global_batch_size // job.recipe.num_generations
+        _require(prompts % dims.dp_size == 0, "train.global_batch_size", t.global_batch_size,
+                 f"/ recipe.num_generations={job.recipe.num_generations} gives {prompts} prompts a step, which "
+                 f"must be divisible by the data-parallel size {dims.dp_size} (each rank samples for its own prompts)")
     per_step = dims.dp_size * t.grad_accum_steps
     tracking.check(job)
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,

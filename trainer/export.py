@@ -6,7 +6,10 @@ shards); the run's `config.yaml` says which model it holds. OUT gets `config.jso
 model directory it started from, so that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it.
 A built-in preset is written as a `LlamaForCausalLM` (its byte tokenizer has no Hugging Face files). A
 `peft=lora` run gives its adapters as PEFT saves them (`peft.PeftModel.from_pretrained(base, OUT)` loads
-them), or with `--merge` the whole model with the adapters folded in.
+them), or with `--merge` the whole model with the adapters folded in. With `--quantize`, OUT also gets the
+model's linear weights in torchao's int8-dynamic-activation, int4-weight form (`quantized.pt`,
+`quantization.json`; `trainer.models.qat.load(OUT)` loads them): the conversion that ends a `train.qat` run, in
+its `train.qat_group_size` groups, or post-training quantisation of any other run's model (groups of 32).
 
 OUT must not exist yet (nothing a user made is overwritten); it is written under a temporary name and
 renamed when complete.
@@ -14,6 +17,7 @@ renamed when complete.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -121,9 +125,10 @@ def hf_config(cfg: DictConfig) -> dict:
     return config
 
 
-def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
+def write(model: torch.nn.Module, cfg: DictConfig, out: str, quantize: tuple[str, int] | None = None) -> None:
     """Write the Hugging Face directory `out` (which must not exist) for `model`: the whole model, or, when
-    it holds LoRA adapters, the adapters as PEFT saves them (adapter_config.json, adapter_model.safetensors)."""
+    it holds LoRA adapters, the adapters as PEFT saves them (adapter_config.json, adapter_model.safetensors);
+    with `quantize` (scheme, group size), torchao's quantised form of the model beside its fp weights."""
     from safetensors.torch import save_file
 
     out = os.path.abspath(out)
@@ -143,6 +148,10 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(hf_config(cfg), f, indent=2)
+            if quantize:
+                from trainer.models import qat
+
+                qat.save(qat.quantize(copy.deepcopy(model), *quantize), *quantize, tmp)
         if cfg.model.name == "hf":
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(cfg.model.path, name)):
@@ -158,7 +167,26 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str) -> None:
         raise
 
 
-def export(checkpoint: str, out: str, merge: bool = False) -> str:
+def _quantization(cfg: DictConfig, checkpoint: str, merge: bool) -> tuple[str, int]:
+    """(scheme, group size) of `--quantize` for the run `cfg`; ConfigError when its model cannot take them."""
+    train = cfg.get("train") or {}
+    scheme = train.get("qat") if train.get("qat") not in (None, "none") else "int8_dynamic_act_int4_weight"
+    group = int(train.get("qat_group_size") or 32)
+    if _peft(cfg).name == "lora" and not merge:
+        raise ConfigError("--quantize", True, f"{checkpoint} holds LoRA adapters: add --merge to quantise the whole "
+                          "model with them folded in")
+    for key in ("dim", "ffn_dim"):
+        if int(cfg.model[key]) % group:
+            raise ConfigError("--quantize", True, f"int4 groups of {group} (train.qat_group_size) must divide "
+                              f"model.{key}={cfg.model[key]}")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise ConfigError("--quantize", True, "needs torchao: pip install 'trainjob[qat]'") from None
+    return scheme, group
+
+
+def export(checkpoint: str, out: str, merge: bool = False, quantize: bool = False) -> str:
     """Write `out` from `checkpoint` (with `merge`, LoRA adapters folded into the weights); return `out`.
     Raises ConfigError before writing anything."""
     if os.path.exists(out):
@@ -176,8 +204,9 @@ def export(checkpoint: str, out: str, merge: bool = False) -> str:
         )
     if cfg.model.name == "hf":
         hf.read_config(cfg.model.path, key="model.path (of the run)")
+    scheme = _quantization(cfg, checkpoint, merge) if quantize else None
     model = load_model(checkpoint, cfg)
-    write(lora.merge(model) if merge else model, cfg, out)
+    write(lora.merge(model) if merge else model, cfg, out, scheme)
     return out
 
 
@@ -188,9 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge", action="store_true", help="fold a LoRA run's adapters into the weights and write the whole model"
     )
+    parser.add_argument(
+        "--quantize", action="store_true", help="also write the int8-activation, int4-weight form of torchao (QAT's)"
+    )
     args = parser.parse_args(argv)
     try:
-        export(args.checkpoint, args.out, merge=args.merge)
+        export(args.checkpoint, args.out, merge=args.merge, quantize=args.quantize)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

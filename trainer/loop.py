@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
 
 import pyarrow as pa
 import torch
@@ -24,11 +23,12 @@ from torch.utils.data import DataLoader
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
 from launchers.paths import write_whole
-from trainer import checkpoint, metrics, models, parallel, plots, preemption
+from trainer import checkpoint, metrics, models, parallel, plots, preemption, recipes
 from trainer.chat_data import ChatDataset
 from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
 from trainer.parallel import ParallelDims
-from trainer.recipes import dpo, sft
+from trainer.recipes.base import Context, local
+from trainer.recipes.prompt_data import PromptDataset
 from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,6 @@ def _plain(value):
     return tuple(_plain(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: a replicated DTensor (the loss under loss parallelism) gives its local copy."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def needs_corpus(data_cfg) -> bool:
     """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
     return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
@@ -80,7 +75,8 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
     key = CACHE_KEYS[split]
     endpoints = list(getattr(data_cfg.cache, key))
     if not endpoints:
-        dataset = ChatDataset if data_cfg.name in ("chat", "preference") else LocalDataset
+        dataset = {"chat": ChatDataset, "preference": ChatDataset, "prompts": PromptDataset}.get(data_cfg.name,
+                                                                                                  LocalDataset)
         return dataset(os.path.join(corpus, split), **kw)
     try:
         data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
@@ -95,11 +91,8 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
 
 
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None,
-                 reference: Callable[..., torch.Tensor] | None = None):
+    def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None):
         self.cfg, self.model, self.device = cfg, model, device
-        # recipe=dpo: the frozen starting model, and the rewards summed since the last metrics line.
-        self.reference, self.dpo_stats = reference, {}
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp_rank, dp_size = dims.data_parallel_rank()
@@ -107,16 +100,17 @@ class Trainer:
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
-        shard = {"global_batch_size": t.global_batch_size, "seed": t.seed, "rank": dp_rank, "world_size": dp_size}
-        self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
-        self.eval_data = split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard)
         self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims.tp)
                              else contextlib.nullcontext)
+        bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        self.recipe = recipes.build(cfg, model, Context(device, dims, autocast, self.loss_context))
+        shard = {"global_batch_size": self.recipe.rows_per_step, "seed": t.seed, "rank": dp_rank,
+                 "world_size": dp_size}
+        self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
+        self.eval_data = split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard)
         self.step = 0
         self.resumed_from: str | None = None
-        bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
-                         else contextlib.nullcontext())
         self.flops_per_token = metrics.flops_per_token(
             models.num_params(model, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
@@ -163,48 +157,15 @@ class Trainer:
             self.scheduler.base_lrs[i] = group["initial_lr"]
             group["lr"] = group["initial_lr"] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
 
-    def _tokens(self, batch: dict) -> torch.Tensor:
-        """The batch's token ids on the device, widened there (batches keep their stored type, often int32)."""
-        return batch["tokens"].to(self.device, non_blocking=True).long()
-
-    def _loss(self, tokens: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
-              ) -> torch.Tensor:
-        # Under loss parallelism the logits are vocabulary shards; the caller holds self.loss_context().
-        with self.autocast:
-            if documents is not None:  # packed rows (data.packing)
-                return self.model(tokens[:, :-1], targets, documents[:, :-1].to(self.device))
-            return self.model(tokens[:, :-1], targets)
-
-    def _dpo_loss(self, batch: dict, tokens: torch.Tensor) -> torch.Tensor:
-        """recipe=dpo: the loss of preference rows; their rewards are summed into self.dpo_stats."""
-        mask = batch["loss_mask"].to(self.device, non_blocking=True)
-        with self.autocast:
-            loss, stats = dpo.pair_loss(self.model, self.reference, tokens, mask, self.cfg.recipe.beta)
-        for key, value in stats.items():
-            self.dpo_stats[key] = self.dpo_stats.get(key, 0) + value / self.cfg.train.grad_accum_steps
-        return loss
-
-    def _train_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _train_step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps
-        tokens = self._tokens(batch)
-        masked = "loss_mask" in batch and self.reference is None
-        targets = sft.targets(batch, tokens).chunk(accum)
-        # Masked targets (sft): each micro-batch weighs by its counted tokens; else every one is 1/accum.
-        scales = sft.weights(targets) if masked else [1 / accum] * accum
-        masks = batch["loss_mask"].chunk(accum) if "loss_mask" in batch else [None] * accum
-        documents = batch["documents"].chunk(accum) if "documents" in batch else [None] * accum
         total = torch.zeros((), device=self.device)
-        for i, micro in enumerate(tokens.chunk(accum)):
+        for i, micro in enumerate(self.recipe.micro_batches(batch, accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
             with sync, self.loss_context():
-                if self.reference is not None:
-                    loss = self._dpo_loss({"loss_mask": masks[i]}, micro) / accum
-                elif masked:
-                    loss = self._loss(micro, targets[i], documents[i]) * scales[i]
-                else:
-                    loss = self._loss(micro, targets[i]) / accum
+                loss = self.recipe.loss(micro)
                 loss.backward()
-            total += _local(loss.detach())
+            total += local(loss.detach())
         clip = self.cfg.optim.grad_clip
         grad_norm = parallel.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf)
         self.optimizer.step()
@@ -217,25 +178,16 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         n = 0
-        train_stats, self.dpo_stats = self.dpo_stats, {}
         for batch in self.eval_data:
-            tokens = self._tokens(batch)
-            targets = sft.targets(batch, tokens)
-            with self.loss_context():
-                if self.reference is not None:
-                    loss = _local(self._dpo_loss(batch, tokens))
-                else:
-                    loss = _local(self._loss(tokens, targets, batch.get("documents")))
-            total += loss * sft.weights((targets,))[0] if "loss_mask" in batch and self.reference is None else loss
+            total += self.recipe.eval_loss(batch)
             n += 1
             if n == self.cfg.train.eval_batches:
                 break
-        self.dpo_stats = train_stats
         self.model.train()
         return metrics.mean_across_ranks(total / max(n, 1))
 
     def _loader(self) -> DataLoader:
-        epoch, step_in_epoch = self.train_data.plan.position(self.step)
+        epoch, step_in_epoch = self.train_data.plan.position(self.recipe.data_steps(self.step))
         self.train_data.set_position(epoch, step_in_epoch)
         workers = self.cfg.data.num_workers
         # Streaming workers start from a fork server: gRPC connections do not survive fork.
@@ -247,13 +199,6 @@ class Trainer:
     def _eval_due(self) -> bool:
         return self.step % self.cfg.train.eval_every == 0 or self.step == self.cfg.train.max_steps
 
-    def _dpo_record(self, steps: int) -> dict[str, float]:
-        """recipe=dpo: the rewards of the `steps` steps since the last metrics line, averaged over them and the
-        ranks (nothing for the other recipes)."""
-        record = {k: metrics.mean_across_ranks(v / steps) for k, v in sorted(self.dpo_stats.items())}
-        self.dpo_stats = {}
-        return record
-
     def fit(self) -> dict:
         """Train to `train.max_steps`; each owner decides its own timing: the metrics logger its lines, the
         checkpointer its saves, `_eval_due` the evals."""
@@ -264,14 +209,15 @@ class Trainer:
                      RunDir(self.cfg.run_dir).summary)
             return done
         logger = metrics.MetricsLogger(self.cfg, t.global_batch_size * self.cfg.data.seq_len, self.device, self.step,
-                                       self.flops_per_token, self.peak_flops, extras=self._dpo_record)
+                                       self.flops_per_token, self.peak_flops, extras=self.recipe.record)
         start_step, eval_loss = self.step, float("nan")
         self.model.train()
         data = iter(self._loader())
         with preemption.watch() as stop:
             try:
                 while self.step < t.max_steps:
-                    loss, grad_norm = self._train_step(next(data))  # on the device: only a metrics line waits
+                    batch = next(data) if self.recipe.wants_batch(self.step) else None
+                    loss, grad_norm = self._train_step(batch)  # on the device: only a metrics line waits
                     self.step += 1
                     evaluated = None
                     if self._eval_due():

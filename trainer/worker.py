@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import chat_data, checkpoint, config, data, kernels, loop, lora, models, preemption
+from trainer import chat_data, checkpoint, config, data, loop, models, preemption
 from trainer.config import CACHE_KEYS, Config, ConfigError
-from trainer.parallel import ParallelDims, parallelize
+from trainer.models.assembly import assemble
+from trainer.parallel import ParallelDims
+from trainer.recipes import prompt_data
 from trainer.run_dir import RunDir
 
 log = logging.getLogger("trainer")
@@ -139,9 +141,11 @@ def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
     check_memory(cfg, dims)
     chats = cfg.data.name in ("chat", "preference")
     prepare = (lambda: chat_data.prepare(cfg)) if chats else (lambda: data.prepare(cfg.data))
+    if cfg.data.name == "prompts":
+        prepare = lambda: prompt_data.prepare(cfg)  # noqa: E731
     corpus = prepare() if loop.needs_corpus(cfg.data) else None
     if corpus is not None:
-        data.check_corpus(corpus, cfg)
+        (prompt_data.check_corpus if cfg.data.name == "prompts" else data.check_corpus)(corpus, cfg)
     for split, key in CACHE_KEYS.items():
         if getattr(cfg.data.cache, key):
             loop.split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
@@ -184,39 +188,17 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-def _reference(cfg: Config, dims: ParallelDims, policy: torch.nn.Module):
-    """recipe=dpo's frozen reference, the starting weights: with peft=lora the policy with its adapters off,
-    else a copy of the starting weights sharded like the policy."""
-    if cfg.peft.name == "lora":
-        return lora.without_adapters(policy)
-    with torch.device("meta"):
-        model = kernels.apply(models.build(cfg.model), cfg.kernels)
-    model = parallelize(model, dims, cfg.strategy)
-    models.init_or_load(model, None, cfg)
-    model.requires_grad_(False)
-    return model.eval()
-
-
 def _train(cfg: Config, env: DistEnv) -> dict:
     torch.manual_seed(cfg.train.seed)
     dims = ParallelDims.from_config(cfg.strategy, env.world_size)
     corpus = check_inputs(cfg, dims)
     mesh = dims.build_mesh(env.device.type)
-    with torch.device("meta"):
-        model = models.build(cfg.model)
-    model = kernels.apply(model, cfg.kernels)
-    model = lora.apply(model, cfg.peft)
-    shapes = models.param_shapes(model)
-    model = parallelize(model, dims, cfg.strategy)
-    models.init_or_load(model, shapes, cfg)
-    if cfg.peft.name == "lora":
-        lora.init_adapters(model, shapes, cfg.train.seed)
+    model = assemble(cfg.model, cfg, dims)
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device, torch.get_num_threads(),
              ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    reference = _reference(cfg, dims, model) if cfg.recipe.name == "dpo" else None
-    trainer = loop.Trainer(cfg, model, dims, env.device, corpus, reference)
+    trainer = loop.Trainer(cfg, model, dims, env.device, corpus)
     start = resume_path(cfg)
     if start is not None:
         trainer.restore(start)

@@ -159,7 +159,8 @@ def _model_dir(tmp_path, tokenizer: str, model_type: str) -> str:
 
 
 PRESETS = [("llama3_2_1b_sft", "llama3_1", "llama"), ("llama3_2_1b_lora", "llama3_1", "llama"),
-           ("llama3_2_1b_dpo", "llama3_1", "llama"), ("qwen2_5_1_5b_lora", "qwen3", "qwen2")]
+           ("llama3_2_1b_dpo", "llama3_1", "llama"), ("qwen2_5_1_5b_lora", "qwen3", "qwen2"),
+           ("qwen2_5_1_5b_grpo", "qwen3", "qwen2"), ("llama3_2_1b_kd", "llama3_1", "llama")]
 
 
 @pytest.mark.parametrize(("preset", "tokenizer", "model_type"), PRESETS)
@@ -172,17 +173,21 @@ def test_each_blueprint_prepares_its_data_on_a_real_stock_template(preset, token
         turns = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
         if multi and rng.random() < 0.5:
             turns += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "the end"}]
+        if "grpo" in preset:  # a conversation to answer, and the column the preset's reward reads
+            turns = [{"role": "user", "content": f"question {i}"}]
         rows.append({"prompt": f"question {i}", "chosen": f"yes {i}", "rejected": f"no {i}"} if "dpo" in preset
-                    else {"messages": turns})
+                    else {"messages": turns, **({"answer": str(i)} if "grpo" in preset else {})})
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [f"+experiment={preset}", f"model.path={model}", f"data.path={path}", "train.global_batch_size=4",
-            "data.eval_percent=25", "data.seq_len=64"]
+            "data.eval_percent=25", "data.seq_len=64",
+            *(["recipe.num_generations=2"] if "grpo" in preset else []),
+            *([f"recipe.teacher.path={model}"] if "kd" in preset else [])]
     from omegaconf import OmegaConf
 
     compose_run(tmp_path, *args)
     assert OmegaConf.load(tmp_path / "run" / "config.yaml").data.chat.mask == "assistant"
-    if tokenizer == "qwen3":
+    if tokenizer == "qwen3" and "grpo" not in preset:
         with path.open("a") as f:
             f.write(json.dumps({"messages": [*rows[0]["messages"], *rows[1]["messages"]]}) + "\n")
         err = compose_refused(tmp_path, capsys, *args)

@@ -43,12 +43,17 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
         distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
         chat = ["model=hf", f"model.path={hf_model}", "data=chat", "recipe=sft", "data.path=/tmp/chats.jsonl"]
         pairs = ["model=hf", f"model.path={hf_model}", "data=preference", "recipe=dpo", "data.path=/tmp/pairs.jsonl"]
+        prompts = ["data=prompts", "recipe=grpo", "data.path=/tmp/prompts.jsonl",
+                   "recipe.reward_funcs=[trainer.recipes.rewards:contains_answer]"]
         extra = {("data", "parquet"): ["data.path=/tmp"],
                  ("model", "hf"): [f"model.path={hf_model}"],
                  ("data", "chat"): chat,
                  ("recipe", "sft"): chat,
                  ("data", "preference"): [*pairs],
                  ("recipe", "dpo"): [*pairs],
+                 ("recipe", "grpo"): prompts,
+                 ("data", "prompts"): prompts,
+                 ("recipe", "kd"): ["model=hf", f"model.path={hf_model}", f"recipe.teacher.path={hf_model}"],
                  ("strategy", "tp"): distributed,
                  ("strategy", "fsdp2_tp"): distributed,
                  ("launcher", "docker"): distributed,
@@ -190,9 +195,10 @@ def test_help_introduces_trainjob_and_lists_only_options_a_user_can_choose(run_c
 def test_every_experiment_preset_composes_and_validates_given_its_paths(experiment, hf_model):
     # The tiny test model holds 256 positions; the presets ask for the real models' 1024-2048.
     cfg = _compose([f"+experiment={experiment}", f"model.path={hf_model}", "data.path=/tmp/rows.jsonl",
-                    "data.seq_len=64"])
+                    "data.seq_len=64", *([f"recipe.teacher.path={hf_model}"] if "_kd" in experiment else []),
+                    *(["recipe.max_completion_length=64"] if "_grpo" in experiment else [])])
     hf.fill_config(cfg.model)
     config.validate(cfg)
-    assert cfg.model.name == "hf" and cfg.strategy.name == "fsdp2" and cfg.recipe.name in ("sft", "dpo")
+    assert cfg.model.name == "hf" and cfg.strategy.name == "fsdp2" and cfg.recipe.name in ("sft", "dpo", "grpo", "kd")
     with pytest.raises(config.ConfigError, match="model.path=None: model=hf needs a Hugging Face model directory"):
         hf.fill_config(_compose([f"+experiment={experiment}"]).model)

@@ -22,60 +22,7 @@ import torch
 from datacache.args import OneLineParser
 from trainer.config import ConfigError
 from trainer.generate import generate, sampling
-
-
-class _Text:
-    """Prompts to token ids and ids back to text, with the model's end and padding tokens."""
-
-    def __init__(self, hf_dir: str | None):
-        self.hf = None
-        if hf_dir is None:  # a built-in preset: the byte tokenizer
-            from trainer.models import tokenizer
-
-            self.eos, self.pad = [tokenizer.EOS], tokenizer.PAD
-            return
-        from trainer.models.hf_tokenizer import HFTokenizer
-
-        if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
-            raise ConfigError("SOURCE", hf_dir, "holds no tokenizer.json: trainer.generate needs the model's tokenizer")
-        self.hf = HFTokenizer(hf_dir)
-        self.eos = sorted(set(_config_eos(hf_dir)) | {t for t in [self.hf.token_id("eos_token")] if t is not None})
-        pad = self.hf.token_id("pad_token")
-        self.pad = pad if pad is not None else (self.eos[0] if self.eos else 0)
-
-    def encode(self, prompt: str, chat: bool) -> list[int]:
-        if self.hf is None:
-            from trainer.models import tokenizer
-
-            if chat:
-                raise ConfigError("--chat", True, "a built-in preset's byte tokenizer has no chat template")
-            return tokenizer.encode(prompt, bos=False, eos=False).tolist()
-        if not chat:
-            return self.hf.encode(prompt)
-        if not self.hf.chat_template:
-            raise ConfigError("--chat", True, f"{self.hf.path} has no chat template (tokenizer_config.json's "
-                              "chat_template or chat_template.jinja)")
-        text, _ = self.hf.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        return self.hf.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: list[int]) -> str:
-        if self.hf is None:
-            from trainer.models import tokenizer
-
-            return tokenizer.decode(ids)
-        return self.hf.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _config_eos(hf_dir: str) -> list[int]:
-    """The eos_token_id of generation_config.json, else of config.json (an int or a list), as a list."""
-    for name in ("generation_config.json", "config.json"):
-        file = os.path.join(hf_dir, name)
-        if os.path.isfile(file):
-            with open(file) as f:
-                value = json.load(f).get("eos_token_id")
-            if value is not None:
-                return [value] if isinstance(value, int) else list(value)
-    return []
+from trainer.generate.text import Text
 
 
 def _source(path: str):
@@ -126,8 +73,8 @@ def run(args) -> list[dict]:
     weight is read."""
     _check(args)
     load, hf_dir, positions = _source(args.source)
-    text = _Text(hf_dir)
-    prompts = [text.encode(p, args.chat) for p in args.prompt]
+    text = Text(hf_dir)
+    prompts = [text.encode([{"role": "user", "content": p}] if args.chat else p) for p in args.prompt]
     longest = max(len(p) for p in prompts)
     if longest + args.max_new_tokens > positions:
         raise ConfigError("--max-new-tokens", args.max_new_tokens,

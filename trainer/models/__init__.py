@@ -19,7 +19,7 @@ from trainer.models import hf
 from trainer.models.hf import from_hf
 from trainer.models.llama import Transformer
 
-__all__ = ["Transformer", "build", "count_params", "from_hf", "init_or_load", "init_weights", "num_params",
+__all__ = ["Transformer", "build", "count_params", "from_hf", "init_weights", "num_params",
            "param_shapes"]
 
 # What activation-checkpoint wrappers insert into parameter names.
@@ -73,15 +73,6 @@ def init_weights(model: nn.Module, shapes: dict, seed: int, std: float, n_layers
             else:
                 param.copy_(full)
     inner.init_buffers()
-
-
-def init_or_load(model: nn.Module, shapes: dict, cfg) -> None:
-    """Give `model` its starting weights: loaded from the Hugging Face directory with `model=hf`, else drawn
-    (`cfg` is the whole run config)."""
-    if cfg.model.name == "hf":
-        hf.load_weights(model, cfg.model.path)
-    else:
-        init_weights(model, shapes, cfg.train.seed, cfg.model.init_std, cfg.model.n_layers)
 
 
 def count_params(cfg) -> int:

@@ -196,11 +196,14 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, cache=None, loss_fn=None) -> torch.Tensor:
         """The logits, or with `targets` the mean cross-entropy (computed in fp32). The loss is taken here,
         inside forward, so that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits.
-        `documents`, `cache`: see `hidden_states`."""
+        `loss_fn(hidden, output_weight, targets)`, when given, is the loss instead (recipe=kd's, which holds the
+        logits of a chunk of tokens at a time). `documents`, `cache`: see `hidden_states`."""
         h = self.hidden_states(tokens, documents, cache)
+        if loss_fn is not None:
+            return loss_fn(h, self.output_weight, targets)
         if targets is not None and self.fused_loss_fn is not None:
             return self.fused_loss_fn(h, self.output_weight, targets)
         logits = self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)

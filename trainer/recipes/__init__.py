@@ -1,3 +1,22 @@
-"""The recipes, `recipe=pretrain|sft|dpo`: what a run's loss counts. `config` holds the section's schema and
-checks (no torch there: the driver imports it); `sft` turns a chat batch into targets and token weights;
-`dpo` holds the preference loss."""
+"""The recipes, `recipe=pretrain|sft|dpo|grpo|kd`: one object each (`trainer.recipes.base.Recipe`) that owns what
+a run's loss counts, its eval loss and, for dpo and grpo, its frozen reference, for kd its teacher. `config` holds
+the section's schema and checks (no torch there: the driver imports it); `build` makes a run's recipe object."""
+
+from __future__ import annotations
+
+import importlib
+
+# recipe.name -> (module, class) of its object; imported when built, so that the driver imports no torch here.
+OBJECTS = {
+    "pretrain": ("trainer.recipes.pretrain", "Pretrain"),
+    "sft": ("trainer.recipes.sft", "SFT"),
+    "dpo": ("trainer.recipes.dpo", "DPO"),
+    "grpo": ("trainer.recipes.grpo", "GRPO"),
+    "kd": ("trainer.recipes.kd", "KD"),
+}
+
+
+def build(cfg, model, ctx):
+    """The recipe object of run `cfg` (the typed config) for the policy `model` on this rank."""
+    module, name = OBJECTS[cfg.recipe.name]
+    return getattr(importlib.import_module(module), name)(cfg, model, ctx)

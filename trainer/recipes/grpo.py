@@ -1,5 +1,5 @@
-"""The loss of Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath), as TRL's GRPOTrainer takes it
-(`loss_type="grpo"`, token-level importance sampling), for a future `recipe=grpo`.
+"""`recipe=grpo`: Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath) on data=prompts, its loss
+as TRL's GRPOTrainer takes it (`loss_type="grpo"`, token-level importance sampling).
 
 Each prompt gets G completions; each completion's reward (the weighted sum over the reward functions) becomes its
 advantage within its group:
@@ -15,11 +15,34 @@ reference (ref), the ratio rho = exp(logp - old) per completion token:
     loss       = mean over completions of (the mean of its token losses)
 
 The KL term is the k3 estimator of KL(policy || reference). A completion with no counted token adds 0.
+
+`GRPO`, the recipe object: every `recipe.num_iterations` steps it samples `recipe.num_generations` completions
+of each of its rank's prompts from the policy (`trainer.generate`; each rank its own prompts, tensor-parallel
+peers the same ones with the same seed), scores them with the reward functions (`trainer.recipes.rewards`),
+and keeps them, with their advantages, the policy's log-probabilities at sampling (old) and the reference's,
+for the updates that follow. A training row is the prompt, then its completion, then padding, so that positions
+and attention are those of generation; the loss counts the completion's tokens, its end token included. The
+reference is the policy with its adapters off under peft=lora, else a frozen copy of the starting weights; none
+with recipe.beta=0. A resumed run starts a new generation batch at its first step. The eval loss is minus the
+mean weighted reward of completions sampled for the eval prompts (the same seed at every eval).
 """
 
 from __future__ import annotations
 
+import json
+import math
+
 import torch
+import torch.distributed as dist
+
+from trainer import lora
+from trainer.generate import generate
+from trainer.models.assembly import assemble
+from trainer.recipes import rewards
+from trainer.recipes.base import Recipe
+from trainer.recipes.dpo import token_logps
+from trainer.recipes.prompt_data import prompt_text
+from trainer.recipes.sft import IGNORE
 
 SCALE_REWARDS = ("group", "batch", "none")
 METRICS = ("kl", "clip_ratio", "completion_length")
@@ -71,3 +94,128 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
         "completion_length": lengths.mean(),
     }
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+class GRPO(Recipe):
+    def __init__(self, cfg, model, ctx):
+        super().__init__(cfg, model, ctx)
+        r = cfg.recipe
+        self.r, self.G = r, r.num_generations
+        self.funcs = [(spec, rewards.load(spec)) for spec in r.reward_funcs]
+        self.weights = list(r.reward_weights) if r.reward_weights is not None else [1.0] * len(self.funcs)
+        self.text = prompt_text(cfg.model)
+        self.reference = None
+        if r.beta > 0:
+            self.reference = (lora.without_adapters(model) if cfg.peft.name == "lora"
+                              else assemble(cfg.model, cfg, ctx.dims, peft=False, qat=False, frozen=True))
+        self.dp_rank, self.dp_size = ctx.dims.data_parallel_rank()
+        self.generator = torch.Generator(ctx.device).manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank)
+        self.buffer: list | None = None  # the generation batch's micro-batches
+        self.reward_stats: dict[str, torch.Tensor] = {}
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.cfg.train.global_batch_size // self.G
+
+    def data_steps(self, step: int) -> int:
+        return math.ceil(step / self.r.num_iterations)
+
+    def wants_batch(self, step: int) -> bool:
+        return self.buffer is None or step % self.r.num_iterations == 0
+
+    def micro_batches(self, batch: dict | None, accum: int) -> list:
+        if batch is not None:
+            self.buffer = self._generation_batch(batch, accum)
+        self.add_stats(self.reward_stats)
+        return self.buffer
+
+    def loss(self, micro) -> torch.Tensor:
+        tokens, target, mask, adv, old, ref = micro
+        with self.ctx.autocast:
+            logps = token_logps(self.model(tokens[:, :-1]), target)
+        loss, stats = grpo_loss(logps, logps.detach() if old is None else old, adv, mask, self.r.epsilon,
+                                self.r.epsilon_high, self.r.beta, ref)
+        accum = self.cfg.train.grad_accum_steps
+        self.add_stats(stats, 1 / accum)
+        return loss / accum
+
+    def eval_loss(self, batch: dict) -> torch.Tensor:
+        generator = torch.Generator(self.ctx.device).manual_seed(self.cfg.train.seed + 7919 * (self.dp_rank + 1))
+        prompts, rows = self._prompts(batch)
+        completions = self._sample(prompts, generator)
+        scores, _ = self._rewards(rows, completions)
+        return -scores.mean()
+
+    def _prompts(self, batch: dict) -> tuple[list[list[int]], list[dict]]:
+        lengths = batch["length"].tolist()
+        prompts = [row[:n] for row, n in zip(batch["tokens"].tolist(), lengths, strict=True)]
+        return prompts, [json.loads(r) for r in batch["rows"]]
+
+    def _sample(self, prompts: list[list[int]], generator: torch.Generator) -> list[list[int]]:
+        repeated = [p for p in prompts for _ in range(self.G)]
+        with self.ctx.autocast:
+            return generate(self.model, repeated, self.r.max_completion_length, eos=self.text.eos, pad=self.text.pad,
+                            temperature=self.r.temperature, top_k=self.r.top_k, top_p=self.r.top_p,
+                            generator=generator)
+
+    def _rewards(self, rows: list[dict], completions: list[list[int]]) -> tuple[torch.Tensor, dict]:
+        """(the weighted reward of each completion, the mean and std of each function's)."""
+        texts = [self.text.decode(ids) for ids in completions]
+        repeated = [row for row in rows for _ in range(self.G)]
+        prompts = [row.get("prompt", row.get("messages")) for row in repeated]
+        columns = {k: [row.get(k) for row in repeated] for k in rows[0] if k not in ("prompt", "messages")}
+        scores = torch.tensor([rewards.call(fn, spec, prompts, texts, columns) for spec, fn in self.funcs],
+                              dtype=torch.float32, device=self.ctx.device)  # (functions, completions)
+        stats = {}
+        for (spec, _), row in zip(self.funcs, scores, strict=True):
+            name = spec.rpartition(":")[2]
+            stats[f"rewards/{name}/mean"], stats[f"rewards/{name}/std"] = row.mean(), row.std()
+        total = (scores * torch.tensor(self.weights, device=scores.device)[:, None]).sum(0)
+        stats["reward"], stats["reward_std"] = total.mean(), total.std()
+        return total, stats
+
+    @torch.no_grad()
+    def _generation_batch(self, batch: dict, accum: int) -> list:
+        prompts, rows = self._prompts(batch)
+        self.model.eval()
+        completions = self._sample(prompts, self.generator)
+        self.model.train()
+        total, self.reward_stats = self._rewards(rows, completions)
+        adv = self._advantages(total)
+        tokens, target = self._rows([p for p in prompts for _ in range(self.G)], completions)
+        mask = target != IGNORE
+        parts = [tokens.chunk(accum), target.chunk(accum), mask.chunk(accum), adv.chunk(accum)]
+        old = self._logps(self.model, parts[0], parts[1]) if self.r.num_iterations > 1 else [None] * accum
+        ref = self._logps(self.reference, parts[0], parts[1]) if self.reference is not None else [None] * accum
+        return list(zip(*parts, old, ref, strict=True))
+
+    def _advantages(self, total: torch.Tensor) -> torch.Tensor:
+        if self.r.scale_rewards != "batch":
+            return advantages(total, self.G, self.r.scale_rewards)
+        # The whole batch's std: every rank's rewards (tensor-parallel peers hold the same ones: one of each).
+        everyone = [torch.empty_like(total) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, total)
+        tp = self.ctx.dims.tp
+        unique = torch.cat(everyone[::tp])
+        return advantages(unique, self.G, "batch").view(self.dp_size, -1)[self.dp_rank]
+
+    def _rows(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, targets): each row the prompt, its completion, then padding; the targets IGNORE but for the
+        completion's tokens. The inputs' width is a multiple of the tensor-parallel degree (sequence parallelism
+        splits it evenly)."""
+        tp = self.ctx.dims.tp
+        longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+        width = -(-(longest - 1) // tp) * tp + 1
+        tokens = torch.full((len(prompts), width), self.text.pad, dtype=torch.long)
+        target = torch.full((len(prompts), width - 1), IGNORE, dtype=torch.long)
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            tokens[i, : len(p) + len(c)] = torch.tensor(p + c)
+            target[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(c)
+        return tokens.to(self.ctx.device), target.to(self.ctx.device)
+
+    def _logps(self, model, tokens: tuple, targets: tuple) -> list[torch.Tensor]:
+        out = []
+        for t, y in zip(tokens, targets, strict=True):
+            with self.ctx.loss_context(), self.ctx.autocast:
+                out.append(token_logps(model(t[:, :-1]), y))
+        return out

@@ -1,5 +1,6 @@
-"""Targets for the loss: the next token everywhere (pretrain), or only where the next token is the
-assistant's (sft, from the batch's `loss_mask`); the others are IGNORE, which cross-entropy skips.
+"""`recipe=sft` (`SFT`), and the targets for the loss: the next token everywhere (pretrain), or only where the
+next token is the assistant's (sft, from the batch's `loss_mask`); the others are IGNORE, which cross-entropy
+skips.
 
 With masks, ranks and micro-batches count different numbers of tokens, so a mean per micro-batch would
 weigh tokens unequally. `weights` scales each micro-batch's mean to its share of all the step's counted
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from trainer.recipes.pretrain import Pretrain
 
 IGNORE = -100
 
@@ -33,3 +36,18 @@ def weights(chunks: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         dist.all_reduce(total)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return list(counts * world / total)
+
+
+
+class SFT(Pretrain):
+    """`recipe=sft` on data=chat: the next-token loss on the assistant's tokens only, each counted token weighing
+    the same across micro-batches and ranks (`weights`)."""
+
+    def _targets(self, batch: dict, tokens: torch.Tensor) -> torch.Tensor:
+        return targets(batch, tokens)
+
+    def _scales(self, chunks: tuple[torch.Tensor, ...]) -> list:
+        return weights(chunks)
+
+    def _eval_weight(self, target: torch.Tensor):
+        return weights((target,))[0]

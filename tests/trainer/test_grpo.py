@@ -1,0 +1,107 @@
+"""`recipe=grpo` on `data=prompts`, end to end: a toy task is learnt on a tiny debug model in 30 steps (the mean
+reward rises), every metrics line holds the reward of each function, KL, clip ratio and completion length, two
+ranks under FSDP2 (real torchrun and gloo; generation collective) train with several updates per generation
+batch, and what cannot run is refused in one line before anything runs. The loss itself is checked against TRL's
+formula in test_grpo_loss.py."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tests.conftest import TINY, compose_refused, read_metrics, read_summary
+from trainer.config import ConfigError
+from trainer.recipes import rewards
+
+pytestmark = pytest.mark.timeout(300)
+
+TOY = "tests.trainer.grpo_rewards:lowercase"
+ARGS = [*[a for a in TINY if not a.startswith(("data.seq_len", "train.global_batch_size"))], "recipe=grpo",
+        "data=prompts", "data.seq_len=16", "data.eval_percent=20", "optim.warmup_steps=0", "optim.lr=1e-2",
+        "recipe.num_generations=4", "train.global_batch_size=16", "recipe.max_completion_length=8"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> str:
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "sun", "sky"]
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(3)),
+                                        "target": rng.randint(2, 6)}) + "\n" for _ in range(64)))
+    return str(path)
+
+
+def test_the_mean_reward_rises_on_a_toy_task(prompts, run_cli, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY}]", "train.max_steps=30",
+                   "train.eval_every=30", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = read_metrics(str(run))
+    assert len(lines) == 30
+    for line in lines:
+        for key in ("rewards/lowercase/mean", "rewards/lowercase/std", "reward", "kl", "clip_ratio",
+                    "completion_length"):
+            assert key in line, key
+        assert 0 < line["completion_length"] <= 8
+    first = sum(m["reward"] for m in lines[:5]) / 5
+    last = sum(m["reward"] for m in lines[-5:]) / 5
+    assert first < 0.2 and last > first + 0.3, (first, last)
+    assert lines[0]["kl"] == pytest.approx(0, abs=1e-6) and lines[-1]["kl"] > 0  # the reference is the start
+    assert read_summary(str(run))["final_eval_loss"] == pytest.approx(-lines[-1]["reward"], abs=0.35)
+
+
+def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts, run_cli, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY},tests.trainer.grpo_rewards:length]",
+                   "recipe.reward_weights=[1.0,0.5]", "recipe.num_iterations=2", "recipe.scale_rewards=batch",
+                   "train.max_steps=2", "train.eval_every=2", "train.grad_accum_steps=2", "strategy=fsdp2",
+                   "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = read_metrics(str(run))
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        weighted = m["rewards/lowercase/mean"] + 0.5 * m["rewards/length/mean"]
+        assert m["reward"] == pytest.approx(weighted, rel=1e-5)
+    # The second update of a generation batch reuses its completions: the same rewards, and a ratio that moved.
+    assert lines[1]["reward"] == pytest.approx(lines[0]["reward"], rel=1e-6)
+    assert lines[0]["clip_ratio"] == 0 and lines[1]["clip_ratio"] > 0
+
+
+def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):
+    base = [*ARGS, f"data.path={prompts}"]
+    cases = {
+        "recipe.reward_funcs=[tests.trainer.nowhere:f]": "recipe.reward_funcs='tests.trainer.nowhere:f': cannot be "
+                                                         "imported: No module named 'tests.trainer.nowhere'",
+        "recipe.reward_funcs=[tests.trainer.grpo_rewards:no_completions]": "must take the keyword arguments prompts "
+                                                                           "and completions",
+        "recipe.reward_funcs=[tests.trainer.grpo_rewards:needs_a_column]": "takes difficulty, which the rows of",
+        f"recipe.reward_funcs=[{TOY}] recipe.num_generations=3": "recipe.num_generations=3: must divide "
+                                                                 "train.global_batch_size=16",
+    }
+    for overrides, message in cases.items():
+        assert message in compose_refused(tmp_path, capsys, *base, *overrides.split()), overrides
+    err = compose_refused(tmp_path, capsys, *base, f"recipe.reward_funcs=[{TOY}]", "+runtime=torch-distributed",
+                          "runtime.nproc_per_node=8", "train.global_batch_size=16", "recipe.num_generations=4")
+    assert "gives 4 prompts a step, which must be divisible by the data-parallel size 8" in err
+    assert "recipe=grpo trains on data=prompts" in compose_refused(tmp_path, capsys, *TINY, "recipe=grpo")
+
+
+def test_reward_functions_are_checked_as_they_load_and_as_they_return():
+    for spec, message in {"tests.trainer.grpo_rewards:missing": "module tests.trainer.grpo_rewards has no missing",
+                          "tests.trainer.grpo_rewards:NOT_A_FUNCTION": "NOT_A_FUNCTION is a int, not a function",
+                          "tests.trainer.grpo_rewards": "each must be package.module:function"}.items():
+        with pytest.raises(ConfigError, match=message):
+            rewards.load(spec)
+    fn = rewards.load(TOY)
+    assert rewards.call(fn, TOY, ["p", "p"], ["ab", "A1"], {}) == [1.0, 0.0]
+    with pytest.raises(ConfigError, match="returned list .*one number per completion \\(3\\)"):
+        rewards.call(lambda prompts, completions: [1.0], "m:f", ["p"] * 3, ["a"] * 3, {})
+    with pytest.raises(ConfigError, match="each reward must be a number"):
+        rewards.call(lambda prompts, completions: ["high"], "m:f", ["p"], ["a"], {})
+    with pytest.raises(ConfigError, match="not finite"):
+        rewards.call(lambda prompts, completions: [float("nan")], "m:f", ["p"], ["a"], {})
+    # A function without **kwargs gets only the columns it names.
+    length = rewards.load("tests.trainer.grpo_rewards:length")
+    assert rewards.call(length, "x", ["p"], ["abcd"], {"target": [4], "other": [1]}) == [1.0]

@@ -1,0 +1,43 @@
+"""`recipe=pretrain`: the next-token loss on every token of token rows (data=stdlib, data=parquet, cache
+nodes), packed documents attending within themselves where the batch numbers them."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.recipes.base import Recipe, local
+
+
+class Pretrain(Recipe):
+    def _targets(self, batch: dict, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens[:, 1:]
+
+    def _scales(self, chunks: tuple[torch.Tensor, ...]) -> list:
+        return [1 / len(chunks)] * len(chunks)
+
+    def micro_batches(self, batch: dict, accum: int) -> list:
+        tokens = self.tokens(batch)
+        chunks = self._targets(batch, tokens).chunk(accum)
+        documents = batch["documents"].chunk(accum) if "documents" in batch else [None] * accum
+        return list(zip(tokens.chunk(accum), chunks, documents, self._scales(chunks), strict=True))
+
+    def _forward(self, tokens: torch.Tensor, target: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        with self.ctx.autocast:
+            if documents is not None:  # packed rows (data.packing)
+                return self.model(tokens[:, :-1], target, documents[:, :-1].to(self.ctx.device))
+            return self.model(tokens[:, :-1], target)
+
+    def loss(self, micro) -> torch.Tensor:
+        tokens, target, documents, scale = micro
+        return self._forward(tokens, target, documents) * scale
+
+    def eval_loss(self, batch: dict) -> torch.Tensor:
+        tokens = self.tokens(batch)
+        target = self._targets(batch, tokens)
+        with self.ctx.loss_context():
+            loss = self._forward(tokens, target, batch.get("documents"))
+        return local(loss) * self._eval_weight(target)
+
+    def _eval_weight(self, target: torch.Tensor):
+        return 1.0
+
