@@ -99,6 +99,21 @@ class Torchrun:
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str | None = None
     rdzv_id: str = "trainjob"
+    # Elastic runs: seconds the rendezvous waits for more nodes once it has its minimum.
+    last_call_timeout: int = 10
+
+
+def node_range(nnodes: int | str) -> tuple[int, int]:
+    """`runtime.nnodes` as (fewest, most) nodes: `N` is a fixed size (N, N), `MIN:MAX` torchrun's elastic
+    range. Raises ValueError naming what is allowed."""
+    text = str(nnodes).strip()
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError("must be a node count N, or MIN:MAX (an elastic range, such as 1:4)")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1 or high < low:
+        raise ValueError("needs 1 <= MIN <= MAX")
+    return low, high
 
 
 @dataclass(frozen=True)
@@ -113,8 +128,12 @@ class LaunchSpec:
     moves the paths that `path_keys` names (`run_dir`, `cache_dir`: dotted keys of the document) onto its
     own volumes. `files` are other files of `run_dir` the command reads (name -> text), shipped the same
     way. `cache_dir` is this machine's data cache, which the job reads and writes (Docker mounts it).
-    `hold_fd` is a descriptor the job's processes on this machine keep open while it runs (the run
-    directory's lock, so that it is held as long as the job runs, also after the driver has returned)."""
+    `hold_fds` are descriptors the job's processes on this machine keep open while it runs (the run
+    directory's locks, so that they are held as long as the job runs, also after the driver has returned).
+
+    `min_nodes` (None: a fixed size) makes the job elastic: torchrun runs between `min_nodes` and `nnodes`
+    nodes and re-forms the group when one is lost or joins. `node` is which of the run's nodes this machine
+    starts, when each node is launched on its own (the local launcher, once per node)."""
 
     run_dir: str
     command: list[str]
@@ -131,11 +150,17 @@ class LaunchSpec:
     cache_nodes: CacheNodes | None = None
     # Seconds the ranks get between SIGTERM and SIGKILL to write a checkpoint (None: the platform's default).
     stop_grace_s: int | None = None
-    hold_fd: int | None = None
+    hold_fds: tuple[int, ...] = ()
+    min_nodes: int | None = None
+    node: int | None = None
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None
 
 
 MASK = "********"
@@ -148,20 +173,32 @@ def write_private(path: str, text: str) -> None:
     write_whole(path, text, 0o600)
 
 
+# torchrun's agent as every launcher starts it: torchrun whose exit code is its failed rank's own.
+TORCHRUN = ["-m", "launchers.torchrun"]
+
+# An elastic job's rendezvous: its store is hosted outside the nodes (`launchers.rendezvous`), so that losing
+# any node leaves it; a node that stops sending heartbeats for 5 s is gone.
+ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"
+
+
 def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:
     """torchrun's options for `spec`. One node without an endpoint uses --standalone; else a c10d
-    rendezvous at `endpoint` (default: the spec's rdzv_endpoint), which every node joins."""
+    rendezvous at `endpoint` (default: the spec's rdzv_endpoint), which every node joins; an elastic job
+    gives the node range and a store that lives apart from its nodes."""
     t = spec.torchrun
     args = [
         f"--nproc-per-node={spec.nproc_per_node}",
-        f"--nnodes={spec.nnodes}",
+        f"--nnodes={spec.min_nodes}:{spec.nnodes}" if spec.elastic else f"--nnodes={spec.nnodes}",
         f"--max-restarts={t.max_restarts}",
         f"--monitor-interval={t.monitor_interval}",
     ]
     endpoint = endpoint or t.rdzv_endpoint
     if spec.nnodes == 1 and not endpoint:
         return [*args, "--standalone"]
-    return [*args, f"--rdzv-backend={t.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t.rdzv_id}"]
+    args += [f"--rdzv-backend={t.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t.rdzv_id}"]
+    if spec.elastic:
+        args.append("--rdzv-conf=" + ELASTIC_RDZV_CONF.format(last_call=t.last_call_timeout))
+    return args
 
 
 def run_name(run_dir: str, max_len: int = 52) -> str:
