@@ -100,7 +100,7 @@ class Torchrun:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "trainjob"
     # Elastic runs: seconds the rendezvous waits for more nodes once it has its minimum.
-    last_call_timeout: int = 10
+    last_call_timeout: int = 5
 
 
 def node_range(nnodes: int | str) -> tuple[int, int]:
@@ -224,8 +224,9 @@ def read_summary(run_dir: str) -> dict[str, Any] | None:
 
 def read_progress(run_dir: str) -> dict[str, Any]:
     """Step, last loss and last eval loss of the run in `run_dir`, from the files its rank 0 writes:
-    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done."""
-    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
+    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done; and
+    the re-formations of an elastic run (when, the world size before and after, the step resumed from)."""
+    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None, "reformations": []}
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
@@ -234,6 +235,9 @@ def read_progress(run_dir: str) -> dict[str, Any]:
                 except ValueError:  # a line being written
                     continue
                 if not isinstance(record, dict):
+                    continue
+                if record.get("event") == "reformation":
+                    found["reformations"].append({k: v for k, v in record.items() if k not in ("event", "step")})
                     continue
                 found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
                 if record.get("eval_loss") is not None:
@@ -264,6 +268,8 @@ class JobInfo:
     eval_loss: float | None = None
     start_time: datetime | None = None
     end_time: datetime | None = None
+    # Each time torchrun re-formed the group: {"time", "world_size_before", "world_size_after", "resumed_from_step"}.
+    reformations: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Job(ABC):

@@ -30,6 +30,7 @@ from omegaconf import MISSING
 from launchers import schedulers
 from launchers.base import (
     MASK,
+    TORCHRUN,
     TORCHRUN_ENV,
     Job,
     JobInfo,
@@ -241,6 +242,12 @@ def pod_command(spec: LaunchSpec) -> list[str]:
     return [local.get(arg, arg) for arg in spec.command]
 
 
+def _agent(spec: LaunchSpec) -> list[str]:
+    """A trainer run's pods start launchers.torchrun, so that a refused config (exit 2) and a preemption (143)
+    reach the pod's status; a function job's image need not hold trainjob, and starts plain torchrun."""
+    return ["python", *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
+
+
 def manifests(
     spec: LaunchSpec,
     lc: Mapping[str, Any],
@@ -271,7 +278,8 @@ def manifests(
     ref = {"kind": "ClusterTrainingRuntime", "name": cluster_ref}
     if sc["name"] in schedulers.NEEDS_RUNTIME:
         runtime = schedulers.derived_runtime(
-            sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", namespace, labels
+            sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", namespace, labels,
+            spec.torchrun.max_restarts,
         )
         out.append(runtime)
         ref = {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
@@ -311,7 +319,8 @@ def manifests(
         env.update(cache_endpoints(spec, name, namespace))
     trainer: dict[str, Any] = {
         "image": lc["image"],
-        "command": ["torchrun", f"--max-restarts={spec.torchrun.max_restarts}", *pod_command(spec)],
+        # Restarts are the JobSet's (failurePolicy.maxRestarts), each pod resuming from the shared claim.
+        "command": [*_agent(spec), "--max-restarts=0", *pod_command(spec)],
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,

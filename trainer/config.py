@@ -279,7 +279,7 @@ class RuntimeConfig:
     rdzv_id: str = "trainjob"
     monitor_interval: float = 1.0
     # Elastic jobs: seconds the rendezvous waits for more nodes once MIN have joined.
-    last_call_timeout: int = 10
+    last_call_timeout: int = 5
 
     def check(self) -> None:
         _one_of("runtime.name", self.name, RUNTIMES)

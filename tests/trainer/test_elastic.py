@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from launchers.base import run_name
 from tests.conftest import TINY, compose_refused, read_summary
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -137,6 +138,13 @@ def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_los
     lost, joined = sizes.index(1), len(sizes) - sizes[::-1].index(1)
     assert sizes == [2] * lost + [1] * (joined - lost) + [2] * (STEPS - joined)
     assert [e["resumed_from_step"] for e in events] == [lost, joined]
+    # `python -m launchers get` shows them (the surviving node's job, as any node's).
+    name = f"{run_name(str(run_dir), 44)}-node-1"
+    got = subprocess.run([sys.executable, "-m", "launchers", "get", name], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    shown = [line for line in got.stdout.splitlines() if line.startswith("reformation: ")]
+    assert [line.split(": ", 2)[2] for line in shown] == [
+        f"world size 2 -> 1, resumed from step {lost}", f"world size 1 -> 2, resumed from step {joined}"]
     ours = read_summary(str(run_dir))
     for key in ("final_train_loss", "final_eval_loss"):
         assert math.isclose(ours[key], one_node[key], rel_tol=1e-5), (key, ours[key], one_node[key])
