@@ -176,6 +176,13 @@ def write_private(path: str, text: str) -> None:
 # torchrun's agent as every launcher starts it: torchrun whose exit code is its failed rank's own.
 TORCHRUN = ["-m", "launchers.torchrun"]
 
+
+def agent_command(spec: LaunchSpec, python: str = "python") -> list[str]:
+    """The agent that starts a node's ranks: a trainer run's is `launchers.torchrun`, so that a refused config
+    (exit 2) and a preemption (143) reach whoever watches the node; a function job's image need not hold
+    trainjob, and starts plain torchrun."""
+    return [python, *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
+
 # An elastic job's rendezvous: its store is hosted outside the nodes (`launchers.rendezvous`), so that losing
 # any node leaves it; a node that stops sending heartbeats for 5 s is gone.
 ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"

@@ -30,7 +30,6 @@ from omegaconf import MISSING
 from launchers import schedulers
 from launchers.base import (
     MASK,
-    TORCHRUN,
     TORCHRUN_ENV,
     Job,
     JobInfo,
@@ -39,6 +38,7 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
+    agent_command,
     read_progress,
     require,
     run_name,
@@ -242,12 +242,6 @@ def pod_command(spec: LaunchSpec) -> list[str]:
     return [local.get(arg, arg) for arg in spec.command]
 
 
-def _agent(spec: LaunchSpec) -> list[str]:
-    """A trainer run's pods start launchers.torchrun, so that a refused config (exit 2) and a preemption (143)
-    reach the pod's status; a function job's image need not hold trainjob, and starts plain torchrun."""
-    return ["python", *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
-
-
 def manifests(
     spec: LaunchSpec,
     lc: Mapping[str, Any],
@@ -320,7 +314,7 @@ def manifests(
     trainer: dict[str, Any] = {
         "image": lc["image"],
         # Restarts are the JobSet's (failurePolicy.maxRestarts), each pod resuming from the shared claim.
-        "command": [*_agent(spec), "--max-restarts=0", *pod_command(spec)],
+        "command": [*agent_command(spec), "--max-restarts=0", *pod_command(spec)],
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,

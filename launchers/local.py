@@ -28,11 +28,11 @@ from launchers.base import (
     Job,
     JobInfo,
     JobState,
-    TORCHRUN,
     Launcher,
     LauncherError,
     LaunchSpec,
     OptionError,
+    agent_command,
     read_progress,
     read_summary,
     run_name,
@@ -413,7 +413,7 @@ class LocalLauncher(Launcher):
     def command(self, spec: LaunchSpec) -> list[str]:
         if spec.torchrun is None:
             return [sys.executable, *spec.command]
-        return [sys.executable, *TORCHRUN, *torchrun_args(spec), *spec.command]
+        return [*agent_command(spec, sys.executable), *torchrun_args(spec), *spec.command]
 
     def render(self, spec: LaunchSpec) -> str:
         return shlex.join(self.command(spec)) + "\n"
