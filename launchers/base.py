@@ -233,7 +233,8 @@ def read_progress(run_dir: str) -> dict[str, Any]:
     """Step, last loss and last eval loss of the run in `run_dir`, from the files its rank 0 writes:
     `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done; and
     the re-formations of an elastic run (when, the world size before and after, the step resumed from)."""
-    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None, "reformations": []}
+    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
+    reformations: list[dict[str, Any]] = []
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
@@ -244,13 +245,15 @@ def read_progress(run_dir: str) -> dict[str, Any]:
                 if not isinstance(record, dict):
                     continue
                 if record.get("event") == "reformation":
-                    found["reformations"].append({k: v for k, v in record.items() if k not in ("event", "step")})
+                    reformations.append({k: v for k, v in record.items() if k not in ("event", "step")})
                     continue
                 found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
                 if record.get("eval_loss") is not None:
                     found["eval_loss"] = record["eval_loss"]
     except (OSError, UnicodeDecodeError):
         pass
+    if reformations:
+        found["reformations"] = reformations
     summary = read_summary(run_dir) if os.path.isdir(run_dir) else None
     if summary:
         found.update(
