@@ -22,6 +22,7 @@ from launchers.base import (
     LaunchSpec,
     OptionError,
     Torchrun,
+    node_range,
 )
 from launchers.docker import DockerLauncherConfig
 from launchers.kubernetes import KubernetesLauncherConfig
@@ -44,6 +45,7 @@ __all__ = [
     "Torchrun",
     "check",
     "get",
+    "node_range",
 ]
 
 _MODULES = {"local": "launchers.local", "docker": "launchers.docker", "kubernetes": "launchers.kubernetes"}

@@ -98,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
                     print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
         elif args.verb == "get":
             job = _plain(client.get_job(args.name))
-            print(json.dumps(job) if args.json else "\n".join(f"{k}: {_cell(v)}" for k, v in job.items()))
+            if args.json:
+                print(json.dumps(job))
+            else:
+                print("\n".join(f"{k}: {_cell(v)}" for k, v in job.items() if k != "reformations"))
+                for r in job["reformations"]:  # an elastic run's: each time torchrun re-formed the group
+                    print(f"reformation: {r['time']}: world size {r['world_size_before']} -> "
+                          f"{r['world_size_after']}, resumed from step {r['resumed_from_step']}")
         elif args.verb == "logs":
             for line in client.get_job_logs(args.name, rank=args.rank, follow=args.follow):
                 print(line, flush=True)

@@ -99,6 +99,21 @@ class Torchrun:
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str | None = None
     rdzv_id: str = "trainjob"
+    # Elastic runs: seconds the rendezvous waits for more nodes once it has its minimum.
+    last_call_timeout: int = 5
+
+
+def node_range(nnodes: int | str) -> tuple[int, int]:
+    """`runtime.nnodes` as (fewest, most) nodes: `N` is a fixed size (N, N), `MIN:MAX` torchrun's elastic
+    range. Raises ValueError naming what is allowed."""
+    text = str(nnodes).strip()
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError("must be a node count N, or MIN:MAX (an elastic range, such as 1:4)")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1 or high < low:
+        raise ValueError("needs 1 <= MIN <= MAX")
+    return low, high
 
 
 @dataclass(frozen=True)
@@ -113,8 +128,12 @@ class LaunchSpec:
     moves the paths that `path_keys` names (`run_dir`, `cache_dir`: dotted keys of the document) onto its
     own volumes. `files` are other files of `run_dir` the command reads (name -> text), shipped the same
     way. `cache_dir` is this machine's data cache, which the job reads and writes (Docker mounts it).
-    `hold_fd` is a descriptor the job's processes on this machine keep open while it runs (the run
-    directory's lock, so that it is held as long as the job runs, also after the driver has returned)."""
+    `hold_fds` are descriptors the job's processes on this machine keep open while it runs (the run
+    directory's locks, so that they are held as long as the job runs, also after the driver has returned).
+
+    `min_nodes` (None: a fixed size) makes the job elastic: torchrun runs between `min_nodes` and `nnodes`
+    nodes and re-forms the group when one is lost or joins. `node` is which of the run's nodes this machine
+    starts, when each node is launched on its own (the local launcher, once per node)."""
 
     run_dir: str
     command: list[str]
@@ -131,11 +150,17 @@ class LaunchSpec:
     cache_nodes: CacheNodes | None = None
     # Seconds the ranks get between SIGTERM and SIGKILL to write a checkpoint (None: the platform's default).
     stop_grace_s: int | None = None
-    hold_fd: int | None = None
+    hold_fds: tuple[int, ...] = ()
+    min_nodes: int | None = None
+    node: int | None = None
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None
 
 
 MASK = "********"
@@ -148,20 +173,39 @@ def write_private(path: str, text: str) -> None:
     write_whole(path, text, 0o600)
 
 
+# torchrun's agent as every launcher starts it: torchrun whose exit code is its failed rank's own.
+TORCHRUN = ["-m", "launchers.torchrun"]
+
+
+def agent_command(spec: LaunchSpec, python: str = "python") -> list[str]:
+    """The agent that starts a node's ranks: a trainer run's is `launchers.torchrun`, so that a refused config
+    (exit 2) and a preemption (143) reach whoever watches the node; a function job's image need not hold
+    trainjob, and starts plain torchrun."""
+    return [python, *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
+
+# An elastic job's rendezvous: its store is hosted outside the nodes (`launchers.rendezvous`), so that losing
+# any node leaves it; a node that stops sending heartbeats for 5 s is gone.
+ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"
+
+
 def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:
     """torchrun's options for `spec`. One node without an endpoint uses --standalone; else a c10d
-    rendezvous at `endpoint` (default: the spec's rdzv_endpoint), which every node joins."""
+    rendezvous at `endpoint` (default: the spec's rdzv_endpoint), which every node joins; an elastic job
+    gives the node range and a store that lives apart from its nodes."""
     t = spec.torchrun
     args = [
         f"--nproc-per-node={spec.nproc_per_node}",
-        f"--nnodes={spec.nnodes}",
+        f"--nnodes={spec.min_nodes}:{spec.nnodes}" if spec.elastic else f"--nnodes={spec.nnodes}",
         f"--max-restarts={t.max_restarts}",
         f"--monitor-interval={t.monitor_interval}",
     ]
     endpoint = endpoint or t.rdzv_endpoint
     if spec.nnodes == 1 and not endpoint:
         return [*args, "--standalone"]
-    return [*args, f"--rdzv-backend={t.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t.rdzv_id}"]
+    args += [f"--rdzv-backend={t.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t.rdzv_id}"]
+    if spec.elastic:
+        args.append("--rdzv-conf=" + ELASTIC_RDZV_CONF.format(last_call=t.last_call_timeout))
+    return args
 
 
 def run_name(run_dir: str, max_len: int = 52) -> str:
@@ -187,8 +231,10 @@ def read_summary(run_dir: str) -> dict[str, Any] | None:
 
 def read_progress(run_dir: str) -> dict[str, Any]:
     """Step, last loss and last eval loss of the run in `run_dir`, from the files its rank 0 writes:
-    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done."""
+    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done; and
+    the re-formations of an elastic run (when, the world size before and after, the step resumed from)."""
     found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
+    reformations: list[dict[str, Any]] = []
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
@@ -198,11 +244,16 @@ def read_progress(run_dir: str) -> dict[str, Any]:
                     continue
                 if not isinstance(record, dict):
                     continue
+                if record.get("event") == "reformation":
+                    reformations.append({k: v for k, v in record.items() if k not in ("event", "step")})
+                    continue
                 found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
                 if record.get("eval_loss") is not None:
                     found["eval_loss"] = record["eval_loss"]
     except (OSError, UnicodeDecodeError):
         pass
+    if reformations:
+        found["reformations"] = reformations
     summary = read_summary(run_dir) if os.path.isdir(run_dir) else None
     if summary:
         found.update(
@@ -227,6 +278,8 @@ class JobInfo:
     eval_loss: float | None = None
     start_time: datetime | None = None
     end_time: datetime | None = None
+    # Each time torchrun re-formed the group: {"time", "world_size_before", "world_size_after", "resumed_from_step"}.
+    reformations: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Job(ABC):

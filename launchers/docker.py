@@ -40,6 +40,7 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
+    agent_command,
     read_progress,
     require,
     run_name,
@@ -199,12 +200,14 @@ def _containers(name: str | None = None) -> list[dict[str, str]]:
 
 
 class DockerJob(PollingJob):
-    """The containers of run `name`: nodes `<name>-node-<i>`, cache nodes `<name>-cache-<i>`, on the job's
-    own network unless `own_network` is false."""
+    """The containers of run `name`: nodes `<name>-node-<i>`, cache nodes `<name>-cache-<i>`, an elastic
+    run's rendezvous store `<name>-rdzv`, on the job's own network unless `own_network` is false."""
 
-    def __init__(self, name: str, run_dir: str | None, nnodes: int, own_network: bool, caches: list[str]):
+    def __init__(self, name: str, run_dir: str | None, nnodes: int, own_network: bool, caches: list[str],
+                 elastic: bool = False):
         self.name, self.run_dir, self.nnodes, self._own_network = name, run_dir, nnodes, own_network
-        self._caches = list(caches)
+        self._caches = list(caches) + ([f"{name}-rdzv"] if elastic else [])
+        self.elastic = elastic
         self._cancelled = False
         self._final: JobState | None = None
 
@@ -236,12 +239,17 @@ class DockerJob(PollingJob):
         return states
 
     def _status(self, inspected: list[list[str]]) -> JobState:
-        """The job's state from its nodes' `_inspect()`: failed when one failed, complete when all are."""
+        """The job's state from its nodes' `_inspect()`: failed when one failed, complete when all are; an
+        elastic run's, complete when a node completed and none runs (a lost node is not the job's failure)."""
         if self._cancelled:
             return JobState.CANCELLED
         if self._final is not None:
             return self._final
         states = [_state(*s[:2]) for s in inspected]
+        if self.elastic and JobState.RUNNING not in states:  # a lost node is no failure while others finish
+            return JobState.COMPLETE if JobState.COMPLETE in states else JobState.FAILED
+        if self.elastic:
+            return JobState.RUNNING
         if JobState.FAILED in states:
             return JobState.FAILED
         if all(s == JobState.COMPLETE for s in states):
@@ -288,6 +296,9 @@ class DockerLauncher(Launcher):
 
     def cache_containers(self, spec: LaunchSpec) -> list[str]:
         return [f"{job_name(spec)}-cache-{i}" for i in range(spec.cache_nodes.count if spec.cache_nodes else 0)]
+
+    def rendezvous_container(self, spec: LaunchSpec) -> str:
+        return f"{job_name(spec)}-rdzv"
 
     def commands(self, spec: LaunchSpec) -> list[list[str]]:
         """The docker commands that start `spec`: the network, the data cache nodes (`data.cache.nodes`),
@@ -360,6 +371,10 @@ class DockerLauncher(Launcher):
                 nodes.env([f"grpc://{c}:{nodes.port}" for c in caches], [f"grpc://{caches[0]}:{nodes.eval_port}"])
             )
         endpoint = f"{name}-node-0:{RDZV_PORT}"
+        if spec.elastic:  # the store in a container of its own, so that losing any node leaves it
+            endpoint = f"{self.rendezvous_container(spec)}:{RDZV_PORT}"
+            cmds.append([*container(self.rendezvous_container(spec), "rendezvous"), lc["image"], "python", "-m",
+                         "launchers.rendezvous", f"0.0.0.0:{RDZV_PORT}"])
         shares = cpu_shares(spec.nnodes, lc.get("cpus_per_node"), host_cpus())
         # Each rank's threads: its share of its node's CPUs (launcher.env may set its own).
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(shares[0]) // spec.nproc_per_node)))
@@ -369,7 +384,7 @@ class DockerLauncher(Launcher):
             cmd[at:at] = ["--cpuset-cpus", ",".join(map(str, shares[node]))]
             if lc.get("gpus_per_node"):
                 cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
-            cmds.append([*cmd, lc["image"], "torchrun", *torchrun_args(spec, endpoint=endpoint), *spec.command])
+            cmds.append([*cmd, lc["image"], *agent_command(spec), *torchrun_args(spec, endpoint=endpoint), *spec.command])
         return cmds
 
     def render(self, spec: LaunchSpec) -> str:
@@ -450,7 +465,7 @@ class DockerLauncher(Launcher):
                 )
             if container:
                 started.append(container)
-        return DockerJob(name, spec.run_dir, spec.nnodes, own_network, caches)
+        return DockerJob(name, spec.run_dir, spec.nnodes, own_network, caches, spec.elastic)
 
     def _jobs(self) -> dict[str, DockerJob]:
         found: dict[str, list[dict[str, str]]] = {}
@@ -464,6 +479,7 @@ class DockerLauncher(Launcher):
                 sum(c.get("role") == "node" for c in cs),
                 own,
                 sorted(c["name"] for c in cs if c.get("role") == "cache"),
+                any(c.get("role") == "rendezvous" for c in cs),
             )
             for name, cs in sorted(found.items())
         }

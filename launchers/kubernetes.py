@@ -38,6 +38,7 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
+    agent_command,
     read_progress,
     require,
     run_name,
@@ -271,7 +272,8 @@ def manifests(
     ref = {"kind": "ClusterTrainingRuntime", "name": cluster_ref}
     if sc["name"] in schedulers.NEEDS_RUNTIME:
         runtime = schedulers.derived_runtime(
-            sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", namespace, labels
+            sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", namespace, labels,
+            spec.torchrun.max_restarts,
         )
         out.append(runtime)
         ref = {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
@@ -311,7 +313,8 @@ def manifests(
         env.update(cache_endpoints(spec, name, namespace))
     trainer: dict[str, Any] = {
         "image": lc["image"],
-        "command": ["torchrun", f"--max-restarts={spec.torchrun.max_restarts}", *pod_command(spec)],
+        # Restarts are the JobSet's (failurePolicy.maxRestarts), each pod resuming from the shared claim.
+        "command": [*agent_command(spec), "--max-restarts=0", *pod_command(spec)],
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,

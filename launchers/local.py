@@ -32,6 +32,7 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     OptionError,
+    agent_command,
     read_progress,
     read_summary,
     run_name,
@@ -62,7 +63,23 @@ def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, st
 
 
 def job_name(spec: LaunchSpec) -> str:
-    return run_name(spec.run_dir)
+    """The run's name; a node of a run started here once per node is `<name>-node-<i>`."""
+    if spec.node is None:
+        return run_name(spec.run_dir)
+    return f"{run_name(spec.run_dir, 44)}-node-{spec.node}"
+
+
+def start_rendezvous_store(spec: LaunchSpec) -> None:
+    """An elastic job's rendezvous store, in a session of its own so that it outlives this node: it ends
+    when no node of the run is left (`launchers.rendezvous`); when another node's store already serves,
+    this one finds the port taken and leaves."""
+    log_path = os.path.join(spec.run_dir, "logs", "rendezvous.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "ab") as log:
+        subprocess.Popen(
+            [sys.executable, "-m", "launchers.rendezvous", spec.torchrun.rdzv_endpoint, "--run-dir", spec.run_dir],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
 
 
 def _utc(timestamp: float | None) -> datetime | None:
@@ -283,6 +300,11 @@ class LocalJob(Job):
             self._record = record
         return self._record
 
+    @property
+    def exit_code(self) -> int | None:
+        """The command's exit code, once it has ended (143: preempted, its checkpoint written; 2: refused)."""
+        return self._current().exit_code
+
     def status(self) -> JobState:
         if self._proc is not None and self._proc.poll() is None:
             return JobState.RUNNING
@@ -391,7 +413,7 @@ class LocalLauncher(Launcher):
     def command(self, spec: LaunchSpec) -> list[str]:
         if spec.torchrun is None:
             return [sys.executable, *spec.command]
-        return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *spec.command]
+        return [*agent_command(spec, sys.executable), *torchrun_args(spec), *spec.command]
 
     def render(self, spec: LaunchSpec) -> str:
         return shlex.join(self.command(spec)) + "\n"
@@ -406,6 +428,8 @@ class LocalLauncher(Launcher):
         name, nodes = record.name, None
         try:
             nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
+            if spec.elastic:
+                start_rendezvous_store(spec)
             env = {
                 **os.environ,
                 **(TORCHRUN_ENV if spec.torchrun else {}),
@@ -420,7 +444,7 @@ class LocalLauncher(Launcher):
                 start_new_session=True,
                 preexec_fn=_die_with_parent if self.wait else None,
                 stdin=subprocess.DEVNULL,
-                pass_fds=() if spec.hold_fd is None else (spec.hold_fd,),
+                pass_fds=spec.hold_fds,
                 **({} if self.wait else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}),
             )
             deadline = time.monotonic() + 30

@@ -82,11 +82,47 @@ def _pod_templates(spec: dict[str, Any]):
         yield job["template"]["spec"]["template"]
 
 
+# The exit code of a rank that refused its config or inputs (trainer.worker), passed on by launchers.torchrun.
+REFUSED_EXIT_CODE = 2
+
+
+def add_failure_policies(spec: dict[str, Any], max_restarts: int, container: str = "node") -> None:
+    """The JobSet's failure and success policies, in place on a runtime's `spec`:
+    - a node whose ranks refused the config or its inputs (exit 2) fails its Job at once (`podFailurePolicy`
+      FailJob), and that failure fails the JobSet instead of restarting it: a refusal cannot heal;
+    - a pod evicted or preempted (condition DisruptionTarget) is replaced without counting as a failure;
+    - any other failure restarts the JobSet up to `max_restarts` times (`runtime.max_restarts`), the run
+      resuming from its newest checkpoint on the shared claim;
+    - the node Job succeeds when node 0 succeeds (its index 0), and the JobSet when that Job does."""
+    template = spec["template"]["spec"]
+    nodes = [job for job in template["replicatedJobs"] if job["name"] == "node"]
+    template["failurePolicy"] = {
+        "maxRestarts": max_restarts,
+        "rules": [{"name": "RefusedConfig", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+                   "targetReplicatedJobs": ["node"]}],
+    }
+    template["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["node"]}
+    for job in nodes:
+        job_spec = job["template"].setdefault("spec", {})
+        job_spec["completionMode"] = "Indexed"  # what successPolicy's indexes need (JobSet's default too)
+        job_spec["podFailurePolicy"] = {"rules": [
+            {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In",
+                                                  "values": [REFUSED_EXIT_CODE]}},
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]}
+        job_spec["successPolicy"] = {"rules": [{"succeededIndexes": "0"}]}
+        # A Job's podFailurePolicy needs pods that are never restarted in place.
+        job_spec.setdefault("template", {}).setdefault("spec", {})["restartPolicy"] = "Never"
+
+
 def derived_runtime(
-    scheduler: dict[str, Any], base_spec: dict[str, Any], name: str, namespace: str, labels: dict[str, str]
+    scheduler: dict[str, Any], base_spec: dict[str, Any], name: str, namespace: str, labels: dict[str, str],
+    max_restarts: int = 0,
 ) -> dict[str, Any]:
-    """A namespaced TrainingRuntime: `base_spec` (the cluster runtime's spec) plus the gang policy."""
+    """A namespaced TrainingRuntime: `base_spec` (the cluster runtime's spec) plus the gang policy and the
+    failure policies (`add_failure_policies`)."""
     spec = copy.deepcopy(base_spec)
+    add_failure_policies(spec, max_restarts)
     kind = scheduler["name"]
     if kind == "volcano":
         spec["podGroupPolicy"] = {"volcano": {}}

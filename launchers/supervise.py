@@ -1,6 +1,7 @@
 """`python -m launchers.supervise <name>`: run one local job's command (from its registry record), copy
 its output into the record's console log (and to this process's own stdout and stderr), and record its
-exit code and end time, so that any process can tell how the job ended. SIGTERM is passed on to the job.
+exit code and end time, so that any process can tell how the job ended, and exit with it (a job killed by a
+signal: 1). SIGTERM is passed on to the job.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def main(name: str) -> int:
     if record is not None:
         record.exit_code, record.ended = code, time.time()
         record.save()
-    return 0 if code == 0 else 1
+    return code if code >= 0 else 1  # a signal (negative) is a failure; 2 and 143 say why
 
 
 if __name__ == "__main__":

@@ -35,14 +35,18 @@ _job_started = False
 config.register()
 
 
-def _save_config(resolved: dict, run_dir: str) -> str:
-    """Write `<run_dir>/config.yaml`; an earlier, different one is kept as config.<n>.yaml."""
+def _save_config(resolved: dict, run_dir: str, running: bool = False) -> str:
+    """Write `<run_dir>/config.yaml`; an earlier, different one is kept as config.<n>.yaml. `running`: another
+    node of this run trains from the file already, so a different config is refused."""
     path = RunDir(run_dir).config
     text = OmegaConf.to_yaml(OmegaConf.create(resolved))
     if os.path.exists(path):
         with open(path) as f:
             if f.read() == text:
                 return path
+        if running:
+            raise config.ConfigError("hydra.run.dir", run_dir, f"another node of this run trains from {path}, "
+                                     "a different config: start every node with the same command")
         n = 1
         while os.path.exists(os.path.join(run_dir, f"config.{n}.yaml")):
             n += 1
@@ -90,31 +94,42 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         _refuse(e, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     saved, secrets, cache_nodes = _as_launched(resolved)
-    lock_fd = None
+    lock_fds, node = (), None
     if resolved["launcher"].get("dry_run"):
         remove_if_new(run_dir)
         path = RunDir(run_dir).config
     else:
         claimed = None
         try:
-            claimed = claim(run_dir)
-            path = _save_config(saved, run_dir)
+            claimed = claim(run_dir, nodes=_nodes_started_here(resolved))
+            path = _save_config(saved, run_dir, running=claimed.others)
         except config.ConfigError as e:
             _refuse(e, run_dir, claimed)
         except OSError as e:
             _refuse(f"hydra.run.dir={run_dir}: {e.strerror or e} ({e.filename or run_dir})", run_dir, claimed)
-        lock_fd = claimed.fd
+        lock_fds, node = claimed.fds, claimed.node
     runtime = resolved.get("runtime")
     torchrun = None
     if runtime is not None:
         torchrun = launchers.Torchrun(**{f.name: runtime[f.name] for f in fields(launchers.Torchrun)})
+    counts = config.node_counts(cfg)
     spec = launchers.LaunchSpec(
-        run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=int(runtime["nnodes"]) if runtime else 1,
+        run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=counts[-1],
+        min_nodes=counts[0] if len(counts) > 1 else None, node=node,
         nproc_per_node=config.nproc_per_node(cfg), torchrun=torchrun, secrets=secrets, config=saved,
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
-        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fd=lock_fd,
+        cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fds=lock_fds,
         stop_grace_s=int(saved["train"]["preemption_grace_s"]))
     return Prepared(spec, resolved["launcher"], resolved["scheduler"])
+
+
+def _nodes_started_here(resolved: dict) -> int:
+    """How many nodes of this run may start on this machine on their own: a local multi-node run is the
+    same command once per node, each in the same run directory; every other run is one driver."""
+    runtime = resolved.get("runtime")
+    if runtime is None or resolved["launcher"]["name"] != "local":
+        return 1
+    return launchers.node_range(runtime["nnodes"])[1]
 
 
 def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheNodes | None]:
@@ -174,8 +189,17 @@ def _app(cfg: DictConfig) -> float:
         raise SystemExit(1) from None
     finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
         let_go(run.spec.run_dir)
+    code = getattr(job, "exit_code", None)
+    if state == launchers.JobState.FAILED and code in (2, EXIT_CODE):  # refused, or preempted: the ranks said why
+        if code == EXIT_CODE:
+            print(f"preempted (SIGTERM): the checkpoint to resume from is in {run.spec.run_dir}; the same command "
+                  "resumes from it", file=sys.stderr)
+        raise SystemExit(code)
     if state != launchers.JobState.COMPLETE:
-        raise RuntimeError(f"run {run.spec.run_dir} ({job.name}) ended {state.value}; see its logs")
+        print(f"error: run {run.spec.run_dir} ({job.name}) ended {state.value}"
+              f"{'' if code is None else f' with exit code {code}'}; see its logs: python -m launchers logs "
+              f"{job.name}", file=sys.stderr)
+        raise SystemExit(1)
     summary = job.result() or {}
     loss = float("nan") if summary.get("final_eval_loss") is None else float(summary["final_eval_loss"])
     print(f"run directory: {run.spec.run_dir}\nfinal eval loss: {loss:.4f} nats/token "

@@ -268,7 +268,9 @@ class RuntimeConfig:
     name: str = MISSING
     # null: the GPU count on this machine, or 2 without GPUs.
     nproc_per_node: int | None = None
-    nnodes: int = 1
+    # N nodes, or MIN:MAX for an elastic job (torchrun's elastic rendezvous: it goes on when nodes are lost, down
+    # to MIN, and takes nodes that join, up to MAX).
+    nnodes: Any = 1
     node_rank: int = 0
     max_restarts: int = 0
     rdzv_backend: str = "c10d"
@@ -276,14 +278,20 @@ class RuntimeConfig:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "trainjob"
     monitor_interval: float = 1.0
+    # Elastic jobs: seconds the rendezvous waits for more nodes once MIN have joined.
+    last_call_timeout: int = 5
 
     def check(self) -> None:
         _one_of("runtime.name", self.name, RUNTIMES)
         _require(self.nproc_per_node is None or self.nproc_per_node > 0, "runtime.nproc_per_node",
                  self.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
-        _positive(self, "runtime", "nnodes")
-        _require(0 <= self.node_rank < self.nnodes, "runtime.node_rank", self.node_rank,
+        try:
+            _, most = launchers.node_range(self.nnodes)
+        except ValueError as e:
+            raise ConfigError("runtime.nnodes", self.nnodes, str(e)) from None
+        _require(0 <= self.node_rank < most, "runtime.node_rank", self.node_rank,
                  f"must be in [0, runtime.nnodes={self.nnodes})")
+        _positive(self, "runtime", "last_call_timeout")
         _require(self.max_restarts >= 0, "runtime.max_restarts", self.max_restarts, "must be >= 0")
         _positive(self, "runtime", "monitor_interval")
 
@@ -479,8 +487,17 @@ def nproc_per_node(cfg: Config | DictConfig) -> int:
     return node_gpus(cfg) or (2 if cfg.launcher.name == "local" else 1)
 
 
+def node_counts(cfg: Config | DictConfig) -> range:
+    """The node counts the job may run at: one, or every count of an elastic range."""
+    if cfg.runtime is None:
+        return range(1, 2)
+    fewest, most = launchers.node_range(cfg.runtime.nnodes)
+    return range(fewest, most + 1)
+
+
 def world_size(cfg: Config | DictConfig) -> int:
-    return 1 if cfg.runtime is None else nproc_per_node(cfg) * int(cfg.runtime.nnodes)
+    """The job's world size (an elastic job's largest)."""
+    return nproc_per_node(cfg) * node_counts(cfg)[-1]
 
 
 def parallel_dims(cfg: Config | DictConfig, world: int | None = None):
@@ -531,7 +548,7 @@ def _finite(section: Any, prefix: str) -> None:
 
 def _validate_launcher(cfg: DictConfig) -> None:
     """The launcher's and the scheduler's own rules (`launchers.check`), reported as config errors."""
-    nnodes = int(cfg.runtime.nnodes) if cfg.get("runtime") is not None else None
+    nnodes = node_counts(cfg)[-1] if cfg.get("runtime") is not None else None
     paths = {"hydra.run.dir": os.path.abspath(os.path.expanduser(str(cfg.run_dir))),
              "data.cache_dir": os.path.abspath(os.path.expanduser(str(cfg.data.cache_dir)))}
     try:
@@ -556,8 +573,13 @@ def _check_across(job: Config) -> None:
              f"{job.launcher.name}), or data.cache.backend=trainjob")
     r = job.runtime
     if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
-        _require(r.nnodes == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
-                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1")
+        counts = node_counts(job)
+        _require(counts[-1] == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
+                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 (an elastic range's: where its rendezvous store "
+                 "serves)")
+        _require(len(counts) == 1 or job.launcher.name != "kubernetes", "runtime.nnodes", r.nnodes,
+                 "an elastic range runs on launcher=local or docker: a Kubeflow TrainJob has a fixed numNodes "
+                 "(Trainer v2 has no elastic policy); give a node count, and runtime.max_restarts to restart")
         gpus = local_gpu_count() if job.launcher.name == "local" else 0
         _require(gpus == 0 or nproc_per_node(job) <= gpus, "runtime.nproc_per_node", nproc_per_node(job),
                  f"must be <= {gpus}, the GPUs on this machine (each rank takes one)")
@@ -578,21 +600,41 @@ def _check_across(job: Config) -> None:
     recipe_config.check(job)
     peft_config.check(job)
     qat_config.check(job)
-    if job.recipe.name == "grpo":  # each rank generates for whole prompts
-        prompts = t.global_batch_size // job.recipe.num_generations
-        _require(prompts % dims.dp_size == 0, "train.global_batch_size", t.global_batch_size,
-                 f"/ recipe.num_generations={job.recipe.num_generations} gives {prompts} prompts a step, which "
-                 f"must be divisible by the data-parallel size {dims.dp_size} (each rank samples for its own prompts)")
-    per_step = dims.dp_size * t.grad_accum_steps
     tracking.check(job)
-    _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
-             f"must be divisible by data-parallel size x train.grad_accum_steps = {dims.dp_size} x "
-             f"{t.grad_accum_steps} = {per_step}")
+    _batch_divides(job, dims)
+    for nodes in node_counts(job)[:-1]:  # an elastic job runs on at any of its sizes
+        _elastic_size(job, nodes)
     if t.resume == "never":
         ckpt = RunDir(job.run_dir).checkpoints
         _require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
                  f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
                  "or another run directory")
+
+
+def _batch_divides(job: Config, dims, nodes: int | None = None) -> None:
+    t = job.train
+    per_step = dims.dp_size * t.grad_accum_steps
+    at = f" at {nodes} node(s) of runtime.nnodes={job.runtime.nnodes}" if nodes is not None else ""
+    _require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
+             f"must be divisible by data-parallel size x train.grad_accum_steps = {dims.dp_size} x "
+             f"{t.grad_accum_steps} = {per_step}{at}")
+    if job.recipe.name == "grpo":  # each rank generates for whole prompts
+        prompts = t.global_batch_size // job.recipe.num_generations
+        _require(prompts % dims.dp_size == 0, "train.global_batch_size", t.global_batch_size,
+                 f"/ recipe.num_generations={job.recipe.num_generations} gives {prompts} prompts a step, which "
+                 f"must be divisible by the data-parallel size {dims.dp_size} (each rank samples for its own "
+                 f"prompts){at}")
+
+
+def _elastic_size(job: Config, nodes: int) -> None:
+    """An elastic job's rules at `nodes` nodes: the same global batch must divide, the strategy must fit."""
+    world = nproc_per_node(job) * nodes
+    try:
+        dims = parallel_dims(job, world)
+    except ConfigError as e:
+        raise ConfigError(e.key, e.value, f"{e.allowed} (at {nodes} node(s) of runtime.nnodes={job.runtime.nnodes}, "
+                          f"world size {world})") from None
+    _batch_divides(job, dims, nodes)
 
 
 def validate(cfg: DictConfig) -> Config:

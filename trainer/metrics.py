@@ -12,6 +12,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,38 @@ def keep_metrics_until(path: str, step: int) -> None:
     write_whole(path, "".join(kept))
 
 
+def _last_record(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    last = None
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "event" not in record:
+                    last = record
+    return last
+
+
+def note_restart(path: str, step: int, world: int, runtime) -> None:
+    """When this start of the ranks goes on from step `step` of a run that logged before, say so in
+    `metrics.jsonl`: a `reformation` (torchrun re-formed the group: a node was lost or joined, or ranks
+    were restarted) or a `resume` (the run started again), with when, the world size before and after, and
+    the step resumed from."""
+    last = _last_record(path) if step > 0 else None
+    if last is None:
+        return
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    before = last.get("world_size")
+    elastic = runtime is not None and ":" in str(runtime.nnodes)
+    kind = "reformation" if restarts or elastic or (before is not None and before != world) else "resume"
+    event = {"step": step, "event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             "world_size_before": before, "world_size_after": world, "resumed_from_step": step}
+    with open(path, "a") as f:
+        f.write(json.dumps(event) + "\n")
+    log.info("%s: world size %s -> %d, going on from step %d", kind, before, world, step)
+
+
 class MetricsLogger:
     """Writes a metrics line every `log_every` steps, at every eval and at the last step; only a line waits
     for the device (the loss is averaged over the ranks then). Step time and throughput are the means over
@@ -110,8 +143,10 @@ class MetricsLogger:
         self.device, self.flops_per_token, self.peak_flops = device, flops_per_token, peak_flops
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.trackers = self.reporter = None
+        self.samples_per_step = train_cfg.global_batch_size
         if self.rank == 0:
             keep_metrics_until(RunDir(cfg.run_dir).metrics, first_step)
+            note_restart(RunDir(cfg.run_dir).metrics, first_step, self.world, cfg.runtime)
             self.trackers = tracking.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
             self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
@@ -134,7 +169,8 @@ class MetricsLogger:
             eval_loss: float | None = None) -> None:
         """Step `step` is done with this (on-device) loss and norm; write its line when one is due."""
         if step % self.every == 0 or step == self.last or eval_loss is not None:
-            record = {"step": step, "loss": mean_across_ranks(loss), "grad_norm": float(grad_norm), "lr": lr}
+            record = {"step": step, "loss": mean_across_ranks(loss), "grad_norm": float(grad_norm), "lr": lr,
+                      "world_size": self.world, "samples_seen": step * self.samples_per_step}
             if self.extras:
                 record.update(self.extras(step - self._since_step))
             now = time.perf_counter()  # the device is done: the line waited for it

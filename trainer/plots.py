@@ -31,7 +31,8 @@ def read_metrics(run_dir: str) -> list[dict]:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict) and isinstance(record.get("step", 0), int):  # a line of another kind
+            # A line of another kind, or an event (a re-formation, a resume) rather than a step's numbers.
+            if isinstance(record, dict) and isinstance(record.get("step", 0), int) and "event" not in record:
                 records.append(record)
     return records
 

@@ -6,7 +6,9 @@ metrics.jsonl        one JSON object per logged step (rank 0)
 summary.json         the final metrics (rank 0)
 checkpoints/step-N/  DCP checkpoints
 logs/rank-R.log      each rank's log
-.lock                held (flock) by the driver that trains here, and by the job it launched
+.lock                held (flock) by the driver that trains here, and by the job it launched; shared
+                     by the nodes of a multi-node run, each of which also holds its own slot:
+.node-I.lock         held by the driver of node I of a multi-node run started here once per node
 """
 
 from __future__ import annotations
@@ -64,23 +66,29 @@ def remove_if_new(path: str) -> None:
 
 class Claim:
     """This process's hold on a run directory: an exclusive flock on `<run_dir>/.lock`, which the kernel
-    drops when every process holding the descriptor (this one, and the job it hands `fd` to) has ended.
-    Two drivers can never train in one directory, and a driver killed outright leaves no stale lock."""
+    drops when every process holding the descriptor (this one, and the job it hands `fds` to) has ended.
+    Two drivers can never train in one directory, and a driver killed outright leaves no stale lock.
 
-    def __init__(self, run_dir: str, fd: int):
-        self.run_dir, self.fd = run_dir, fd
+    A node of a multi-node run started here once per node (`node` is not None) holds `.lock` shared with
+    the run's other nodes and `.node-<node>.lock` alone; `others` says whether another node held its slot
+    when this one claimed."""
+
+    def __init__(self, run_dir: str, fds: tuple[int, ...], node: int | None = None, others: bool = False):
+        self.run_dir, self.fds, self.node, self.others = run_dir, fds, node, others
 
     def close(self) -> None:
-        """Let go of the lock (the run has ended; a job that runs on holds its own copy of it)."""
+        """Let go of the locks (the run has ended; a job that runs on holds its own copies of them)."""
         if _held.get(self.run_dir) is self:
             del _held[self.run_dir]
-            os.close(self.fd)
+            for fd in self.fds:
+                os.close(fd)
 
     def release(self) -> None:
-        """Give the directory up (a refused run): the lock file goes, then the directory if this process made
-        it and nothing else is in it."""
+        """Give the directory up (a refused run): this process's lock file goes (a node's slot: the run's
+        lock stays with its other nodes), then the directory if this process made it and nothing else is in
+        it."""
         with contextlib.suppress(OSError):
-            os.remove(RunDir(self.run_dir).lock)
+            os.remove(RunDir(self.run_dir).lock if self.node is None else node_slot(self.run_dir, self.node))
         self.close()
         remove_if_new(self.run_dir)
 
@@ -94,9 +102,34 @@ def let_go(run_dir: str) -> None:
         _held[run_dir].close()
 
 
-def claim(run_dir: str, key: str = "hydra.run.dir") -> Claim:
+def node_slot(run_dir: str, node: int) -> str:
+    return os.path.join(run_dir, f".node-{node}.lock")
+
+
+def _lock(path: str, mode: int) -> int | None:
+    """A descriptor of `path` holding flock `mode`, or None when another process holds a conflicting lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _holder(path: str) -> str:
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read(32).strip() or "unknown"
+    return "unknown"
+
+
+def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1) -> Claim:
     """Make `run_dir` (the value of `key`) and lock it for this process, or raise ConfigError when another
-    process holds it. The lock file holds the holder's pid. This process claiming it again gets its claim."""
+    process holds it. The lock file holds the holder's pid. This process claiming it again gets its claim.
+
+    `nodes` > 1: this process is one node of a run of up to that many, each started here on its own; it
+    takes the first free node slot, and is refused when all are taken or a single-node run holds the
+    directory."""
     run_dir = os.path.abspath(run_dir)
     if run_dir in _held:
         return _held[run_dir]
@@ -104,16 +137,37 @@ def claim(run_dir: str, key: str = "hydra.run.dir") -> Claim:
         note_before_making(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path = RunDir(run_dir).lock
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+    fd = _lock(path, fcntl.LOCK_SH if nodes > 1 else fcntl.LOCK_EX)
+    if fd is None:
         raise ConfigError(key, run_dir, f"an earlier attempt of this run is still running in this directory "
-                          f"(started by pid {holder}; it holds {path}): wait for it to end, or choose another "
-                          "run directory") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[run_dir] = Claim(run_dir, fd)
-    return _held[run_dir]
+                          f"(started by pid {_holder(path)}; it holds {path}): wait for it to end, or choose "
+                          "another run directory") from None
+    if nodes == 1:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held[run_dir] = Claim(run_dir, (fd,))
+        return _held[run_dir]
+    taken = []
+    for node in range(nodes):
+        slot = _lock(node_slot(run_dir, node), fcntl.LOCK_EX)
+        if slot is None:
+            taken.append(node)
+            continue
+        os.ftruncate(slot, 0)
+        os.pwrite(slot, f"{os.getpid()}\n".encode(), 0)
+        _held[run_dir] = Claim(run_dir, (fd, slot), node, others=bool(taken) or _others(run_dir, node, nodes))
+        return _held[run_dir]
+    os.close(fd)
+    raise ConfigError("runtime.nnodes", nodes, f"all {nodes} nodes of the run in {run_dir} are running already "
+                      f"(pids {', '.join(_holder(node_slot(run_dir, n)) for n in taken)}): wait for one to end, "
+                      "or give runtime.nnodes more nodes")
+
+
+def _others(run_dir: str, node: int, nodes: int) -> bool:
+    """Whether a node after `node` holds its slot (one that claimed while an earlier node was gone)."""
+    for other in range(node + 1, nodes):
+        fd = _lock(node_slot(run_dir, other), fcntl.LOCK_SH)
+        if fd is None:
+            return True
+        os.close(fd)
+    return False

@@ -205,6 +205,21 @@ def _train(cfg: Config, env: DistEnv) -> dict:
     return trainer.fit()
 
 
+def die_with_agent() -> None:
+    """Under torchrun, have the kernel kill this rank when its agent dies: a node whose agent is lost must
+    lose its ranks too, or they would train on with the others while the agent's peers re-form without it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    agent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != agent:  # it died before the request took
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -212,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # A rank that crashes in native code (SIGSEGV, SIGABRT) prints every thread's Python stack first.
     faulthandler.enable(all_threads=True)
+    die_with_agent()
     code = 0
     try:
         run(OmegaConf.load(argv[0]))

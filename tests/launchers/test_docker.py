@@ -56,7 +56,7 @@ def test_one_container_per_node_on_the_jobs_network(tmp_path):
         assert f"{run.spec.run_dir}:{run.spec.run_dir}" in cmd
         assert "NCCL_DEBUG=WARN" in cmd and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in cmd
         tail = cmd[cmd.index("me/trainjob:1") + 1 :]
-        assert tail[0] == "torchrun"
+        assert tail[:3] == ["python", "-m", "launchers.torchrun"]  # torchrun passing its rank's exit code on
         assert "--nproc-per-node=2" in tail and "--nnodes=3" in tail
         assert f"--rdzv-endpoint={name}-node-0:{RDZV_PORT}" in tail and "--rdzv-backend=c10d" in tail
         assert tail[-3:] == ["-m", "trainer.worker", run.spec.config_path]
@@ -284,3 +284,19 @@ def test_the_client_runs_a_function_on_docker_and_finds_its_jobs_by_their_contai
     assert read_state()["containers"] == {} and read_state()["networks"] == []
     with pytest.raises(LauncherError, match=f"no docker job '{name}' on this host"):
         client.get_job(name)
+
+
+def test_an_elastic_run_has_its_rendezvous_store_in_a_container_of_its_own(tmp_path):
+    run = make_run(tmp_path, "runtime.nnodes=1:3", "runtime.nproc_per_node=1", "launcher.image=me/trainjob:1",
+                   "train.global_batch_size=6")
+    name = job_name(run.spec)
+    cmds = commands(run)
+    store, nodes = cmds[1], cmds[2:]
+    assert store[store.index("--name") + 1] == f"{name}-rdzv"
+    assert store[store.index("me/trainjob:1") + 1:] == ["python", "-m", "launchers.rendezvous", f"0.0.0.0:{RDZV_PORT}"]
+    assert len(nodes) == 3
+    for cmd in nodes:
+        tail = cmd[cmd.index("me/trainjob:1") + 1:]
+        assert "--nnodes=1:3" in tail and f"--rdzv-endpoint={name}-rdzv:{RDZV_PORT}" in tail
+        (conf,) = [a for a in tail if a.startswith("--rdzv-conf=")]
+        assert "is_host=false" in conf and "last_call_timeout=5" in conf

@@ -247,3 +247,51 @@ def assert_runs_as_printed(cmd: list[str]) -> None:
     assert config["StopTimeout"] == int(opts["--stop-timeout"][0]) == 30  # train.preemption_grace_s
     assert set(opts) == {"--name", "--hostname", "--network", "--user", "--tmpfs", "--label", "--shm-size",
                          "--stop-timeout", "--volume", "--env", "--cpuset-cpus"}
+
+
+def test_an_elastic_run_loses_a_node_container_and_ends_at_the_one_node_losses(cache_dir, tmp_path):
+    """`runtime.nnodes=1:2` on Docker: the rendezvous store has a container of its own; node 1's container is
+    killed at step 6 and node 0 re-forms alone, resumes from the newest checkpoint and ends at the losses of an
+    uninterrupted one-node run (rel 1e-5), every step trained once."""
+    import time
+
+    steps = 24
+    args = [*TINY, f"train.max_steps={steps}", f"train.eval_every={steps}", "train.checkpoint_every=1",
+            "+runtime=torch-distributed", "runtime.nproc_per_node=1", "runtime.max_restarts=2",
+            "runtime.last_call_timeout=3"]
+    env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
+    one = subprocess.run(["python", "-m", "trainer", *args, "runtime.nnodes=1", f"hydra.run.dir={tmp_path / 'one'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen(["python", "-m", "trainer", *args, "launcher=docker", f"launcher.image={IMAGE}",
+                               "runtime.nnodes=1:2", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    name = job_name_of(str(run_dir))
+    deadline = time.monotonic() + 240
+    while not any(m.get("world_size") == 2 and m["step"] >= 6 for m in _lines(str(run_dir))):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[0][-3000:]
+        time.sleep(0.2)
+    assert docker("kill", f"{name}-node-1").returncode == 0
+    out, _ = driver.communicate(timeout=300)
+    assert driver.returncode == 0, out[-3000:]
+    events = [m for m in _lines(str(run_dir)) if "event" in m]
+    assert [(e["event"], e["world_size_before"], e["world_size_after"]) for e in events] == [("reformation", 2, 1)]
+    assert [m["step"] for m in read_metrics(str(run_dir))] == list(range(1, steps + 1))
+    ours, ref = read_summary(str(run_dir)), read_summary(str(tmp_path / "one"))
+    for key in ("final_train_loss", "final_eval_loss"):
+        assert ours[key] == pytest.approx(ref[key], rel=1e-5)
+    assert leftovers(name) == []
+
+
+def _lines(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    out = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    return out

@@ -170,3 +170,35 @@ def test_a_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoin
             if subprocess.run(["umount", str(disk)], capture_output=True).returncode == 0:
                 break
             time.sleep(0.5)
+
+
+NODE = ("import sys, time; from trainer.run_dir import claim; c = claim(sys.argv[1], nodes=2); "
+        "print('node', c.node, flush=True); time.sleep(600)")
+
+
+def test_the_nodes_of_a_multi_node_run_each_take_a_slot_and_a_single_driver_is_refused_meanwhile(tmp_path):
+    """A local multi-node run is the same command once per node: each takes a free node slot of the run
+    directory; a node beyond runtime.nnodes, and a single-node driver, are refused; a lost node's slot is
+    free for the next node to start."""
+    run_dir = str(tmp_path / "run")
+    nodes = []
+    try:
+        for expected in (0, 1):
+            proc = subprocess.Popen([sys.executable, "-c", NODE, run_dir], cwd=REPO, stdout=subprocess.PIPE,
+                                    text=True, env={**os.environ, "PYTHONPATH": REPO})
+            nodes.append(proc)
+            assert proc.stdout.readline() == f"node {expected}\n"
+        with pytest.raises(ConfigError, match=r"runtime.nnodes=2: all 2 nodes of the run in .* are running already"):
+            claim(run_dir, nodes=2)
+        with pytest.raises(ConfigError, match="still running in this directory"):
+            claim(run_dir)
+        nodes[0].kill()
+        nodes[0].wait()
+        again = claim(run_dir, nodes=2)
+        assert (again.node, again.others) == (0, True)
+        again.release()
+        assert os.path.exists(RunDir(run_dir).lock)  # the run's lock stays with its other node
+    finally:
+        for proc in nodes:
+            proc.kill()
+            proc.wait()

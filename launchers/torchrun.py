@@ -1,0 +1,37 @@
+"""`python -m launchers.torchrun <torchrun options> -m trainer.worker CONFIG`: torchrun's elastic agent, whose
+exit code is the code its failed rank exited with, where plain torchrun turns every failure into 1.
+
+What the code says matters to whoever watches the node: 2 is a refused config or input (a Kubernetes
+`podFailurePolicy` fails the job at once rather than restarting it), 143 a preemption whose checkpoint is
+written (the run resumes when relaunched). An agent told to stop exits 128 + the signal (its ranks were told
+too, and a SIGTERM lets them checkpoint first); a rank killed by a signal, or an agent that failed, exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed import run
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+
+def exit_code(error: ChildFailedError) -> int:
+    """The first failed rank's exit code, when it exited with one (a signal is a negative code: 1)."""
+    _, failure = error.get_first_failure()
+    return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def main(argv: list[str]) -> int:
+    try:
+        run.run(run.parse_args(argv))
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        return exit_code(e)
+    except SignalException as e:  # the agent was told to stop (SIGTERM: preempted); its ranks were stopped
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

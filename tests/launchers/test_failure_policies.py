@@ -1,0 +1,56 @@
+"""Failure policies: a refused config fails a Kubernetes TrainJob at once, a preempted pod is not a failure,
+`runtime.max_restarts` is the JobSet's, and node 0's success is the job's. The manifests are checked against
+the real JobSet and Trainer CRDs (there is no API server here to run them); the exit codes those policies
+read are checked on real processes: torchrun's agent (`launchers.torchrun`) exits with its rank's code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.launchers import crds
+from tests.launchers.test_kubernetes import make_run, render
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "coscheduling", "kai"])
+def test_the_derived_runtime_fails_fast_on_a_refusal_and_restarts_up_to_max_restarts(tmp_path, scheduler):
+    docs = render(make_run(tmp_path, f"scheduler={scheduler}", "runtime.nnodes=2", "runtime.max_restarts=3"))
+    runtime, trainjob = docs[0], docs[-1]
+    assert runtime["kind"] == "TrainingRuntime"
+    for doc in (runtime, trainjob):
+        crds.validate(doc)
+    jobset = runtime["spec"]["template"]["spec"]
+    assert jobset["failurePolicy"] == {"maxRestarts": 3, "rules": [{
+        "name": "RefusedConfig", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+        "targetReplicatedJobs": ["node"]}]}
+    assert jobset["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["node"]}
+    (node,) = [j for j in jobset["replicatedJobs"] if j["name"] == "node"]
+    job = node["template"]["spec"]
+    assert job["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onExitCodes": {"containerName": "node", "operator": "In", "values": [2]}},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]
+    assert job["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
+    assert job["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
+    # The pod's agent passes the rank's exit code on, and leaves restarts to the JobSet.
+    assert trainjob["spec"]["trainer"]["command"][:4] == ["python", "-m", "launchers.torchrun", "--max-restarts=0"]
+
+
+def _agent(tmp_path, config: dict, *extra: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.run([sys.executable, "-m", "launchers.torchrun", "--standalone", "--nproc-per-node=1", *extra,
+                           "-m", "trainer.worker", str(path)], capture_output=True, text=True, timeout=240, env=env)
+
+
+def test_the_agent_exits_with_the_code_of_a_rank_that_refused_its_config(tmp_path):
+    proc = _agent(tmp_path, {"model": {"name": "debug"}, "launcher": {"name": "local"}})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: " in proc.stderr

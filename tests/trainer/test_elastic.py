@@ -1,0 +1,169 @@
+"""Elastic training (`runtime.nnodes=MIN:MAX`): nodes are the same command run once per node on this machine,
+with real torchrun agents on loopback. A node whose agent is SIGKILLed takes its ranks with it; the nodes left
+re-form the group, resume from the newest checkpoint at the new world size, and the run ends at the losses of
+an uninterrupted one-node run; a node started later joins at the next re-formation. The run's metrics record
+each re-formation and the data position of every step, so that no row is trained twice or skipped."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launchers.base import run_name
+from tests.conftest import TINY, compose_refused, read_summary
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+STEPS, BATCH = 60, 8
+ARGS = [*TINY, f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "train.checkpoint_every=1",
+        "+runtime=torch-distributed", "runtime.nproc_per_node=1", "runtime.max_restarts=3",
+        "runtime.last_call_timeout=3"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(cache_dir: str, cwd, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=str(cwd), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _records(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line being written
+                pass
+    return out
+
+
+def _wait(run_dir, nodes: list[subprocess.Popen], until, what: str, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if until(_records(run_dir)):
+            return
+        if all(n.poll() is not None for n in nodes):
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not seen in {run_dir}; last records {_records(run_dir)[-3:]}")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def agent_of(driver: subprocess.Popen) -> int:
+    """The pid of the torchrun agent that the node driver `driver` started (under its supervisor)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        todo = _children(driver.pid)
+        while todo:
+            pid = todo.pop()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"launchers.torchrun" in f.read().split(b"\0"):
+                    return pid
+            todo += _children(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no torchrun agent under node driver {driver.pid}")
+
+
+def _steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if "event" not in r]
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("elastic-reference")
+    proc = _node(cache_dir, root, *ARGS, "runtime.nnodes=1", f"hydra.run.dir={root / 'run'}")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    return read_summary(str(root / "run"))
+
+
+def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_losses(one_node, cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    elastic = [*ARGS, "runtime.nnodes=1:2", f"runtime.rdzv_endpoint=127.0.0.1:{_free_port()}",
+               f"hydra.run.dir={run_dir}"]
+    first, second = _node(cache_dir, tmp_path, *elastic), _node(cache_dir, tmp_path, *elastic)
+    nodes = [first, second]
+    _wait(run_dir, nodes, lambda rs: any(r.get("world_size") == 2 and r["step"] >= 10 for r in _steps(rs)),
+          "two nodes at step 10")
+    # The node whose driver started the rendezvous store goes: the store outlives it.
+    os.kill(agent_of(first), signal.SIGKILL)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 1 and "error: run " in out, out[-2000:]
+    _wait(run_dir, nodes, lambda rs: any(r.get("event") == "reformation" for r in rs), "a re-formation")
+    _wait(run_dir, nodes, lambda rs: any(r.get("world_size") == 1 for r in _steps(rs)), "one node training")
+    late = _node(cache_dir, tmp_path, *elastic)  # takes the lost node's slot, joins at the next re-formation
+    nodes.append(late)
+    for node in (second, late):
+        out, _ = node.communicate(timeout=300)
+        assert node.returncode == 0, out[-3000:]
+
+    records = _records(run_dir)
+    events = [r for r in records if "event" in r]
+    assert [(e["event"], e["world_size_before"], e["world_size_after"]) for e in events] == [
+        ("reformation", 2, 1), ("reformation", 1, 2)]
+    steps = _steps(records)
+    # Every step once, in order, each on the rows after the last step's: nothing trained twice or skipped.
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["samples_seen"] for r in steps] == [s * BATCH for s in range(1, STEPS + 1)]
+    sizes = [r["world_size"] for r in steps]
+    lost, joined = sizes.index(1), len(sizes) - sizes[::-1].index(1)
+    assert sizes == [2] * lost + [1] * (joined - lost) + [2] * (STEPS - joined)
+    assert [e["resumed_from_step"] for e in events] == [lost, joined]
+    # `python -m launchers get` shows them (the surviving node's job, as any node's).
+    name = f"{run_name(str(run_dir), 44)}-node-1"
+    got = subprocess.run([sys.executable, "-m", "launchers", "get", name], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    shown = [line for line in got.stdout.splitlines() if line.startswith("reformation: ")]
+    assert [line.split(": ", 2)[2] for line in shown] == [
+        f"world size 2 -> 1, resumed from step {lost}", f"world size 1 -> 2, resumed from step {joined}"]
+    ours = read_summary(str(run_dir))
+    for key in ("final_train_loss", "final_eval_loss"):
+        assert math.isclose(ours[key], one_node[key], rel_tol=1e-5), (key, ours[key], one_node[key])
+    assert ours["world_size"] == 2 and ours["steps"] == STEPS
+
+
+@pytest.mark.parametrize(("nnodes", "extra", "message"), [
+    ("2:1", [], "runtime.nnodes='2:1': needs 1 <= MIN <= MAX"),
+    ("0:2", [], "runtime.nnodes='0:2': needs 1 <= MIN <= MAX"),
+    ("1-2", [], "runtime.nnodes='1-2': must be a node count N, or MIN:MAX (an elastic range, such as 1:4)"),
+    ("1:4", ["runtime.nproc_per_node=1", "train.global_batch_size=8"],
+     "train.global_batch_size=8: must be divisible by data-parallel size x train.grad_accum_steps = 3 x 1 = 3 at 3 "
+     "node(s) of runtime.nnodes=1:4"),
+    ("2:3", ["runtime.nproc_per_node=2", "train.global_batch_size=8"],
+     "train.global_batch_size=8: must be divisible by data-parallel size x train.grad_accum_steps = 6 x 1 = 6"),
+    ("1:2", ["launcher=kubernetes", "launcher.image=x", "launcher.run_claim=runs"], "runtime.nnodes='1:2': an elastic range runs on "
+     "launcher=local or docker"),
+])
+def test_elastic_ranges_that_cannot_run_are_refused(nnodes, extra, message, tmp_path, capsys):
+    err = compose_refused(tmp_path, capsys, "+runtime=torch-distributed", f"runtime.nnodes={nnodes}",
+                          "runtime.rdzv_endpoint=h:1", *extra)
+    assert err.count("\n") == 1 and message in err, err
