@@ -93,6 +93,23 @@ def agent_of(driver: subprocess.Popen) -> int:
     raise AssertionError(f"no torchrun agent under node driver {driver.pid}")
 
 
+def ranks_of(agent: int) -> list[int]:
+    """The pids of the ranks that torchrun's agent `agent` started."""
+    ranks = []
+    for pid in _children(agent):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"trainer.worker" in f.read().split(b"\0"):
+                ranks.append(pid)
+    assert ranks, f"no ranks under torchrun agent {agent}"
+    return ranks
+
+
+def _sigterm_pending(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        pending = next(line.split()[1] for line in f if line.startswith("ShdPnd:"))
+    return bool(int(pending, 16) & (1 << (signal.SIGTERM - 1)))
+
+
 def _steps(records: list[dict]) -> list[dict]:
     return [r for r in records if "event" not in r]
 
@@ -120,8 +137,19 @@ def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_los
     assert first.returncode == 1 and "error: run " in out, out[-2000:]
     _wait(run_dir, nodes, lambda rs: any(r.get("event") == "reformation" for r in rs), "a re-formation")
     _wait(run_dir, nodes, lambda rs: any(r.get("world_size") == 1 for r in _steps(rs)), "one node training")
+    # The survivor's rank waits (stopped) for the late node, which must not find the run finished: its agent
+    # tells the rank to stop (SIGTERM, pending while it is stopped) once the late node waits to join.
+    ranks = ranks_of(agent_of(second))
+    for rank in ranks:
+        os.kill(rank, signal.SIGSTOP)
     late = _node(cache_dir, tmp_path, *elastic)  # takes the lost node's slot, joins at the next re-formation
     nodes.append(late)
+    deadline = time.monotonic() + 180
+    while not any(_sigterm_pending(rank) for rank in ranks):
+        assert time.monotonic() < deadline and late.poll() is None, "the late node was never waited for"
+        time.sleep(0.1)
+    for rank in ranks:
+        os.kill(rank, signal.SIGCONT)
     for node in (second, late):
         out, _ = node.communicate(timeout=300)
         assert node.returncode == 0, out[-3000:]

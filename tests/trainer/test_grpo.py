@@ -11,13 +11,14 @@ import random
 
 import pytest
 
-from tests.conftest import TINY, compose_refused, read_metrics, read_summary
+from tests.conftest import REPO, TINY, compose_refused, read_metrics, read_summary
 from trainer.config import ConfigError
 from trainer.recipes import rewards
 
 pytestmark = pytest.mark.timeout(300)
 
 TOY = "tests.trainer.grpo_rewards:lowercase"
+REWARDS_ON_PATH = {"PYTHONPATH": REPO}  # where a user's reward module must be: importable by the ranks
 ARGS = [*[a for a in TINY if not a.startswith(("data.seq_len", "train.global_batch_size"))], "recipe=grpo",
         "data=prompts", "data.seq_len=16", "data.eval_percent=20", "optim.warmup_steps=0", "optim.lr=1e-2",
         "recipe.num_generations=4", "train.global_batch_size=16", "recipe.max_completion_length=8"]
@@ -36,7 +37,7 @@ def prompts(tmp_path_factory) -> str:
 def test_the_mean_reward_rises_on_a_toy_task(prompts, run_cli, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY}]", "train.max_steps=30",
-                   "train.eval_every=30", f"hydra.run.dir={run}")
+                   "train.eval_every=30", f"hydra.run.dir={run}", env=REWARDS_ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert len(lines) == 30
@@ -57,7 +58,7 @@ def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts
     proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY},tests.trainer.grpo_rewards:length]",
                    "recipe.reward_weights=[1.0,0.5]", "recipe.num_iterations=2", "recipe.scale_rewards=batch",
                    "train.max_steps=2", "train.eval_every=2", "train.grad_accum_steps=2", "strategy=fsdp2",
-                   "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run}")
+                   "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run}", env=REWARDS_ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert [m["step"] for m in lines] == [1, 2]
