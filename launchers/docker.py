@@ -384,7 +384,8 @@ class DockerLauncher(Launcher):
             cmd[at:at] = ["--cpuset-cpus", ",".join(map(str, shares[node]))]
             if lc.get("gpus_per_node"):
                 cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
-            cmds.append([*cmd, lc["image"], *agent_command(spec), *torchrun_args(spec, endpoint=endpoint), *spec.command])
+            agent = [*agent_command(spec), *torchrun_args(spec, endpoint=endpoint)]
+            cmds.append([*cmd, lc["image"], *agent, *spec.command])
         return cmds
 
     def render(self, spec: LaunchSpec) -> str:

@@ -575,8 +575,8 @@ def _check_across(job: Config) -> None:
     if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
         counts = node_counts(job)
         _require(counts[-1] == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
-                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 (an elastic range's: where its rendezvous store "
-                 "serves)")
+                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 (an elastic range's: where "
+                 "its rendezvous store serves)")
         _require(len(counts) == 1 or job.launcher.name != "kubernetes", "runtime.nnodes", r.nnodes,
                  "an elastic range runs on launcher=local or docker: a Kubeflow TrainJob has a fixed numNodes "
                  "(Trainer v2 has no elastic policy); give a node count, and runtime.max_restarts to restart")

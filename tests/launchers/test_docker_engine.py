@@ -10,6 +10,7 @@ train on the driver's corpus only because the ranks read the build the driver pi
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -290,8 +291,6 @@ def _lines(run_dir: str) -> list[dict]:
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
-                try:
+                with contextlib.suppress(ValueError):  # a line being written
                     out.append(json.loads(line))
-                except ValueError:
-                    pass
     return out

@@ -6,6 +6,7 @@ each re-formation and the data position of every step, so that no row is trained
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,10 +47,8 @@ def _records(run_dir) -> list[dict]:
     out = []
     with open(path) as f:
         for line in f:
-            try:
+            with contextlib.suppress(ValueError):  # a line being written
                 out.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
     return out
 
 
@@ -188,8 +187,8 @@ def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_los
      "node(s) of runtime.nnodes=1:4"),
     ("2:3", ["runtime.nproc_per_node=2", "train.global_batch_size=8"],
      "train.global_batch_size=8: must be divisible by data-parallel size x train.grad_accum_steps = 6 x 1 = 6"),
-    ("1:2", ["launcher=kubernetes", "launcher.image=x", "launcher.run_claim=runs"], "runtime.nnodes='1:2': an elastic range runs on "
-     "launcher=local or docker"),
+    ("1:2", ["launcher=kubernetes", "launcher.image=x", "launcher.run_claim=runs"],
+     "runtime.nnodes='1:2': an elastic range runs on launcher=local or docker"),
 ])
 def test_elastic_ranges_that_cannot_run_are_refused(nnodes, extra, message, tmp_path, capsys):
     err = compose_refused(tmp_path, capsys, "+runtime=torch-distributed", f"runtime.nnodes={nnodes}",

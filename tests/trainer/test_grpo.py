@@ -58,7 +58,8 @@ def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts
     proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY},tests.trainer.grpo_rewards:length]",
                    "recipe.reward_weights=[1.0,0.5]", "recipe.num_iterations=2", "recipe.scale_rewards=batch",
                    "train.max_steps=2", "train.eval_every=2", "train.grad_accum_steps=2", "strategy=fsdp2",
-                   "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run}", env=REWARDS_ON_PATH)
+                   "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run}",
+                   env=REWARDS_ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert [m["step"] for m in lines] == [1, 2]
