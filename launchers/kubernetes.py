@@ -242,6 +242,12 @@ def pod_command(spec: LaunchSpec) -> list[str]:
     return [local.get(arg, arg) for arg in spec.command]
 
 
+def _restarts_in_pod(spec: LaunchSpec, sc: Mapping[str, Any]) -> int:
+    """torchrun's own restarts in a pod: none where the derived runtime makes `runtime.max_restarts` the
+    JobSet's (`failurePolicy.maxRestarts`, each pod resuming from the shared claim), else torchrun's."""
+    return 0 if sc["name"] in schedulers.NEEDS_RUNTIME else spec.torchrun.max_restarts
+
+
 def manifests(
     spec: LaunchSpec,
     lc: Mapping[str, Any],
@@ -313,8 +319,7 @@ def manifests(
         env.update(cache_endpoints(spec, name, namespace))
     trainer: dict[str, Any] = {
         "image": lc["image"],
-        # Restarts are the JobSet's (failurePolicy.maxRestarts), each pod resuming from the shared claim.
-        "command": [*agent_command(spec), "--max-restarts=0", *pod_command(spec)],
+        "command": [*agent_command(spec), f"--max-restarts={_restarts_in_pod(spec, sc)}", *pod_command(spec)],
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,
