@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.kubernetes.backend import to_yaml
+from launchers.kubernetes.manifests import to_yaml
 from tests.conftest import REPO, compose_run
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
