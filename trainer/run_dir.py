@@ -16,7 +16,7 @@ import fcntl
 import os
 
 from launchers.paths import nearest_existing
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 
 class RunDir:

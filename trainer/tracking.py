@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from datacache.server import TOKEN_ENV
 from launchers.paths import write_whole
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.run_dir import RunDir
 
 TRACKERS = ("jsonl", "tensorboard", "mlflow", "wandb")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import REPO, TINY, examples
 from trainer import checkpoint
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.run_dir import RunDir, claim, note_before_making, remove_if_new
 
 HOLD = ("import sys, time; from trainer.run_dir import claim; claim(sys.argv[1]); print('held', flush=True); "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from trainer.config import StrategyConfig

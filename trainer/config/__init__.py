@@ -25,11 +25,12 @@ from omegaconf.errors import MissingMandatoryValue
 import launchers
 from datacache.server import MAX_READERS
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
-from trainer import peft_config, tracking
-from trainer.errors import ConfigError
-from trainer.peft_config import PeftConfig
-from trainer.recipes import config as recipe_config
-from trainer.recipes.config import RecipeConfig
+from trainer import tracking
+from trainer.config import peft as peft_config
+from trainer.config import recipe as recipe_config
+from trainer.config.errors import ConfigError
+from trainer.config.peft import PeftConfig
+from trainer.config.recipe import RecipeConfig
 from trainer.run_dir import RunDir
 
 

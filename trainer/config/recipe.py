@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 RECIPES = ("pretrain", "sft", "dpo")
 # The data each recipe trains on, and the recipe each conversational dataset is for.
