@@ -140,10 +140,10 @@ def compose_refused(tmp_path, capsys, *overrides: str) -> str:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    with open(RunDir(run_dir).metrics) as f:
+    with open(RunDir.of(run_dir).metrics) as f:
         return [json.loads(line) for line in f]
 
 
 def read_summary(run_dir: str) -> dict:
-    with open(RunDir(run_dir).summary) as f:
+    with open(RunDir.of(run_dir).summary) as f:
         return json.load(f)

@@ -37,7 +37,7 @@ config.register()
 
 def _save_config(resolved: dict, run_dir: str) -> str:
     """Write `<run_dir>/config.yaml`; an earlier, different one is kept as config.<n>.yaml."""
-    path = RunDir(run_dir).config
+    path = RunDir.of(run_dir).config
     text = OmegaConf.to_yaml(OmegaConf.create(resolved))
     if os.path.exists(path):
         with open(path) as f:
@@ -93,7 +93,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     lock_fd = None
     if resolved["launcher"].get("dry_run"):
         remove_if_new(run_dir)
-        path = RunDir(run_dir).config
+        path = RunDir.of(run_dir).config
     else:
         claimed = None
         try:

@@ -121,7 +121,7 @@ class Trainer:
             models.num_params(model, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
-        self.checkpointer = checkpoint.Checkpointer(RunDir(cfg.run_dir).checkpoints, t, model, self.optimizer,
+        self.checkpointer = checkpoint.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t, model, self.optimizer,
                                                     self._train_state, device)
 
     def _train_state(self) -> dict:
@@ -261,7 +261,7 @@ class Trainer:
         done = self._finished_summary()
         if done is not None:
             log.info("the run was already trained to step %d: nothing to do, %s kept", self.step,
-                     RunDir(self.cfg.run_dir).summary)
+                     RunDir.of(self.cfg.run_dir).summary)
             return done
         logger = metrics.MetricsLogger(self.cfg, t.global_batch_size * self.cfg.data.seq_len, self.device, self.step,
                                        self.flops_per_token, self.peak_flops, extras=self._dpo_record)
@@ -296,7 +296,7 @@ class Trainer:
         found = [None]
         if self.rank == 0 and self.step >= self.cfg.train.max_steps:
             try:
-                with open(RunDir(self.cfg.run_dir).summary) as f:
+                with open(RunDir.of(self.cfg.run_dir).summary) as f:
                     summary = json.load(f)
             except (OSError, ValueError):
                 summary = None
@@ -322,7 +322,7 @@ class Trainer:
         }
         if self.rank == 0:
             # A loss that was never measured (no step run) is null: strict JSON has no NaN.
-            write_whole(RunDir(self.cfg.run_dir).summary, json.dumps(
+            write_whole(RunDir.of(self.cfg.run_dir).summary, json.dumps(
                 {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()}, indent=2))
             plots.save_loss_png(self.cfg.run_dir)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)

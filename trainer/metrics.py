@@ -111,7 +111,7 @@ class MetricsLogger:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.trackers = self.reporter = None
         if self.rank == 0:
-            keep_metrics_until(RunDir(cfg.run_dir).metrics, first_step)
+            keep_metrics_until(RunDir.of(cfg.run_dir).metrics, first_step)
             self.trackers = tracking.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
             self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 
 from launchers.paths import nearest_existing
-from trainer.config.errors import ConfigError
+from trainer.errors import ConfigError
 
 
 class RunDir:
-    """The paths of the files of the run whose directory is `root`."""
+    """The paths of the files of the run whose directory is `root`; `RunDir.of(root)` builds them once per
+    process."""
+
+    @classmethod
+    def of(cls, root: str) -> RunDir:
+        return _paths(root)
 
     def __init__(self, root: str):
         self.root = root
@@ -33,6 +39,11 @@ class RunDir:
 
     def rank_log(self, rank: int) -> str:
         return os.path.join(self.logs, f"rank-{rank}.log")
+
+
+@functools.cache
+def _paths(root: str) -> RunDir:
+    return RunDir(root)
 
 
 # The nearest ancestor of each directory Hydra is about to make that already exists (noted by the
@@ -80,7 +91,7 @@ class Claim:
         """Give the directory up (a refused run): the lock file goes, then the directory if this process made
         it and nothing else is in it."""
         with contextlib.suppress(OSError):
-            os.remove(RunDir(self.run_dir).lock)
+            os.remove(RunDir.of(self.run_dir).lock)
         self.close()
         remove_if_new(self.run_dir)
 
@@ -103,7 +114,7 @@ def claim(run_dir: str, key: str = "hydra.run.dir") -> Claim:
     if not os.path.exists(run_dir):
         note_before_making(run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    path = RunDir(run_dir).lock
+    path = RunDir.of(run_dir).lock
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -58,8 +58,8 @@ def init_distributed() -> DistEnv:
 
 def setup_logging(run_dir: str, rank: int) -> logging.Handler:
     """Every rank logs to `<run_dir>/logs/rank-<r>.log`; rank 0 also to the console."""
-    os.makedirs(RunDir(run_dir).logs, exist_ok=True)
-    handler = logging.FileHandler(RunDir(run_dir).rank_log(rank))
+    os.makedirs(RunDir.of(run_dir).logs, exist_ok=True)
+    handler = logging.FileHandler(RunDir.of(run_dir).rank_log(rank))
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -77,7 +77,7 @@ def setup_logging(run_dir: str, rank: int) -> logging.Handler:
 
 
 def _resume_candidate(cfg: Config) -> str | None:
-    own = RunDir(cfg.run_dir).checkpoints
+    own = RunDir.of(cfg.run_dir).checkpoints
     if cfg.train.resume == "never":
         return None
     if cfg.train.resume == "auto":  # only this run directory's own checkpoints
@@ -96,7 +96,7 @@ def resume_path(cfg: Config) -> str | None:
     if dist.get_rank() == 0:
         choice[0] = _resume_candidate(cfg)
         if choice[0] is not None:
-            own = RunDir(cfg.run_dir).checkpoints
+            own = RunDir.of(cfg.run_dir).checkpoints
             checkpoint.set_aside_later(own, choice[0])
             if choice[0] == cfg.train.resume:  # an explicit start: later restarts continue this line
                 checkpoint.record_branch(own, choice[0])

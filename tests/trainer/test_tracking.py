@@ -5,6 +5,7 @@ numbers; trackers refused before anything starts."""
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from tests.conftest import REPO, TINY, examples, read_metrics, read_summary
 from trainer import plots, tracking
 from trainer.config import ConfigError
+from trainer.config.train import TRACKER_MODULES
 
 pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
 ARGS = [
@@ -203,11 +205,11 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(tracker,
     from trainer import config
 
     cfg = _compose(f"train.trackers=[{tracker}]")
-    real = tracking.importlib.util.find_spec
+    real = importlib.util.find_spec
     monkeypatch.setattr(
-        tracking.importlib.util,
+        importlib.util,
         "find_spec",
-        lambda name, *a: None if name == tracking.MODULES[tracker] else real(name, *a),
+        lambda name, *a: None if name == TRACKER_MODULES[tracker] else real(name, *a),
     )
     with pytest.raises(
         ConfigError,

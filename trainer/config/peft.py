@@ -1,4 +1,5 @@
-"""The `peft` section: parameter-efficient fine-tuning (`peft=none|lora`), its schema and its checks."""
+"""The `peft` section: parameter-efficient fine-tuning (`peft=none|lora`). That LoRA needs a pretrained model
+is a cross-section rule (`trainer.config.across`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from trainer.config.errors import ConfigError
+from trainer.config.checks import one_of, require
 
 METHODS = ("none", "lora")
 # Hugging Face's module names, as PEFT's `target_modules` spells them.
@@ -21,28 +22,13 @@ class PeftConfig:
     dropout: float = 0.0  # on the adapters' input, while training
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
-
-def check(cfg) -> None:
-    """Raise ConfigError when the peft section cannot run with the rest of `cfg` (the typed config)."""
-    p = cfg.peft
-    name = p.name
-    if name not in METHODS:
-        raise ConfigError("peft", name, f"must be one of {', '.join(METHODS)}")
-    if name == "none":
-        return
-    if cfg.model.name != "hf":
-        raise ConfigError(
-            "peft",
-            name,
-            f"LoRA adapts a pretrained model: use model=hf model.path=<directory> "
-            f"(model is {cfg.model.name}, whose frozen weights would be random)",
-        )
-    if p.rank <= 0:
-        raise ConfigError("peft.rank", p.rank, "must be > 0")
-    if p.alpha <= 0:
-        raise ConfigError("peft.alpha", p.alpha, "must be > 0")
-    if not 0 <= p.dropout < 1:
-        raise ConfigError("peft.dropout", p.dropout, "must be in [0, 1)")
-    targets = list(p.target_modules)
-    if not targets or any(t not in TARGETS for t in targets) or len(set(targets)) != len(targets):
-        raise ConfigError("peft.target_modules", targets, f"must be distinct names among {', '.join(TARGETS)}")
+    def check(self) -> None:
+        one_of("peft", self.name, METHODS)
+        if self.name == "none":
+            return
+        require(self.rank > 0, "peft.rank", self.rank, "must be > 0")
+        require(self.alpha > 0, "peft.alpha", self.alpha, "must be > 0")
+        require(0 <= self.dropout < 1, "peft.dropout", self.dropout, "must be in [0, 1)")
+        targets = list(self.target_modules)
+        require(bool(targets) and all(t in TARGETS for t in targets) and len(set(targets)) == len(targets),
+                "peft.target_modules", targets, f"must be distinct names among {', '.join(TARGETS)}")
