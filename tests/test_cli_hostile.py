@@ -1,4 +1,4 @@
-"""Every documented CLI (`python -m trainer`, `trainer.export`, `trainer.report`, `python -m launchers`,
+"""Every documented CLI (`python -m trainer`, `trainer.export`, `trainer.observability.report`, `python -m launchers`,
 `python -m datacache`) under a hostile environment: no HOME, read-only paths (/sys refuses even root),
 files where folders belong, damaged files, malformed values. Each case ends in one line naming the cause
 and the key, file or value, a non-zero exit, no traceback, and nothing created or changed anywhere under
@@ -130,7 +130,7 @@ def test_every_cli_refuses_a_hostile_environment_in_one_line_and_leaves_nothing(
             ({"args": [str(ckpt), f"{READ_ONLY}/out"]}, 2, ("OUT=", "not writable")),
             ({"args": [str(ckpt), str(g / "exported")]}, 2, ("CHECKPOINT=", ".metadata cannot be read")),
         ],
-        "trainer.report": [
+        "trainer.observability.report": [
             ({"args": [str(run)]}, 2, ("config.yaml: not a run's config (empty)",)),
             ({"args": [str(g / "a-file")]}, 2, ("a-file: no such directory",)),
         ],

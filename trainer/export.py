@@ -26,10 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from datacache.args import OneLineParser
 from launchers.paths import directory_problem, nearest_existing
-from trainer import lora, models
+from trainer import models
 from trainer.checkpoint import damage
 from trainer.config import ConfigError
-from trainer.models import hf
+from trainer.models import hf, lora
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
 TOKENIZER_FILES = (

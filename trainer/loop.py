@@ -24,9 +24,10 @@ from torch.utils.data import DataLoader
 from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
 from launchers.paths import write_whole
-from trainer import checkpoint, metrics, models, parallel, plots, preemption
-from trainer.chat_data import ChatDataset
+from trainer import checkpoint, models, parallel, preemption
 from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
+from trainer.data.chat import ChatDataset
+from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims
 from trainer.recipes import dpo, sft
 from trainer.run_dir import RunDir

@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import chat_data, checkpoint, config, data, kernels, loop, lora, models, preemption
+from trainer import checkpoint, config, data, loop, models, preemption
 from trainer.config import CACHE_KEYS, Config, ConfigError
+from trainer.data import chat
+from trainer.models import kernels, lora
 from trainer.parallel import ParallelDims, parallelize
 from trainer.run_dir import RunDir
 
@@ -138,7 +140,7 @@ def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
     returns the corpus directory (None when every split comes from cache nodes)."""
     check_memory(cfg, dims)
     chats = cfg.data.name in ("chat", "preference")
-    prepare = (lambda: chat_data.prepare(cfg)) if chats else (lambda: data.prepare(cfg.data))
+    prepare = (lambda: chat.prepare(cfg)) if chats else (lambda: data.prepare(cfg.data))
     corpus = prepare() if loop.needs_corpus(cfg.data) else None
     if corpus is not None:
         data.check_corpus(corpus, cfg)

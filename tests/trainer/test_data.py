@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from datacache.local import read_token_rows
 from trainer.config import ConfigError
-from trainer.data import prepare
+from trainer.data.corpus import prepare
 from trainer.models import tokenizer
 
 

@@ -121,7 +121,7 @@ class DataConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     # Set by the driver where it checked the corpus (launcher=local, docker): the key of the build its ranks
-    # must read (`trainer.data.prepare`); a rank whose source would make another corpus refuses to start.
+    # must read (`trainer.data.corpus.prepare`); a rank whose source would make another corpus refuses to start.
     fingerprint: str | None = None
 
     def check(self) -> None:

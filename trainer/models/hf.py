@@ -151,7 +151,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     from trainer.models import WRAPPED
 
     inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
-    # LoRA adapters (`.lora_A.`, `.lora_B.`) are not in a pretrained directory; trainer.lora starts them.
+    # LoRA adapters (`.lora_A.`, `.lora_B.`) are not in a pretrained directory; trainer.models.lora starts them.
     state = {
         hf_name(name.replace(WRAPPED, "")): param for name, param in inner.named_parameters() if ".lora_" not in name
     }

@@ -31,7 +31,7 @@ import torch
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
 from trainer.config import ConfigError
-from trainer.data import build_once, dropped_text
+from trainer.data.corpus import build_once, dropped_text
 from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 log = logging.getLogger(__name__)
