@@ -3,7 +3,7 @@ resolved `<run_dir>/config.yaml`, hand it to the launcher, and return the final 
 sweepers can optimise it).
 
 A config that cannot run (Hydra's composition errors, every rule in `trainer.config.validate`, and, for the
-local launcher, what the data, the checkpoint or the cache nodes say: `trainer.worker.check_inputs`) ends
+local launcher, what the data, the checkpoint or the cache nodes say: `trainer.inputs.check`) ends
 the process with exit code 2 and one line before anything is launched, and leaves no run directory behind.
 """
 
@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, fields
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -58,14 +58,16 @@ class Prepared:
     spec: launchers.LaunchSpec
     launcher: dict
     scheduler: dict
+    checked: Any = None  # what the input checks found here (`trainer.inputs.Checked`), None where they did not run
+
 
     def launcher_for(self) -> launchers.Launcher:
         """The launcher to start it: this process for the local launcher without a runtime (the worker
-        called here, its summary kept), else the configured one."""
+        called here, its summary kept, its inputs checked once: here, before), else the configured one."""
         if self.launcher["name"] == "local" and self.spec.torchrun is None and self.launcher.get("wait", True):
             from trainer import worker
 
-            return launchers.InProcessLauncher(lambda: worker.run(OmegaConf.create(self.spec.config)))
+            return launchers.InProcessLauncher(lambda: worker.run(OmegaConf.create(self.spec.config), self.checked))
         return launchers.get(self.launcher, self.scheduler)
 
 
@@ -85,7 +87,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     a refused run leaves nothing, and a second driver into a running run's directory changes nothing."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
-        check(cfg)
+        checked = check(cfg)
     except config.ConfigError as e:
         _refuse(e, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -114,7 +116,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
         cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fd=lock_fd,
         stop_grace_s=int(saved["train"]["preemption_grace_s"]))
-    return Prepared(spec, resolved["launcher"], resolved["scheduler"])
+    return Prepared(spec, resolved["launcher"], resolved["scheduler"], checked)
 
 
 def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheNodes | None]:

@@ -11,22 +11,19 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 
-import pyarrow as pa
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 
-from datacache import DataCacheError, LocalDataset, StreamingDataset
-from datacache.planned import PlannedDataset
+from datacache import StreamingDataset
 from launchers.paths import write_whole
 from trainer import checkpoint, models, parallel, preemption
-from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
-from trainer.data.chat import ChatDataset
+from trainer.config import ConfigError, torch_dtype
+from trainer.data.splits import split_dataset
 from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims
 from trainer.recipes import dpo, sft
@@ -69,30 +66,6 @@ def _plain(value):
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor: a replicated DTensor (the loss under loss parallelism) gives its local copy."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def needs_corpus(data_cfg) -> bool:
-    """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
-    return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
-
-
-def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:
-    """A split's batches: streamed from the cache nodes named for it, else read from the local corpus."""
-    key = CACHE_KEYS[split]
-    endpoints = list(getattr(data_cfg.cache, key))
-    if not endpoints:
-        dataset = ChatDataset if data_cfg.name in ("chat", "preference") else LocalDataset
-        return dataset(os.path.join(corpus, split), **kw)
-    try:
-        data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
-                                readers=data_cfg.cache.readers, tls_root_cert=data_cfg.cache.tls_root_cert, **kw)
-        rows, _ = data.schema.field("tokens").type, data.plan  # the nodes are asked what they hold
-    except (DataCacheError, ValueError) as e:  # unreachable nodes; fewer rows than one global batch
-        raise ConfigError(f"data.cache.{key}", endpoints, str(e)) from None
-    if not (pa.types.is_fixed_size_list(rows) and rows.list_size == data_cfg.seq_len + 1):
-        raise ConfigError(f"data.cache.{key}", endpoints, f"the nodes hold {split} rows of type {rows}; "
-                          f"data.seq_len={data_cfg.seq_len} needs rows of {data_cfg.seq_len + 1} token ids")
-    return data
 
 
 class Trainer:
