@@ -28,7 +28,7 @@ from datacache.args import OneLineParser
 from launchers.paths import directory_problem, nearest_existing
 from trainer import models
 from trainer.checkpoint import damage
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.models import hf, lora
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
@@ -96,7 +96,7 @@ def hf_config(cfg: DictConfig) -> dict:
         with open(os.path.join(m.path, "config.json")) as f:
             config = json.load(f)
     else:
-        from trainer.models import tokenizer
+        from trainer.data import tokenizer
 
         config = {
             "architectures": ["LlamaForCausalLM"],

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, compose_run, examples
 from tests.trainer import real_models
-from trainer.config import ConfigError
 from trainer.data import chat
+from trainer.errors import ConfigError
 from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 pytestmark = pytest.mark.timeout(600)

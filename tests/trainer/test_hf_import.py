@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import compose_run
 from tests.trainer.hf_models import make_llama, make_mistral, make_qwen2
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.models import from_hf, hf
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO, TINY, examples, read_metrics, read_summary
-from trainer.config import ConfigError
 from trainer.config.train import TRACKER_MODULES
+from trainer.errors import ConfigError
 from trainer.observability import plots, trackers
 
 pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses

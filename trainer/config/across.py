@@ -41,7 +41,7 @@ def check(job) -> None:
 
 
 def _model_and_data(job) -> None:
-    from trainer.models.tokenizer import VOCAB_SIZE
+    from trainer.data.tokenizer import VOCAB_SIZE
 
     m = job.model
     # Chat and preference data are tokenized by the model directory's tokenizer, the rest byte by byte.

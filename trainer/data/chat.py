@@ -30,8 +30,8 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
-from trainer.config import ConfigError
 from trainer.data.corpus import build_once, dropped_text
+from trainer.errors import ConfigError
 from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 log = logging.getLogger(__name__)

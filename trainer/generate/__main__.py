@@ -20,7 +20,7 @@ import sys
 import torch
 
 from datacache.args import OneLineParser
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.generate import generate, sampling
 
 
@@ -30,7 +30,7 @@ class _Text:
     def __init__(self, hf_dir: str | None):
         self.hf = None
         if hf_dir is None:  # a built-in preset: the byte tokenizer
-            from trainer.models import tokenizer
+            from trainer.data import tokenizer
 
             self.eos, self.pad = [tokenizer.EOS], tokenizer.PAD
             return
@@ -45,7 +45,7 @@ class _Text:
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if self.hf is None:
-            from trainer.models import tokenizer
+            from trainer.data import tokenizer
 
             if chat:
                 raise ConfigError("--chat", True, "a built-in preset's byte tokenizer has no chat template")
@@ -60,7 +60,7 @@ class _Text:
 
     def decode(self, ids: list[int]) -> str:
         if self.hf is None:
-            from trainer.models import tokenizer
+            from trainer.data import tokenizer
 
             return tokenizer.decode(ids)
         return self.hf.tokenizer.decode(ids, skip_special_tokens=True)

@@ -20,7 +20,7 @@ import warnings
 import torch
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.models.llama import Transformer
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
