@@ -8,6 +8,7 @@ than one module, or a module importing itself."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -53,6 +54,7 @@ def _imported(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     return names
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
@@ -129,3 +131,16 @@ def test_no_package_holds_an_import_cycle(package):
 
 def test_the_whole_project_holds_no_import_cycle():
     assert cycles(_graph()) == []
+
+
+def test_the_driver_and_the_config_import_nothing_of_the_rank_side_nor_torch():
+    import subprocess
+    import sys
+
+    probe = ("import sys, trainer.__main__, trainer.preflight, trainer.config; "
+             "print(' '.join(m for m in sys.modules if m == 'torch' or m.startswith(('trainer.', 'ops'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.split()
+    rank_side = ("torch", "ops", "trainer.worker", "trainer.loop", "trainer.inputs", "trainer.models",
+                 "trainer.parallel", "trainer.data", "trainer.recipes", "trainer.observability")
+    assert [m for m in loaded if m.startswith(rank_side)] == []

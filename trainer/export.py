@@ -28,6 +28,7 @@ from datacache.args import OneLineParser
 from launchers.paths import directory_problem, nearest_existing
 from trainer import models
 from trainer.checkpoint import damage
+from trainer.config.hf import read_config
 from trainer.errors import ConfigError
 from trainer.models import hf, lora
 
@@ -175,7 +176,7 @@ def export(checkpoint: str, out: str, merge: bool = False) -> str:
             f"peft={_peft(cfg).name}, so there is nothing to merge",
         )
     if cfg.model.name == "hf":
-        hf.read_config(cfg.model.path, key="model.path (of the run)")
+        read_config(cfg.model.path, key="model.path (of the run)")
     model = load_model(checkpoint, cfg)
     write(lora.merge(model) if merge else model, cfg, out)
     return out

@@ -16,6 +16,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from launchers.paths import directory_problem
 from trainer.config import ConfigError, parallel_dims, validate
+from trainer.config.hf import fill_config
 from trainer.run_dir import note_before_making
 
 if TYPE_CHECKING:
@@ -32,9 +33,7 @@ def check(cfg: DictConfig) -> inputs.Checked | None:
     _resolve(cfg)
     cfg.run_dir = run_dir
     if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
-        from trainer.models import hf
-
-        hf.fill_config(cfg.model)
+        fill_config(cfg.model)
     job = validate(cfg)
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
