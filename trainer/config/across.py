@@ -7,6 +7,7 @@ import os
 
 from trainer.config import runtime
 from trainer.config.checks import require
+from trainer.config.model import BYTE_VOCAB_SIZE
 from trainer.config.recipe import DATA
 from trainer.config.runtime import nproc_per_node, world_size
 from trainer.config.strategy import Degrees
@@ -41,12 +42,10 @@ def check(job) -> None:
 
 
 def _model_and_data(job) -> None:
-    from trainer.data.tokenizer import VOCAB_SIZE
-
     m = job.model
     # Chat and preference data are tokenized by the model directory's tokenizer, the rest byte by byte.
-    require(job.data.name in ("chat", "preference") or m.vocab_size >= VOCAB_SIZE, "model.vocab_size",
-            m.vocab_size, f"must be >= {VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
+    require(job.data.name in ("chat", "preference") or m.vocab_size >= BYTE_VOCAB_SIZE, "model.vocab_size",
+            m.vocab_size, f"must be >= {BYTE_VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
     require(job.data.seq_len <= m.max_seq_len, "data.seq_len", job.data.seq_len,
             f"must be <= model.max_seq_len={m.max_seq_len}")
     require(job.data.cache.backend != "kubeflow" or job.launcher.name == "kubernetes", "data.cache.backend",

@@ -8,6 +8,9 @@ from omegaconf import MISSING
 
 from trainer.config.checks import positive, require
 
+# The byte-level tokenizer's vocabulary (`trainer.data.tokenizer`): the 256 bytes, then BOS, EOS and PAD.
+BYTE_VOCAB_SIZE = 259
+
 
 @dataclass
 class ModelConfig:
@@ -19,7 +22,7 @@ class ModelConfig:
     n_heads: int = MISSING
     n_kv_heads: int = MISSING
     ffn_dim: int = MISSING
-    vocab_size: int = 259
+    vocab_size: int = BYTE_VOCAB_SIZE
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
