@@ -50,7 +50,6 @@ def _imported(tree: ast.AST, module: str, is_package: bool) -> set[str]:
                 anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
                 base = ".".join([*anchor, *([base] if base else [])])
             names.update(f"{base}.{alias.name}" for alias in node.names)
-            names.add(base)
     return names
 
 
@@ -65,12 +64,12 @@ def _graph() -> dict[str, set[str]]:
                 target = target.rpartition(".")[0]
             if not target:
                 continue
+            # The packages above the target run too; those above this module are running already.
             own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
             parts = target.split(".")
-            edges.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            edges.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
                          if p in modules and p not in own)
-            if target == name and path.name != "__init__.py":
-                edges.add(target)
+            edges.add(target)  # named: an edge even to this module's own package (its face)
         graph[name] = edges
     return graph
 
@@ -119,6 +118,7 @@ def test_a_module_importing_its_own_package_face_from_below_is_an_edge():
     graph = _graph()
     assert "trainer.config.schema" in graph["trainer.config"]  # the face imports its sections
     assert "trainer.config" in graph["trainer.parallel.dims"]  # importing trainer.config.strategy runs it
+    assert "trainer.config" not in graph["trainer.config.across"]  # the face above runs already
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -35,6 +35,8 @@ _BLOCK = {
     "ffn_norm": "post_attention_layernorm",
 }
 _TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+# What activation-checkpoint wrappers insert into parameter names.
+WRAPPED = "_checkpoint_wrapped_module."
 
 
 def hf_name(name: str) -> str:
@@ -58,8 +60,6 @@ def load_weights(model: nn.Module, path: str) -> None:
     rank calls this, and reads only its own slices."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    from trainer.models import WRAPPED
 
     inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
     # LoRA adapters (`.lora_A.`, `.lora_B.`) are not in a pretrained directory; trainer.models.lora starts them.
