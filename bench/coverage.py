@@ -148,7 +148,8 @@ def _config(overrides: list[str]):
 def trace_step(overrides: list[str], seq: int = 64, batch: int = 2):
     """One training step under `ops.enable()` and the trace: (rows by op, our kernels' launch counts)."""
     import ops
-    from trainer import kernels, models
+    from trainer import models
+    from trainer.models import kernels
 
     cfg = _config(overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -152,6 +152,31 @@ class TcpCeiling:
         self.sender.join(10)
 
 
+def _one_node(path: str, batch_rows: int, row_bytes: int, reading: dict, best) -> list:
+    """The rows of one Flight node: to one client, shuffled, to two clients, to Kubeflow's client."""
+    results = []
+    node = _node(path, batch_rows * row_bytes)
+    try:
+        endpoint = node.stdout.readline().split()[-1]
+        one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
+                               **reading)
+        results.append(("1 Flight node -> 1 client", best(lambda: sum(1 for _ in one), node.pid)))
+        shuffled = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=True, loop=False,
+                                    **reading)
+        results.append(("  the same, shuffled", best(lambda: sum(1 for _ in shuffled), node.pid)))
+        halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
+                                   rank=r, world_size=2, **reading) for r in range(2)]
+        results.append(("1 Flight node -> 2 clients", best(lambda: _together(halves), node.pid)))
+        results.append(("1 node -> Kubeflow's client", best(lambda: kubeflow_client(endpoint), node.pid)))
+        as_head = StreamingDataset([f"kubeflow+{endpoint}"], global_batch_size=batch_rows, shuffle=False,
+                                   **reading)
+        results.append(("  StreamingDataset, kubeflow+", best(lambda: sum(1 for _ in as_head), node.pid)))
+    finally:
+        node.terminate()
+        node.wait(10)
+    return results
+
+
 def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, reading: dict):
     """[(source, (seconds, CPU here, CPU serving, seconds of raw TCP between its passes))] for all rows at one
     batch size; the TCP ceiling last."""
@@ -177,25 +202,7 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, read
         local = LocalDataset(path, global_batch_size=batch_rows, shuffle=False)
         results.append(("LocalDataset (in process)", best(lambda: sum(1 for _ in local))))
 
-        node = _node(path, batch_rows * row_bytes)
-        try:
-            endpoint = node.stdout.readline().split()[-1]
-            one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
-                                   **reading)
-            results.append(("1 Flight node -> 1 client", best(lambda: sum(1 for _ in one), node.pid)))
-            shuffled = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=True, loop=False,
-                                        **reading)
-            results.append(("  the same, shuffled", best(lambda: sum(1 for _ in shuffled), node.pid)))
-            halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
-                                       rank=r, world_size=2, **reading) for r in range(2)]
-            results.append(("1 Flight node -> 2 clients", best(lambda: _together(halves), node.pid)))
-            results.append(("1 node -> Kubeflow's client", best(lambda: kubeflow_client(endpoint), node.pid)))
-            as_head = StreamingDataset([f"kubeflow+{endpoint}"], global_batch_size=batch_rows, shuffle=False,
-                                       **reading)
-            results.append(("  StreamingDataset, kubeflow+", best(lambda: sum(1 for _ in as_head), node.pid)))
-        finally:
-            node.terminate()
-            node.wait(10)
+        results += _one_node(path, batch_rows, row_bytes, reading, best)
         nodes = [_node(path, batch_rows * row_bytes, f"{i}/2") for i in range(2)]
         try:
             endpoints = [n.stdout.readline().split()[-1] for n in nodes]

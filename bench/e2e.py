@@ -51,8 +51,8 @@ def _config(overrides: list[str]):
 
 
 def _ours(cfg, kernels: str, device: torch.device):
-    from trainer import kernels as backend
     from trainer import models
+    from trainer.models import kernels as backend
 
     with torch.device("meta"):
         model = models.build(cfg.model)

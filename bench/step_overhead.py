@@ -96,7 +96,7 @@ def worker(overrides: list[str], steps: int, warmup: int, run_dir: str) -> float
     run = prepare_run(cfg)
     subprocess.run([sys.executable, "-m", "trainer.worker", run.spec.config_path], check=True, cwd=REPO,
                    stderr=subprocess.DEVNULL)
-    with open(RunDir(run_dir).metrics) as f:
+    with open(RunDir.of(run_dir).metrics) as f:
         lines = [json.loads(line) for line in f]
     marks = [(m["step"], m["elapsed_s"]) for m in lines if m["step"] >= warmup]
     if len(marks) < 2:

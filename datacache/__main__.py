@@ -133,7 +133,7 @@ def _token(args, parser: argparse.ArgumentParser) -> str | None:
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m datacache", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="load Parquet data into memory and serve it over Arrow Flight")
@@ -161,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
                                        "ready": "exit 0 when the node answers its health check"}[name])
         p.add_argument("endpoint", type=_endpoint)
         _add_token(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     token = _token(args, parser)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][datacache][%(levelname)s] %(message)s")

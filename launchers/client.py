@@ -30,8 +30,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
-import launchers
 from launchers.base import JobInfo, JobState, LauncherError, LaunchSpec, OptionError, Torchrun
+from launchers.options import LAUNCHER_SCHEMAS, get
 
 FUNC_FILE = "train_func.py"
 
@@ -115,9 +115,9 @@ class Client:
     its `launcher.*` config, such as `namespace=` or `image=`)."""
 
     def __init__(self, launcher: str = "local", **options: Any):
-        if launcher not in launchers.LAUNCHER_SCHEMAS:
-            raise OptionError("launcher", launcher, f"must be one of {', '.join(launchers.LAUNCHER_SCHEMAS)}")
-        schema = launchers.LAUNCHER_SCHEMAS[launcher]
+        if launcher not in LAUNCHER_SCHEMAS:
+            raise OptionError("launcher", launcher, f"must be one of {', '.join(LAUNCHER_SCHEMAS)}")
+        schema = LAUNCHER_SCHEMAS[launcher]
         known = {f.name for f in dataclasses.fields(schema)} - {"name", "wait", "dry_run"}
         for key in options:
             if key not in known:
@@ -127,7 +127,7 @@ class Client:
                     f"unknown option of launcher={launcher}; it has {', '.join(sorted(known))}",
                 )
         self.launcher, self.options = launcher, dict(options)
-        self._backend = launchers.get({**_defaults(schema), **options, "name": launcher, "wait": False})
+        self._backend = get({**_defaults(schema), **options, "name": launcher, "wait": False})
 
     # --- submitting ----------------------------------------------------------------------------------
 

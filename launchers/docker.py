@@ -318,42 +318,11 @@ class DockerLauncher(Launcher):
         if spec.cache_dir:
             env["TRAINJOB_CACHE"] = spec.cache_dir
         cmds = [] if lc.get("network") else [["docker", "network", "create", "--label", f"{RUN_LABEL}={name}", network]]
-        mounts = [spec.run_dir, *([spec.cache_dir] if spec.cache_dir else [])]
         user, user_env, user_opts = _user()
         env = {**user_env, **env}
 
         def container(cname: str, role: str) -> list[str]:
-            cmd = [
-                "docker",
-                "run",
-                "--detach",
-                "--name",
-                cname,
-                "--hostname",
-                cname,
-                "--network",
-                network,
-                "--user",
-                user,
-                *user_opts,
-                "--label",
-                f"{RUN_LABEL}={name}",
-                "--label",
-                f"{ROLE_LABEL}={role}",
-                "--label",
-                f"{DIR_LABEL}={spec.run_dir}",
-                "--shm-size",
-                lc["shm_size"],
-                # docker stop's SIGTERM to SIGKILL: the step in flight and a checkpoint (train.preemption_grace_s)
-                *(["--stop-timeout", str(spec.stop_grace_s)] if spec.stop_grace_s is not None else []),
-            ]
-            for path in mounts:
-                cmd += ["--volume", f"{path}:{path}"]
-            for key, value in env.items():
-                cmd += ["--env", f"{key}={value}"]
-            for key in sorted(spec.secrets):
-                cmd += ["--env", key]  # the value comes from the docker CLI's environment
-            return cmd
+            return _docker_run(spec, lc, cname, role, f"{RUN_LABEL}={name}", network, (user, user_opts), env)
 
         nodes = spec.cache_nodes
         caches = self.cache_containers(spec)
@@ -498,3 +467,40 @@ class DockerLauncher(Launcher):
 
 def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> DockerLauncher:
     return DockerLauncher(options)
+
+
+def _docker_run(spec: LaunchSpec, lc: Mapping[str, Any], cname: str, role: str, run_label: str, network: str,
+                user: tuple[str, list[str]], env: Mapping[str, str]) -> list[str]:
+    """`docker run` of one container of the run (its image and command follow): its name, network, user,
+    labels, the run and cache directories mounted at their paths, and the environment."""
+    cmd = [
+        "docker",
+        "run",
+        "--detach",
+        "--name",
+        cname,
+        "--hostname",
+        cname,
+        "--network",
+        network,
+        "--user",
+        user[0],
+        *user[1],
+        "--label",
+        run_label,
+        "--label",
+        f"{ROLE_LABEL}={role}",
+        "--label",
+        f"{DIR_LABEL}={spec.run_dir}",
+        "--shm-size",
+        lc["shm_size"],
+        # docker stop's SIGTERM to SIGKILL: the step in flight and a checkpoint (train.preemption_grace_s)
+        *(["--stop-timeout", str(spec.stop_grace_s)] if spec.stop_grace_s is not None else []),
+    ]
+    for path in [spec.run_dir, *([spec.cache_dir] if spec.cache_dir else [])]:
+        cmd += ["--volume", f"{path}:{path}"]
+    for key, value in env.items():
+        cmd += ["--env", f"{key}={value}"]
+    for key in sorted(spec.secrets):
+        cmd += ["--env", key]  # the value comes from the docker CLI's environment
+    return cmd

@@ -141,10 +141,10 @@ def compose_refused(tmp_path, capsys, *overrides: str) -> str:
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The run's step lines (not its events: re-formations, resumes)."""
-    with open(RunDir(run_dir).metrics) as f:
+    with open(RunDir.of(run_dir).metrics) as f:
         return [r for r in map(json.loads, f) if "event" not in r]
 
 
 def read_summary(run_dir: str) -> dict:
-    with open(RunDir(run_dir).summary) as f:
+    with open(RunDir.of(run_dir).summary) as f:
         return json.load(f)

@@ -1,4 +1,4 @@
-"""Every documented CLI (`python -m trainer`, `trainer.export`, `trainer.report`, `python -m launchers`,
+"""Every documented CLI (`python -m trainer`, `trainer.export`, `trainer.observability.report`, `python -m launchers`,
 `python -m datacache`) under a hostile environment: no HOME, read-only paths (/sys refuses even root),
 files where folders belong, damaged files, malformed values. Each case ends in one line naming the cause
 and the key, file or value, a non-zero exit, no traceback, and nothing created or changed anywhere under
@@ -57,6 +57,23 @@ def assert_one_line(result: dict, code: int | None, *fragments: str) -> None:
         assert fragment in lines[-1], (fragment, lines[-1])
 
 
+def _damaged_files(g) -> tuple:
+    """Under the ground `g`: a checkpoint whose .metadata is garbage, a run whose config.yaml is empty, and
+    a local job record cut short. Returns (checkpoint, run)."""
+    (g / "cache").mkdir(exist_ok=True)
+    ckpt = g / "ckpt" / "checkpoints" / "step-1"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
+    (g / "ckpt" / "config.yaml").write_text("model: {name: debug}\n")
+    run = g / "runs" / "done"
+    run.mkdir(exist_ok=True)
+    (run / "config.yaml").write_text("")
+    (run / "summary.json").write_text("{}")
+    (g / "home" / "jobs").mkdir(exist_ok=True)
+    (g / "home" / "jobs" / "tj-cut-1234abcd.json").write_text('{"name": "tj-cut-1234abcd", "run_')
+    return ckpt, run
+
+
 @pytest.fixture(scope="module")
 def ground(tmp_path_factory):
     """The hostile ground: a file where folders belong, an empty job registry, Parquet files gone wrong."""
@@ -105,17 +122,7 @@ def _trainer_cases(g, corpus_cache: str) -> list[tuple[dict, int, tuple[str, ...
 
 def test_every_cli_refuses_a_hostile_environment_in_one_line_and_leaves_nothing(ground, tmp_path, tmp_path_factory):
     g = ground
-    (g / "cache").mkdir(exist_ok=True)
-    ckpt = g / "ckpt" / "checkpoints" / "step-1"  # a checkpoint whose .metadata is garbage
-    ckpt.mkdir(parents=True, exist_ok=True)
-    (ckpt / ".metadata").write_bytes(b"\x80\x04garbage")
-    (g / "ckpt" / "config.yaml").write_text("model: {name: debug}\n")
-    run = g / "runs" / "done"  # a run whose config.yaml is empty
-    run.mkdir(exist_ok=True)
-    (run / "config.yaml").write_text("")
-    (run / "summary.json").write_text("{}")
-    (g / "home" / "jobs").mkdir(exist_ok=True)
-    (g / "home" / "jobs" / "tj-cut-1234abcd.json").write_text('{"name": "tj-cut-1234abcd", "run_')
+    ckpt, run = _damaged_files(g)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -130,7 +137,7 @@ def test_every_cli_refuses_a_hostile_environment_in_one_line_and_leaves_nothing(
             ({"args": [str(ckpt), f"{READ_ONLY}/out"]}, 2, ("OUT=", "not writable")),
             ({"args": [str(ckpt), str(g / "exported")]}, 2, ("CHECKPOINT=", ".metadata cannot be read")),
         ],
-        "trainer.report": [
+        "trainer.observability.report": [
             ({"args": [str(run)]}, 2, ("config.yaml: not a run's config (empty)",)),
             ({"args": [str(g / "a-file")]}, 2, ("a-file: no such directory",)),
         ],

@@ -3,7 +3,7 @@ resolved `<run_dir>/config.yaml`, hand it to the launcher, and return the final 
 sweepers can optimise it).
 
 A config that cannot run (Hydra's composition errors, every rule in `trainer.config.validate`, and, for the
-local launcher, what the data, the checkpoint or the cache nodes say: `trainer.worker.check_inputs`) ends
+local launcher, what the data, the checkpoint or the cache nodes say: `trainer.inputs.check`) ends
 the process with exit code 2 and one line before anything is launched, and leaves no run directory behind.
 """
 
@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, fields
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -38,7 +38,7 @@ config.register()
 def _save_config(resolved: dict, run_dir: str, running: bool = False) -> str:
     """Write `<run_dir>/config.yaml`; an earlier, different one is kept as config.<n>.yaml. `running`: another
     node of this run trains from the file already, so a different config is refused."""
-    path = RunDir(run_dir).config
+    path = RunDir.of(run_dir).config
     text = OmegaConf.to_yaml(OmegaConf.create(resolved))
     if os.path.exists(path):
         with open(path) as f:
@@ -62,14 +62,16 @@ class Prepared:
     spec: launchers.LaunchSpec
     launcher: dict
     scheduler: dict
+    checked: Any = None  # what the input checks found here (`trainer.inputs.Checked`), None where they did not run
+
 
     def launcher_for(self) -> launchers.Launcher:
         """The launcher to start it: this process for the local launcher without a runtime (the worker
-        called here, its summary kept), else the configured one."""
+        called here, its summary kept, its inputs checked once: here, before), else the configured one."""
         if self.launcher["name"] == "local" and self.spec.torchrun is None and self.launcher.get("wait", True):
             from trainer import worker
 
-            return launchers.InProcessLauncher(lambda: worker.run(OmegaConf.create(self.spec.config)))
+            return launchers.InProcessLauncher(lambda: worker.run(OmegaConf.create(self.spec.config), self.checked))
         return launchers.get(self.launcher, self.scheduler)
 
 
@@ -89,7 +91,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     a refused run leaves nothing, and a second driver into a running run's directory changes nothing."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
-        check(cfg)
+        checked = check(cfg)
     except config.ConfigError as e:
         _refuse(e, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -97,7 +99,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     lock_fds, node = (), None
     if resolved["launcher"].get("dry_run"):
         remove_if_new(run_dir)
-        path = RunDir(run_dir).config
+        path = RunDir.of(run_dir).config
     else:
         claimed = None
         try:
@@ -120,7 +122,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
         cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fds=lock_fds,
         stop_grace_s=int(saved["train"]["preemption_grace_s"]))
-    return Prepared(spec, resolved["launcher"], resolved["scheduler"])
+    return Prepared(spec, resolved["launcher"], resolved["scheduler"], checked)
 
 
 def _nodes_started_here(resolved: dict) -> int:

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from datacache.args import OneLineParser
 from datacache.server import TOKEN_ENV, CacheServer
-from trainer import data
+from trainer.data.corpus import prepare
 
 
 def _peers(cfg, count: int) -> list[str] | None:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shard {args.shard!r}: give it as i/N, for example 0/2")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][cache-node][%(levelname)s] %(message)s")
     cfg = OmegaConf.load(args.config)
-    corpus = data.prepare(cfg.data)
+    corpus = prepare(cfg.data)
     token = os.environ.get(TOKEN_ENV) or None
     peers = _peers(cfg, count)
     if peers:

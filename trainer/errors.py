@@ -1,6 +1,6 @@
-"""`ConfigError`, what every check raises for a config that cannot run. It stands alone so that the sections
-the schema is made of (`trainer.peft_config`, `trainer.recipes.config`, `trainer.tracking`,
-`trainer.parallel.dims`) raise it without importing the schema that imports them."""
+"""`ConfigError`, what every check raises for a config that cannot run. It stands alone, importing nothing of
+the project, so that every part of the trainer (the run directory's claim, the parallel degrees, the rank
+side's input checks, the config sections themselves) raises it without importing the schema."""
 
 from __future__ import annotations
 

@@ -30,10 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from datacache.args import OneLineParser
 from launchers.paths import directory_problem, nearest_existing
-from trainer import lora, models
+from trainer import models
 from trainer.checkpoint import damage
-from trainer.config import ConfigError
-from trainer.models import hf
+from trainer.config.hf import read_config
+from trainer.errors import ConfigError
+from trainer.models import hf, lora
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
 TOKENIZER_FILES = (
@@ -100,7 +101,7 @@ def hf_config(cfg: DictConfig) -> dict:
         with open(os.path.join(m.path, "config.json")) as f:
             config = json.load(f)
     else:
-        from trainer.models import tokenizer
+        from trainer.data import tokenizer
 
         config = {
             "architectures": ["LlamaForCausalLM"],
@@ -203,7 +204,7 @@ def export(checkpoint: str, out: str, merge: bool = False, quantize: bool = Fals
             f"peft={_peft(cfg).name}, so there is nothing to merge",
         )
     if cfg.model.name == "hf":
-        hf.read_config(cfg.model.path, key="model.path (of the run)")
+        read_config(cfg.model.path, key="model.path (of the run)")
     scheme = _quantization(cfg, checkpoint, merge) if quantize else None
     model = load_model(checkpoint, cfg)
     write(lora.merge(model) if merge else model, cfg, out, scheme)

@@ -11,24 +11,21 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 
-import pyarrow as pa
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 
-from datacache import DataCacheError, LocalDataset, StreamingDataset
-from datacache.planned import PlannedDataset
+from datacache import StreamingDataset
 from launchers.paths import write_whole
-from trainer import checkpoint, metrics, models, parallel, plots, preemption, recipes
-from trainer.chat_data import ChatDataset
-from trainer.config import CACHE_KEYS, ConfigError, torch_dtype
+from trainer import checkpoint, models, parallel, preemption, recipes
+from trainer.config import ConfigError, torch_dtype
+from trainer.data.splits import split_dataset
+from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims
 from trainer.recipes.base import Context, local
-from trainer.recipes.prompt_data import PromptDataset
 from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -65,29 +62,6 @@ def _plain(value):
     return tuple(_plain(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-def needs_corpus(data_cfg) -> bool:
-    """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
-    return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
-
-
-def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:
-    """A split's batches: streamed from the cache nodes named for it, else read from the local corpus."""
-    key = CACHE_KEYS[split]
-    endpoints = list(getattr(data_cfg.cache, key))
-    if not endpoints:
-        dataset = {"chat": ChatDataset, "preference": ChatDataset, "prompts": PromptDataset}.get(data_cfg.name,
-                                                                                                  LocalDataset)
-        return dataset(os.path.join(corpus, split), **kw)
-    try:
-        data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
-                                readers=data_cfg.cache.readers, tls_root_cert=data_cfg.cache.tls_root_cert, **kw)
-        rows, _ = data.schema.field("tokens").type, data.plan  # the nodes are asked what they hold
-    except (DataCacheError, ValueError) as e:  # unreachable nodes; fewer rows than one global batch
-        raise ConfigError(f"data.cache.{key}", endpoints, str(e)) from None
-    if not (pa.types.is_fixed_size_list(rows) and rows.list_size == data_cfg.seq_len + 1):
-        raise ConfigError(f"data.cache.{key}", endpoints, f"the nodes hold {split} rows of type {rows}; "
-                          f"data.seq_len={data_cfg.seq_len} needs rows of {data_cfg.seq_len + 1} token ids")
-    return data
 
 
 class Trainer:
@@ -115,7 +89,7 @@ class Trainer:
             models.num_params(model, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
-        self.checkpointer = checkpoint.Checkpointer(RunDir(cfg.run_dir).checkpoints, t, model, self.optimizer,
+        self.checkpointer = checkpoint.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t, model, self.optimizer,
                                                     self._train_state, device)
 
     def _train_state(self) -> dict:
@@ -206,7 +180,7 @@ class Trainer:
         done = self._finished_summary()
         if done is not None:
             log.info("the run was already trained to step %d: nothing to do, %s kept", self.step,
-                     RunDir(self.cfg.run_dir).summary)
+                     RunDir.of(self.cfg.run_dir).summary)
             return done
         logger = metrics.MetricsLogger(self.cfg, t.global_batch_size * self.cfg.data.seq_len, self.device, self.step,
                                        self.flops_per_token, self.peak_flops, extras=self.recipe.record)
@@ -242,7 +216,7 @@ class Trainer:
         found = [None]
         if self.rank == 0 and self.step >= self.cfg.train.max_steps:
             try:
-                with open(RunDir(self.cfg.run_dir).summary) as f:
+                with open(RunDir.of(self.cfg.run_dir).summary) as f:
                     summary = json.load(f)
             except (OSError, ValueError):
                 summary = None
@@ -268,7 +242,7 @@ class Trainer:
         }
         if self.rank == 0:
             # A loss that was never measured (no step run) is null: strict JSON has no NaN.
-            write_whole(RunDir(self.cfg.run_dir).summary, json.dumps(
+            write_whole(RunDir.of(self.cfg.run_dir).summary, json.dumps(
                 {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()}, indent=2))
             plots.save_loss_png(self.cfg.run_dir)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
@@ -16,39 +16,45 @@ from omegaconf.errors import InterpolationResolutionError
 
 from launchers.paths import directory_problem
 from trainer.config import ConfigError, parallel_dims, validate
+from trainer.config.hf import fill_config
 from trainer.run_dir import note_before_making
+
+if TYPE_CHECKING:
+    from trainer import inputs
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: DictConfig) -> inputs.Checked | None:
     """Resolve `cfg` in place and check it: the rules, then (where the ranks run on this machine) what the
-    data, the checkpoint and the cache nodes say. Raises ConfigError; writes nothing but the corpus cache."""
+    data, the checkpoint and the cache nodes say. Raises ConfigError; writes nothing but the corpus cache.
+    Returns what the input checks found, or None where they did not run here."""
     run_dir = os.path.abspath(cfg.run_dir)
     _resolve(cfg)
     cfg.run_dir = run_dir
     if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
-        from trainer.models import hf
-
-        hf.fill_config(cfg.model)
+        fill_config(cfg.model)
     job = validate(cfg)
+    checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
     if job.launcher.name == "local" or (job.launcher.name == "docker" and not job.launcher.dry_run):
-        from trainer import data, worker
+        from trainer import inputs
+        from trainer.data.corpus import corpus_key
 
         problem = directory_problem(job.data.cache_dir)
         if problem:
             raise ConfigError("data.cache_dir", job.data.cache_dir, f"{problem}; the corpus is cached there "
                               "(its default is $TRAINJOB_CACHE, else ~/.cache/trainjob)")
 
-        corpus = worker.check_inputs(job, parallel_dims(job))
-        if corpus is not None:  # pinned: every rank reads this build, wherever it runs
-            cfg.data.fingerprint = data.corpus_key(corpus)
+        checked = inputs.check(job, parallel_dims(job))
+        if checked.corpus is not None:  # pinned: every rank reads this build, wherever it runs
+            cfg.data.fingerprint = corpus_key(checked.corpus)
     c = job.data.cache  # a warning only once the config passed: a refusal stays one line
     plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
     if c.token and plain:
         print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
               "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
+    return checked
 
 
 def _unresolvable(node: Any, prefix: str = "") -> str | None:

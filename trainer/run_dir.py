@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 
 from launchers.paths import nearest_existing
@@ -22,7 +23,12 @@ from trainer.errors import ConfigError
 
 
 class RunDir:
-    """The paths of the files of the run whose directory is `root`."""
+    """The paths of the files of the run whose directory is `root`; `RunDir.of(root)` builds them once per
+    process."""
+
+    @classmethod
+    def of(cls, root: str) -> RunDir:
+        return _paths(root)
 
     def __init__(self, root: str):
         self.root = root
@@ -35,6 +41,11 @@ class RunDir:
 
     def rank_log(self, rank: int) -> str:
         return os.path.join(self.logs, f"rank-{rank}.log")
+
+
+@functools.cache
+def _paths(root: str) -> RunDir:
+    return RunDir(root)
 
 
 # The nearest ancestor of each directory Hydra is about to make that already exists (noted by the
@@ -88,7 +99,7 @@ class Claim:
         lock stays with its other nodes), then the directory if this process made it and nothing else is in
         it."""
         with contextlib.suppress(OSError):
-            os.remove(RunDir(self.run_dir).lock if self.node is None else node_slot(self.run_dir, self.node))
+            os.remove(RunDir.of(self.run_dir).lock if self.node is None else node_slot(self.run_dir, self.node))
         self.close()
         remove_if_new(self.run_dir)
 
@@ -136,7 +147,7 @@ def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1) -> Claim:
     if not os.path.exists(run_dir):
         note_before_making(run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    path = RunDir(run_dir).lock
+    path = RunDir.of(run_dir).lock
     fd = _lock(path, fcntl.LOCK_SH if nodes > 1 else fcntl.LOCK_EX)
     if fd is None:
         raise ConfigError(key, run_dir, f"an earlier attempt of this run is still running in this directory "

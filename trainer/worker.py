@@ -5,10 +5,11 @@ from the environment (torchrun or the Kubeflow `PET_*` variables through torchru
 there is none), mesh, model on the meta device, strategy, initialisation, data, and then the loop. No
 Hydra here: the file is already resolved.
 
-What only the data, the checkpoints or the cache nodes can tell (`check_inputs`: too few rows for a
-global batch, token ids beyond the vocabulary, a checkpoint of another model, nodes that do not answer) is
-a ConfigError before the first step: one line, exit code 2. The local driver runs the same checks before
-it launches anything.
+What only the data, the checkpoints or the cache nodes can tell (`trainer.inputs.check`: too few rows for
+a global batch, token ids beyond the vocabulary, a checkpoint of another model, nodes that do not answer)
+is a ConfigError before the first step: one line, exit code 2. The local driver runs the same checks
+before it launches anything; where it calls `run` in its own process (the default run), it hands over
+what it found (`checked`), and the checks do not run twice.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import chat_data, checkpoint, config, data, loop, models, preemption
-from trainer.config import CACHE_KEYS, Config, ConfigError
+from trainer import checkpoint, config, inputs, loop, models, preemption
+from trainer.config import Config, ConfigError
 from trainer.models.assembly import assemble
 from trainer.parallel import ParallelDims
-from trainer.recipes import prompt_data
 from trainer.run_dir import RunDir
 
 log = logging.getLogger("trainer")
@@ -60,8 +60,8 @@ def init_distributed() -> DistEnv:
 
 def setup_logging(run_dir: str, rank: int) -> logging.Handler:
     """Every rank logs to `<run_dir>/logs/rank-<r>.log`; rank 0 also to the console."""
-    os.makedirs(RunDir(run_dir).logs, exist_ok=True)
-    handler = logging.FileHandler(RunDir(run_dir).rank_log(rank))
+    os.makedirs(RunDir.of(run_dir).logs, exist_ok=True)
+    handler = logging.FileHandler(RunDir.of(run_dir).rank_log(rank))
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -78,27 +78,14 @@ def setup_logging(run_dir: str, rank: int) -> logging.Handler:
     return handler
 
 
-def _resume_candidate(cfg: Config) -> str | None:
-    own = RunDir(cfg.run_dir).checkpoints
-    if cfg.train.resume == "never":
-        return None
-    if cfg.train.resume == "auto":  # only this run directory's own checkpoints
-        return checkpoint.latest(own)
-    # A restart of a line that began at this explicit checkpoint (torchrun's restart, a pod's, the same
-    # config run again) goes on from the line's newest checkpoint rather than branching again.
-    if checkpoint.branched_from(own) == os.path.realpath(cfg.train.resume) and checkpoint.latest(own):
-        return checkpoint.latest(own)
-    return cfg.train.resume
-
-
 def resume_path(cfg: Config) -> str | None:
     """The checkpoint to start from. Rank 0 chooses it, sets aside the checkpoints of the line it leaves
     (see `checkpoint.set_aside_later`), and broadcasts it: the ranks never choose one each."""
     choice = [None]
     if dist.get_rank() == 0:
-        choice[0] = _resume_candidate(cfg)
+        choice[0] = inputs.resume_candidate(cfg)
         if choice[0] is not None:
-            own = RunDir(cfg.run_dir).checkpoints
+            own = RunDir.of(cfg.run_dir).checkpoints
             checkpoint.set_aside_later(own, choice[0])
             if choice[0] == cfg.train.resume:  # an explicit start: later restarts continue this line
                 checkpoint.record_branch(own, choice[0])
@@ -106,73 +93,14 @@ def resume_path(cfg: Config) -> str | None:
     return choice[0]
 
 
-# Bytes per parameter a rank holds at the least: fp32 weights, gradients and AdamW's two moments.
-BYTES_PER_PARAM = 16
-
-
-def check_memory(cfg: Config, dims: ParallelDims) -> None:
-    """Raise ConfigError when this machine cannot hold the model's weights, gradients and optimizer state
-    (sharded over dp_shard x tp ranks, shared by this machine's ranks): a model that cannot fit is a config
-    error, not an allocation failure minutes later."""
-    m = cfg.model
-    try:
-        params = models.count_params(m)
-    except RuntimeError:  # a tensor whose size in bytes overflows int64
-        raise ConfigError("model", f"dim={m.dim}, ffn_dim={m.ffn_dim}, vocab_size={m.vocab_size}",
-                          "makes a tensor too large to address: choose smaller model.* sizes") from None
-    per_rank = params * BYTES_PER_PARAM / (dims.dp_shard * dims.tp)
-    if torch.cuda.is_available():
-        available, where = torch.cuda.mem_get_info()[1], "GPU"
-    else:
-        ranks_here = cfg.runtime.nproc_per_node if cfg.runtime is not None and cfg.runtime.nproc_per_node else 1
-        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / ranks_here
-        where = "share of this machine's memory"
-    if per_rank > available:
-        raise ConfigError("model", f"{params / 1e9:.3g}B parameters",
-                          f"needs at least {per_rank / 2**30:.1f} GiB per rank for weights, gradients and AdamW "
-                          f"state, more than a rank's {where} ({available / 2**30:.1f} GiB): choose a smaller "
-                          "model.* or shard it over more ranks (strategy=fsdp2)")
-
-
-def check_inputs(cfg: Config, dims: ParallelDims) -> str | None:
-    """Build or find the corpus and check everything the job will read before its first step: the corpus
-    (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError;
-    returns the corpus directory (None when every split comes from cache nodes)."""
-    check_memory(cfg, dims)
-    chats = cfg.data.name in ("chat", "preference")
-    prepare = (lambda: chat_data.prepare(cfg)) if chats else (lambda: data.prepare(cfg.data))
-    if cfg.data.name == "prompts":
-        prepare = lambda: prompt_data.prepare(cfg)  # noqa: E731
-    corpus = prepare() if loop.needs_corpus(cfg.data) else None
-    if corpus is not None:
-        (prompt_data.check_corpus if cfg.data.name == "prompts" else data.check_corpus)(corpus, cfg)
-    for split, key in CACHE_KEYS.items():
-        if getattr(cfg.data.cache, key):
-            loop.split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
-                               rank=0, world_size=dims.dp_size, loop=False)
-    start = _resume_candidate(cfg)
-    if start is not None:
-        if not checkpoint.is_checkpoint(start):
-            raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "
-                              "moved?): give another, or train.resume=auto")
-        problem = checkpoint.damage(start)
-        if problem:
-            raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} cannot be loaded: "
-                              f"{problem}; give another")
-        checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
-        if start != cfg.train.resume:  # going on along this run's line; an explicit train.resume branches anew
-            checkpoint.check_data_order(start, cfg)
-    return corpus
-
-
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig, checked: inputs.Checked | None = None) -> dict:
     """Train the job `cfg` (a resolved config, as saved) describes, as this rank; return the summary (the same
-    on every rank)."""
+    on every rank). `checked`: the inputs were checked in this process already (by the driver)."""
     cfg = config.typed(cfg)
     env = init_distributed()
     handler = setup_logging(cfg.run_dir, env.rank)
     try:
-        summary = _train(cfg, env)
+        summary = _train(cfg, env, checked)
     except BaseException:
         if env.world_size == 1:  # no peer to wait for; the driver process may start another run
             dist.destroy_process_group()
@@ -188,10 +116,10 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-def _train(cfg: Config, env: DistEnv) -> dict:
+def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> dict:
     torch.manual_seed(cfg.train.seed)
     dims = ParallelDims.from_config(cfg.strategy, env.world_size)
-    corpus = check_inputs(cfg, dims)
+    corpus = (checked or inputs.check(cfg, dims)).corpus
     mesh = dims.build_mesh(env.device.type)
     model = assemble(cfg.model, cfg, dims)
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",

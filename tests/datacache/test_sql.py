@@ -39,7 +39,7 @@ def _held(servers) -> list[int]:
 
 @settings(max_examples=examples(6), deadline=None)
 @given(threshold=st.sampled_from([0.0, 0.25, 0.5, 0.85]), shards=st.integers(1, 3))
-def test_nodes_hold_the_querys_rows_in_source_order_as_disjoint_shards(source, threshold, shards):
+def test_nodes_hold_the_rows_of_the_query_in_source_order_as_disjoint_shards(source, threshold, shards):
     sql = f"SELECT tokens FROM data WHERE quality > {threshold}"
     servers = [CacheServer(source, shard=i, num_shards=shards, sql=sql) for i in range(shards)]
     try:

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.kubernetes import to_yaml
+from launchers.kubernetes.manifests import to_yaml
 from tests.conftest import REPO, compose_run
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
@@ -445,27 +445,10 @@ def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_tr
     sts = docs[3]
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == f"{name}-cache"
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == [
-        "python",
-        "-m",
-        "trainer.cache_node",
-        "/etc/trainjob/config.yaml",
-        "--shard",
-        "$(POD_INDEX)/3",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "50051",
-        "--eval-port",
-        "50052",
-    ]
-    assert container["readinessProbe"]["exec"]["command"] == [
-        "python",
-        "-m",
-        "datacache",
-        "ready",
-        "grpc://127.0.0.1:50051",
-    ]
+    assert container["command"] == ["python", "-m", "trainer.cache_node", "/etc/trainjob/config.yaml", "--shard",
+                                    "$(POD_INDEX)/3", "--host", "0.0.0.0", "--port", "50051", "--eval-port", "50052"]
+    assert container["readinessProbe"]["exec"]["command"] == ["python", "-m", "datacache", "ready",
+                                                              "grpc://127.0.0.1:50051"]
     assert {
         "name": "TRAINJOB_CACHE_TOKEN",
         "valueFrom": {"secretKeyRef": {"name": f"{name}-secrets", "key": "TRAINJOB_CACHE_TOKEN"}},

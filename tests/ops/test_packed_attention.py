@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.ops.conftest import DEVICE
-from trainer import kernels
+from trainer.models import kernels
 from trainer.models.llama import Transformer
 
 

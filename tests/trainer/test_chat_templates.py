@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, compose_run, examples
 from tests.trainer import real_models
-from trainer import chat_data
-from trainer.config import ConfigError
+from trainer.data import chat
+from trainer.errors import ConfigError
 from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 pytestmark = pytest.mark.timeout(600)
@@ -134,7 +134,7 @@ def test_a_template_that_cannot_be_split_by_message_is_refused_naming_the_masks(
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}])
     with pytest.raises(ConfigError) as e:
-        chat_data.prepare(cfg)
+        chat.prepare(cfg)
     message = str(e.value)
     assert message.startswith("invalid config: data.chat.mask='assistant': the chat template of model.path=")
     assert "data.chat.mask=last" in message and "data.chat.mask=all" in message and f"data.path={path}" in message

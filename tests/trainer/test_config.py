@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO
 from trainer import config
-from trainer.models import hf
+from trainer.config.hf import fill_config
 
 CONF = os.path.join(REPO, "conf")
 
@@ -63,7 +63,7 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
             extra = ["launcher=kubernetes", *distributed]
         cfg = _compose([f"{prefix}{group}={option}", *extra])
         if cfg.model.name == "hf":  # the driver reads the model.* keys from the directory's config.json
-            hf.fill_config(cfg.model)
+            fill_config(cfg.model)
         if group != "train":
             assert OmegaConf.select(cfg, f"{group}.name") == option
         config.validate(cfg)
@@ -197,8 +197,8 @@ def test_every_experiment_preset_composes_and_validates_given_its_paths(experime
     cfg = _compose([f"+experiment={experiment}", f"model.path={hf_model}", "data.path=/tmp/rows.jsonl",
                     "data.seq_len=64", *([f"recipe.teacher.path={hf_model}"] if "_kd" in experiment else []),
                     *(["recipe.max_completion_length=64"] if "_grpo" in experiment else [])])
-    hf.fill_config(cfg.model)
+    fill_config(cfg.model)
     config.validate(cfg)
     assert cfg.model.name == "hf" and cfg.strategy.name == "fsdp2" and cfg.recipe.name in ("sft", "dpo", "grpo", "kd")
     with pytest.raises(config.ConfigError, match="model.path=None: model=hf needs a Hugging Face model directory"):
-        hf.fill_config(_compose([f"+experiment={experiment}"]).model)
+        fill_config(_compose([f"+experiment={experiment}"]).model)

@@ -14,8 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from tests.conftest import TINY, compose_run
-from trainer import data
-from trainer.config import ConfigError
+from trainer.data import corpus as data
+from trainer.errors import ConfigError
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from launchers.paths import directory_problem, write_whole
 from tests.conftest import examples
-from trainer import data, report
+from trainer.data import corpus as data
+from trainer.observability import report
 
 
 def _writer(calls: list):

@@ -11,9 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from datacache.local import read_token_rows
-from trainer.config import ConfigError
-from trainer.data import prepare
-from trainer.models import tokenizer
+from trainer.data import tokenizer
+from trainer.data.corpus import prepare
+from trainer.errors import ConfigError
 
 
 def _cfg(tmp_path, **kw):

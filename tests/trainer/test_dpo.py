@@ -107,7 +107,7 @@ def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_
         assert [m[key] for m in tp] == pytest.approx([m[key] for m in metrics], rel=1e-4, abs=1e-6), key
 
 
-def test_preference_runs_that_cannot_train_arecompose_refused(preference_setup, tmp_path, capsys):
+def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_path, capsys):
     model, path = preference_setup
     hf = ["model=hf", f"model.path={model}"]
     assert "data='stdlib': recipe=dpo trains on data=preference" in compose_refused(tmp_path, capsys, *hf, "recipe=dpo")

@@ -114,7 +114,7 @@ def test_on_a_lora_checkpoint_it_generates_with_the_adapters_on(checkpoints, hf_
 
 
 def test_on_a_preset_checkpoint_it_uses_the_byte_tokenizer(checkpoints, run_cli, tmp_path):
-    from trainer.models import tokenizer
+    from trainer.data import tokenizer
 
     results = _generate_cli(run_cli, checkpoints["preset"])
     exported = export.export(checkpoints["preset"], str(tmp_path / "exported"))

@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import compose_run
 from tests.trainer.hf_models import make_llama, make_mistral, make_qwen2
-from trainer.config import ConfigError
+from trainer.config.hf import settings
+from trainer.errors import ConfigError
 from trainer.models import from_hf, hf
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,7 +61,7 @@ def test_qwen2_is_read_from_its_shards_with_biases_and_tied_embeddings(hf_dirs):
 def test_llama3_rope_scaling_and_mistrals_window_are_read(hf_dirs):
     model = from_hf(hf_dirs["llama"])
     assert model.rope_scaling["factor"] == 8.0 and model.rope_theta == 500000.0
-    assert hf.settings(hf_dirs["mistral"])["max_seq_len"] == 128  # sequences beyond the window are refused
+    assert settings(hf_dirs["mistral"])["max_seq_len"] == 128  # sequences beyond the window are refused
 
 
 def _with_config(src: str, dst: str, **changes) -> str:
@@ -76,14 +77,14 @@ def _with_config(src: str, dst: str, **changes) -> str:
 def test_other_architectures_and_features_are_refused_by_name(hf_dirs, tmp_path):
     gpt2 = _with_config(hf_dirs["llama"], str(tmp_path / "gpt2"), architectures=["GPT2LMHeadModel"])
     with pytest.raises(ConfigError, match="GPT2LMHeadModel is not supported; trainjob fine-tunes LlamaForCausalLM"):
-        hf.settings(gpt2)
+        settings(gpt2)
     yarn = _with_config(hf_dirs["llama"], str(tmp_path / "yarn"), rope_parameters={"rope_type": "yarn"})
     with pytest.raises(ConfigError, match="RoPE type 'yarn' is not supported"):
         hf.build(yarn)
     with pytest.raises(ConfigError, match="model.path=None.*needs a Hugging Face model directory"):
-        hf.settings(None)
+        settings(None)
     with pytest.raises(ConfigError, match="must be a Hugging Face model directory holding config.json"):
-        hf.settings(str(tmp_path))
+        settings(str(tmp_path))
 
 
 def test_weights_of_the_wrong_shape_are_refused(hf_dirs, tmp_path):

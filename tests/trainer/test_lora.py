@@ -129,7 +129,7 @@ def test_without_adapters_is_the_pretrained_model_and_leaves_the_adapters_on(tmp
     """recipe=dpo's reference under peft=lora: the policy with its adapters off, not a second copy."""
     from types import SimpleNamespace
 
-    from trainer import lora
+    from trainer.models import lora
 
     base = make_llama(str(tmp_path))
     cfg = SimpleNamespace(name="lora", rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "down_proj"])

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from trainer import models
-from trainer.models import tokenizer
+from trainer.data import tokenizer
 from trainer.models.llama import apply_rotary
 
 CFG = OmegaConf.create({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96,

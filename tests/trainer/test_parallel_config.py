@@ -94,7 +94,7 @@ def test_each_section_checks_its_own_fields():
 def test_the_worker_reads_the_saved_config_as_dataclasses(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("TRAINJOB_CACHE", cache_dir)
     run = compose_run(tmp_path, "train.max_steps=1")
-    assert run.spec.config_path == RunDir(run.spec.run_dir).config
+    assert run.spec.config_path == RunDir.of(run.spec.run_dir).config
     job = config.typed(OmegaConf.load(run.spec.config_path))
     assert isinstance(job, config.Config) and isinstance(job.launcher, LocalLauncherConfig)
     assert isinstance(job.data.cache, config.CacheConfig) and job.train.max_steps == 1
@@ -110,7 +110,7 @@ def one_rank_group():
 
 def _parallelized(preset: str, *overrides: str):
     job = config.validate(_compose(f"strategy={preset}", "model.dim=64", "model.n_layers=2", *overrides))
-    dims = config.parallel_dims(job)
+    dims = ParallelDims.from_config(job.strategy, config.world_size(job))
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = models.build(job.model)

@@ -61,10 +61,10 @@ def test_a_directory_inside_a_file_is_refused(tmp_path, capsys, monkeypatch, pat
 def test_more_ranks_than_this_machines_gpus_are_refused(tmp_path, capsys, monkeypatch):
     """This machine has no GPU: the count of local GPUs is patched (the one double here); with none, the
     ranks run on the CPU and any number is allowed."""
-    monkeypatch.setattr("trainer.config.local_gpu_count", lambda: 1)
+    monkeypatch.setattr("trainer.config.runtime.local_gpu_count", lambda: 1)
     err = compose_refused(tmp_path, capsys, *TINY, "+runtime=torch-distributed", "runtime.nproc_per_node=2")
     assert "runtime.nproc_per_node=2: must be <= 1, the GPUs on this machine (each rank takes one)" in err
-    monkeypatch.setattr("trainer.config.local_gpu_count", lambda: 0)
+    monkeypatch.setattr("trainer.config.runtime.local_gpu_count", lambda: 0)
     run = compose_run(tmp_path, *TINY, "+runtime=torch-distributed", "runtime.nproc_per_node=2")
     assert run.spec.nproc_per_node == 2
 
@@ -73,3 +73,29 @@ def test_more_cache_nodes_than_training_rows_are_refused(tmp_path, capsys):
     err = compose_refused(tmp_path, capsys, *TINY, "data.cache.nodes=100000000")
     assert "data.cache.nodes=100000000: each node serves a part of the train split's " in err
     assert "rows: must be <= " in err
+
+
+def test_under_optuna_each_trial_is_checked_as_it_starts(run_cli, tmp_path):
+    """Optuna picks each point from the trials before it, so no job is known in advance: the first trial
+    that cannot run ends the sweep with its one line and exit 2."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = run_cli("-m", *TINY, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1",
+                   "optim.lr=choice(-1,-2)", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: invalid config: optim.lr=-") and last.endswith(": must be > 0"), proc.stderr
+
+
+def test_the_default_run_checks_its_inputs_once_in_the_drivers_process(tmp_path, monkeypatch):
+    """The default run calls the worker in the driver's process: the input checks the driver ran are handed
+    over, not run again."""
+    from trainer import inputs
+
+    calls = []
+    real = inputs.check
+    monkeypatch.setattr(inputs, "check", lambda *args: calls.append(args) or real(*args))
+    run = compose_run(tmp_path, *TINY, "train.max_steps=1", "train.eval_every=1", "train.progress=false")
+    assert len(calls) == 1 and run.checked is not None and run.checked.corpus is not None
+    summary = run.launcher_for().launch(run.spec).result()
+    assert summary["steps"] == 1 and len(calls) == 1

@@ -19,7 +19,7 @@ import yaml
 
 from tests.conftest import TINY
 from tests.launchers import crds
-from trainer import progress
+from trainer.observability import progress
 
 
 def _trainer_status_schema() -> dict:

@@ -9,8 +9,8 @@ import os
 
 from tests.conftest import REPO
 from trainer import recipes
+from trainer.config.recipe import RECIPES
 from trainer.recipes.base import Recipe
-from trainer.recipes.config import RECIPES
 
 
 def test_every_recipe_has_its_object():

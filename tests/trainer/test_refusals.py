@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import launchers
 from datacache.order import BatchPlan
 from tests.conftest import REPO, TINY, examples
 from trainer import config
@@ -144,7 +145,7 @@ def _numeric_keys() -> list[tuple[str, type, list[str]]]:
     distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
     keys = [(key, kind, distributed if group == "runtime" else [])
             for group, schema in config.SCHEMAS.items() for key, kind in config.numeric_keys(schema, group)]
-    for name, schema in config.LAUNCHER_SCHEMAS.items():
+    for name, schema in launchers.LAUNCHER_SCHEMAS.items():
         extra = [f"launcher={name}", "launcher.image=img", *distributed]
         keys += [(key, kind, extra) for key, kind in config.numeric_keys(schema, "launcher")]
     return keys

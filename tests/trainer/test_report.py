@@ -1,5 +1,5 @@
 """Sweeps and their report: a 4-trial Optuna study on the debug model minimises the final eval loss, the sweep
-ends with its table and report.png, and `python -m trainer.report` agrees with the runs' summaries."""
+ends with its table and report.png, and `python -m trainer.observability.report` agrees with the runs' summaries."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY, examples, read_metrics, read_summary
-from trainer import plots, report
+from trainer.observability import plots, report
 
 pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
 
@@ -116,7 +116,7 @@ def test_the_sweep_writes_report_png_with_every_runs_curve(study):
 def test_report_cli_refuses_paths_that_are_not_runs(tmp_path, study):
     sweep, _ = study
     (tmp_path / "empty").mkdir()
-    cli = [sys.executable, "-m", "trainer.report"]
+    cli = [sys.executable, "-m", "trainer.observability.report"]
     missing = subprocess.run([*cli, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and missing.stderr.strip() == f"error: {tmp_path / 'nope'}: no such directory"
     empty = subprocess.run([*cli, str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)

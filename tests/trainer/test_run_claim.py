@@ -53,7 +53,7 @@ def test_a_claimed_directory_is_refused_until_its_holder_dies(tmp_path, holder):
     proc.send_signal(signal.SIGKILL)  # no clean-up of its own: the kernel drops the lock
     proc.wait()
     claimed = claim(run_dir)
-    with open(RunDir(run_dir).lock) as f:
+    with open(RunDir.of(run_dir).lock) as f:
         assert f.read().strip() == str(os.getpid())
     claimed.release()
     assert os.listdir(run_dir) == []  # the lock file goes; the directory, which the holder made, stays

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, examples, read_metrics, read_summary
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
-from trainer import chat_data
+from trainer.data import chat
 from trainer.models.hf_tokenizer import HFTokenizer
 from trainer.recipes import sft
 
@@ -67,7 +67,7 @@ def test_rows_hold_the_template_tokens_and_targets_exactly_the_assistant_tokens(
     for messages in chats[:12]:
         ref = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = ref["input_ids"][: SEQ + 1], ref["assistant_masks"][: SEQ + 1]
-        tokens, loss_mask = chat_data.encode_row(ours, messages, SEQ, pad)
+        tokens, loss_mask = chat.encode_row(ours, messages, SEQ, pad)
         assert tokens[: len(ids)].tolist() == ids and loss_mask[: len(ids)].tolist() == mask
         assert (tokens[len(ids) :] == pad).all() and not loss_mask[len(ids) :].any()
         batch = {"tokens": torch.from_numpy(tokens)[None].long(), "loss_mask": torch.from_numpy(loss_mask)[None]}
@@ -149,8 +149,8 @@ def test_parquet_chats_read_as_the_same_conversations(chat_setup, tmp_path):
 
     _, path, chats = chat_setup
     pq.write_table(pa.table({"messages": chats, "other": list(range(len(chats)))}), tmp_path / "chats.parquet")
-    from_parquet = [c for _, (c,) in chat_data.documents("chat", str(tmp_path / "chats.parquet"))]
-    assert from_parquet == [c for _, (c,) in chat_data.documents("chat", path)] == chats
+    from_parquet = [c for _, (c,) in chat.documents("chat", str(tmp_path / "chats.parquet"))]
+    assert from_parquet == [c for _, (c,) in chat.documents("chat", path)] == chats
 
 
 def test_a_packed_row_gives_each_conversation_the_logits_it_has_alone(chat_setup):
@@ -173,7 +173,7 @@ def test_a_packed_row_gives_each_conversation_the_logits_it_has_alone(chat_setup
 def test_packing_keeps_every_conversation_whole_and_in_order(lengths):
     seq, pad = 12, 99
     rows = [(np.arange(n, dtype=np.int32) + 100 * i, np.ones(n, np.int8), n) for i, n in enumerate(lengths)]
-    packed = chat_data.pack(rows, seq, pad)
+    packed = chat.pack(rows, seq, pad)
     found = []
     for tokens, mask, documents in packed:
         assert len(tokens) == len(mask) == len(documents) == seq + 1

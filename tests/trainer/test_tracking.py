@@ -5,6 +5,7 @@ numbers; trackers refused before anything starts."""
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import pathlib
@@ -16,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO, TINY, examples, read_metrics, read_summary
-from trainer import plots, tracking
-from trainer.config import ConfigError
+from trainer.config.train import TRACKER_MODULES
+from trainer.errors import ConfigError
+from trainer.observability import plots, trackers
 
 pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
 ARGS = [
@@ -55,7 +57,7 @@ def resumed(tmp_path_factory, cache_dir):
 
 
 def _mlflow(state: dict):
-    os.environ.setdefault(tracking.FILE_STORE_ENV, "true")  # MLflow 3 keeps the file store behind this opt-in
+    os.environ.setdefault(trackers.FILE_STORE_ENV, "true")  # MLflow 3 keeps the file store behind this opt-in
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=state["mlflow"]["tracking_uri"])
@@ -72,7 +74,7 @@ def test_tensorboard_events_hold_every_logged_scalar_and_the_config(resumed):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_gb"):
         logged = [(r["step"], r[key]) for r in records if key in r]
-        read = [(e.step, e.value) for e in events.Scalars(tracking.TB_TAGS[key])]
+        read = [(e.step, e.value) for e in events.Scalars(trackers.TB_TAGS[key])]
         assert [s for s, _ in read] == [s for s, _ in logged], key
         assert [v for _, v in read] == pytest.approx([v for _, v in logged], rel=1e-6), key
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
@@ -203,11 +205,11 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(tracker,
     from trainer import config
 
     cfg = _compose(f"train.trackers=[{tracker}]")
-    real = tracking.importlib.util.find_spec
+    real = importlib.util.find_spec
     monkeypatch.setattr(
-        tracking.importlib.util,
+        importlib.util,
         "find_spec",
-        lambda name, *a: None if name == tracking.MODULES[tracker] else real(name, *a),
+        lambda name, *a: None if name == TRACKER_MODULES[tracker] else real(name, *a),
     )
     with pytest.raises(
         ConfigError,

@@ -129,7 +129,7 @@ def test_relaunch_with_a_new_config_keeps_the_old_one_and_refuses_to_overwrite_c
 def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir, ddp_reference):
     from omegaconf import OmegaConf
 
-    from trainer.data import prepare
+    from trainer.data.corpus import prepare
 
     corpus = prepare(OmegaConf.create({"name": "stdlib", "path": None, "text_column": "text", "tokens_column": None,
                                        "seq_len": 32, "eval_percent": 2.0, "cache_dir": cache_dir}))

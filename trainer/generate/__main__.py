@@ -20,7 +20,7 @@ import sys
 import torch
 
 from datacache.args import OneLineParser
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.generate import generate, sampling
 from trainer.generate.text import Text
 
@@ -28,18 +28,19 @@ from trainer.generate.text import Text
 def _source(path: str):
     """(model loader, tokenizer directory or None, positions the model has) of SOURCE; checks it first."""
     from trainer import export
+    from trainer.config.hf import read_config, settings
     from trainer.models import hf
 
     if os.path.isfile(os.path.join(path, ".metadata")):
         cfg = export.run_config(path)
         hf_dir = None
         if cfg.model.name == "hf":
-            hf.read_config(cfg.model.path, key="model.path (of the run)")
+            read_config(cfg.model.path, key="model.path (of the run)")
             hf_dir = cfg.model.path
         return (lambda: export.load_model(path, cfg)), hf_dir, int(cfg.model.max_seq_len)
     if os.path.isfile(os.path.join(path, "config.json")):
-        hf.read_config(path, key="SOURCE")
-        return (lambda: hf.from_hf(path)), path, hf.settings(path)["max_seq_len"]
+        read_config(path, key="SOURCE")
+        return (lambda: hf.from_hf(path)), path, settings(path)["max_seq_len"]
     raise ConfigError("SOURCE", path, "must be a checkpoint (<run_dir>/checkpoints/step-<N>, holding .metadata) "
                       "or a Hugging Face model directory (holding config.json)")
 

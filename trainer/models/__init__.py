@@ -16,14 +16,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.models import hf
-from trainer.models.hf import from_hf
+from trainer.models.hf import WRAPPED, from_hf
 from trainer.models.llama import Transformer
 
 __all__ = ["Transformer", "build", "count_params", "from_hf", "init_weights", "num_params",
            "param_shapes"]
-
-# What activation-checkpoint wrappers insert into parameter names.
-WRAPPED = "_checkpoint_wrapped_module."
 
 
 def build(cfg) -> Transformer:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer import kernels, lora
-from trainer.models import build, hf, init_weights, param_shapes
+from trainer.models import build, hf, init_weights, kernels, lora, param_shapes
 from trainer.parallel import ParallelDims, parallelize
 
 

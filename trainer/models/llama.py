@@ -5,7 +5,7 @@ kept in a ModuleDict keyed by index so that their names stay stable under any wr
 used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
 Pretrained families add q/k/v biases (Qwen2) and Llama 3.1's RoPE scaling (`trainer.models.hf`).
 The normalisation, rotary, gating and loss functions are attributes (PyTorch's by default) that
-`trainer.kernels` can point at the Triton ops of `ops/`. Incremental decoding passes a
+`trainer.models.kernels` can point at the Triton ops of `ops/`. Incremental decoding passes a
 `trainer.models.kv_cache.KVCache` through `forward(..., cache=)`: it gives the positions and the mask of the new
 tokens, and each attention layer appends its keys and values to its own slot of it.
 """

@@ -10,7 +10,7 @@ vocabulary and the loss is computed on the shards. Tied embeddings: the embeddin
 rows, which is how a column-wise output layer splits its weight, so the tied projection gathers the sequence
 and each rank computes its own vocabulary's logits from its rows, with no extra communication.
 
-LoRA layers (`trainer.lora.LoRALinear`) split with their weight: in a column-wise layer `lora_A` is whole on
+LoRA layers (`trainer.models.lora.LoRALinear`) split with their weight: in a column-wise layer `lora_A` is whole on
 every rank (it reads the whole input) and `lora_B` is split by output like the weight; in a row-wise layer
 `lora_A` is split by input like the weight and `lora_B` is whole, its output a partial sum that the layer's
 one reduce-scatter adds up with the weight's. So an adapter costs no communication of its own.
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import StrategyConfig, torch_dtype
-from trainer.lora import LoRALinear
+from trainer.models.lora import LoRALinear
 from trainer.parallel.dims import ParallelDims
 
 

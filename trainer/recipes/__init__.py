@@ -1,6 +1,7 @@
 """The recipes, `recipe=pretrain|sft|dpo|grpo|kd`: one object each (`trainer.recipes.base.Recipe`) that owns what
-a run's loss counts, its eval loss and, for dpo and grpo, its frozen reference, for kd its teacher. `config` holds
-the section's schema and checks (no torch there: the driver imports it); `build` makes a run's recipe object."""
+a run's loss counts, its eval loss and, for dpo and grpo, its frozen reference, for kd its teacher. The section's
+schema and checks are in `trainer.config.recipe` (no torch there: the driver imports it); `build` makes a run's
+recipe object."""
 
 from __future__ import annotations
 

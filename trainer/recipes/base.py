@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer import metrics
+from trainer.observability import metrics
 from trainer.parallel import ParallelDims
 
 

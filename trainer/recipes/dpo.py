@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from trainer import lora
+from trainer.models import lora
 from trainer.models.assembly import assemble
 from trainer.recipes.base import Recipe, local
 from trainer.recipes.sft import IGNORE, targets

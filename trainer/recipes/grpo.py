@@ -35,8 +35,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from trainer import lora
 from trainer.generate import generate
+from trainer.models import lora
 from trainer.models.assembly import assemble
 from trainer.recipes import rewards
 from trainer.recipes.base import Recipe

@@ -19,8 +19,8 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
-from trainer.chat_data import _files, _fingerprint, _rows
-from trainer.data import build_once, dropped_text
+from trainer.data.chat import _files, _fingerprint, _rows
+from trainer.data.corpus import build_once, dropped_text
 from trainer.errors import ConfigError
 from trainer.generate.text import Text
 

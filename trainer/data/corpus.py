@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from datacache.parquet import parquet_files
 from trainer.config import CACHE_KEYS, ConfigError
-from trainer.models import tokenizer
+from trainer.data import tokenizer
 
 log = logging.getLogger(__name__)
 ROWS_PER_SHARD = 8192

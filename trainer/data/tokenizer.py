@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainer.config.model import BYTE_VOCAB_SIZE as VOCAB_SIZE  # noqa: F401  (the ids the corpora hold)
+
 BOS, EOS, PAD = 256, 257, 258
-VOCAB_SIZE = 259
 
 
 def encode(text: str | bytes, bos: bool = False, eos: bool = True) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""`python -m trainer.report PATH...`: one table of the runs under run or sweep directories (the config keys
-whose values differ between them, final train and eval loss, tokens/s, peak memory, time) and
+"""`python -m trainer.observability.report PATH...`: one table of the runs under run or sweep directories (the
+config keys whose values differ between them, final train and eval loss, tokens/s, peak memory, time) and
 `report.png` with every run's loss curve.
 
 A `-m` sweep writes the same into its sweep directory when it ends: `SweepReport`, a Hydra callback that
@@ -79,7 +79,7 @@ def find_runs(path: str) -> list[str]:
 def flat_config(run_dir: str) -> dict[str, str]:
     """The run's config.yaml as dotted keys and text values (interpolations left as written); ReportError
     naming the file when it is not a config (empty, not YAML, not a mapping)."""
-    from trainer.tracking import flat_params
+    from trainer.observability.trackers import flat_params
 
     path = os.path.join(run_dir, "config.yaml")
     try:
@@ -150,7 +150,7 @@ def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]
 
 def collect(paths: list[str]) -> tuple[list[RunRow], list[tuple[str, list[dict]]]]:
     """The table's rows and the curves for every run under `paths` (each run once)."""
-    from trainer.plots import read_metrics
+    from trainer.observability.plots import read_metrics
 
     runs = list(dict.fromkeys(r for p in paths for r in find_runs(p)))
     configs = [flat_config(r) for r in runs]
@@ -212,7 +212,7 @@ def report(paths: list[str], output: str | None = None, console=None) -> tuple[l
     the paths' common folder); return the rows and the picture's path."""
     from rich.console import Console
 
-    from trainer import plots
+    from trainer.observability import plots
 
     rows, curves = collect(paths)
     output = output or default_output(paths)
@@ -223,7 +223,7 @@ def report(paths: list[str], output: str | None = None, console=None) -> tuple[l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m trainer.report", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m trainer.observability.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", metavar="PATH", help="run or sweep directories")
     parser.add_argument(
         "-o", "--output", help="where to write the picture (default: report.png in the paths' common folder)"

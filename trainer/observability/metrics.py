@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from launchers.paths import write_whole
-from trainer import progress, tracking
+from trainer.observability import progress, trackers
 from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,9 @@ class MetricsLogger:
         self.trackers = self.reporter = None
         self.samples_per_step = train_cfg.global_batch_size
         if self.rank == 0:
-            keep_metrics_until(RunDir(cfg.run_dir).metrics, first_step)
-            note_restart(RunDir(cfg.run_dir).metrics, first_step, self.world, cfg.runtime)
-            self.trackers = tracking.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
+            keep_metrics_until(RunDir.of(cfg.run_dir).metrics, first_step)
+            note_restart(RunDir.of(cfg.run_dir).metrics, first_step, self.world, cfg.runtime)
+            self.trackers = trackers.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
             self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
                         desc="train", unit="step", dynamic_ncols=True)

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.models import WRAPPED
-from trainer.models.hf import _BLOCK, hf_name
+from trainer.models.hf import _BLOCK, WRAPPED, hf_name
 
 # PEFT's target name -> ours inside a block (attention.wq ...).
 OURS = {hf.rsplit(".", 1)[1]: ours for ours, hf in _BLOCK.items() if "." in hf}

@@ -30,8 +30,8 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
-from trainer.config import ConfigError
-from trainer.data import build_once, dropped_text
+from trainer.data.corpus import build_once, dropped_text
+from trainer.errors import ConfigError
 from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,26 @@ def _write(rows: list[tuple[np.ndarray, np.ndarray]], seq_len: int, out_dir: str
     return len(rows)
 
 
+def _encode(d, tok: HFTokenizer, pad: int, model_path: str, doc_id: str, chats: list[list[dict]]
+            ) -> list[tuple[np.ndarray, np.ndarray]] | str:
+    """The rows of document `doc_id`'s conversations, or why they are dropped (data section `d`)."""
+    if not any(m["content"] for messages in chats for m in messages):
+        return "empty"
+    if d.chat.mask != "all" and not all(any(m["role"] == "assistant" for m in c) for c in chats):
+        return "no assistant turn"
+    try:
+        encoded = [encode_row(tok, messages, d.seq_len, pad, d.chat.mask) for messages in chats]
+    except TemplateMaskError as e:
+        raise ConfigError("data.chat.mask", d.chat.mask, f"the chat template of model.path={model_path} {e} "
+                          f"(conversation {doc_id} of data.path={d.path}), so its assistant turns cannot be "
+                          "found message by message: use data.chat.mask=last (the last assistant turn "
+                          "only) or data.chat.mask=all (every token), or a template with "
+                          "{% generation %} blocks") from None
+    if not all(mask[1:].any() for _, mask in encoded):
+        return f"no counted token within data.seq_len + 1 = {d.seq_len + 1} tokens"
+    return encoded
+
+
 def prepare(cfg) -> str:
     """The chat corpus directory for run config `cfg`, built first when missing."""
     d, model_path = cfg.data, cfg.model.path
@@ -212,29 +232,11 @@ def prepare(cfg) -> str:
     }
     pad = next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
 
-    def encode(doc_id: str, chats: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]] | str:
-        """The conversations' rows, or why they are dropped."""
-        if not any(m["content"] for messages in chats for m in messages):
-            return "empty"
-        if d.chat.mask != "all" and not all(any(m["role"] == "assistant" for m in c) for c in chats):
-            return "no assistant turn"
-        try:
-            encoded = [encode_row(tok, messages, d.seq_len, pad, d.chat.mask) for messages in chats]
-        except TemplateMaskError as e:
-            raise ConfigError("data.chat.mask", d.chat.mask, f"the chat template of model.path={model_path} {e} "
-                              f"(conversation {doc_id} of data.path={d.path}), so its assistant turns cannot be "
-                              "found message by message: use data.chat.mask=last (the last assistant turn "
-                              "only) or data.chat.mask=all (every token), or a template with "
-                              "{% generation %} blocks") from None
-        if not all(mask[1:].any() for _, mask in encoded):
-            return f"no counted token within data.seq_len + 1 = {d.seq_len + 1} tokens"
-        return encoded
-
     def write(tmp: str) -> dict:
         splits: dict[str, list] = {"train": [], "eval": []}
         dropped: dict[str, int] = {}
         for doc_id, chats in documents(d.name, d.path):
-            encoded = encode(doc_id, chats)
+            encoded = _encode(d, tok, pad, model_path, doc_id, chats)
             if isinstance(encoded, str):
                 dropped[encoded] = dropped.get(encoded, 0) + 1
                 continue

@@ -15,26 +15,20 @@ them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
 from datacache.server import TOKEN_ENV
 from launchers.paths import write_whole
-from trainer.errors import ConfigError
+from trainer.config.train import require_tracker_package
 from trainer.run_dir import RunDir
 
-TRACKERS = ("jsonl", "tensorboard", "mlflow", "wandb")
-# The module each tracker needs; all come with `pip install 'trainjob[tracking]'`.
-MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-WANDB_MODES = ("online", "offline", "disabled")
 STATE_FILE = "tracking.json"
 FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
 
@@ -50,48 +44,6 @@ TB_TAGS = {
     "peak_memory_gb": "perf/peak_memory_gb",
     "elapsed_s": "perf/elapsed_s",
 }
-
-
-@dataclass
-class MlflowConfig:
-    # null: a file store in the run directory (file:<run_dir>/mlruns).
-    tracking_uri: str | None = None
-    experiment: str = "trainjob"
-    run_name: str | None = None  # null: the run directory's last two path parts
-
-
-@dataclass
-class WandbConfig:
-    project: str = "trainjob"
-    entity: str | None = None
-    # null: WANDB_MODE if set, else offline (files under <run_dir>/wandb, `wandb sync` uploads them).
-    mode: str | None = None
-    run_name: str | None = None  # null: as for MLflow
-
-
-def check(cfg: DictConfig) -> None:
-    """Refuse unknown tracker names and a W&B mode that does not exist; where the ranks run on this machine,
-    refuse a tracker whose package is not installed (naming the extra to install)."""
-    chosen = list(cfg.train.trackers)
-    for name in chosen:
-        if name not in TRACKERS:
-            raise ConfigError("train.trackers", chosen, f"unknown tracker {name!r}: trackers are {', '.join(TRACKERS)}")
-    mode = cfg.train.wandb.mode
-    if mode is not None and mode not in WANDB_MODES:
-        raise ConfigError("train.wandb.mode", mode, f"must be one of {', '.join(WANDB_MODES)}, or null for offline")
-    if cfg.launcher.name == "local":
-        for name in chosen:
-            _require_module(name, chosen)
-
-
-def _require_module(name: str, chosen: list[str]) -> None:
-    module = MODULES.get(name)
-    if module and importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            "train.trackers",
-            chosen,
-            f"tracker {name} needs the {module} package, which is not installed: pip install 'trainjob[tracking]'",
-        )
 
 
 class Tracker(Protocol):
@@ -113,7 +65,7 @@ def saved_config(cfg: Any) -> DictConfig:
     """The config as the run directory's config.yaml keeps it: interpolations (the cache token's
     `${oc.env:...}`) as written, so that a secret is never resolved into a tracker. Without that file (a
     Trainer built from Python), the typed config with the token masked."""
-    path = RunDir(cfg.run_dir).config
+    path = RunDir.of(cfg.run_dir).config
     if os.path.exists(path):
         return OmegaConf.load(path)
     saved = OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg.copy()
@@ -161,7 +113,7 @@ class JsonlTracker:
     """`<run_dir>/metrics.jsonl`, a line each, flushed as written."""
 
     def __init__(self, run_dir: str):
-        self._file = open(RunDir(run_dir).metrics, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._file = open(RunDir.of(run_dir).metrics, "a", buffering=1)  # noqa: SIM115 - closed by close()
 
     def log(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -287,7 +239,7 @@ def open_trackers(cfg: DictConfig, start_step: int) -> Trackers:
         for name in chosen:
             if name == "jsonl":
                 continue
-            _require_module(name, chosen)
+            require_tracker_package(name, chosen)
             kind = {"tensorboard": TensorBoardTracker, "mlflow": MlflowTracker, "wandb": WandbTracker}[name]
             opened.append(kind(cfg, start_step))
     except BaseException:

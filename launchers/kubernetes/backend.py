@@ -1,0 +1,457 @@
+"""The Kubernetes launcher: a run becomes a Kubeflow Trainer v2 TrainJob (`trainer.kubeflow.org/v1alpha1`).
+
+Every node runs `torchrun ... -m trainer.worker /etc/trainjob/config.yaml`; torchrun takes the node count,
+processes per node, node rank and master address from the `PET_*` variables that Trainer's torch plugin
+injects. The resolved config travels in a ConfigMap mounted into container `node`, and is owned by the
+TrainJob so that deleting the job deletes it; the run's secrets (the data cache token) travel in a
+Secret, owned the same way, that the pods read through `secretKeyRef`. Data cache nodes
+(`data.cache.nodes`) are a StatefulSet behind a headless Service, owned the same way; the TrainJob is
+created once their pods are ready. Gang schedulers
+(`launchers.schedulers`) add labels, or a namespaced TrainingRuntime derived from the cluster's.
+`launcher.dry_run=true` prints the manifests as multi-document YAML for `kubectl apply -f -` (secret
+values masked) and submits nothing. A submission that fails removes whatever it had created, and only a
+submitted job leaves `<run_dir>/manifests.yaml` (mode 0600, secret values masked).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from datetime import datetime
+from typing import Any
+
+from launchers import schedulers
+from launchers.base import (
+    Job,
+    JobInfo,
+    JobState,
+    Launcher,
+    LauncherError,
+    LaunchSpec,
+    PollingJob,
+    read_progress,
+    run_name,
+    write_private,
+)
+from launchers.kubernetes.manifests import GROUP, MANAGER, VERSION, manifests, to_yaml
+from launchers.kubernetes.options import KubernetesLauncherConfig, check
+
+__all__ = ["KubernetesLauncher", "KubernetesLauncherConfig", "check", "make"]
+
+
+def _api_error(e, verb: str, kind: str, name: str, namespace: str) -> LauncherError:
+    what = f"{verb} {kind} {name!r} in namespace {namespace!r}"
+    status = getattr(e, "status", None)
+    detail = ""
+    try:
+        import json
+
+        detail = json.loads(e.body).get("message", "") if getattr(e, "body", None) else ""
+    except (ValueError, AttributeError):
+        detail = str(getattr(e, "body", "") or "")
+    if status == 403:
+        msg = f"forbidden to {what}: the account in your kubeconfig lacks the RBAC permission"
+    elif status == 404 and kind in ("TrainJob", "ClusterTrainingRuntime", "TrainingRuntime"):
+        msg = (
+            f"cannot {what}: not found; is Kubeflow Trainer v2 installed, and does the "
+            f"ClusterTrainingRuntime exist (kubectl get clustertrainingruntimes)?"
+        )
+    elif status == 404:
+        msg = f"cannot {what}: not found"
+    elif status == 409:
+        msg = f"cannot {what}: it already exists; delete it or set launcher.job_name to another name"
+    elif status == 422:
+        msg = f"the API server rejected {what} as invalid"
+    else:
+        msg = f"cannot {what}: HTTP {status} {getattr(e, 'reason', '')}".rstrip()
+    return LauncherError(f"Kubernetes API: {msg}" + (f": {detail}" if detail else ""))
+
+
+class Api:
+    """The few calls the launcher makes, through the official `kubernetes` client."""
+
+    def __init__(self, lc: Mapping[str, Any]):
+        from kubernetes import client, config
+
+        try:
+            if (
+                lc.get("kubeconfig")
+                or os.environ.get("KUBECONFIG")
+                or os.path.exists(os.path.expanduser("~/.kube/config"))
+            ):
+                api_client = config.new_client_from_config(config_file=lc.get("kubeconfig"), context=lc.get("context"))
+            else:
+                config.load_incluster_config()
+                api_client = client.ApiClient()
+        except config.ConfigException as e:
+            raise LauncherError(
+                f"no usable Kubernetes config (launcher.kubeconfig={lc.get('kubeconfig')!r}, "
+                f"launcher.context={lc.get('context')!r}): {e}"
+            ) from None
+        api_client.configuration.retries = 1  # an unreachable server: one clear error, soon
+        self.host = api_client.configuration.host
+        self.custom = client.CustomObjectsApi(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.ApiException = client.exceptions.ApiException
+
+    def call(self, verb: str, kind: str, name: str, namespace: str, fn, *args, **kwargs):
+        import urllib3
+
+        try:
+            return fn(*args, **kwargs)
+        except self.ApiException as e:
+            raise _api_error(e, verb, kind, name, namespace) from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise LauncherError(
+                f"Kubernetes API: cannot reach the API server at {self.host} to {verb} {kind} {name!r}: {reason}"
+            ) from None
+
+
+def _plural(kind: str) -> str:
+    return {"TrainJob": "trainjobs", "TrainingRuntime": "trainingruntimes"}[kind]
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+class KubernetesJob(PollingJob):
+    def __init__(
+        self, api: Api, name: str, namespace: str, poll_seconds: float = 10.0, local_run_root: str | None = None
+    ):
+        self.api, self.name, self.namespace, self.poll_seconds = api, name, namespace, poll_seconds
+        # The run directory as this machine sees the shared storage, when it does.
+        self.run_dir = os.path.join(local_run_root, name) if local_run_root else None
+        self._cancelled = False
+
+    def _get(self) -> dict[str, Any]:
+        return self.api.call(
+            "get",
+            "TrainJob",
+            self.name,
+            self.namespace,
+            self.api.custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self.namespace,
+            "trainjobs",
+            self.name,
+        )
+
+    def _pods(self, node: int | None = None) -> list:
+        selector = f"jobset.sigs.k8s.io/jobset-name={self.name}"
+        if node is not None:
+            selector += f",jobset.sigs.k8s.io/job-index={node}"
+        pods = self.api.call(
+            "list",
+            "Pod",
+            selector,
+            self.namespace,
+            self.api.core.list_namespaced_pod,
+            self.namespace,
+            label_selector=selector,
+        )
+        return list(pods.items)
+
+    def _state(self, trainjob: dict[str, Any]) -> JobState:
+        conditions = {c["type"]: c.get("status") for c in (trainjob.get("status") or {}).get("conditions", [])}
+        if conditions.get("Complete") == "True":
+            return JobState.COMPLETE
+        if conditions.get("Failed") == "True":
+            return JobState.FAILED
+        if conditions.get("Suspended") == "True":
+            return JobState.CREATED
+        # No Running condition exists: a job runs once one of its pods does.
+        phases = {p.status.phase for p in self._pods()}
+        return JobState.RUNNING if phases & {"Running", "Succeeded"} else JobState.CREATED
+
+    def status(self) -> JobState:
+        if self._cancelled:
+            return JobState.CANCELLED
+        return self._state(self._get())
+
+    def info(self) -> JobInfo:
+        """State and times from the TrainJob; the loss and eval loss rank 0 reported in its trainerStatus,
+        or the step and losses in the run directory when this machine sees the shared storage."""
+        trainjob = self._get()
+        state = self._state(trainjob)
+        status = trainjob.get("status") or {}
+        metrics = {m["name"]: m["value"] for m in (status.get("trainerStatus") or {}).get("metrics", [])}
+        progress = {"step": None, "loss": _float(metrics.get("loss")), "eval_loss": _float(metrics.get("eval_loss"))}
+        if self.run_dir:
+            progress.update({k: v for k, v in read_progress(self.run_dir).items() if v is not None})
+        ends = [
+            c.get("lastTransitionTime")
+            for c in status.get("conditions", [])
+            if c["type"] in ("Complete", "Failed") and c.get("status") == "True"
+        ]
+        return JobInfo(
+            self.name,
+            "kubernetes",
+            state,
+            self.run_dir,
+            **progress,
+            start_time=_time(trainjob["metadata"].get("creationTimestamp")),
+            end_time=_time(ends[0]) if ends else None,
+        )
+
+    def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
+        """Lines of node `rank`'s pod (`<job>-node-<rank>-...`, container `node`)."""
+        pods = self._pods(rank)
+        if not pods:
+            raise LauncherError(f"TrainJob {self.name!r} has no pod for node {rank} (yet)")
+        pod = pods[0].metadata.name
+        stream = self.api.call(
+            "read logs of",
+            "Pod",
+            pod,
+            self.namespace,
+            self.api.core.read_namespaced_pod_log,
+            pod,
+            self.namespace,
+            container="node",
+            follow=follow,
+            _preload_content=False,
+        )
+        buffer = b""
+        for chunk in stream.stream():
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                yield line.decode("utf-8", errors="replace")
+        if buffer:
+            yield buffer.decode("utf-8", errors="replace")
+
+    def cancel(self) -> None:
+        """Delete the TrainJob; its ConfigMap and runtime follow through their owner references."""
+        self.api.call(
+            "delete",
+            "TrainJob",
+            self.name,
+            self.namespace,
+            self.api.custom.delete_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self.namespace,
+            "trainjobs",
+            self.name,
+            propagation_policy="Foreground",
+        )
+        self._cancelled = True
+
+
+def _create(api: Api, m: dict[str, Any], namespace: str) -> Any:
+    kind, name = m["kind"], m["metadata"]["name"]
+    if kind == "ConfigMap":
+        return api.call("create", kind, name, namespace, api.core.create_namespaced_config_map, namespace, m)
+    if kind == "Secret":
+        return api.call("create", kind, name, namespace, api.core.create_namespaced_secret, namespace, m)
+    if kind == "Service":
+        return api.call("create", kind, name, namespace, api.core.create_namespaced_service, namespace, m)
+    if kind == "StatefulSet":
+        return api.call("create", kind, name, namespace, api.apps.create_namespaced_stateful_set, namespace, m)
+    return api.call(
+        "create",
+        kind,
+        name,
+        namespace,
+        api.custom.create_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        namespace,
+        _plural(kind),
+        m,
+    )
+
+
+CACHE_READY_TIMEOUT = 1800.0  # each cache pod builds the corpus before it serves
+
+
+def _wait_for_cache(api: Api, name: str, namespace: str, count: int, poll_seconds: float) -> None:
+    """Until the cache StatefulSet's pods are all ready (their `python -m datacache ready` probe answers)."""
+    deadline = time.monotonic() + CACHE_READY_TIMEOUT
+    while True:
+        status = api.call(
+            "read", "StatefulSet", name, namespace, api.apps.read_namespaced_stateful_set_status, name, namespace
+        ).status
+        if (status.ready_replicas or 0) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise LauncherError(
+                f"the {count} cache pods of StatefulSet {name!r} are not ready after "
+                f"{CACHE_READY_TIMEOUT:.0f} s (kubectl describe statefulset {name} -n {namespace})"
+            )
+        time.sleep(poll_seconds)
+
+
+def _own(api: Api, m: dict[str, Any], namespace: str, owner: dict[str, Any]) -> None:
+    """Make the TrainJob own `m`, so that deleting the job deletes it."""
+    kind, name = m["kind"], m["metadata"]["name"]
+    patch = {"metadata": {"ownerReferences": [owner]}}
+    if kind == "ConfigMap":
+        api.call("patch", kind, name, namespace, api.core.patch_namespaced_config_map, name, namespace, patch)
+    elif kind == "Secret":
+        api.call("patch", kind, name, namespace, api.core.patch_namespaced_secret, name, namespace, patch)
+    elif kind == "Service":
+        api.call("patch", kind, name, namespace, api.core.patch_namespaced_service, name, namespace, patch)
+    elif kind == "StatefulSet":
+        api.call("patch", kind, name, namespace, api.apps.patch_namespaced_stateful_set, name, namespace, patch)
+    else:
+        api.call(
+            "patch",
+            kind,
+            name,
+            namespace,
+            api.custom.patch_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            _plural(kind),
+            name,
+            patch,
+        )
+
+
+def _delete(api: Api, m: dict[str, Any], namespace: str) -> None:
+    """Best effort: the launch is already failing with its own error."""
+    kind, name = m["kind"], m["metadata"]["name"]
+    try:
+        if kind == "ConfigMap":
+            api.call("delete", kind, name, namespace, api.core.delete_namespaced_config_map, name, namespace)
+        elif kind == "Secret":
+            api.call("delete", kind, name, namespace, api.core.delete_namespaced_secret, name, namespace)
+        elif kind == "Service":
+            api.call("delete", kind, name, namespace, api.core.delete_namespaced_service, name, namespace)
+        elif kind == "StatefulSet":
+            api.call("delete", kind, name, namespace, api.apps.delete_namespaced_stateful_set, name, namespace)
+        else:
+            api.call(
+                "delete",
+                kind,
+                name,
+                namespace,
+                api.custom.delete_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                namespace,
+                _plural(kind),
+                name,
+            )
+    except LauncherError:
+        pass
+
+
+class KubernetesLauncher(Launcher):
+    name = "kubernetes"
+
+    def __init__(self, options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None):
+        self.options = dict(options)
+        self.scheduler = dict(scheduler or {"name": "none"})
+        self._api: Api | None = None
+
+    @property
+    def api(self) -> Api:
+        if self._api is None:
+            self._api = Api(self.options)
+        return self._api
+
+    def job_name(self, spec: LaunchSpec) -> str:
+        """launcher.job_name, or one derived from the run (see `launchers.base.run_name`)."""
+        return self.options.get("job_name") or run_name(spec.run_dir)
+
+    def manifests(
+        self, spec: LaunchSpec, runtime_spec: dict[str, Any] | None = None, reveal: bool = False
+    ) -> list[dict[str, Any]]:
+        return manifests(spec, self.options, self.scheduler, self.job_name(spec), runtime_spec, reveal)
+
+    def render(self, spec: LaunchSpec) -> str:
+        """The manifests as multi-document YAML for `kubectl apply -f -`, secret values masked."""
+        return to_yaml(self.manifests(spec))
+
+    def _job(self, name: str) -> KubernetesJob:
+        return KubernetesJob(
+            self.api,
+            name,
+            self.options.get("namespace", "default"),
+            float(self.options.get("poll_seconds", 10.0)),
+            self.options.get("local_run_root"),
+        )
+
+    def launch(self, spec: LaunchSpec) -> Job:
+        lc, api = self.options, self.api
+        namespace, name = lc["namespace"], self.job_name(spec)
+        runtime_spec = None
+        if self.scheduler["name"] in schedulers.NEEDS_RUNTIME:
+            ref = lc.get("runtime_ref") or spec.torchrun.name
+            runtime_spec = api.call(
+                "get",
+                "ClusterTrainingRuntime",
+                ref,
+                namespace,
+                api.custom.get_cluster_custom_object,
+                GROUP,
+                VERSION,
+                "clustertrainingruntimes",
+                ref,
+            )["spec"]
+        created: list[dict[str, Any]] = []
+        try:
+            for m in self.manifests(spec, runtime_spec, reveal=True):
+                if m["kind"] == "TrainJob" and spec.cache_nodes and not spec.cache_nodes.kubeflow:
+                    _wait_for_cache(
+                        api, f"{name}-cache", namespace, spec.cache_nodes.count, float(lc.get("poll_seconds", 10.0))
+                    )
+                trainjob = _create(api, m, namespace)  # the TrainJob comes last
+                created.append(m)
+            owner = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "TrainJob",
+                "name": name,
+                "uid": trainjob["metadata"]["uid"],
+                "blockOwnerDeletion": True,
+            }
+            for m in created[:-1]:
+                _own(api, m, namespace, owner)
+        except LauncherError:
+            # Nothing half-submitted: remove what this launch created, newest first.
+            for m in reversed(created):
+                _delete(api, m, namespace)
+            raise
+        write_private(os.path.join(spec.run_dir, "manifests.yaml"), to_yaml(self.manifests(spec, runtime_spec)))
+        return self._job(name)
+
+    def list_jobs(self) -> list[Job]:
+        """The TrainJobs this launcher submitted in the configured namespace."""
+        api, namespace = self.api, self.options.get("namespace", "default")
+        found = api.call(
+            "list",
+            "TrainJob",
+            "*",
+            namespace,
+            api.custom.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            "trainjobs",
+            label_selector=f"app.kubernetes.io/managed-by={MANAGER}",
+        )
+        return [self._job(item["metadata"]["name"]) for item in found.get("items", [])]
+
+    def job(self, name: str) -> Job:
+        job = self._job(name)
+        job._get()  # a clear error when there is none
+        return job
+
+
+def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> KubernetesLauncher:
+    return KubernetesLauncher(options, scheduler)

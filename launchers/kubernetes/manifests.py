@@ -1,0 +1,361 @@
+"""What a run becomes on Kubernetes: a Kubeflow Trainer v2 TrainJob (`trainer.kubeflow.org/v1alpha1`), the
+ConfigMap holding its config, the Secret holding its secrets, and the cache nodes (a StatefulSet behind a
+headless Service, or Kubeflow's dataset initializer); and `to_yaml`, the multi-document YAML of them."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from launchers import schedulers
+from launchers.base import MASK, TORCHRUN_ENV, LauncherError, LaunchSpec, agent_command
+
+GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
+CONFIG_DIR = "/etc/trainjob"
+MANAGER = "trainjob"
+MANAGED_BY = {"app.kubernetes.io/managed-by": MANAGER}
+RUN_LABEL = "trainjob.dev/run"
+
+
+def _set(doc: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        doc = doc[key]
+    doc[last] = value
+
+
+def _quantity(value: Any) -> Any:
+    """CPU counts as numbers (as the SDK sends them); anything else ("500m", "3Gi") as given."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _resources(res: Mapping[str, Any]) -> dict[str, Any] | None:
+    amounts = {}
+    if res.get("cpu") is not None:
+        amounts["cpu"] = _quantity(res["cpu"])
+    if res.get("memory") is not None:
+        amounts["memory"] = str(res["memory"])
+    if res.get("gpu"):
+        amounts["nvidia.com/gpu"] = int(res["gpu"])
+    return {"limits": dict(amounts), "requests": dict(amounts)} if amounts else None
+
+
+def _pod_patch(lc: Mapping[str, Any], config_map: str, stop_grace_s: int | None) -> dict[str, Any]:
+    volumes = [
+        {"name": "trainjob-config", "configMap": {"name": config_map}},
+        {"name": "trainjob-cache", "emptyDir": {}},
+        {
+            "name": "trainjob-runs",
+            **({"persistentVolumeClaim": {"claimName": lc["run_claim"]}} if lc.get("run_claim") else {"emptyDir": {}}),
+        },
+    ]
+    mounts = [
+        {"name": "trainjob-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "trainjob-cache", "mountPath": lc["cache_dir"]},
+        {"name": "trainjob-runs", "mountPath": lc["run_root"]},
+    ]
+    for v in lc.get("volumes") or []:
+        volumes.append(
+            {"name": v["name"], "persistentVolumeClaim": {"claimName": v["claim"], "readOnly": bool(v["read_only"])}}
+        )
+        mounts.append({"name": v["name"], "mountPath": v["mount_path"], "readOnly": bool(v["read_only"])})
+    pod: dict[str, Any] = {"volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
+    if lc.get("node_selector"):
+        pod["nodeSelector"] = dict(lc["node_selector"])
+    if lc.get("tolerations"):
+        pod["tolerations"] = [dict(t) for t in lc["tolerations"]]
+    if lc.get("service_account"):
+        pod["serviceAccountName"] = lc["service_account"]
+    if stop_grace_s is not None:  # SIGTERM to SIGKILL: the step in flight and a checkpoint (train.preemption_grace_s)
+        pod["terminationGracePeriodSeconds"] = stop_grace_s
+    return pod
+
+
+def pod_files(spec: LaunchSpec, lc: Mapping[str, Any], name: str) -> dict[str, str]:
+    """The files the pods read from the ConfigMap (at CONFIG_DIR): the config, with the run directory and
+    the data cache moved to their paths in the pod, and the spec's other files."""
+    files = dict(spec.files)
+    if spec.config is not None:
+        config = copy.deepcopy(spec.config)
+        moved = {"run_dir": f"{lc['run_root'].rstrip('/')}/{name}", "cache_dir": lc["cache_dir"]}
+        for role, key in spec.path_keys.items():
+            _set(config, key, moved[role])
+        files[os.path.basename(spec.config_path or "config.yaml")] = yaml.safe_dump(config, sort_keys=False)
+    return files
+
+
+def pod_command(spec: LaunchSpec) -> list[str]:
+    """The spec's command with the paths of its files on this machine replaced by theirs in the pod."""
+    local = {os.path.join(spec.run_dir, f): f"{CONFIG_DIR}/{f}" for f in spec.files}
+    if spec.config_path:
+        local[spec.config_path] = f"{CONFIG_DIR}/{os.path.basename(spec.config_path)}"
+    return [local.get(arg, arg) for arg in spec.command]
+
+
+def manifests(
+    spec: LaunchSpec,
+    lc: Mapping[str, Any],
+    sc: Mapping[str, Any],
+    name: str,
+    runtime_spec: dict[str, Any] | None = None,
+    reveal: bool = False,
+) -> list[dict[str, Any]]:
+    """The manifests for `spec`, in the order to create them: [TrainingRuntime,] ConfigMap, [Secret,] TrainJob.
+
+    `runtime_spec` is the cluster runtime's spec, from which a gang scheduler's runtime is derived; None
+    uses Kubeflow Trainer's stock torch-distributed spec. Secret values are masked unless `reveal`.
+    """
+    if spec.torchrun is None:
+        raise LauncherError("launcher=kubernetes runs torchrun on every node: add +runtime=torch-distributed")
+    namespace = lc["namespace"]
+    labels = {**MANAGED_BY, RUN_LABEL: name}
+    kubeflow_cache = spec.cache_nodes.kubeflow if spec.cache_nodes else None
+    out: list[dict[str, Any]] = []
+    ref = _runtime_ref(spec, lc, sc, name, labels, runtime_spec, out)
+    config_map, secret = f"{name}-config", f"{name}-secrets"
+    out.append(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": config_map, "namespace": namespace, "labels": labels},
+            "data": pod_files(spec, lc, name),
+        }
+    )
+    if spec.secrets:
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "Opaque",
+                "metadata": {"name": secret, "namespace": namespace, "labels": labels},
+                "stringData": {k: (v if reveal else MASK) for k, v in sorted(spec.secrets.items())},
+            }
+        )
+    secret_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(spec.secrets)]
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        **TORCHRUN_ENV,
+        **spec.env,
+        **{str(k): str(v) for k, v in (lc.get("env") or {}).items()},
+    }
+    if kubeflow_cache is not None:
+        env.update(kubeflow_cache_endpoints(spec, name, namespace))
+    elif spec.cache_nodes:
+        out += cache_manifests(spec, lc, name, labels, config_map, secret_env)
+        env.update(cache_endpoints(spec, name, namespace))
+    trainjob = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": _job_spec(spec, lc, ref, _trainer(spec, lc, sc, env, secret_env), config_map),
+    }
+    schedulers.apply_to_trainjob(sc, trainjob)
+    out.append(trainjob)
+    return out
+
+
+def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], name: str, labels: dict[str, str],
+                 runtime_spec: dict[str, Any] | None, out: list[dict[str, Any]]) -> dict[str, str]:
+    """The runtime the TrainJob runs on: the cluster's, or (for a gang scheduler that needs one) a
+    TrainingRuntime derived from it, appended to `out`."""
+    kubeflow_cache = spec.cache_nodes.kubeflow if spec.cache_nodes else None
+    cluster_ref = lc.get("runtime_ref") or (KUBEFLOW_CACHE_RUNTIME if kubeflow_cache else spec.torchrun.name)
+    if kubeflow_cache is not None and sc["name"] in schedulers.NEEDS_RUNTIME:
+        raise LauncherError(
+            f"data.cache.backend=kubeflow runs on the {KUBEFLOW_CACHE_RUNTIME} runtime, and scheduler={sc['name']} "
+            f"would derive a runtime of its own without the dataset initializer: use scheduler=none or kueue, or "
+            f"data.cache.backend=trainjob"
+        )
+
+    ref = {"kind": "ClusterTrainingRuntime", "name": cluster_ref}
+    if sc["name"] in schedulers.NEEDS_RUNTIME:
+        runtime = schedulers.derived_runtime(
+            sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", lc["namespace"],
+            labels, spec.torchrun.max_restarts,
+        )
+        out.append(runtime)
+        ref = {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
+    return ref
+
+
+def _restarts_in_pod(spec: LaunchSpec, sc: Mapping[str, Any]) -> int:
+    """torchrun's own restarts in a pod: none where the derived runtime makes `runtime.max_restarts` the
+    JobSet's (`failurePolicy.maxRestarts`, each pod resuming from the shared claim), else torchrun's."""
+    return 0 if sc["name"] in schedulers.NEEDS_RUNTIME else spec.torchrun.max_restarts
+
+
+def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env: dict[str, str],
+             secret_env: list[dict[str, Any]]) -> dict[str, Any]:
+    """The TrainJob's `trainer`: torchrun on every node, with the run's environment and resources."""
+    trainer: dict[str, Any] = {
+        "image": lc["image"],
+        "command": [*agent_command(spec), f"--max-restarts={_restarts_in_pod(spec, sc)}", *pod_command(spec)],
+        "numNodes": spec.nnodes,
+        "numProcPerNode": spec.nproc_per_node,
+        "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,
+    }
+    resources = _resources(lc.get("resources_per_node") or {})
+    if resources:
+        trainer["resourcesPerNode"] = resources
+    return trainer
+
+
+def _job_spec(spec: LaunchSpec, lc: Mapping[str, Any], ref: dict[str, str], trainer: dict[str, Any],
+              config_map: str) -> dict[str, Any]:
+    """The TrainJob's `spec`: the runtime, the trainer, the pods' volumes (a runtime patch), the initializer."""
+    job_spec: dict[str, Any] = {
+        "runtimeRef": ref,
+        "trainer": trainer,
+        "runtimePatches": [
+            {
+                "manager": f"{MANAGER}.dev/launcher",
+                "trainingRuntimeSpec": {
+                    "template": {
+                        "spec": {
+                            "replicatedJobs": [
+                                {
+                                    "name": "node",
+                                    "template": {"spec": {"template": {"spec": _pod_patch(lc, config_map,
+                                                                                         spec.stop_grace_s)}}},
+                                }
+                            ]
+                        }
+                    }
+                },
+            }
+        ],
+    }
+    if spec.cache_nodes and spec.cache_nodes.kubeflow is not None:
+        job_spec["initializer"] = kubeflow_dataset_initializer(spec)
+    if lc.get("suspend"):
+        job_spec["suspend"] = True
+    if lc.get("active_deadline_seconds"):
+        job_spec["activeDeadlineSeconds"] = int(lc["active_deadline_seconds"])
+    return job_spec
+
+
+def cache_endpoints(spec: LaunchSpec, name: str, namespace: str) -> dict[str, str]:
+    """The ranks' environment naming the cache pods by their stable DNS names (`<pod>.<service>`)."""
+    nodes, service = spec.cache_nodes, f"{name}-cache"
+    pods = [f"{service}-{i}.{service}.{namespace}.svc" for i in range(nodes.count)]
+    return nodes.env([f"grpc://{p}:{nodes.port}" for p in pods], [f"grpc://{pods[0]}:{nodes.eval_port}"])
+
+
+KUBEFLOW_CACHE_RUNTIME = "torch-distributed-with-cache"  # Kubeflow Trainer's runtime with a data cache
+KUBEFLOW_CACHE_PORT = 50051
+# data.cache.kubeflow's keys as the environment of Kubeflow's dataset initializer (CacheDatasetInitializer
+# reads each of its fields from the variable of its name in capitals); CLUSTER_SIZE is data.cache.nodes.
+KUBEFLOW_INITIALIZER_ENV = {"metadata_loc": "METADATA_LOC", "iam_role": "IAM_ROLE", "head_cpu": "HEAD_CPU",
+                            "head_mem": "HEAD_MEM", "worker_cpu": "WORKER_CPU", "worker_mem": "WORKER_MEM"}
+
+
+def kubeflow_dataset_initializer(spec: LaunchSpec) -> dict[str, Any]:
+    """The TrainJob's `initializer` that has Kubeflow's dataset initializer start its cache: the table
+    (`storageUri`, cache://<schema>/<table>), its metadata, the number of data nodes and their resources."""
+    settings = spec.cache_nodes.kubeflow
+    env = [{"name": "CLUSTER_SIZE", "value": str(spec.cache_nodes.count)}]
+    env += [{"name": var, "value": str(settings[key])} for key, var in KUBEFLOW_INITIALIZER_ENV.items()
+            if settings.get(key) is not None]
+    return {"dataset": {"storageUri": str(settings["storage_uri"]), "env": env}}
+
+
+def kubeflow_cache_endpoints(spec: LaunchSpec, name: str, namespace: str) -> dict[str, str]:
+    """The ranks' environment naming Kubeflow's cache head, the Service its initializer makes for the job
+    (`<job>-cache-service`), as a StreamingDataset endpoint."""
+    head = f"kubeflow+grpc://{name}-cache-service.{namespace}.svc:{KUBEFLOW_CACHE_PORT}"
+    return {spec.cache_nodes.ENDPOINTS_ENV: f"[{head}]"}
+
+
+def cache_manifests(
+    spec: LaunchSpec,
+    lc: Mapping[str, Any],
+    name: str,
+    labels: dict[str, str],
+    config_map: str,
+    secret_env: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """A headless Service and a StatefulSet of `data.cache.nodes` pods, pod i serving shard i of the
+    training rows (the index from the pod's `apps.kubernetes.io/pod-index` label), ready once `python -m
+    datacache ready` answers inside it; the same image, config and volumes as the ranks."""
+    nodes, service, namespace = spec.cache_nodes, f"{name}-cache", lc["namespace"]
+    selector = {"trainjob.dev/cache": name}
+    pod = _pod_patch(lc, config_map, None)
+    mounts = pod.pop("containers")[0]["volumeMounts"]
+    container = _cache_container(spec, lc, name, secret_env, mounts)
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": service, "namespace": namespace, "labels": labels},
+            "spec": {
+                "clusterIP": "None",
+                "selector": selector,
+                "ports": [{"name": "train", "port": nodes.port}, {"name": "eval", "port": nodes.eval_port}],
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": service, "namespace": namespace, "labels": labels},
+            "spec": {
+                "serviceName": service,
+                "replicas": nodes.count,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": {**labels, **selector}},
+                    "spec": {**pod, "containers": [container]},
+                },
+            },
+        },
+    ]
+
+
+def _cache_container(spec: LaunchSpec, lc: Mapping[str, Any], name: str, secret_env: list[dict[str, Any]],
+                     mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A cache pod's container: `python -m trainer.cache_node` over its shard, ready once it answers."""
+    nodes, namespace = spec.cache_nodes, lc["namespace"]
+    index = {
+        "name": "POD_INDEX",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+    }
+    container = {
+        "name": "cache",
+        "image": lc["image"],
+        "command": [
+            "python",
+            *nodes.argv(f"{CONFIG_DIR}/config.yaml", "$(POD_INDEX)", "0.0.0.0", nodes.port, nodes.eval_port),
+        ],
+        # The nodes' own list, the one the ranks get: each node advertises its entry and lists the others,
+        # so that any node answers a Kubeflow client for the whole table.
+        "env": [index, {"name": "PYTHONUNBUFFERED", "value": "1"}, *secret_env,
+                *({"name": k, "value": v} for k, v in cache_endpoints(spec, name, namespace).items())],
+        "ports": [{"name": "train", "containerPort": nodes.port}, {"name": "eval", "containerPort": nodes.eval_port}],
+        "readinessProbe": {
+            "exec": {"command": ["python", "-m", "datacache", "ready", f"grpc://127.0.0.1:{nodes.port}"]},
+            "periodSeconds": 5,
+            "timeoutSeconds": 30,
+        },
+        "volumeMounts": mounts,
+    }
+    return container
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the config in the ConfigMap) as literal blocks, readable in `kubectl get -o yaml`."""
+
+
+_Dumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
+
+
+def to_yaml(manifests: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False)

@@ -1,0 +1,44 @@
+"""The launcher options: each launcher's schema (`LAUNCHER_SCHEMAS`), its and the gang scheduler's rules
+(`check`), and the launcher an option node names (`get`). Each launcher module holds its own schema and
+rules; this module only chooses among them."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from launchers import schedulers
+from launchers.base import Launcher, OptionError
+from launchers.docker import DockerLauncherConfig
+from launchers.kubernetes import KubernetesLauncherConfig
+from launchers.local import LocalLauncherConfig
+
+_MODULES = {"local": "launchers.local", "docker": "launchers.docker", "kubernetes": "launchers.kubernetes"}
+
+LAUNCHER_SCHEMAS = {
+    "local": LocalLauncherConfig,
+    "docker": DockerLauncherConfig,
+    "kubernetes": KubernetesLauncherConfig,
+}
+
+
+def _module(name: str):
+    if name not in _MODULES:
+        raise OptionError("launcher.name", name, f"must be one of {', '.join(_MODULES)}")
+    return importlib.import_module(_MODULES[name])
+
+
+def check(
+    options: Mapping[str, Any], scheduler: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]
+) -> None:
+    """The launcher's and the scheduler's rules for a job of `nnodes` nodes under torchrun (None: one
+    process, no torchrun) whose config keys `paths` hold host paths; raises OptionError."""
+    _module(options["name"]).check(options, nnodes, paths)
+    schedulers.check(scheduler, options["name"])
+
+
+def get(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> Launcher:
+    """The launcher for a `launcher` option node (a mapping with at least `name`), and on Kubernetes the
+    gang `scheduler` its jobs go through."""
+    return _module(options["name"]).make(dict(options), dict(scheduler) if scheduler else None)

@@ -1,0 +1,146 @@
+"""The project's import graph, read from the source (nothing imported): no package holds a cycle.
+
+An edge A -> B is an import of B anywhere in A (at the top or inside a function; not under `if
+TYPE_CHECKING:`), and importing B also runs each package `__init__` above B that is not above A, so
+that is an edge too. A cycle is what Tarjan's algorithm finds as a strongly connected component of more
+than one module, or a module importing itself."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("trainer", "launchers", "datacache", "ops", "bench")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """The dotted names `tree` imports (a `from X import Y` gives X.Y where that is a module, else X)."""
+    names: set[str] = set()
+    skip = {id(n) for n in ast.walk(tree) if isinstance(n, ast.If) and _type_checking(n)
+            for n in ast.walk(n) if n is not None}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for target in _imported(ast.parse(path.read_text()), name, path.name == "__init__.py"):
+            while target and target not in modules:  # X.Y where Y is a name in X, not a module
+                target = target.rpartition(".")[0]
+            if not target:
+                continue
+            # The packages above the target run too; those above this module are running already.
+            own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
+            parts = target.split(".")
+            edges.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                         if p in modules and p not in own)
+            edges.add(target)  # named: an edge even to this module's own package (its face)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, and modules importing themselves."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_and_passes_a_chain():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_a_module_importing_its_own_package_face_from_below_is_an_edge():
+    graph = _graph()
+    assert "trainer.config.schema" in graph["trainer.config"]  # the face imports its sections
+    assert "trainer.config" in graph["trainer.parallel.dims"]  # importing trainer.config.strategy runs it
+    assert "trainer.config" not in graph["trainer.config.across"]  # the face above runs already
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_holds_an_import_cycle(package):
+    graph = _graph()
+    inside = {m: {t for t in edges if t.split(".")[0] == package} for m, edges in graph.items()
+              if m.split(".")[0] == package}
+    assert cycles(inside) == []
+
+
+def test_the_whole_project_holds_no_import_cycle():
+    assert cycles(_graph()) == []
+
+
+def test_the_driver_and_the_config_import_nothing_of_the_rank_side_nor_torch():
+    import subprocess
+    import sys
+
+    probe = ("import sys, trainer.__main__, trainer.preflight, trainer.config; "
+             "print(' '.join(m for m in sys.modules if m == 'torch' or m.startswith(('trainer.', 'ops'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.split()
+    rank_side = ("torch", "ops", "trainer.worker", "trainer.loop", "trainer.inputs", "trainer.models",
+                 "trainer.parallel", "trainer.data", "trainer.recipes", "trainer.observability")
+    assert [m for m in loaded if m.startswith(rank_side)] == []

@@ -1,0 +1,210 @@
+"""The rules that span sections, all of them, in one place: `check(job)` over the typed config, after each
+section has checked its own values. Each helper below holds the rules of one pair of concerns."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+from trainer.config import runtime
+from trainer.config.checks import require
+from trainer.config.model import BYTE_VOCAB_SIZE
+from trainer.config.recipe import DATA, DATA_ROWS
+from trainer.config.runtime import node_counts, nproc_per_node, world_size
+from trainer.config.strategy import Degrees
+from trainer.config.train import require_tracker_package
+from trainer.errors import ConfigError
+from trainer.run_dir import RunDir
+
+
+def check(job) -> None:
+    """Raise ConfigError on the first rule across sections that `job` (the typed `Config`) breaks."""
+    _model_and_data(job)
+    _runtime(job)
+    world = world_size(job)
+    s = job.strategy
+    require(s.tp == 1 or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one process: add "
+            f"+runtime=torch-distributed (world size is {world})")
+    dims = Degrees.of(s, world)
+    _parallel(job, dims)
+    _recipe(job)
+    _grpo(job)
+    _kd(job)
+    _peft(job)
+    _qat(job)
+    _trackers(job)
+    _batch_divides(job, dims)
+    for nodes in node_counts(job)[:-1]:  # an elastic job runs at any of its sizes
+        _elastic_size(job, nodes)
+    t = job.train
+    if t.resume == "never":
+        ckpt = RunDir.of(job.run_dir).checkpoints
+        require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
+                f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
+                "or another run directory")
+
+
+def _batch_divides(job, dims: Degrees, nodes: int | None = None) -> None:
+    t = job.train
+    per_step = dims.dp_size * t.grad_accum_steps
+    at = f" at {nodes} node(s) of runtime.nnodes={job.runtime.nnodes}" if nodes is not None else ""
+    require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
+            f"must be divisible by data-parallel size x train.grad_accum_steps = {dims.dp_size} x "
+            f"{t.grad_accum_steps} = {per_step}{at}")
+    if job.recipe.name == "grpo":  # each rank generates for whole prompts
+        prompts = t.global_batch_size // job.recipe.num_generations
+        require(prompts % dims.dp_size == 0, "train.global_batch_size", t.global_batch_size,
+                f"/ recipe.num_generations={job.recipe.num_generations} gives {prompts} prompts a step, which "
+                f"must be divisible by the data-parallel size {dims.dp_size} (each rank samples for its own "
+                f"prompts){at}")
+
+
+def _elastic_size(job, nodes: int) -> None:
+    """An elastic job's rules at `nodes` nodes: the same global batch must divide, the strategy must fit."""
+    world = nproc_per_node(job) * nodes
+    try:
+        dims = Degrees.of(job.strategy, world)
+    except ConfigError as e:
+        raise ConfigError(e.key, e.value, f"{e.allowed} (at {nodes} node(s) of runtime.nnodes={job.runtime.nnodes}, "
+                          f"world size {world})") from None
+    _batch_divides(job, dims, nodes)
+
+
+def _model_and_data(job) -> None:
+    m = job.model
+    # Chat and preference data are tokenized by the model directory's tokenizer, the rest byte by byte.
+    own_tokenizer = job.data.name in ("chat", "preference") or (job.data.name == "prompts" and m.name == "hf")
+    require(own_tokenizer or m.vocab_size >= BYTE_VOCAB_SIZE, "model.vocab_size",
+            m.vocab_size, f"must be >= {BYTE_VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
+    require(job.data.seq_len <= m.max_seq_len, "data.seq_len", job.data.seq_len,
+            f"must be <= model.max_seq_len={m.max_seq_len}")
+    require(job.data.cache.backend != "kubeflow" or job.launcher.name == "kubernetes", "data.cache.backend",
+            job.data.cache.backend, f"Kubeflow Trainer's cache runs on Kubernetes: give launcher=kubernetes (not "
+            f"{job.launcher.name}), or data.cache.backend=trainjob")
+
+
+def _runtime(job) -> None:
+    r = job.runtime
+    if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
+        counts = node_counts(job)
+        require(counts[-1] == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
+                r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 (an elastic range's: where "
+                "its rendezvous store serves)")
+        require(len(counts) == 1 or job.launcher.name != "kubernetes", "runtime.nnodes", r.nnodes,
+                "an elastic range runs on launcher=local or docker: a Kubeflow TrainJob has a fixed numNodes "
+                "(Trainer v2 has no elastic policy); give a node count, and runtime.max_restarts to restart")
+        gpus = runtime.local_gpu_count() if job.launcher.name == "local" else 0
+        require(gpus == 0 or nproc_per_node(job) <= gpus, "runtime.nproc_per_node", nproc_per_node(job),
+                f"must be <= {gpus}, the GPUs on this machine (each rank takes one)")
+
+
+def _parallel(job, dims: Degrees) -> None:
+    m, s = job.model, job.strategy
+    if dims.tp > 1:
+        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
+            require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
+                    f"must be divisible by the tensor-parallel degree strategy.tp={dims.tp}")
+    if job.kernels.name == "triton":
+        here = job.launcher.name == "local"
+        require(not here or runtime.local_gpu_count() > 0 or os.environ.get("TRITON_INTERPRET") == "1",
+                "kernels", "triton",
+                "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on the CPU (slowly, for testing)")
+        require(dims.tp == 1, "kernels", "triton", f"works with strategy=ddp or fsdp2 (strategy.tp=1); "
+                f"strategy={s.name} hands the kernels DTensors")
+
+
+def _recipe(job) -> None:
+    """The recipe, the data and the model fit together."""
+    recipe, data = job.recipe.name, job.data.name
+    require(recipe not in DATA or data == DATA[recipe], "data", data,
+            f"recipe={recipe} trains on data={DATA.get(recipe)} ({DATA_ROWS.get(DATA.get(recipe))})")
+    if data in DATA.values():
+        wanted = next(r for r, d in DATA.items() if d == data)
+        require(recipe == wanted or (recipe == "kd" and data == "chat"), "recipe", recipe,
+                f"data={data} is for recipe={wanted}" + (" (or recipe=kd)" if data == "chat" else ""))
+        require(job.model.name == "hf" or data == "prompts", "model", job.model.name, f"data={data} tokenizes "
+                "with the model directory's tokenizer and chat template: use model=hf model.path=<directory>")
+        require(bool(job.data.path), "data.path", job.data.path,
+                f"data={data} needs a JSONL file, or Parquet files, of its rows")
+        c = job.data.cache
+        require(not (c.endpoints or c.eval_endpoints or c.nodes), "data.cache", "set",
+                f"data={data} is read from its local corpus; cache nodes serve "
+                "token rows of data=stdlib or data=parquet only")
+    require(not job.data.packing or data == "chat", "data.packing", True,
+            f"packs conversations of data=chat; data={data} has none to pack")
+
+
+def _grpo(job) -> None:
+    """GRPO's completions fill the global batch, and each fits the model after its prompt."""
+    r, t = job.recipe, job.train
+    if r.name != "grpo":
+        return
+    require(t.global_batch_size % r.num_generations == 0, "recipe.num_generations", r.num_generations,
+            f"must divide train.global_batch_size={t.global_batch_size} (which counts completions: "
+            "num_generations of each prompt)")
+    require(job.data.seq_len + r.max_completion_length <= job.model.max_seq_len, "recipe.max_completion_length",
+            r.max_completion_length, f"data.seq_len={job.data.seq_len} (the longest prompt) plus this must be <= "
+            f"model.max_seq_len={job.model.max_seq_len}")
+
+
+def _kd(job) -> None:
+    """A KD teacher shares the student's tokenizer and holds the sequence length."""
+    if job.recipe.name != "kd":
+        return
+    from trainer.config import hf  # reads config.json only
+
+    path = job.recipe.teacher.path
+    require(bool(path) and os.path.isfile(os.path.join(path, "config.json")), "recipe.teacher.path", path,
+            "recipe=kd needs the teacher's Hugging Face model directory (holding config.json)")
+    hf.read_config(path, key="recipe.teacher.path")  # a directory trainjob can load, or refused naming the key
+    teacher, m = hf.settings(path), job.model
+    require(teacher["vocab_size"] == m.vocab_size, "recipe.teacher.path", path,
+            f"the teacher has a vocabulary of {teacher['vocab_size']} tokens, the student model.vocab_size="
+            f"{m.vocab_size}: distillation compares their distributions token by token, so both need the same "
+            "tokenizer")
+    mine = os.path.join(m.path, "tokenizer.json") if m.name == "hf" else None
+    theirs = os.path.join(path, "tokenizer.json")
+    require(not (mine and os.path.isfile(mine) and os.path.isfile(theirs)) or _vocab(mine) == _vocab(theirs),
+            "recipe.teacher.path", path, f"its tokenizer.json maps tokens to other ids than model.path={m.path}'s: "
+            "distillation needs the same tokenizer")
+    require(teacher["max_seq_len"] >= job.data.seq_len, "recipe.teacher.path", path,
+            f"the teacher holds {teacher['max_seq_len']} positions, fewer than data.seq_len={job.data.seq_len}")
+
+
+def _vocab(tokenizer_json: str) -> dict:
+    with open(tokenizer_json) as f:
+        return json.load(f).get("model", {}).get("vocab", {})
+
+
+def _qat(job) -> None:
+    """Quantization-aware training fake-quantises the model's own, whole linear layers in PyTorch."""
+    t, m = job.train, job.model
+    if t.qat == "none":
+        return
+    for key in ("dim", "ffn_dim"):  # every linear layer's input width is one of these
+        require(getattr(m, key) % t.qat_group_size == 0, "train.qat_group_size", t.qat_group_size,
+                f"must divide model.{key}={getattr(m, key)} (weights are quantised in groups along each row)")
+    require(job.peft.name == "none", "train.qat", t.qat, "fake-quantises the model's own linear layers; with "
+            f"peft={job.peft.name} they are frozen and the adapters beside them stay unquantised: use peft=none")
+    require(job.kernels.name != "triton", "train.qat", t.qat, "fake-quantises the linear layers in PyTorch; "
+            "kernels=triton fuses the output layer into its loss, which would skip it: use kernels=torch")
+    require(job.strategy.tp == 1, "train.qat", t.qat, "torchao's fake quantisation takes whole weights; "
+            f"strategy={job.strategy.name} splits them over tensor-parallel ranks: use strategy=ddp or fsdp2")
+    require(importlib.util.find_spec("torchao") is not None, "train.qat", t.qat,
+            "needs torchao: pip install 'trainjob[qat]'")
+
+
+def _peft(job) -> None:
+    """LoRA adapts a pretrained model."""
+    if job.peft.name != "none":
+        require(job.model.name == "hf", "peft", job.peft.name,
+                f"LoRA adapts a pretrained model: use model=hf model.path=<directory> "
+                f"(model is {job.model.name}, whose frozen weights would be random)")
+
+
+def _trackers(job) -> None:
+    """Where the ranks run on this machine, a tracker's package must be installed here."""
+    if job.launcher.name == "local":
+        for name in job.train.trackers:
+            require_tracker_package(name, list(job.train.trackers))

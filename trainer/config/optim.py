@@ -1,0 +1,36 @@
+"""The `optim` section: the optimizer and its learning-rate schedule (`optim=adamw|sgd`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from trainer.config.checks import one_of, positive, require
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    momentum: float = 0.9
+    grad_clip: float | None = 1.0
+
+    def check(self) -> None:
+        one_of("optim.name", self.name, OPTIMIZERS)
+        positive(self, "optim", "lr", "eps")
+        require(self.momentum >= 0, "optim.momentum", self.momentum, "must be >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas),
+                "must be two numbers in [0, 1)")
+        require(self.grad_clip is None or self.grad_clip > 0, "optim.grad_clip", self.grad_clip,
+                "must be > 0, or null for no clipping")

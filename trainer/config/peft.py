@@ -1,0 +1,34 @@
+"""The `peft` section: parameter-efficient fine-tuning (`peft=none|lora`). That LoRA needs a pretrained model
+is a cross-section rule (`trainer.config.across`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from trainer.config.checks import one_of, require
+
+METHODS = ("none", "lora")
+# Hugging Face's module names, as PEFT's `target_modules` spells them.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class PeftConfig:
+    name: str = MISSING
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input, while training
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def check(self) -> None:
+        one_of("peft", self.name, METHODS)
+        if self.name == "none":
+            return
+        require(self.rank > 0, "peft.rank", self.rank, "must be > 0")
+        require(self.alpha > 0, "peft.alpha", self.alpha, "must be > 0")
+        require(0 <= self.dropout < 1, "peft.dropout", self.dropout, "must be in [0, 1)")
+        targets = list(self.target_modules)
+        require(bool(targets) and all(t in TARGETS for t in targets) and len(set(targets)) == len(targets),
+                "peft.target_modules", targets, f"must be distinct names among {', '.join(TARGETS)}")

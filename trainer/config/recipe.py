@@ -1,0 +1,102 @@
+"""The `recipe` section: which loss a run trains with (`recipe=pretrain|sft|dpo|grpo|kd`) and its settings, with
+the rules of its own values. The rules that tie it to the data, the model and the batch are cross-section
+rules (`trainer.config.across`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from trainer.config.checks import one_of, require
+
+RECIPES = ("pretrain", "sft", "dpo", "grpo", "kd")
+# The data each recipe trains on, and the recipe each dataset of its own is for.
+DATA = {"sft": "chat", "dpo": "preference", "grpo": "prompts"}
+DATA_ROWS = {"chat": "rows with messages", "preference": "rows with prompt, chosen, rejected",
+             "prompts": "rows with a prompt (text) or messages"}
+SCALE_REWARDS = ("group", "batch", "none")
+KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclass
+class TeacherConfig:
+    path: str | None = None  # kd: the teacher's Hugging Face directory (the student's tokenizer)
+
+
+@dataclass
+class KDConfig:
+    # forward_kl: KL(teacher || student); reverse_kl: KL(student || teacher); jsd: the Jensen-Shannon divergence
+    # (GKD's beta = 0.5), each at `temperature` and scaled by its square (Hinton et al.).
+    loss: str = "forward_kl"
+    temperature: float = 1.0
+    alpha: float = 0.5  # the loss is alpha x the divergence + (1 - alpha) x the student's cross-entropy
+    chunk_tokens: int = 1024  # tokens whose logits of both models are held at once
+
+
+@dataclass
+class RecipeConfig:
+    # pretrain: next-token loss on every token; sft: only on the assistant's tokens of data=chat;
+    # dpo: Direct Preference Optimization on data=preference against the frozen starting model;
+    # grpo: Group Relative Policy Optimization on data=prompts with reward functions;
+    # kd: knowledge distillation from recipe.teacher on any data.
+    name: str = MISSING
+    # dpo: how far from the reference the policy may move (the KL penalty's inverse weight); grpo: the KL
+    # penalty's weight (0: no reference is held).
+    beta: float = 0.1
+    # grpo: completions per prompt (train.global_batch_size counts completions), the reward functions
+    # (`package.module:function`, called with prompts=, completions= and the rows' other columns, returning a
+    # float per completion) and their weights (null: 1 each), how advantages are scaled (group: by each
+    # prompt's std; batch: the batch's; none), the clipping range (epsilon_high null: epsilon), the updates per
+    # generation batch, and how completions are sampled.
+    num_generations: int = 8
+    reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: list[float] | None = None
+    scale_rewards: str = "group"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    max_completion_length: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    kd: KDConfig = field(default_factory=KDConfig)
+
+    def check(self) -> None:
+        one_of("recipe", self.name, RECIPES)
+        if self.name == "dpo":
+            require(self.beta > 0, "recipe.beta", self.beta, "must be > 0")
+        if self.name == "grpo":
+            self._check_grpo()
+        if self.name == "kd":
+            self._check_kd()
+
+    def _check_grpo(self) -> None:
+        require(self.num_generations >= 2, "recipe.num_generations", self.num_generations,
+                "must be >= 2 (advantages compare the completions of one prompt)")
+        one_of("recipe.scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        require(bool(self.reward_funcs), "recipe.reward_funcs", list(self.reward_funcs),
+                "recipe=grpo needs at least one reward function, as package.module:function")
+        from trainer.recipes import rewards  # imports the user's modules; no torch
+
+        for spec in self.reward_funcs:
+            rewards.load(spec)
+        require(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
+                "recipe.reward_weights", None if self.reward_weights is None else list(self.reward_weights),
+                f"must give one weight per reward function ({len(self.reward_funcs)}), or be null for 1 each")
+        for key in ("epsilon", "num_iterations", "max_completion_length"):
+            require(getattr(self, key) > 0, f"recipe.{key}", getattr(self, key), "must be > 0")
+        require(self.epsilon_high is None or self.epsilon_high > 0, "recipe.epsilon_high", self.epsilon_high,
+                "must be > 0, or null for recipe.epsilon")
+        require(self.beta >= 0, "recipe.beta", self.beta, "must be >= 0 (0: no KL penalty, no reference held)")
+        require(self.temperature > 0, "recipe.temperature", self.temperature, "must be > 0 (GRPO samples)")
+        require(self.top_k >= 0, "recipe.top_k", self.top_k, "must be >= 0 (0: every token)")
+        require(0 < self.top_p <= 1, "recipe.top_p", self.top_p, "must be in (0, 1]")
+
+    def _check_kd(self) -> None:
+        kd = self.kd
+        one_of("recipe.kd.loss", kd.loss, KD_LOSSES)
+        require(kd.temperature > 0, "recipe.kd.temperature", kd.temperature, "must be > 0")
+        require(0 <= kd.alpha <= 1, "recipe.kd.alpha", kd.alpha, "must be in [0, 1]")
+        require(kd.chunk_tokens > 0, "recipe.kd.chunk_tokens", kd.chunk_tokens, "must be > 0")

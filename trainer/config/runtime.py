@@ -1,0 +1,99 @@
+"""The `runtime` section (`+runtime=torch-distributed`): how many processes on how many nodes torchrun starts,
+and the world size that follows from it and the launcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from launchers.base import node_range
+from trainer.config.checks import one_of, positive, require
+from trainer.config.strategy import Degrees
+from trainer.errors import ConfigError
+
+RUNTIMES = ("torch-distributed",)
+
+
+@dataclass
+class RuntimeConfig:
+    name: str = MISSING
+    # null: the GPU count on this machine, or 2 without GPUs.
+    nproc_per_node: int | None = None
+    # N nodes, or MIN:MAX for an elastic job (torchrun's elastic rendezvous: it goes on when nodes are lost, down
+    # to MIN, and takes nodes that join, up to MAX).
+    nnodes: Any = 1
+    node_rank: int = 0
+    max_restarts: int = 0
+    rdzv_backend: str = "c10d"
+    # host:port of node 0; null on one node lets torchrun pick a free local port (--standalone).
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "trainjob"
+    monitor_interval: float = 1.0
+    # Elastic jobs: seconds the rendezvous waits for more nodes once MIN have joined.
+    last_call_timeout: int = 5
+
+    def check(self) -> None:
+        one_of("runtime.name", self.name, RUNTIMES)
+        require(self.nproc_per_node is None or self.nproc_per_node > 0, "runtime.nproc_per_node",
+                self.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
+        try:
+            _, most = node_range(self.nnodes)
+        except ValueError as e:
+            raise ConfigError("runtime.nnodes", self.nnodes, str(e)) from None
+        require(0 <= self.node_rank < most, "runtime.node_rank", self.node_rank,
+                f"must be in [0, runtime.nnodes={self.nnodes})")
+        positive(self, "runtime", "last_call_timeout")
+        require(self.max_restarts >= 0, "runtime.max_restarts", self.max_restarts, "must be >= 0")
+        positive(self, "runtime", "monitor_interval")
+
+
+def local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def node_gpus(cfg: Any) -> int:
+    """GPUs per node: those a remote launcher asks for, or those on this machine for the local one."""
+    name = cfg.launcher.name
+    if name == "kubernetes":
+        return int(cfg.launcher.resources_per_node.gpu)
+    if name == "docker":
+        return int(cfg.launcher.gpus_per_node)
+    return local_gpu_count()
+
+
+def nproc_per_node(cfg: Any) -> int:
+    """Processes per node: the runtime's setting, else one per GPU; without GPUs, 2 on this machine and 1
+    on a remote node (whose cores the launcher does not know)."""
+    if cfg.runtime is None:
+        return 1
+    if cfg.runtime.nproc_per_node is not None:
+        return int(cfg.runtime.nproc_per_node)
+    return node_gpus(cfg) or (2 if cfg.launcher.name == "local" else 1)
+
+
+def node_counts(cfg: Any) -> range:
+    """The node counts the job may run at: one, or every count of an elastic range."""
+    if cfg.runtime is None:
+        return range(1, 2)
+    fewest, most = node_range(cfg.runtime.nnodes)
+    return range(fewest, most + 1)
+
+
+def world_size(cfg: Any) -> int:
+    """The job's world size (an elastic job's largest)."""
+    return nproc_per_node(cfg) * node_counts(cfg)[-1]
+
+
+def parallel_dims(cfg: Any, world: int | None = None) -> Degrees:
+    """The checked and filled degrees of `cfg` for `world` ranks (default: the config's world size);
+    `trainer.parallel.ParallelDims` builds the mesh of them on the rank side."""
+    return Degrees.of(cfg.strategy, world_size(cfg) if world is None else world)
+
+
+def dp_size(cfg: Any) -> int:
+    """How many ranks see different data: the data-parallel degrees (tensor-parallel peers share batches)."""
+    return parallel_dims(cfg).dp_size

@@ -1,0 +1,124 @@
+"""The `strategy` section: how the model is spread over the ranks (`strategy=ddp|fsdp2|tp|hsdp_tp|...`), and
+`Degrees`, its degrees checked and filled for a world size: pure Python, so that the driver checks a config
+without torch; `trainer.parallel.ParallelDims` adds the DeviceMesh they describe."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from trainer.config.checks import one_of, positive, require
+from trainer.config.precision import AUTO, DTYPES
+from trainer.errors import ConfigError
+
+AC_MODES = ("none", "full", "selective")
+DATA_PARALLEL = ("fsdp", "ddp")
+
+
+@dataclass
+class StrategyConfig:
+    """How the model is spread over the ranks: the degrees of the DeviceMesh and the options of what they
+    apply (`trainer.parallel.parallelize`). The yaml files under conf/strategy are presets of these."""
+
+    name: str = MISSING  # the preset's name, as reported; what runs follows from the values below
+    # Degrees of the DeviceMesh; one of them may be -1: the rest of the world. tp > 1: tensor parallelism.
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    # How data-parallel ranks hold the model: fsdp (FSDP2 over dp_shard, HSDP over dp_replicate x dp_shard)
+    # or ddp (a whole, plain copy per rank: DistributedDataParallel over dp_replicate; no dp_shard, no tp).
+    data_parallel: str = "fsdp"
+    # ddp
+    bucket_cap_mb: int = 25
+    # fsdp (auto: bf16 parameters on CUDA, fp32 on CPU; gradients reduced in reduce_dtype)
+    reshard_after_forward: bool = True
+    param_dtype: str = AUTO
+    reduce_dtype: str = "fp32"
+    # tp: the loss computed on vocabulary shards (the logits never gathered) when the vocabulary divides
+    loss_parallel: bool = True
+    # all: none | full | selective (save matmul and attention outputs, recompute the rest)
+    activation_checkpointing: str = "none"
+    compile: bool = False
+
+    def check(self) -> None:
+        one_of("strategy.data_parallel", self.data_parallel, DATA_PARALLEL)
+        one_of("strategy.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        one_of("strategy.param_dtype", self.param_dtype, (AUTO, *DTYPES))
+        one_of("strategy.reduce_dtype", self.reduce_dtype, DTYPES)
+        positive(self, "strategy", "bucket_cap_mb")
+        if self.data_parallel == "ddp":
+            for name in ("dp_shard", "tp"):
+                require(getattr(self, name) == 1, f"strategy.{name}", getattr(self, name),
+                        f"strategy={self.name} uses only strategy.dp_replicate; this must be 1 "
+                        "(strategy.data_parallel=ddp keeps a whole, plain copy of the model on every rank)")
+
+
+NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The degrees of `world_size` ranks; one given as -1 is the rest of the world. Raises ConfigError,
+    naming the `strategy.*` key, on degrees that cannot lay out the world."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+    data_parallel: str = "fsdp"
+
+    @classmethod
+    def of(cls, strategy: StrategyConfig, world_size: int) -> Degrees:
+        """The strategy's degrees for `world_size` ranks, solved once per process for each combination."""
+        return _solved(*(int(getattr(strategy, n)) for n in NAMES), int(world_size), str(strategy.data_parallel))
+
+    def __post_init__(self) -> None:
+        given = self.degrees()
+        for name, value in given.items():
+            require(value == -1 or value >= 1, f"strategy.{name}", value,
+                    "must be >= 1, or -1 for the rest of the world")
+        rest = [n for n, v in given.items() if v == -1]
+        if len(rest) > 1:
+            raise ConfigError(
+                f"strategy.{rest[-1]}", -1, f"only one of {', '.join('strategy.' + n for n in NAMES)} may be -1"
+            )
+        known = 1
+        for value in given.values():
+            known *= value if value != -1 else 1
+        if rest:
+            require(not self.world_size % known, f"strategy.{rest[0]}", -1,
+                    f"the other degrees multiply to {known}, which does not divide the world size {self.world_size}")
+            object.__setattr__(self, rest[0], self.world_size // known)  # frozen: filled once, here
+        product = self.dp_replicate * self.dp_shard * self.tp
+        require(product == self.world_size, "strategy", given,
+                f"dp_replicate x dp_shard x tp = {product} must equal the world size {self.world_size}")
+
+    def degrees(self) -> dict[str, int]:
+        return {n: getattr(self, n) for n in NAMES}
+
+    @property
+    def dp_size(self) -> int:
+        """How many ranks see different data (tensor-parallel peers share batches)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards the model over the data-parallel ranks (HSDP when dp_replicate > 1 too)."""
+        return self.data_parallel == "fsdp" and self.dp_size > 1
+
+    @property
+    def ddp(self) -> bool:
+        """DistributedDataParallel averages the gradients of whole copies over dp_replicate."""
+        return self.data_parallel == "ddp" and self.dp_replicate > 1
+
+
+@functools.cache
+def _solved(dp_replicate: int, dp_shard: int, tp: int, world_size: int, data_parallel: str) -> Degrees:
+    return Degrees(dp_replicate, dp_shard, tp, world_size, data_parallel)
+
+
+def mesh_degrees(strategy: StrategyConfig, world: int) -> dict[str, int]:
+    """The strategy's (dp_replicate, dp_shard, tp) degrees for `world` ranks, the -1 filled in."""
+    return Degrees.of(strategy, world).degrees()

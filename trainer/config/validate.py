@@ -1,0 +1,72 @@
+"""`validate`, every check of a composed config in order: unknown keys, each section's own `check()`, the
+launcher's and scheduler's rules (`launchers.check`), then the rules across sections (`across.check`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+import launchers
+from trainer.config import across
+from trainer.config.checks import one_of, require
+from trainer.config.runtime import node_counts
+from trainer.config.schema import LAUNCHERS, Config, schemas, typed
+from trainer.errors import ConfigError
+
+
+def _known_keys(cfg: DictConfig) -> None:
+    # Hydra's `+key=value` appends keys even to a typed node; only the schema's fields are meaningful.
+    top = {f.name for f in fields(Config)}
+    for key in cfg:
+        require(key in top, str(key), cfg.get(key), f"unknown key; the top level has {', '.join(sorted(top))}")
+    for group, schema in schemas(cfg).items():
+        node = cfg.get(group)
+        if node is None:
+            continue
+        known = {f.name for f in fields(schema)}
+        for key in node:
+            require(key in known, f"{group}.{key}", node.get(key),
+                    f"unknown key; {group} has {', '.join(sorted(known))}")
+
+
+def _finite(section: Any, prefix: str) -> None:
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            _finite(value, f"{prefix}.{f.name}")
+        elif isinstance(value, float):
+            require(math.isfinite(value), f"{prefix}.{f.name}", value, "must be a finite number")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            require(-(2**63) <= value < 2**63, f"{prefix}.{f.name}", value, "must be within a 64-bit integer")
+
+
+def _validate_launcher(cfg: DictConfig) -> None:
+    """The launcher's and the scheduler's own rules (`launchers.check`), reported as config errors."""
+    nnodes = node_counts(cfg)[-1] if cfg.get("runtime") is not None else None
+    paths = {"hydra.run.dir": os.path.abspath(os.path.expanduser(str(cfg.run_dir))),
+             "data.cache_dir": os.path.abspath(os.path.expanduser(str(cfg.data.cache_dir)))}
+    try:
+        launchers.check(cfg.launcher, cfg.scheduler, nnodes, paths)
+    except launchers.OptionError as e:
+        raise ConfigError(e.key, e.value, e.allowed) from None
+
+
+def validate(cfg: DictConfig) -> Config:
+    """Check every rule that the types alone cannot; raise ConfigError on the first one broken. Returns the
+    typed config."""
+    _known_keys(cfg)
+    one_of("launcher.name", cfg.launcher.name, LAUNCHERS)
+    job = typed(cfg)
+    sections = {name: getattr(job, name) for name in schemas(cfg) if getattr(job, name) is not None}
+    for name, section in sections.items():
+        _finite(section, name)
+    for section in sections.values():
+        if hasattr(section, "check"):  # the launcher's and scheduler's rules live in launchers/
+            section.check()
+    _validate_launcher(cfg)
+    across.check(job)
+    return job

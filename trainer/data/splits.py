@@ -1,0 +1,42 @@
+"""Where each split's batches come from: streamed from the cache nodes named for it (`data.cache.endpoints`,
+`data.cache.eval_endpoints`), else read from the local corpus."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+
+from datacache import DataCacheError, LocalDataset, StreamingDataset
+from datacache.planned import PlannedDataset
+from trainer.config import CACHE_KEYS
+from trainer.data.chat import ChatDataset
+from trainer.errors import ConfigError
+
+
+def needs_corpus(data_cfg) -> bool:
+    """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
+    return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
+
+
+def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:
+    """A split's batches: streamed from the cache nodes named for it, else read from the local corpus."""
+    key = CACHE_KEYS[split]
+    endpoints = list(getattr(data_cfg.cache, key))
+    if not endpoints:
+        if data_cfg.name == "prompts":  # GRPO's prompts (trainer.recipes.prompt_data)
+            from trainer.recipes.prompt_data import PromptDataset
+
+            return PromptDataset(os.path.join(corpus, split), **kw)
+        dataset = ChatDataset if data_cfg.name in ("chat", "preference") else LocalDataset
+        return dataset(os.path.join(corpus, split), **kw)
+    try:
+        data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
+                                readers=data_cfg.cache.readers, tls_root_cert=data_cfg.cache.tls_root_cert, **kw)
+        rows, _ = data.schema.field("tokens").type, data.plan  # the nodes are asked what they hold
+    except (DataCacheError, ValueError) as e:  # unreachable nodes; fewer rows than one global batch
+        raise ConfigError(f"data.cache.{key}", endpoints, str(e)) from None
+    if not (pa.types.is_fixed_size_list(rows) and rows.list_size == data_cfg.seq_len + 1):
+        raise ConfigError(f"data.cache.{key}", endpoints, f"the nodes hold {split} rows of type {rows}; "
+                          f"data.seq_len={data_cfg.seq_len} needs rows of {data_cfg.seq_len + 1} token ids")
+    return data

@@ -1,0 +1,104 @@
+"""The shared input checks: what only the data, the checkpoints or the cache nodes can tell (too few rows for a
+global batch, token ids beyond the vocabulary, a model too large for this machine, a checkpoint of another
+model, nodes that do not answer). Each is a ConfigError before the first step: one line, exit code 2.
+
+The driver runs `check` where the ranks read this machine's data (`trainer.preflight`); a rank runs it in
+its own process (`trainer.worker`), unless the driver already ran it there (the default run, whose worker
+is called in the driver's process). This is the one module of the rank side the driver imports.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trainer import checkpoint, models
+from trainer.config import CACHE_KEYS, Config, ConfigError, Degrees
+from trainer.data import chat
+from trainer.data.corpus import check_corpus, prepare
+from trainer.data.splits import needs_corpus, split_dataset
+from trainer.run_dir import RunDir
+
+
+def resume_candidate(cfg: Config) -> str | None:
+    """The checkpoint a run would start from, before rank 0 settles it (`trainer.worker.resume_path`)."""
+    own = RunDir.of(cfg.run_dir).checkpoints
+    if cfg.train.resume == "never":
+        return None
+    if cfg.train.resume == "auto":  # only this run directory's own checkpoints
+        return checkpoint.latest(own)
+    # A restart of a line that began at this explicit checkpoint (torchrun's restart, a pod's, the same
+    # config run again) goes on from the line's newest checkpoint rather than branching again.
+    if checkpoint.branched_from(own) == os.path.realpath(cfg.train.resume) and checkpoint.latest(own):
+        return checkpoint.latest(own)
+    return cfg.train.resume
+
+
+# Bytes per parameter a rank holds at the least: fp32 weights, gradients and AdamW's two moments.
+BYTES_PER_PARAM = 16
+
+
+def check_memory(cfg: Config, dims: Degrees) -> None:
+    """Raise ConfigError when this machine cannot hold the model's weights, gradients and optimizer state
+    (sharded over dp_shard x tp ranks, shared by this machine's ranks): a model that cannot fit is a config
+    error, not an allocation failure minutes later."""
+    m = cfg.model
+    try:
+        params = models.count_params(m)
+    except RuntimeError:  # a tensor whose size in bytes overflows int64
+        raise ConfigError("model", f"dim={m.dim}, ffn_dim={m.ffn_dim}, vocab_size={m.vocab_size}",
+                          "makes a tensor too large to address: choose smaller model.* sizes") from None
+    per_rank = params * BYTES_PER_PARAM / (dims.dp_shard * dims.tp)
+    if torch.cuda.is_available():
+        available, where = torch.cuda.mem_get_info()[1], "GPU"
+    else:
+        ranks_here = cfg.runtime.nproc_per_node if cfg.runtime is not None and cfg.runtime.nproc_per_node else 1
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / ranks_here
+        where = "share of this machine's memory"
+    if per_rank > available:
+        raise ConfigError("model", f"{params / 1e9:.3g}B parameters",
+                          f"needs at least {per_rank / 2**30:.1f} GiB per rank for weights, gradients and AdamW "
+                          f"state, more than a rank's {where} ({available / 2**30:.1f} GiB): choose a smaller "
+                          "model.* or shard it over more ranks (strategy=fsdp2)")
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `check` found for a job: the corpus directory (None when every split comes from cache nodes)."""
+
+    corpus: str | None
+
+
+def check(cfg: Config, dims: Degrees) -> Checked:
+    """Build or find the corpus and check everything the job will read before its first step: the corpus
+    (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError."""
+    check_memory(cfg, dims)
+    chats = cfg.data.name in ("chat", "preference")
+    build = (lambda: chat.prepare(cfg)) if chats else (lambda: prepare(cfg.data))
+    check_rows = check_corpus
+    if cfg.data.name == "prompts":  # GRPO's prompts
+        from trainer.recipes import prompt_data
+
+        build, check_rows = (lambda: prompt_data.prepare(cfg)), prompt_data.check_corpus
+    corpus = build() if needs_corpus(cfg.data) else None
+    if corpus is not None:
+        check_rows(corpus, cfg)
+    for split, key in CACHE_KEYS.items():
+        if getattr(cfg.data.cache, key):
+            split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
+                          rank=0, world_size=dims.dp_size, loop=False)
+    start = resume_candidate(cfg)
+    if start is not None:
+        if not checkpoint.is_checkpoint(start):
+            raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "
+                              "moved?): give another, or train.resume=auto")
+        problem = checkpoint.damage(start)
+        if problem:
+            raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} cannot be loaded: "
+                              f"{problem}; give another")
+        checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
+        if start != cfg.train.resume:  # going on along this run's line; an explicit train.resume branches anew
+            checkpoint.check_data_order(start, cfg)
+    return Checked(corpus)
