@@ -50,7 +50,7 @@ def _agents(run_dir: str) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"launchers.torchrun" in argv and run_dir.encode() in b" ".join(argv):
+        if b"torch.distributed.run" in argv and run_dir.encode() in b" ".join(argv):
             found.append(int(pid))
     return found
 

@@ -173,15 +173,15 @@ def write_private(path: str, text: str) -> None:
     write_whole(path, text, 0o600)
 
 
-# torchrun's agent as every launcher starts it: torchrun whose exit code is its failed rank's own.
+# torchrun whose exit code is its failed rank's own: what a Kubernetes pod runs, for its podFailurePolicy.
 TORCHRUN = ["-m", "launchers.torchrun"]
 
 
-def agent_command(spec: LaunchSpec, python: str = "python") -> list[str]:
-    """The agent that starts a node's ranks: a trainer run's is `launchers.torchrun`, so that a refused config
-    (exit 2) and a preemption (143) reach whoever watches the node; a function job's image need not hold
-    trainjob, and starts plain torchrun."""
-    return [python, *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
+def pod_agent(spec: LaunchSpec) -> list[str]:
+    """The agent that starts a pod's ranks: a trainer run's is `launchers.torchrun`, so that a refused config
+    (exit 2) and a preemption (143) reach the pod's status; a function job's image need not hold trainjob,
+    and starts plain torchrun."""
+    return ["python", *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
 
 # An elastic job's rendezvous: its store is hosted outside the nodes (`launchers.rendezvous`), so that losing
 # any node leaves it; a node that stops sending heartbeats for 5 s is gone.

@@ -40,7 +40,6 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
-    agent_command,
     read_progress,
     require,
     run_name,
@@ -353,8 +352,7 @@ class DockerLauncher(Launcher):
             cmd[at:at] = ["--cpuset-cpus", ",".join(map(str, shares[node]))]
             if lc.get("gpus_per_node"):
                 cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
-            agent = [*agent_command(spec), *torchrun_args(spec, endpoint=endpoint)]
-            cmds.append([*cmd, lc["image"], *agent, *spec.command])
+            cmds.append([*cmd, lc["image"], "torchrun", *torchrun_args(spec, endpoint=endpoint), *spec.command])
         return cmds
 
     def render(self, spec: LaunchSpec) -> str:

@@ -32,7 +32,6 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     OptionError,
-    agent_command,
     read_progress,
     read_summary,
     run_name,
@@ -413,7 +412,7 @@ class LocalLauncher(Launcher):
     def command(self, spec: LaunchSpec) -> list[str]:
         if spec.torchrun is None:
             return [sys.executable, *spec.command]
-        return [*agent_command(spec, sys.executable), *torchrun_args(spec), *spec.command]
+        return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *spec.command]
 
     def render(self, spec: LaunchSpec) -> str:
         return shlex.join(self.command(spec)) + "\n"

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from launchers import schedulers
-from launchers.base import MASK, TORCHRUN_ENV, LauncherError, LaunchSpec, agent_command
+from launchers.base import MASK, TORCHRUN_ENV, LauncherError, LaunchSpec, pod_agent
 
 GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
 CONFIG_DIR = "/etc/trainjob"
@@ -196,7 +196,7 @@ def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env
     """The TrainJob's `trainer`: torchrun on every node, with the run's environment and resources."""
     trainer: dict[str, Any] = {
         "image": lc["image"],
-        "command": [*agent_command(spec), f"--max-restarts={_restarts_in_pod(spec, sc)}", *pod_command(spec)],
+        "command": [*pod_agent(spec), f"--max-restarts={_restarts_in_pod(spec, sc)}", *pod_command(spec)],
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,

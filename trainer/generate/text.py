@@ -35,7 +35,7 @@ class Text:
     def __init__(self, hf_dir: str | None, key: str = "--chat", source: str = "SOURCE"):
         self.hf, self.key = None, key
         if hf_dir is None:
-            from trainer.models import tokenizer
+            from trainer.data import tokenizer
 
             self.eos, self.pad = [tokenizer.EOS], tokenizer.PAD
             return
@@ -53,7 +53,7 @@ class Text:
         from trainer.errors import ConfigError
 
         if self.hf is None:
-            from trainer.models import tokenizer
+            from trainer.data import tokenizer
 
             if not isinstance(prompt, str):
                 raise ConfigError(self.key, True, "a built-in preset's byte tokenizer has no chat template")
@@ -68,7 +68,7 @@ class Text:
 
     def decode(self, ids: list[int]) -> str:
         if self.hf is None:
-            from trainer.models import tokenizer
+            from trainer.data import tokenizer
 
             return tokenizer.decode(ids)
         return self.hf.tokenizer.decode(ids, skip_special_tokens=True)
