@@ -140,6 +140,12 @@ def _grpo(job) -> None:
     r, t = job.recipe, job.train
     if r.name != "grpo":
         return
+    require(bool(r.reward_funcs), "recipe.reward_funcs", list(r.reward_funcs),
+            "recipe=grpo needs at least one reward function, as package.module:function")
+    from trainer.recipes import rewards  # imports the user's modules (they read the data's columns); no torch
+
+    for spec in r.reward_funcs:
+        rewards.load(spec)
     require(t.global_batch_size % r.num_generations == 0, "recipe.num_generations", r.num_generations,
             f"must divide train.global_batch_size={t.global_batch_size} (which counts completions: "
             "num_generations of each prompt)")

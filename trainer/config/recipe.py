@@ -76,12 +76,6 @@ class RecipeConfig:
         require(self.num_generations >= 2, "recipe.num_generations", self.num_generations,
                 "must be >= 2 (advantages compare the completions of one prompt)")
         one_of("recipe.scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        require(bool(self.reward_funcs), "recipe.reward_funcs", list(self.reward_funcs),
-                "recipe=grpo needs at least one reward function, as package.module:function")
-        from trainer.recipes import rewards  # imports the user's modules; no torch
-
-        for spec in self.reward_funcs:
-            rewards.load(spec)
         require(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
                 "recipe.reward_weights", None if self.reward_weights is None else list(self.reward_weights),
                 f"must give one weight per reward function ({len(self.reward_funcs)}), or be null for 1 each")
