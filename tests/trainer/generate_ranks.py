@@ -50,8 +50,14 @@ def main(path: str, strategy: str, out: str) -> None:
     completions = generate(model, mine, 16, eos=end_tokens(model, group))
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"prompts": mine, "completions": completions}, f)
+    dist.barrier()  # every rank's collectives are done before any destroys the group
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # Leave without the interpreter's teardown, where gloo's threads, destroyed late, have been seen to abort a
+    # rank that had succeeded ("terminate called without an active exception"), as trainer.worker does.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
