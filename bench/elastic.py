@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from preemption import REPO, measure
+from preemption import REPO, _agent, measure
 
 
 def _steps(run_dir: str) -> list[dict]:
@@ -40,19 +40,6 @@ def _steps(run_dir: str) -> list[dict]:
             if "event" not in record:
                 out.append(record)
     return out
-
-
-def _agents(run_dir: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"torch.distributed.run" in argv and run_dir.encode() in b" ".join(argv):
-            found.append(int(pid))
-    return found
 
 
 def _until(procs: list[subprocess.Popen], ok, what: str, timeout: float = 300) -> None:
@@ -77,7 +64,7 @@ def node_loss(args: list[str], after: int) -> float:
         try:
             _until(nodes, lambda: sum(r.get("world_size") == 2 for r in _steps(run_dir)) >= after, "two nodes")
             died = time.monotonic()
-            os.kill(_agents(run_dir)[0], signal.SIGKILL)
+            os.kill(_agent(run_dir), signal.SIGKILL)
             _until(nodes, lambda: any(r.get("world_size") == 1 for r in _steps(run_dir)), "a step on one node")
             return time.monotonic() - died
         finally:
