@@ -192,11 +192,6 @@ def _app(cfg: DictConfig) -> float:
     finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
         let_go(run.spec.run_dir)
     code = getattr(job, "exit_code", None)
-    if state == launchers.JobState.FAILED and code in (2, EXIT_CODE):  # refused, or preempted: the ranks said why
-        if code == EXIT_CODE:
-            print(f"preempted (SIGTERM): the checkpoint to resume from is in {run.spec.run_dir}; the same command "
-                  "resumes from it", file=sys.stderr)
-        raise SystemExit(code)
     if state != launchers.JobState.COMPLETE:
         print(f"error: run {run.spec.run_dir} ({job.name}) ended {state.value}"
               f"{'' if code is None else f' with exit code {code}'}; see its logs: python -m launchers logs "
