@@ -263,7 +263,8 @@ def test_an_elastic_run_loses_a_node_container_and_ends_at_the_one_node_losses(c
             "runtime.last_call_timeout=3"]
     env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
     one = subprocess.run([sys.executable, "-m", "trainer", *args, "runtime.nnodes=1",
-                          f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          f"hydra.run.dir={tmp_path / 'one'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     run_dir = tmp_path / "run"
     driver = subprocess.Popen([sys.executable, "-m", "trainer", *args, "launcher=docker", f"launcher.image={IMAGE}",
