@@ -301,7 +301,7 @@ class LocalJob(Job):
 
     @property
     def exit_code(self) -> int | None:
-        """The command's exit code, once it has ended (143: preempted, its checkpoint written; 2: refused)."""
+        """The command's exit code, once it has ended (torchrun's is 1 for any failed rank)."""
         return self._current().exit_code
 
     def status(self) -> JobState:
