@@ -1,6 +1,6 @@
 """A client of Kubeflow Trainer's data cache, written from its protocol (the `DataCacheDataset` of
 kubeflow/trainer `examples/pytorch/data-cache/`, as `datacache.kubeflow` describes it), run as a torchrun
-rank: it reads epochs with 0 and 2 DataLoader workers and writes the row ids it saw.
+rank: it reads epochs with 2 and 0 DataLoader workers and writes the row ids it saw.
 
     torchrun --nproc-per-node 2 tests/datacache/kubeflow_client.py <head endpoint> <out dir> <epochs>
 
@@ -49,7 +49,9 @@ def main() -> None:
     endpoint, out, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
     seen = {}
-    for workers in (0, 2):
+    # The workers' epochs first: gRPC does not survive fork (apache/arrow#38617), so a DataLoader that forks
+    # its workers after this process opened Flight clients itself can leave them hanging in their first call.
+    for workers in (2, 0):
         dataset = DataCacheDataset(endpoint)
         for epoch in range(epochs):
             dataset.set_epoch(epoch)
