@@ -13,7 +13,6 @@ Goals: under 30 s from death to step, under 10 s from SIGTERM to exit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -25,21 +24,7 @@ import time
 
 from preemption import REPO, _agent, measure
 
-
-def _steps(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if "event" not in record:
-                out.append(record)
-    return out
+from trainer.observability.plots import read_metrics
 
 
 def _until(procs: list[subprocess.Popen], ok, what: str, timeout: float = 300) -> None:
@@ -62,10 +47,10 @@ def node_loss(args: list[str], after: int) -> float:
         nodes = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for _ in range(2)]
         try:
-            _until(nodes, lambda: sum(r.get("world_size") == 2 for r in _steps(run_dir)) >= after, "two nodes")
+            _until(nodes, lambda: sum(r.get("world_size") == 2 for r in read_metrics(run_dir)) >= after, "two nodes")
             died = time.monotonic()
             os.kill(_agent(run_dir), signal.SIGKILL)
-            _until(nodes, lambda: any(r.get("world_size") == 1 for r in _steps(run_dir)), "a step on one node")
+            _until(nodes, lambda: any(r.get("world_size") == 1 for r in read_metrics(run_dir)), "a step on one node")
             return time.monotonic() - died
         finally:
             for node in nodes:
