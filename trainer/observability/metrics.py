@@ -69,13 +69,13 @@ def mean_across_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def keep_metrics_until(path: str, step: int) -> None:
+def keep_metrics_until(path: str, step: int) -> dict | None:
     """Drop the records after `step`, where this run goes on from: what followed was never kept (a
     failed attempt, or a line abandoned by resuming from an earlier checkpoint). A line cut short (a
-    kill, a full disk) is dropped too, and said so."""
+    kill, a full disk) is dropped too, and said so. Returns the last step record kept (not an event)."""
     if not os.path.exists(path):
-        return
-    kept, after, broken = [], 0, 0
+        return None
+    kept, last, after, broken = [], None, 0, 0
     with open(path) as f:
         for line in f:
             try:
@@ -88,6 +88,8 @@ def keep_metrics_until(path: str, step: int) -> None:
                 continue
             if record["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
+                if "event" not in record:
+                    last = record
             else:
                 after += 1
     if broken:
@@ -95,28 +97,15 @@ def keep_metrics_until(path: str, step: int) -> None:
     if after:
         log.info("%s: dropped %d record(s) after step %d, where this run goes on from", path, after, step)
     write_whole(path, "".join(kept))
-
-
-def _last_record(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    last = None
-    with open(path) as f:
-        for line in f:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and "event" not in record:
-                    last = record
     return last
 
 
-def note_restart(path: str, step: int, world: int, runtime) -> None:
-    """When this start of the ranks goes on from step `step` of a run that logged before, say so in
-    `metrics.jsonl`: a `reformation` (torchrun re-formed the group: a node was lost or joined, or ranks
-    were restarted) or a `resume` (the run started again), with when, the world size before and after, and
-    the step resumed from."""
-    last = _last_record(path) if step > 0 else None
-    if last is None:
+def note_restart(path: str, step: int, last: dict | None, world: int, runtime) -> None:
+    """When this start of the ranks goes on from step `step` of a run that logged before (`last`, its last
+    step record), say so in `metrics.jsonl`: a `reformation` (torchrun re-formed the group: a node was lost
+    or joined, or ranks were restarted) or a `resume` (the run started again), with when, the world size
+    before and after, and the step resumed from."""
+    if step == 0 or last is None:
         return
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     before = last.get("world_size")
@@ -145,8 +134,8 @@ class MetricsLogger:
         self.trackers = self.reporter = None
         self.samples_per_step = train_cfg.global_batch_size
         if self.rank == 0:
-            keep_metrics_until(RunDir.of(cfg.run_dir).metrics, first_step)
-            note_restart(RunDir.of(cfg.run_dir).metrics, first_step, self.world, cfg.runtime)
+            path = RunDir.of(cfg.run_dir).metrics
+            note_restart(path, first_step, keep_metrics_until(path, first_step), self.world, cfg.runtime)
             self.trackers = trackers.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
             self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
