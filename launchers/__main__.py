@@ -38,6 +38,17 @@ def _cell(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def event_line(event: dict) -> str:
+    """'reformation: <time>: world size 2 -> 1, resumed from step 14', 'preemption: <time>: at step 7, ...'."""
+    kind, when = event.get("event"), event.get("time", "-")
+    if kind in ("resume", "reformation"):
+        return (f"{kind}: {when}: world size {event.get('world_size_before')} -> {event.get('world_size_after')}, "
+                f"resumed from step {event.get('resumed_from_step')}")
+    if kind == "preemption":
+        return f"preemption: {when}: at step {event.get('at_step')}, checkpoint {event.get('checkpoint')}"
+    return f"{kind}: {when}: " + ", ".join(f"{k} {v}" for k, v in event.items() if k not in ("event", "time"))
+
+
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m launchers",
@@ -101,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(job))
             else:
-                print("\n".join(f"{k}: {_cell(v)}" for k, v in job.items() if k != "reformations"))
-                for r in job["reformations"]:  # an elastic run's: each time torchrun re-formed the group
-                    print(f"reformation: {r['time']}: world size {r['world_size_before']} -> "
-                          f"{r['world_size_after']}, resumed from step {r['resumed_from_step']}")
+                print("\n".join(f"{k}: {_cell(v)}" for k, v in job.items() if k != "events"))
+                for event in job["events"]:  # resumes, re-formations, preemptions, oldest first
+                    print(event_line(event))
         elif args.verb == "logs":
             for line in client.get_job_logs(args.name, rank=args.rank, follow=args.follow):
                 print(line, flush=True)

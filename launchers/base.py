@@ -229,31 +229,44 @@ def read_summary(run_dir: str) -> dict[str, Any] | None:
     return summary if isinstance(summary, dict) else None
 
 
-def read_progress(run_dir: str) -> dict[str, Any]:
-    """Step, last loss and last eval loss of the run in `run_dir`, from the files its rank 0 writes:
-    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done; and
-    the re-formations of an elastic run (when, the world size before and after, the step resumed from)."""
-    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
-    reformations: list[dict[str, Any]] = []
+def _json_lines(path: str) -> Iterator[dict[str, Any]]:
+    """The JSON objects of the lines of `path`; a line being written, or not an object, is skipped."""
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     record = json.loads(line)
-                except ValueError:  # a line being written
+                except ValueError:
                     continue
-                if not isinstance(record, dict):
-                    continue
-                if record.get("event") == "reformation":
-                    reformations.append({k: v for k, v in record.items() if k not in ("event", "step")})
-                    continue
-                found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
-                if record.get("eval_loss") is not None:
-                    found["eval_loss"] = record["eval_loss"]
-    except (OSError, UnicodeDecodeError):
-        pass
-    if reformations:
-        found["reformations"] = reformations
+                if isinstance(record, dict):
+                    yield record
+    except OSError:
+        return
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    """The run's events, oldest first: each resume, re-formation (`world_size_before`, `world_size_after`,
+    `resumed_from_step`) and preemption (`at_step`, `checkpoint`), with its `time`, from `events.jsonl`
+    (and from `metrics.jsonl`, where a run of an earlier version wrote them)."""
+    older = [{k: v for k, v in r.items() if k != "step"}
+             for r in _json_lines(os.path.join(run_dir, "metrics.jsonl")) if "event" in r]
+    return older + [r for r in _json_lines(os.path.join(run_dir, "events.jsonl")) if "event" in r]
+
+
+def read_progress(run_dir: str) -> dict[str, Any]:
+    """Step, last loss and last eval loss of the run in `run_dir`, from the files its rank 0 writes:
+    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done; and
+    the run's events (`read_events`: resumes, re-formations, preemptions)."""
+    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
+    for record in _json_lines(os.path.join(run_dir, "metrics.jsonl")):
+        if "event" in record:
+            continue
+        found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
+        if record.get("eval_loss") is not None:
+            found["eval_loss"] = record["eval_loss"]
+    events = read_events(run_dir)
+    if events:
+        found["events"] = events
     summary = read_summary(run_dir) if os.path.isdir(run_dir) else None
     if summary:
         found.update(
@@ -278,8 +291,9 @@ class JobInfo:
     eval_loss: float | None = None
     start_time: datetime | None = None
     end_time: datetime | None = None
-    # Each time torchrun re-formed the group: {"time", "world_size_before", "world_size_after", "resumed_from_step"}.
-    reformations: list[dict[str, Any]] = field(default_factory=list)
+    # The run's events (`read_events`), oldest first: {"event": "resume" | "reformation" | "preemption",
+    # "time", ...}; a re-formation's "world_size_before", "world_size_after", "resumed_from_step".
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Job(ABC):

@@ -4,7 +4,8 @@ and deleted from any other. A record holds the job's supervisor pid, run directo
 end times, and its exit code once `launchers.supervise` wrote it (`<name>.log` beside it holds what the
 job printed); a supervisor that died without writing one (killed outright) leaves a pid that is gone, and
 the job counts as ended then. A record that cannot be read (truncated, not a record) is named in one line
-by `python -m launchers list` and removed by `delete`; it never hides the other jobs.
+by `python -m launchers list` and removed by `delete`; it never hides the other jobs. Keys a record does not
+have (another version of trainjob wrote them, or a hand) are ignored with a warning naming them.
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ def group_alive(pgid: int) -> bool:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(JobRecord)}
+# The JSON types each key of a record takes (bool is no number here: json gives True for true only).
+_TYPES = {"name": (str,), "run_dir": (str,), "command": (list,), "pid": (int, type(None)),
+          "pid_start": (str, type(None)), "created": (int, float), "ended": (int, float, type(None)),
+          "exit_code": (int, type(None)), "cancelled": (bool,), "own_group": (bool,)}
+_warned: set[str] = set()  # the records whose unknown keys this process has warned of (once each)
 
 
 def read(name: str) -> JobRecord | None:
@@ -125,15 +131,21 @@ def read(name: str) -> JobRecord | None:
         return None
     except (OSError, ValueError) as e:  # truncated, empty, not UTF-8, unreadable
         raise DamagedRecord(f"job record {path} cannot be read ({e}): python -m launchers delete {name}") from None
-    unknown = sorted(set(data) - set(_FIELDS)) if isinstance(data, dict) else []
     missing = sorted(k for k, f in _FIELDS.items() if isinstance(data, dict) and k not in data
                      and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-    if not isinstance(data, dict) or unknown or missing or data.get("name") != name:
+    wrong = sorted(k for k, types in _TYPES.items() if isinstance(data, dict) and k in data and (
+        not isinstance(data[k], types) or (isinstance(data[k], bool) and bool not in types)
+        or (k == "command" and not all(isinstance(a, str) for a in data[k]))))
+    if not isinstance(data, dict) or missing or wrong or data.get("name") != name:
         what = (f"a JSON {type(data).__name__}, not an object" if not isinstance(data, dict)
-                else f"unknown keys {unknown}" if unknown else f"no {missing}" if missing
+                else f"no {missing}" if missing else f"{wrong} of the wrong type" if wrong
                 else f"the record of {data.get('name')!r}")
         raise DamagedRecord(f"job record {path} is not a job record ({what}): python -m launchers delete {name}")
-    return JobRecord(**data)
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown and path not in _warned:  # written by another version of trainjob, or edited: the rest is a record
+        _warned.add(path)
+        log.warning("warning: job record %s: ignoring unknown keys %s", path, unknown)
+    return JobRecord(**{k: v for k, v in data.items() if k in _FIELDS})
 
 
 def load(name: str) -> JobRecord | None:

@@ -203,6 +203,7 @@ class Trainer:
                     if self.step < t.max_steps and stop.requested():
                         with logger.paused():
                             saved = saved or self.checkpointer.save(self.step)
+                        logger.preempted(self.step, saved)
                         raise preemption.Preempted(self.step, saved)
             finally:
                 logger.close(finished=self.step == t.max_steps)

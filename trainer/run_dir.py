@@ -3,6 +3,7 @@ makes a run directory this process's own before anything is written into it.
 
 config.yaml          the resolved config every rank ran
 metrics.jsonl        one JSON object per logged step (rank 0)
+events.jsonl         one JSON object per event of the run: a resume, a re-formation, a preemption (rank 0)
 summary.json         the final metrics (rank 0)
 checkpoints/step-N/  DCP checkpoints
 logs/rank-R.log      each rank's log
@@ -34,6 +35,7 @@ class RunDir:
         self.root = root
         self.config = os.path.join(root, "config.yaml")
         self.metrics = os.path.join(root, "metrics.jsonl")
+        self.events = os.path.join(root, "events.jsonl")
         self.summary = os.path.join(root, "summary.json")
         self.checkpoints = os.path.join(root, "checkpoints")
         self.logs = os.path.join(root, "logs")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,13 +22,14 @@ from launchers.local import LocalLauncher
 GOOD = registry.JobRecord(name="tj-good-0000aaaa", run_dir="/nowhere", command=["true"], exit_code=0, ended=2.0)
 
 # What a record file can hold instead of a record: a cut-off record, bytes that are no text, JSON that is
-# not an object, an object with a key a record has not, or another job's record.
+# not an object, a key of the wrong type, or another job's record.
 _text = json.dumps(GOOD.__dict__ | {"name": "tj-bad-0000bbbb"})
 DAMAGE = st.one_of(
     st.integers(0, len(_text) - 1).map(lambda n: _text[:n].encode()),
     st.binary(min_size=1, max_size=40).filter(lambda b: not b.strip().startswith(b"{")),
     st.sampled_from([b"[1, 2]", b"42", b'"tj-bad"', b"null"]),
-    st.text("abcdef", min_size=1, max_size=8).map(lambda k: json.dumps({**json.loads(_text), f"x{k}": 1}).encode()),
+    st.sampled_from([("pid", "12"), ("command", "true"), ("exit_code", 1.5), ("cancelled", 0), ("created", None),
+                     ("command", [1])]).map(lambda kv: json.dumps({**json.loads(_text), kv[0]: kv[1]}).encode()),
     st.just(json.dumps({**json.loads(_text), "name": "tj-other"}).encode()),
 )
 
@@ -55,6 +58,41 @@ def test_a_damaged_record_is_named_listed_around_and_deletable(home, content, ca
     client.delete_job("tj-bad-0000bbbb")
     assert not path.exists()
     assert registry.load(GOOD.name) == GOOD
+
+
+def test_unknown_keys_of_a_record_are_ignored_with_one_warning_and_get_and_list_answer(home, capfd):
+    record = {**GOOD.__dict__, "name": "tj-newer-0000cccc", "queue": "gpu", "priority": 3}
+    (home / "jobs" / "tj-newer-0000cccc.json").write_text(json.dumps(record))
+    got = subprocess.run([sys.executable, "-m", "launchers", "get", "tj-newer-0000cccc"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, registry.HOME_ENV: str(home)})
+    assert got.returncode == 0, got.stderr
+    assert "state: Complete" in got.stdout
+    assert got.stderr.strip() == (f"warning: job record {home / 'jobs' / 'tj-newer-0000cccc.json'}: ignoring unknown "
+                                  "keys ['priority', 'queue']")
+    listed = subprocess.run([sys.executable, "-m", "launchers", "list", "--json"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, registry.HOME_ENV: str(home)})
+    assert listed.returncode == 0 and listed.stderr.count("ignoring unknown keys") == 1, listed.stderr
+    assert [json.loads(line)["name"] for line in listed.stdout.splitlines()] == [GOOD.name, "tj-newer-0000cccc"]
+
+
+def test_get_reads_the_events_beside_the_metrics_and_those_an_older_version_wrote_among_them(home, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {"step": 4, "event": "reformation", "time": "t0", "world_size_before": 2, "world_size_after": 1,
+           "resumed_from_step": 4}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 4, "loss": 2.0}, old, {"step": 5, "loss": 1.5}]))
+    (run / "events.jsonl").write_text(json.dumps({"event": "preemption", "time": "t1", "at_step": 5,
+                                                  "checkpoint": "/c/step-5"}) + "\n" + '{"event": "res')
+    registry.JobRecord(name="tj-ev-0000dddd", run_dir=str(run), command=["true"], exit_code=143, ended=3.0).save()
+    progress = read_progress(str(run))
+    assert (progress["step"], progress["loss"]) == (5, 1.5)
+    assert [e["event"] for e in progress["events"]] == ["reformation", "preemption"]
+    got = subprocess.run([sys.executable, "-m", "launchers", "get", "tj-ev-0000dddd"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, registry.HOME_ENV: str(home)})
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines()[-2:] == ["reformation: t0: world size 2 -> 1, resumed from step 4",
+                                            "preemption: t1: at step 5, checkpoint /c/step-5"]
 
 
 def test_a_registry_where_a_file_is_is_one_line_naming_the_variable(tmp_path, monkeypatch):

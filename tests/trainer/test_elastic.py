@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from launchers.base import run_name
+from launchers.base import read_events, run_name
 from tests.conftest import TINY, compose_refused, read_summary
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -109,10 +109,6 @@ def _sigterm_pending(pid: int) -> bool:
     return bool(int(pending, 16) & (1 << (signal.SIGTERM - 1)))
 
 
-def _steps(records: list[dict]) -> list[dict]:
-    return [r for r in records if "event" not in r]
-
-
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("elastic-reference")
@@ -128,14 +124,15 @@ def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_los
                f"hydra.run.dir={run_dir}"]
     first, second = _node(cache_dir, tmp_path, *elastic), _node(cache_dir, tmp_path, *elastic)
     nodes = [first, second]
-    _wait(run_dir, nodes, lambda rs: any(r.get("world_size") == 2 and r["step"] >= 10 for r in _steps(rs)),
+    _wait(run_dir, nodes, lambda rs: any(r.get("world_size") == 2 and r["step"] >= 10 for r in rs),
           "two nodes at step 10")
     # The node whose driver started the rendezvous store goes: the store outlives it.
     os.kill(agent_of(first), signal.SIGKILL)
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 1 and "error: run " in out, out[-2000:]
-    _wait(run_dir, nodes, lambda rs: any(r.get("event") == "reformation" for r in rs), "a re-formation")
-    _wait(run_dir, nodes, lambda rs: any(r.get("world_size") == 1 for r in _steps(rs)), "one node training")
+    _wait(run_dir, nodes, lambda rs: any(e["event"] == "reformation" for e in read_events(str(run_dir))),
+          "a re-formation")
+    _wait(run_dir, nodes, lambda rs: any(r.get("world_size") == 1 for r in rs), "one node training")
     # The survivor's rank waits (stopped) for the late node, which must not find the run finished: its agent
     # tells the rank to stop (SIGTERM, pending while it is stopped) once the late node waits to join.
     ranks = ranks_of(agent_of(second))
@@ -153,11 +150,10 @@ def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_los
         out, _ = node.communicate(timeout=300)
         assert node.returncode == 0, out[-3000:]
 
-    records = _records(run_dir)
-    events = [r for r in records if "event" in r]
+    steps, events = _records(run_dir), read_events(str(run_dir))
+    assert all("step" not in e for e in events), events  # metrics.jsonl: one record per step; events apart
     assert [(e["event"], e["world_size_before"], e["world_size_after"]) for e in events] == [
         ("reformation", 2, 1), ("reformation", 1, 2)]
-    steps = _steps(records)
     # Every step once, in order, each on the rows after the last step's: nothing trained twice or skipped.
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert [r["samples_seen"] for r in steps] == [s * BATCH for s in range(1, STEPS + 1)]

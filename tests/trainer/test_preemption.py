@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from launchers.base import read_events
 from tests.conftest import TINY, read_metrics, read_summary
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
@@ -81,6 +82,11 @@ def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_bit_for_bi
                     f"{run_dir / 'checkpoints' / f'step-{step}'}; the same command resumes from it")
     assert os.listdir(run_dir / "checkpoints") == [f"step-{step}"]
     _resumed_equals_reference(cache_dir, tmp_path, run_dir, ARGS, reference)
+    # The events have a file of their own: metrics.jsonl holds each logged step once.
+    assert [m["step"] for m in read_metrics(str(run_dir))] == list(range(1, 41))
+    assert [(e["event"], e.get("at_step"), e.get("resumed_from_step")) for e in read_events(str(run_dir))] == [
+        ("preemption", step, None), ("resume", None, step)]
+    assert not any("event" in line for line in (run_dir / "metrics.jsonl").read_text().splitlines())
 
 
 def test_sigterm_to_torchruns_agent_stops_both_ranks_after_one_step_and_resumes(cache_dir, tmp_path):

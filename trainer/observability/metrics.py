@@ -72,10 +72,11 @@ def mean_across_ranks(value: torch.Tensor) -> float:
 def keep_metrics_until(path: str, step: int) -> dict | None:
     """Drop the records after `step`, where this run goes on from: what followed was never kept (a
     failed attempt, or a line abandoned by resuming from an earlier checkpoint). A line cut short (a
-    kill, a full disk) is dropped too, and said so. Returns the last step record kept (not an event)."""
+    kill, a full disk) is dropped too, and said so. An event line (written there before events had a file
+    of their own) moves to `events.jsonl`. Returns the last step record kept."""
     if not os.path.exists(path):
         return None
-    kept, last, after, broken = [], None, 0, 0
+    kept, events, last, after, broken = [], [], None, 0, 0
     with open(path) as f:
         for line in f:
             try:
@@ -83,38 +84,47 @@ def keep_metrics_until(path: str, step: int) -> dict | None:
             except json.JSONDecodeError:
                 broken += 1
                 continue
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            if isinstance(record, dict) and "event" in record:
+                events.append(json.dumps({k: v for k, v in record.items() if k != "step"}) + "\n")
+            elif not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 broken += 1
-                continue
-            if record["step"] <= step:
+            elif record["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-                if "event" not in record:
-                    last = record
+                last = record
             else:
                 after += 1
     if broken:
         log.warning("%s: dropped %d unreadable line(s) (cut short by a kill or a full disk?)", path, broken)
     if after:
         log.info("%s: dropped %d record(s) after step %d, where this run goes on from", path, after, step)
+    if events:
+        with open(os.path.join(os.path.dirname(path), "events.jsonl"), "a") as f:
+            f.writelines(events)
     write_whole(path, "".join(kept))
     return last
 
 
-def note_restart(path: str, step: int, last: dict | None, world: int, runtime) -> None:
+def write_event(run_dir: str, kind: str, **facts) -> None:
+    """Append an event of the run (`kind`: resume, reformation, preemption) to `events.jsonl`, with when it
+    happened. Events have a file of their own so that `metrics.jsonl` holds one record per logged step; an
+    event carries no `step` key (it names the step it is about: `resumed_from_step`, `at_step`)."""
+    event = {"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **facts}
+    with open(RunDir.of(run_dir).events, "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def note_restart(run_dir: str, step: int, last: dict | None, world: int, runtime) -> None:
     """When this start of the ranks goes on from step `step` of a run that logged before (`last`, its last
-    step record), say so in `metrics.jsonl`: a `reformation` (torchrun re-formed the group: a node was lost
-    or joined, or ranks were restarted) or a `resume` (the run started again), with when, the world size
-    before and after, and the step resumed from."""
+    step record), say so in `events.jsonl`: a `reformation` (torchrun re-formed the group: a node was lost
+    or joined, or ranks were restarted) or a `resume` (the run started again), with the world size before
+    and after, and the step resumed from."""
     if step == 0 or last is None:
         return
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     before = last.get("world_size")
     elastic = runtime is not None and ":" in str(runtime.nnodes)
     kind = "reformation" if restarts or elastic or (before is not None and before != world) else "resume"
-    event = {"step": step, "event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             "world_size_before": before, "world_size_after": world, "resumed_from_step": step}
-    with open(path, "a") as f:
-        f.write(json.dumps(event) + "\n")
+    write_event(run_dir, kind, world_size_before=before, world_size_after=world, resumed_from_step=step)
     log.info("%s: world size %s -> %d, going on from step %d", kind, before, world, step)
 
 
@@ -134,8 +144,8 @@ class MetricsLogger:
         self.trackers = self.reporter = None
         self.samples_per_step = train_cfg.global_batch_size
         if self.rank == 0:
-            path = RunDir.of(cfg.run_dir).metrics
-            note_restart(path, first_step, keep_metrics_until(path, first_step), self.world, cfg.runtime)
+            last = keep_metrics_until(RunDir.of(cfg.run_dir).metrics, first_step)
+            note_restart(cfg.run_dir, first_step, last, self.world, cfg.runtime)
             self.trackers = trackers.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
             self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
@@ -144,6 +154,7 @@ class MetricsLogger:
         self._since_step, self._paused = first_step, 0.0
         self.train_loss = float("nan")
         self.extras = extras  # a line's recipe-specific numbers, given the steps since the last line
+        self.run_dir = cfg.run_dir
 
     @contextlib.contextmanager
     def paused(self):
@@ -182,6 +193,11 @@ class MetricsLogger:
         if self.reporter:
             self.reporter.update(record["step"], {k: record.get(k) for k in PROGRESS_METRICS})
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+
+    def preempted(self, step: int, checkpoint: str) -> None:
+        """SIGTERM stopped the run after `step`, whose checkpoint is `checkpoint`: an event (rank 0)."""
+        if self.rank == 0:
+            write_event(self.run_dir, "preemption", at_step=step, world_size=self.world, checkpoint=checkpoint)
 
     def close(self, finished: bool) -> None:
         """`finished`: every step was trained (else the run failed or was stopped)."""

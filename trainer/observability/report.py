@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from datacache.args import OneLineParser
+from launchers.base import read_events
 from launchers.paths import directory_problem
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class RunRow:
     tokens_per_s: float | None
     peak_memory_gb: float | None
     time_s: float | None
+    events: str = "-"  # the run's events by kind (events.jsonl): "2 reformation, 1 preemption"
 
 
 def is_run(path: str) -> bool:
@@ -118,6 +120,14 @@ def _summary(run_dir: str) -> dict[str, Any]:
     return summary
 
 
+def events_text(run_dir: str) -> str:
+    """The run's events counted by kind, in order of first occurrence: '2 reformation, 1 preemption'."""
+    counts: dict[str, int] = {}
+    for event in read_events(run_dir):
+        counts[str(event["event"])] = counts.get(str(event["event"]), 0) + 1
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "-"
+
+
 def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]) -> RunRow:
     """A finished run's numbers from its summary.json; one without (running, failed) from its last lines."""
     s = _summary(run_dir)
@@ -132,6 +142,7 @@ def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]
             s.get("tokens_per_s"),
             max(peaks) if peaks else None,
             s.get("train_time_s"),
+            events_text(run_dir),
         )
     last = records[-1] if records else {}
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -145,6 +156,7 @@ def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]
         last.get("tokens_per_s"),
         max(peaks) if peaks else None,
         last.get("elapsed_s"),
+        events_text(run_dir),
     )
 
 
@@ -189,6 +201,9 @@ def table(rows: list[RunRow]):
         t.add_column(key)
     for name in ("steps", "train loss", "eval loss", "tokens/s", "peak mem GiB", "time s"):
         t.add_column(name, justify="right")
+    events = any(r.events != "-" for r in rows)  # a column only when a run was resumed, re-formed or preempted
+    if events:
+        t.add_column("events")
     for r in rows:
         numbers = [
             _number(r.steps, "d"),
@@ -197,6 +212,7 @@ def table(rows: list[RunRow]):
             _number(r.tokens_per_s, ".0f"),
             _number(r.peak_memory_gb, ".3f"),
             _number(r.time_s, ".1f"),
+            *([r.events] if events else []),
         ]
         t.add_row(r.run, *(_short(r.overrides[k]) for k in keys), *numbers)
     return t
