@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import errno
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, fields
@@ -198,9 +199,11 @@ def _app(cfg: DictConfig) -> float:
               f"{job.name}", file=sys.stderr)
         raise SystemExit(1)
     summary = job.result() or {}
-    loss = float("nan") if summary.get("final_eval_loss") is None else float(summary["final_eval_loss"])
-    print(f"run directory: {run.spec.run_dir}\nfinal eval loss: {loss:.4f} nats/token "
-          f"after {summary.get('steps')} steps", flush=True)
+    loss, train = (float("nan") if summary.get(k) is None else float(summary[k])
+                   for k in ("final_eval_loss", "final_train_loss"))
+    final = (f"final train loss (no eval split): {train:.4f}" if math.isnan(loss) and not math.isnan(train)
+             else f"final eval loss: {loss:.4f}")
+    print(f"run directory: {run.spec.run_dir}\n{final} nats/token after {summary.get('steps')} steps", flush=True)
     return loss
 
 

@@ -22,7 +22,7 @@ from datacache import StreamingDataset
 from launchers.paths import write_whole
 from trainer import checkpoint, models, parallel, preemption, recipes
 from trainer.config import ConfigError, torch_dtype
-from trainer.data.splits import split_dataset
+from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims
 from trainer.recipes.base import Context, local
@@ -82,7 +82,8 @@ class Trainer:
         shard = {"global_batch_size": self.recipe.rows_per_step, "seed": t.seed, "rank": dp_rank,
                  "world_size": dp_size}
         self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
-        self.eval_data = split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard)
+        self.eval_data = (None if trains_without_eval(cfg.data, corpus, self.recipe.rows_per_step) else
+                          split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard))
         self.step = 0
         self.resumed_from: str | None = None
         self.flops_per_token = metrics.flops_per_token(
@@ -149,6 +150,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.eval_data is None:  # no eval split (small data under the default data.eval_percent)
+            return float("nan")
         self.model.eval()
         total = torch.zeros((), device=self.device)
         n = 0
@@ -171,7 +174,8 @@ class Trainer:
                           prefetch_factor=4 if workers else None, multiprocessing_context=context)
 
     def _eval_due(self) -> bool:
-        return self.step % self.cfg.train.eval_every == 0 or self.step == self.cfg.train.max_steps
+        t = self.cfg.train
+        return self.eval_data is not None and (self.step % t.eval_every == 0 or self.step == t.max_steps)
 
     def fit(self) -> dict:
         """Train to `train.max_steps`; each owner decides its own timing: the metrics logger its lines, the

@@ -83,6 +83,24 @@ ARGS = [
 ]
 
 
+def test_forty_pairs_under_the_default_eval_percent_train_without_eval_and_say_so(preference_setup, run_cli,
+                                                                                  tmp_path):
+    model, path = preference_setup
+    args = ["model=hf", f"model.path={model}", *[a for a in ARGS if not a.startswith("data.eval_percent")],
+            f"data.path={path}", "train.max_steps=2"]
+    proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "training without eval" in line]
+    assert len(said) == 1 and "data.eval_percent (unset: 2) leaves the eval split of data=preference" in said[0]
+    assert "final train loss (no eval split)" in proc.stdout
+    assert [m["step"] for m in read_metrics(str(tmp_path / "run"))] == [1, 2]
+    assert [m.get("eval_loss") for m in read_metrics(str(tmp_path / "run"))] == [None, None]
+    # An explicit share that leaves the eval split too small is still refused, in one line.
+    refused = run_cli(*args, "data.eval_percent=0.5", f"hydra.run.dir={tmp_path / 'explicit'}")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "data.eval_percent=0.5: leaves the eval split no rows" in refused.stderr
+
+
 def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_cli, tmp_path):
     model, path = preference_setup
     args = ["model=hf", f"model.path={model}", *ARGS, f"data.path={path}", "train.max_steps=6",

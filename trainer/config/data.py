@@ -17,6 +17,15 @@ FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://", "kubeflow+grpc://")  
 
 
 CACHE_BACKENDS = ("trainjob", "kubeflow")
+# data.eval_percent unset: this share of the documents is held out, and a split too small for one global batch
+# means a run without eval (said in one line) rather than a refusal, as TRL trains without an eval set.
+DEFAULT_EVAL_PERCENT = 2.0
+
+
+def eval_share(data) -> float:
+    """The percent of documents the eval split holds: `data.eval_percent`, or DEFAULT_EVAL_PERCENT unset."""
+    value = getattr(data, "eval_percent", None)
+    return DEFAULT_EVAL_PERCENT if value is None else float(value)
 
 
 @dataclass
@@ -112,7 +121,8 @@ class DataConfig:
     text_column: str | None = "text"
     tokens_column: str | None = None
     seq_len: int = 256
-    eval_percent: float = 2.0
+    # Unset (null): 2, and a run whose eval split is too small for a global batch trains without eval.
+    eval_percent: float | None = None
     cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
     shuffle: bool = True
     num_workers: int = 0
@@ -128,7 +138,8 @@ class DataConfig:
         one_of("data.name", self.name, DATASETS)
         self.chat.check()
         positive(self, "data", "seq_len")
-        require(0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent, "must be in (0, 100)")
+        require(self.eval_percent is None or 0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent,
+                "must be in (0, 100)")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
         self.cache.check()
         if self.name == "parquet":

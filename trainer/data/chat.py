@@ -30,6 +30,7 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
+from trainer.config.data import eval_share
 from trainer.data.corpus import build_once, dropped_text
 from trainer.errors import ConfigError
 from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
@@ -224,7 +225,7 @@ def prepare(cfg) -> str:
     settings = {
         "name": d.name,
         "seq_len": d.seq_len,
-        "eval_percent": d.eval_percent,
+        "eval_percent": eval_share(d),
         "source": _fingerprint(d, model_path),
         "format": 2,
         "packing": bool(d.packing),
@@ -241,7 +242,7 @@ def prepare(cfg) -> str:
                 dropped[encoded] = dropped.get(encoded, 0) + 1
                 continue
             tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
-            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < d.eval_percent * 100
+            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < eval_share(d) * 100
             splits["eval" if in_eval else "train"].append((tokens, mask))
         total = sum(len(rows) for rows in splits.values()) + sum(dropped.values())
         if d.packing:

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from datacache.parquet import parquet_files
 from trainer.config import CACHE_KEYS, ConfigError
+from trainer.config.data import eval_share
 from trainer.data import tokenizer
 
 log = logging.getLogger(__name__)
@@ -234,13 +235,13 @@ def prepare(cfg) -> str:
     built = os.path.join(os.path.expanduser(cfg.cache_dir), "corpus", f"{cfg.name}-{pinned}")
     if pinned and os.path.isfile(os.path.join(built, "corpus.json")):
         return built
-    settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": cfg.eval_percent,
+    settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": eval_share(cfg),
                 "source": _fingerprint(cfg), "format": 3}
 
     def write(tmp: str) -> dict:
         splits: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
         for doc_id, ids in _documents(cfg):
-            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < cfg.eval_percent * 100
+            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < eval_share(cfg) * 100
             splits["eval" if in_eval else "train"].append(ids)
         counts = {name: _write_rows(docs, cfg.seq_len, os.path.join(tmp, name)) for name, docs in splits.items()}
         top = max((int(ids.max()) for docs in splits.values() for ids in docs if len(ids)), default=0)
@@ -253,6 +254,18 @@ def dropped_text(dropped: dict[str, int], total: int) -> str:
     """'3 of 40 rows dropped (2 with no assistant turn, 1 empty)'."""
     why = ", ".join(f"{n} {'' if reason == 'empty' else 'with '}{reason}" for reason, n in dropped.items())
     return f"{sum(dropped.values())} of {total} rows dropped ({why})"
+
+
+def without_eval(d, rows: int, needed: int) -> str:
+    """The one line saying that a run of the default `data.eval_percent` trains without eval."""
+    return (f"data.eval_percent (unset: {eval_share(d):g}) leaves the eval split of data={d.name} {rows} row(s), "
+            f"fewer than the {needed} one eval step takes: training without eval (set data.eval_percent to hold "
+            "out more)")
+
+
+def eval_rows(corpus: str) -> int:
+    with open(os.path.join(corpus, "corpus.json")) as f:
+        return json.load(f)["rows"]["eval"]
 
 
 def check_corpus(corpus: str, cfg) -> None:
@@ -273,6 +286,9 @@ def check_corpus(corpus: str, cfg) -> None:
         rows = info["rows"][split]
         if getattr(d.cache, endpoints_key) or rows >= batch:
             continue
+        if split == "eval" and d.eval_percent is None:  # the default share of small data: no eval, said so
+            log.warning(without_eval(d, rows, batch))
+            continue
         fix = ("raise data.eval_percent" if split == "eval" else "lower data.eval_percent") + " or use more data"
         dropped = sum(info.get("dropped", {}).values())
         if dropped and info["conversations"] >= batch:  # the rows were there: dropping them is the cause
@@ -281,5 +297,5 @@ def check_corpus(corpus: str, cfg) -> None:
         if rows == 0 and split == "eval":
             raise ConfigError("data.eval_percent", d.eval_percent, f"leaves the eval split no rows: {fix}")
         raise ConfigError("train.global_batch_size", batch, f"the {split} split holds {rows} rows of "
-                          f"data.seq_len={d.seq_len} (data.eval_percent={d.eval_percent}), fewer than one "
+                          f"data.seq_len={d.seq_len} (data.eval_percent={eval_share(d):g}), fewer than one "
                           f"global batch: must be <= {rows}, or {fix}")

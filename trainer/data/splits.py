@@ -11,12 +11,21 @@ from datacache import DataCacheError, LocalDataset, StreamingDataset
 from datacache.planned import PlannedDataset
 from trainer.config import CACHE_KEYS
 from trainer.data.chat import ChatDataset
+from trainer.data.corpus import eval_rows
 from trainer.errors import ConfigError
 
 
 def needs_corpus(data_cfg) -> bool:
     """Whether some split is read from the local corpus (not every split comes from cache nodes)."""
     return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
+
+
+def trains_without_eval(data_cfg, corpus: str | None, rows_per_step: int) -> bool:
+    """Whether the run has no eval: `data.eval_percent` unset left the local eval split fewer rows than one
+    step takes (the input checks said so in one line; an explicit share that does is refused there)."""
+    if data_cfg.cache.eval_endpoints or getattr(data_cfg, "eval_percent", None) is not None or corpus is None:
+        return False
+    return eval_rows(corpus) < rows_per_step
 
 
 def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:

@@ -20,7 +20,8 @@ import torch
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
 from trainer.data.chat import _files, _fingerprint, _rows
-from trainer.data.corpus import build_once, dropped_text
+from trainer.config.data import eval_share
+from trainer.data.corpus import build_once, dropped_text, without_eval
 from trainer.errors import ConfigError
 from trainer.generate.text import Text
 
@@ -59,7 +60,7 @@ def prepare(cfg) -> str:
     """The prompts corpus directory for run config `cfg`, built first when missing."""
     d = cfg.data
     text = prompt_text(cfg.model)
-    settings = {"name": d.name, "seq_len": d.seq_len, "eval_percent": d.eval_percent, "format": 1,
+    settings = {"name": d.name, "seq_len": d.seq_len, "eval_percent": eval_share(d), "format": 1,
                 "source": _fingerprint(d, cfg.model.path) if cfg.model.name == "hf" else
                 {"files": [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in _files(d.path)],
                  "tokenizer": "bytes"}}
@@ -77,7 +78,7 @@ def prepare(cfg) -> str:
                 continue
             root = root or os.path.dirname(os.path.abspath(file))
             doc = f"{os.path.relpath(os.path.abspath(file), root)}:{i}"
-            in_eval = zlib.crc32(doc.encode()) % 10_000 < d.eval_percent * 100
+            in_eval = zlib.crc32(doc.encode()) % 10_000 < eval_share(d) * 100
             columns |= set(row)
             splits["eval" if in_eval else "train"].append((ids, json.dumps(row, default=str)))
         total = sum(len(rows) for rows in splits.values()) + sum(dropped.values())
@@ -117,10 +118,12 @@ def check_corpus(corpus: str, cfg) -> None:
     per_step = cfg.train.global_batch_size // r.num_generations
     for split in ("train", "eval"):
         rows = info["rows"][split]
-        if rows < per_step:
+        if rows < per_step and split == "eval" and d.eval_percent is None:
+            log.warning(without_eval(d, rows, per_step))
+        elif rows < per_step:
             raise ConfigError("train.global_batch_size", cfg.train.global_batch_size, f"a step takes "
                               f"{per_step} prompts (train.global_batch_size / recipe.num_generations); the {split} "
-                              f"split of data.path={d.path} holds {rows} (data.eval_percent={d.eval_percent})")
+                              f"split of data.path={d.path} holds {rows} (data.eval_percent={eval_share(d):g})")
     from trainer.recipes import rewards
 
     for spec in r.reward_funcs:
