@@ -176,23 +176,41 @@ def _check_filter(dataset: pads.Dataset, row_filter: str, expr: pads.Expression)
                              f"{', '.join(dataset.schema.names)})") from None
 
 
+def _damaged_file(files: list[str], error: BaseException) -> str:
+    """Why the rows could not be read, naming the file: the first of `files` that does not read whole."""
+    for path in files:
+        try:
+            pq.ParquetFile(path).read()
+        except Exception as e:  # pyarrow raises several types for a damaged page
+            return f"{path}: a damaged Parquet file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return f"the Parquet files cannot be read ({type(error).__name__}: {error})"
+
+
 def load_shard(source: str, shard: int, num_shards: int, columns: list[str] | None = None,
                row_filter: str | None = None, sql: str | None = None) -> tuple[pa.RecordBatch, int, int]:
     """(this shard's rows as one contiguous record batch, its global row offset, the dataset's total rows): of
     the source's rows, projected to `columns` and kept by `row_filter`, or of the result of `sql` over them
-    (`datacache.sql`: the table `data`)."""
+    (`datacache.sql`: the table `data`). A file whose footer reads but whose pages do not is named."""
     files = parquet_files(source)
     if not files:
         raise DataCacheError(f"--source {source!r}: no Parquet files there")
     _check_files(files)
+    if sql is not None and (columns or row_filter):
+        raise DataCacheError("--sql: give the query alone; its SELECT and WHERE do what --columns and --filter would")
+    try:
+        return _read_shard(files, shard, num_shards, columns, row_filter, sql)
+    except SqlError as e:  # a query that does not plan, or fails on a row as it runs
+        raise DataCacheError(f"--sql {sql!r}: {e}") from None
+    except (pa.ArrowException, OSError) as e:  # a page that does not decompress or decode
+        raise DataCacheError(_damaged_file(files, e)) from None
+
+
+def _read_shard(files: list[str], shard: int, num_shards: int, columns: list[str] | None, row_filter: str | None,
+                sql: str | None) -> tuple[pa.RecordBatch, int, int]:
     if sql is not None:
-        if columns or row_filter:
-            raise DataCacheError("--sql: give the query alone; its SELECT and WHERE do what --columns and --filter "
-                                 "would")
-        try:
-            schema, total, batches = query(files, sql)
-        except SqlError as e:
-            raise DataCacheError(f"--sql {sql!r}: {e}") from None
+        schema, total, batches = query(files, sql)
+        if total == 0:
+            raise SqlError("its result holds no rows")
     else:
         dataset = pads.dataset(files, format="parquet")
         expr = parse_filter(row_filter) if row_filter else None
@@ -416,16 +434,27 @@ class CacheServer(flight.FlightServerBase):
                 yield rows.take(np.repeat(ranges[:, 0] - np.cumsum(lengths) + lengths, lengths)
                                 + np.arange(lengths.sum()))
 
-    def _pair_batches(self, ticket: bytes):
-        """Rows [start, end] of an IndexPair ticket that this node holds, in record batches of `batch_rows`."""
+    def _pair_range(self, ticket: bytes) -> tuple[int, int]:
+        """(start, end) of an IndexPair ticket; FlightServerError for one that names no rows of the table."""
         start, end = kubeflow.decode_index_pair(ticket)
+        if end < start:
+            raise flight.FlightServerError(f"datacache: out of range: IndexPair [{start}, {end}] ends before it "
+                                           "starts (give [start, end], end inclusive)")
+        if start >= self.total_rows:
+            raise flight.FlightServerError(f"datacache: out of range: IndexPair [{start}, {end}] starts past the "
+                                           f"table's {self.total_rows} rows")
+        return start, end
+
+    def _pair_batches(self, start: int, end: int):
+        """Rows [start, end] of an IndexPair that this node holds, in record batches of `batch_rows`."""
         lo, hi = max(start, self.offset) - self.offset, min(end + 1, self.offset + self.rows.num_rows) - self.offset
         for a in range(lo, hi, self.batch_rows):
             yield self.rows.slice(a, min(self.batch_rows, hi - a))
 
     def do_get(self, context, ticket):
         if kubeflow.is_index_pair(ticket.ticket):  # Kubeflow's client, or StreamingDataset reading a Kubeflow cache
-            return flight.GeneratorStream(self.rows.schema, self._guarded(self._pair_batches(ticket.ticket)))
+            pair = self._pair_range(ticket.ticket)
+            return flight.GeneratorStream(self.rows.schema, self._guarded(self._pair_batches(*pair)))
         try:
             steps, rows = self._request(ticket.ticket)
         except flight.FlightError:

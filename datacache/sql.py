@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 TABLE = "data"
+QUERIES = ("SELECT", "WITH", "VALUES")  # what a statement that returns rows starts with
 
 
 class SqlError(ValueError):
@@ -34,9 +35,14 @@ def query(files: list[str], sql: str) -> tuple[pa.Schema, int, Iterator[pa.Recor
         schema, rows = frame.schema(), frame.count()
     except Exception as e:  # DataFusion raises ValueError and Exception with its message for any planning error
         raise SqlError(" ".join(str(e).split())) from None
+    if sql.replace("(", " ").split()[0].upper() not in QUERIES:  # DDL (on this session's own copy): no rows
+        raise SqlError(f"a node holds the result of a query: give one statement starting with {', '.join(QUERIES)}")
 
     def stream() -> Iterator[pa.RecordBatch]:
-        for batch in frame.execute_stream():
-            yield batch.to_pyarrow()
+        try:
+            for batch in frame.execute_stream():
+                yield batch.to_pyarrow()
+        except Exception as e:  # an error of a row, found as the query runs: a cast that fails, a division by 0
+            raise SqlError(" ".join(str(e).split())) from None
 
     return schema, rows, stream()

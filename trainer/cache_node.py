@@ -21,8 +21,9 @@ import threading
 from omegaconf import OmegaConf
 
 from datacache.args import OneLineParser
-from datacache.server import TOKEN_ENV, CacheServer
+from datacache.server import TOKEN_ENV, CacheServer, DataCacheError
 from trainer.data.corpus import prepare
+from trainer.errors import ConfigError
 
 
 def _peers(cfg, count: int) -> list[str] | None:
@@ -32,6 +33,21 @@ def _peers(cfg, count: int) -> list[str] | None:
     if endpoints is None or len(endpoints) != count:
         return None
     return [str(e).split("://", 1)[-1] for e in endpoints]
+
+
+def _servers(cfg, args, index: int, count: int) -> list[CacheServer]:
+    """The node's servers: shard `index` of `count` of the training rows, and with --eval-port the eval rows."""
+    corpus = prepare(cfg.data)
+    token = os.environ.get(TOKEN_ENV) or None
+    peers = _peers(cfg, count)
+    if peers:
+        logging.info("peers (for Kubeflow clients, which may ask any node for the whole table): %s", ", ".join(peers))
+    servers = [CacheServer(os.path.join(corpus, "train"), f"grpc://{args.host}:{args.port}", shard=index,
+                           num_shards=count, token=token, advertise=peers[index] if peers else None, peers=peers)]
+    if args.eval_port is not None:
+        servers.append(CacheServer(os.path.join(corpus, "eval"), f"grpc://{args.host}:{args.eval_port}",
+                                   token=token))
+    return servers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,17 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--shard {args.shard!r}: give it as i/N, for example 0/2")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][cache-node][%(levelname)s] %(message)s")
-    cfg = OmegaConf.load(args.config)
-    corpus = prepare(cfg.data)
-    token = os.environ.get(TOKEN_ENV) or None
-    peers = _peers(cfg, count)
-    if peers:
-        logging.info("peers (for Kubeflow clients, which may ask any node for the whole table): %s", ", ".join(peers))
-    servers = [CacheServer(os.path.join(corpus, "train"), f"grpc://{args.host}:{args.port}", shard=index,
-                           num_shards=count, token=token, advertise=peers[index] if peers else None, peers=peers)]
-    if args.eval_port is not None:
-        servers.append(CacheServer(os.path.join(corpus, "eval"), f"grpc://{args.host}:{args.eval_port}",
-                                   token=token))
+    try:
+        servers = _servers(OmegaConf.load(args.config), args, index, count)
+    except (DataCacheError, ConfigError) as e:  # a damaged corpus file, a source that cannot be built: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     def stop(*_):
         for server in servers:

@@ -135,6 +135,13 @@ def test_a_partition_is_kubeflows_with_an_endpoint_per_node_holding_part(two, to
 @given(start=st.integers(0, ROWS + 100), length=st.integers(1, 3000))
 def test_an_index_pair_ticket_streams_the_rows_a_node_holds_in_the_tables_schema(two, start, length):
     end = start + length - 1
+    if start >= ROWS:  # no row of the table: refused in one line by every node
+        for node in two:
+            with pytest.raises(flight.FlightServerError, match=f"out of range: IndexPair \\[{start}, {end}\\] starts "
+                               f"past the table's {ROWS} rows"):
+                flight.FlightClient(f"grpc://127.0.0.1:{node.port}").do_get(
+                    flight.Ticket(kf.encode_index_pair(start, end))).read_all()
+        return
     got = []
     for node in two:
         table = flight.FlightClient(f"grpc://127.0.0.1:{node.port}").do_get(
@@ -142,6 +149,25 @@ def test_an_index_pair_ticket_streams_the_rows_a_node_holds_in_the_tables_schema
         assert table.schema == node.rows.schema
         got += table.column("id").to_pylist()
     assert got == list(range(start, min(end + 1, ROWS)))
+
+
+@pytest.mark.timeout(60)
+def test_tickets_and_partitions_out_of_range_are_refused_in_one_line_and_the_node_serves_on(two):
+    client = flight.FlightClient(f"grpc://127.0.0.1:{two[0].port}")
+    cases = [(kf.encode_index_pair(50, 10), r"IndexPair \[50, 10\] ends before it starts"),
+             (kf.encode_index_pair(1 << 63, (1 << 64) - 1), f"starts past the table's {ROWS} rows"),
+             (b"\xff" * 17, "not a datacache ticket")]
+    for ticket, message in cases:
+        with pytest.raises(flight.FlightServerError, match=message):
+            client.do_get(flight.Ticket(ticket)).read_all()
+    for index, total in [("5", "2"), ("0", "0"), ("99999999999999999999999", "1")]:
+        with pytest.raises(flight.FlightServerError, match=f"out of range: partition {index} of {total}"):
+            client.get_flight_info(flight.FlightDescriptor.for_path(index, total))
+    for index, total in [("-1", "2"), ("1", "-3"), ("x", "2")]:
+        with pytest.raises(pa.ArrowInvalid, match="give \\[index, total\\] as two integers"):
+            client.get_flight_info(flight.FlightDescriptor.for_path(index, total))
+    assert client.do_get(flight.Ticket(kf.encode_index_pair(0, 9))).read_all().column("id").to_pylist() == list(
+        range(10))
 
 
 def test_index_pair_encoding_is_bincode_standard():

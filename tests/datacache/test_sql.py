@@ -5,6 +5,8 @@ cannot run is refused before the node serves. Real nodes on loopback and real pr
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -77,3 +79,34 @@ def test_a_query_that_cannot_run_is_refused_in_one_line(source):
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.strip().splitlines() == ["error: --sql 'SELEC id FROM data': SQL error: ParserError(\"Expected: "
                                                "an SQL statement, found: SELEC at Line: 1, Column: 1\")"]
+
+
+@pytest.mark.parametrize(("sql", "message"), [
+    ("SELECT id FROM data WHERE nope > 1", "Schema error: No field named nope"),
+    ("", "No SQL statements were provided"),
+    ("SELECT id FROM data; SELECT 1", "only supports a single SQL statement"),
+    ("DROP TABLE data", "a node holds the result of a query: give one statement starting with SELECT, WITH, VALUES"),
+    ("SELECT CAST(CAST(id AS VARCHAR) || 'x' AS INT) AS v FROM data", "Cast error"),
+    ("SELECT id / 0 AS z FROM data", "Divide by zero"),
+    ("SELECT id FROM data WHERE id > 99999", "its result holds no rows"),
+])
+def test_a_query_that_fails_as_it_plans_or_runs_is_one_line_naming_it(source, sql, message):
+    with pytest.raises(DataCacheError, match=f"^--sql {re.escape(repr(sql))}: .*{re.escape(message)}") as e:
+        CacheServer(source, sql=sql)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sql", [None, "SELECT id FROM data"])
+def test_a_parquet_file_with_damaged_pages_is_named_in_one_line(source, tmp_path, sql):
+    for name in ("part-0.parquet", "part-1.parquet"):
+        shutil.copy(f"{source}/{name}", tmp_path / name)
+    damaged = tmp_path / "part-1.parquet"
+    data = bytearray(damaged.read_bytes())
+    data[100:2100] = bytes(range(256)) * 7 + bytes(208)  # the first pages; the footer still reads
+    damaged.write_bytes(bytes(data))
+    run = subprocess.run([sys.executable, "-m", "datacache", "serve", "--source", str(tmp_path), "--port", "0",
+                          *(["--sql", sql] if sql else [])], cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert run.returncode == 2 and run.stdout == "", run.stderr[-2000:]
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"error: {damaged}: a damaged Parquet file (") and "Traceback" not in run.stderr

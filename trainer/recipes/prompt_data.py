@@ -19,8 +19,8 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
-from trainer.data.chat import _files, _fingerprint, _rows
 from trainer.config.data import eval_share
+from trainer.data.chat import _files, _fingerprint, _rows
 from trainer.data.corpus import build_once, dropped_text, without_eval
 from trainer.errors import ConfigError
 from trainer.generate.text import Text
