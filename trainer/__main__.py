@@ -9,12 +9,15 @@ the process with exit code 2 and one line before anything is launched, and leave
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
+import glob
 import logging
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
@@ -25,6 +28,7 @@ import launchers
 from datacache.server import TOKEN_ENV
 from launchers.paths import write_whole
 from trainer import config
+from trainer.errors import DRIVER_REPORTS_ENV, UserCodeError
 from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
 from trainer.run_dir import Claim, RunDir, claim, let_go, remove_if_new
@@ -122,8 +126,26 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         nproc_per_node=config.nproc_per_node(cfg), torchrun=torchrun, secrets=secrets, config=saved,
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
         cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fds=lock_fds,
-        stop_grace_s=int(saved["train"]["preemption_grace_s"]))
+        stop_grace_s=int(saved["train"]["preemption_grace_s"]),
+        env={DRIVER_REPORTS_ENV: "1"} if _driver_waits_here(resolved["launcher"]) else {})
     return Prepared(spec, resolved["launcher"], resolved["scheduler"], checked)
+
+
+def _driver_waits_here(launcher: dict) -> bool:
+    """Whether this driver waits for the ranks and reads their run directory (local, or Docker's mount)."""
+    return launcher["name"] in ("local", "docker") and bool(launcher.get("wait", True))
+
+
+def _user_error(run_dir: str, since: float) -> str | None:
+    """The report of user code that failed on a rank of this launch (the lowest rank's), or None."""
+    reports = []
+    for path in glob.glob(os.path.join(glob.escape(RunDir.of(run_dir).logs), "rank-*.error")):
+        with contextlib.suppress(OSError, ValueError):
+            if os.path.getmtime(path) >= since:
+                rank = int(os.path.basename(path)[len("rank-"):-len(".error")])
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    reports.append((rank, f.read().rstrip("\n")))
+    return min(reports)[1] if reports else None
 
 
 def _nodes_started_here(resolved: dict) -> int:
@@ -171,6 +193,7 @@ def _app(cfg: DictConfig) -> float:
             sys.stdout.write(launcher.render(run.spec))
             sys.stdout.flush()
             return float("nan")
+        started = time.time()
         job = launcher.launch(run.spec)
         if not options.get("wait", True):
             print(f"submitted {job.name} ({options['name']}); run directory: {run.spec.run_dir}", flush=True)
@@ -185,6 +208,9 @@ def _app(cfg: DictConfig) -> float:
     except Preempted as e:  # in process: SIGTERM, and the checkpoint to resume from is written
         print(f"{e}; the same command resumes from it", file=sys.stderr)
         raise SystemExit(EXIT_CODE) from None
+    except UserCodeError as e:  # in process: the user's function raised; its checkpoints stay
+        print(e.report(), file=sys.stderr)
+        raise SystemExit(1) from None
     except OSError as e:  # in process, the disk filled: what the run wrote whole stays, the rest is gone
         if e.errno != errno.ENOSPC:
             raise
@@ -193,6 +219,10 @@ def _app(cfg: DictConfig) -> float:
     finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
         let_go(run.spec.run_dir)
     code = getattr(job, "exit_code", None)
+    report = _user_error(run.spec.run_dir, started) if state != launchers.JobState.COMPLETE else None
+    if report:  # a rank's user code raised: that report once, for every rank that failed alike
+        print(report, file=sys.stderr)
+        raise SystemExit(1)
     if state != launchers.JobState.COMPLETE:
         print(f"error: run {run.spec.run_dir} ({job.name}) ended {state.value}"
               f"{'' if code is None else f' with exit code {code}'}; see its logs: python -m launchers logs "

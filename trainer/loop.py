@@ -23,6 +23,7 @@ from launchers.paths import write_whole
 from trainer import checkpoint, models, parallel, preemption, recipes
 from trainer.config import ConfigError, torch_dtype
 from trainer.data.splits import split_dataset, trains_without_eval
+from trainer.errors import UserCodeError
 from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims
 from trainer.recipes.base import Context, local
@@ -209,6 +210,8 @@ class Trainer:
                             saved = saved or self.checkpointer.save(self.step)
                         logger.preempted(self.step, saved)
                         raise preemption.Preempted(self.step, saved)
+            except UserCodeError as e:  # during step self.step + 1: its checkpoint is the last one written
+                raise e.at_step(self.step + 1) from None
             finally:
                 logger.close(finished=self.step == t.max_steps)
         if math.isnan(eval_loss):  # no step was run

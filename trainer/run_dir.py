@@ -7,6 +7,7 @@ events.jsonl         one JSON object per event of the run: a resume, a re-format
 summary.json         the final metrics (rank 0)
 checkpoints/step-N/  DCP checkpoints
 logs/rank-R.log      each rank's log
+logs/rank-R.error    the report of user code that failed on rank R (the driver prints one rank's, once)
 .lock                held (flock) by the driver that trains here, and by the job it launched; shared
                      by the nodes of a multi-node run, each of which also holds its own slot:
 .node-I.lock         held by the driver of node I of a multi-node run started here once per node
@@ -43,6 +44,10 @@ class RunDir:
 
     def rank_log(self, rank: int) -> str:
         return os.path.join(self.logs, f"rank-{rank}.log")
+
+    def error_report(self, rank: int) -> str:
+        """Where rank `rank` leaves the report of user code that failed (`UserCodeError.report`)."""
+        return os.path.join(self.logs, f"rank-{rank}.error")
 
 
 @functools.cache

@@ -14,6 +14,7 @@ what it found (`checked`), and the checks do not run twice.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import faulthandler
 import logging
@@ -25,8 +26,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from launchers.paths import write_whole
 from trainer import checkpoint, config, inputs, loop, models, preemption
 from trainer.config import Config, ConfigError
+from trainer.errors import DRIVER_REPORTS_ENV, UserCodeError
 from trainer.models.assembly import assemble
 from trainer.parallel import ParallelDims
 from trainer.run_dir import RunDir
@@ -148,6 +151,17 @@ def die_with_agent() -> None:
         os._exit(1)
 
 
+def report_user_error(error: UserCodeError, config_path: str) -> None:
+    """Leave the report of user code that failed in `<run_dir>/logs/rank-<R>.error`; print
+    it too, unless the driver waiting on this machine prints it (once, whichever ranks failed)."""
+    report, rank = error.report(), int(os.environ.get("RANK", "0"))
+    with contextlib.suppress(Exception):  # a run directory gone or full: the report is still printed below
+        write_whole(RunDir.of(OmegaConf.load(config_path).run_dir).error_report(rank), report + "\n")
+        if os.environ.get(DRIVER_REPORTS_ENV):
+            return
+    print(report, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -165,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except preemption.Preempted as e:
         print(str(e), file=sys.stderr)
         code = preemption.EXIT_CODE
+    except UserCodeError as e:
+        report_user_error(e, argv[0])
+        code = 1
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise

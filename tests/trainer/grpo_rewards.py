@@ -26,3 +26,18 @@ def needs_a_column(prompts, completions, difficulty):
 
 
 NOT_A_FUNCTION = 3
+
+
+_calls = {"server_down": 0}
+
+
+def server_down(prompts, completions, **kwargs):
+    """A reward that asks a server, which goes down after two calls (each rank counts its own)."""
+    _calls["server_down"] += 1
+    if _calls["server_down"] > 2:
+        return _ask_server(completions)
+    return [0.5 for _ in completions]
+
+
+def _ask_server(texts):
+    raise ConnectionError(f"reward server http://127.0.0.1:9/score is down ({len(texts)} completions unscored)")

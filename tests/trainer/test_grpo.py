@@ -7,11 +7,13 @@ formula in test_grpo_loss.py."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
 
 from tests.conftest import REPO, TINY, compose_refused, read_metrics, read_summary
+from trainer import checkpoint
 from trainer.config import ConfigError
 from trainer.recipes import rewards
 
@@ -69,6 +71,27 @@ def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts
     # The second update of a generation batch reuses its completions: the same rewards, and a ratio that moved.
     assert lines[1]["reward"] == pytest.approx(lines[0]["reward"], rel=1e-6)
     assert lines[0]["clip_ratio"] == 0 and lines[1]["clip_ratio"] > 0
+
+
+def test_a_reward_function_that_raises_ends_every_rank_in_one_report_of_the_users_frames(prompts, run_cli, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(*ARGS, f"data.path={prompts}", "recipe.reward_funcs=[tests.trainer.grpo_rewards:server_down]",
+                   "train.max_steps=5", "train.eval_every=100", "train.checkpoint_every=1",
+                   "+runtime=torch-distributed", "runtime.nproc_per_node=2", f"hydra.run.dir={run}",
+                   env=REWARDS_ON_PATH)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr[proc.stderr.index("error: reward function"):].splitlines()
+    # Both ranks failed alike; the driver says it once: the line, then the user's frames and nothing else.
+    assert proc.stderr.count("error: reward function") == 1
+    assert err[0] == ("error: reward function tests.trainer.grpo_rewards:server_down raised ConnectionError: reward "
+                      "server http://127.0.0.1:9/score is down (8 completions unscored) at step 3")
+    assert err[1] == "Traceback (your code, most recent call last):"
+    files = [line.split('"')[1] for line in err[2:] if line.startswith("  File ")]
+    assert files == [os.path.join(REPO, "tests", "trainer", "grpo_rewards.py")] * 2, err
+    assert "hydra" not in proc.stderr.lower().replace("hydra.run.dir", "")
+    # The last whole checkpoint stays, to resume from once the server is back.
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-1", "step-2"]
+    assert checkpoint.damage(str(run / "checkpoints" / "step-2")) is None
 
 
 def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):

@@ -13,7 +13,7 @@ import inspect
 import math
 from collections.abc import Callable
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserCodeError
 
 KEY = "recipe.reward_funcs"
 GIVEN = ("prompts", "completions")
@@ -62,7 +62,10 @@ def call(fn: Callable, spec: str, prompts: list, completions: list[str], columns
     params = inspect.signature(fn).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         columns = {k: v for k, v in columns.items() if k in params}
-    out = fn(prompts=prompts, completions=completions, **columns)
+    try:
+        out = fn(prompts=prompts, completions=completions, **columns)
+    except Exception as e:  # the user's function failed (a server down, a bug): the loop adds the step
+        raise UserCodeError(f"reward function {spec}", e) from e
     values = list(out) if not isinstance(out, str | bytes) else None
     if values is None or len(values) != len(completions):
         raise ConfigError(KEY, spec, f"returned {type(out).__name__} {_short(out)}; it must return one number per "
