@@ -1,5 +1,6 @@
 """Gang schedulers for the Kubernetes launcher: what each one adds to a TrainJob, and the namespaced
-TrainingRuntime that those needing a pod group or a scheduler name get, derived from the cluster's.
+TrainingRuntime every job runs on, derived from the cluster's: it carries the failure policies whatever the
+scheduler (`add_failure_policies`), and the pod group or scheduler name of those that need one.
 
 - kueue: label `kueue.x-k8s.io/queue-name` (and `kueue.x-k8s.io/priority-class`), created suspended;
   Kueue admits the job by unsuspending it.
@@ -24,7 +25,7 @@ from launchers.base import require
 
 GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
 SCHEDULERS = ("none", "kueue", "volcano", "coscheduling", "kai")
-NEEDS_RUNTIME = ("volcano", "coscheduling", "kai")
+NEEDS_RUNTIME = ("volcano", "coscheduling", "kai")  # a pod group or a scheduler name: in the derived runtime
 
 
 @dataclass
@@ -84,6 +85,20 @@ def _pod_templates(spec: dict[str, Any]):
 
 # The exit code of a rank that refused its config or inputs (trainer.worker), passed on by launchers.torchrun.
 REFUSED_EXIT_CODE = 2
+
+
+def policies_text(max_restarts: int | None) -> list[str]:
+    """What the failure policies of a job do, a line each, for the dry run (None: the job has none of ours)."""
+    if max_restarts is None:
+        return ["failure policies: the cluster runtime's own (data.cache.backend=kubeflow runs on it); "
+                "runtime.max_restarts must be 0 there"]
+    return ["failure policies (the derived TrainingRuntime):",
+            f"  exit {REFUSED_EXIT_CODE} (a refused config or input) fails the job at once: podFailurePolicy FailJob, "
+            "JobSet FailJobSet",
+            "  a pod evicted or preempted (DisruptionTarget) is replaced and does not count as a failure",
+            f"  any other failure restarts the JobSet up to runtime.max_restarts={max_restarts} times "
+            "(failurePolicy.maxRestarts; torchrun in the pod restarts nothing)",
+            "  the job succeeds when node 0 does (successPolicy)"]
 
 
 def add_failure_policies(spec: dict[str, Any], max_restarts: int, container: str = "node") -> None:

@@ -34,7 +34,7 @@ from launchers.base import (
     run_name,
     write_private,
 )
-from launchers.kubernetes.manifests import GROUP, MANAGER, VERSION, manifests, to_yaml
+from launchers.kubernetes.manifests import GROUP, MANAGER, VERSION, cluster_runtime, manifests, to_yaml
 from launchers.kubernetes.options import KubernetesLauncherConfig, check
 
 __all__ = ["KubernetesLauncher", "KubernetesLauncherConfig", "check", "make"]
@@ -375,8 +375,11 @@ class KubernetesLauncher(Launcher):
         return manifests(spec, self.options, self.scheduler, self.job_name(spec), runtime_spec, reveal)
 
     def render(self, spec: LaunchSpec) -> str:
-        """The manifests as multi-document YAML for `kubectl apply -f -`, secret values masked."""
-        return to_yaml(self.manifests(spec))
+        """The manifests as multi-document YAML for `kubectl apply -f -`, secret values masked, under comment
+        lines saying which failure policies apply."""
+        manifests = self.manifests(spec)  # refuses what cannot run first
+        restarts = None if cluster_runtime(spec, self.options) is None else spec.torchrun.max_restarts
+        return "".join(f"# {line}\n" for line in schedulers.policies_text(restarts)) + to_yaml(manifests)
 
     def _job(self, name: str) -> KubernetesJob:
         return KubernetesJob(
@@ -391,8 +394,8 @@ class KubernetesLauncher(Launcher):
         lc, api = self.options, self.api
         namespace, name = lc["namespace"], self.job_name(spec)
         runtime_spec = None
-        if self.scheduler["name"] in schedulers.NEEDS_RUNTIME:
-            ref = lc.get("runtime_ref") or spec.torchrun.name
+        ref = cluster_runtime(spec, lc)
+        if ref is not None:  # the cluster's runtime, which the job's own is derived from
             runtime_spec = api.call(
                 "get",
                 "ClusterTrainingRuntime",

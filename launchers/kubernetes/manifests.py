@@ -163,32 +163,32 @@ def manifests(
 
 def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], name: str, labels: dict[str, str],
                  runtime_spec: dict[str, Any] | None, out: list[dict[str, Any]]) -> dict[str, str]:
-    """The runtime the TrainJob runs on: the cluster's, or (for a gang scheduler that needs one) a
-    TrainingRuntime derived from it, appended to `out`."""
+    """The runtime the TrainJob runs on: a TrainingRuntime derived from the cluster's, carrying the failure
+    policies and the gang scheduler's settings, appended to `out`; Kubeflow's cache runtime as it is (its
+    dataset initializer is the cluster's to define)."""
     kubeflow_cache = spec.cache_nodes.kubeflow if spec.cache_nodes else None
-    cluster_ref = lc.get("runtime_ref") or (KUBEFLOW_CACHE_RUNTIME if kubeflow_cache else spec.torchrun.name)
-    if kubeflow_cache is not None and sc["name"] in schedulers.NEEDS_RUNTIME:
-        raise LauncherError(
-            f"data.cache.backend=kubeflow runs on the {KUBEFLOW_CACHE_RUNTIME} runtime, and scheduler={sc['name']} "
-            f"would derive a runtime of its own without the dataset initializer: use scheduler=none or kueue, or "
-            f"data.cache.backend=trainjob"
-        )
-
-    ref = {"kind": "ClusterTrainingRuntime", "name": cluster_ref}
-    if sc["name"] in schedulers.NEEDS_RUNTIME:
-        runtime = schedulers.derived_runtime(
-            sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", lc["namespace"],
-            labels, spec.torchrun.max_restarts,
-        )
-        out.append(runtime)
-        ref = {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
-    return ref
+    if kubeflow_cache is not None:
+        if sc["name"] in schedulers.NEEDS_RUNTIME:
+            raise LauncherError(
+                f"data.cache.backend=kubeflow runs on the {KUBEFLOW_CACHE_RUNTIME} runtime, and scheduler={sc['name']} "
+                f"would derive a runtime of its own without the dataset initializer: use scheduler=none or kueue, or "
+                f"data.cache.backend=trainjob"
+            )
+        return {"kind": "ClusterTrainingRuntime", "name": lc.get("runtime_ref") or KUBEFLOW_CACHE_RUNTIME}
+    runtime = schedulers.derived_runtime(
+        sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", lc["namespace"],
+        labels, spec.torchrun.max_restarts,
+    )
+    out.append(runtime)
+    return {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
 
 
-def _restarts_in_pod(spec: LaunchSpec, sc: Mapping[str, Any]) -> int:
-    """torchrun's own restarts in a pod: none where the derived runtime makes `runtime.max_restarts` the
-    JobSet's (`failurePolicy.maxRestarts`, each pod resuming from the shared claim), else torchrun's."""
-    return 0 if sc["name"] in schedulers.NEEDS_RUNTIME else spec.torchrun.max_restarts
+def cluster_runtime(spec: LaunchSpec, lc: Mapping[str, Any]) -> str | None:
+    """The ClusterTrainingRuntime a job's runtime is derived from; None where the job runs on Kubeflow's cache
+    runtime itself."""
+    if spec.cache_nodes and spec.cache_nodes.kubeflow is not None:
+        return None
+    return lc.get("runtime_ref") or spec.torchrun.name
 
 
 def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env: dict[str, str],
@@ -196,7 +196,9 @@ def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env
     """The TrainJob's `trainer`: torchrun on every node, with the run's environment and resources."""
     trainer: dict[str, Any] = {
         "image": lc["image"],
-        "command": [*pod_agent(spec), f"--max-restarts={_restarts_in_pod(spec, sc)}", *pod_command(spec)],
+        # Restarts are the JobSet's (the derived runtime's failurePolicy), each pod resuming from the claim; on
+        # Kubeflow's cache runtime runtime.max_restarts is refused (0), so torchrun in a pod restarts nothing.
+        "command": [*pod_agent(spec), "--max-restarts=0", *pod_command(spec)],
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,

@@ -12,15 +12,17 @@ import sys
 import pytest
 import yaml
 
+from tests.conftest import compose_refused
 from tests.launchers import crds
-from tests.launchers.test_kubernetes import make_run, render
+from tests.launchers.test_kubernetes import launcher_of, make_run, render
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("scheduler", ["volcano", "coscheduling", "kai"])
+@pytest.mark.parametrize("scheduler", ["none", "kueue", "volcano", "coscheduling", "kai"])
 def test_the_derived_runtime_fails_fast_on_a_refusal_and_restarts_up_to_max_restarts(tmp_path, scheduler):
-    docs = render(make_run(tmp_path, f"scheduler={scheduler}", "runtime.nnodes=2", "runtime.max_restarts=3"))
+    queue = ["scheduler.queue=q"] if scheduler in ("kueue", "kai") else []
+    docs = render(make_run(tmp_path, f"scheduler={scheduler}", *queue, "runtime.nnodes=2", "runtime.max_restarts=3"))
     runtime, trainjob = docs[0], docs[-1]
     assert runtime["kind"] == "TrainingRuntime"
     for doc in (runtime, trainjob):
@@ -40,6 +42,21 @@ def test_the_derived_runtime_fails_fast_on_a_refusal_and_restarts_up_to_max_rest
     assert job["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
     # The pod's agent passes the rank's exit code on, and leaves restarts to the JobSet.
     assert trainjob["spec"]["trainer"]["command"][:4] == ["python", "-m", "launchers.torchrun", "--max-restarts=0"]
+
+
+def test_kubeflows_cache_runtime_carries_no_policy_of_ours_so_max_restarts_is_refused_there(tmp_path, capsys):
+    cache = ["data.cache.backend=kubeflow", "data.cache.nodes=2", "data.cache.kubeflow.storage_uri=cache://s/t",
+             "data.cache.kubeflow.metadata_loc=s3a://b/m.json", "data.cache.kubeflow.iam_role=arn:aws:iam::1:role/c"]
+    err = compose_refused(tmp_path, capsys, "launcher=kubernetes", "launcher.image=x", "+runtime=torch-distributed",
+                          "runtime.max_restarts=2", *cache)
+    assert err.count("\n") == 1 and "runtime.max_restarts=2: data.cache.backend=kubeflow runs on the cluster's cache " \
+        "runtime, which carries no failure policy of trainjob's" in err, err
+    run = make_run(tmp_path, *cache)
+    text = launcher_of(run).render(run.spec)
+    assert text.startswith("# failure policies: the cluster runtime's own (data.cache.backend=kubeflow runs on it)")
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "TrainJob"]
+    assert docs[-1]["spec"]["trainer"]["command"][3] == "--max-restarts=0"
 
 
 def _agent(tmp_path, config: dict, *extra: str) -> subprocess.CompletedProcess:

@@ -65,7 +65,8 @@ def test_the_trainjob_runs_on_the_cache_runtime_with_its_dataset_initializer(tmp
 
 def test_the_default_backend_keeps_our_statefulset(tmp_path):
     run, launcher = _run(tmp_path, "data.cache.nodes=2")
-    assert [d["kind"] for d in launcher.manifests(run.spec)] == ["ConfigMap", "Service", "StatefulSet", "TrainJob"]
+    assert [d["kind"] for d in launcher.manifests(run.spec)] == ["TrainingRuntime", "ConfigMap", "Service",
+                                                                 "StatefulSet", "TrainJob"]
 
 
 def test_a_gang_scheduler_that_derives_its_own_runtime_is_refused(tmp_path):

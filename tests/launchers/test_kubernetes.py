@@ -73,8 +73,7 @@ def test_every_manifest_validates_against_the_crds(tmp_path, scheduler, strategy
     )
     manifests = render(run)
     kinds = [m["kind"] for m in manifests]
-    gang = ["TrainingRuntime"] if scheduler in ("volcano", "coscheduling", "kai") else []
-    expected = [*gang, "ConfigMap", "TrainJob"]
+    expected = ["TrainingRuntime", "ConfigMap", "TrainJob"]  # every scheduler's job: its failure policies
     assert kinds == expected
     for m in manifests:
         if m["kind"] != "ConfigMap":
@@ -121,7 +120,9 @@ def test_trainjob_matches_what_the_official_sdk_submits(tmp_path):
         )
     )[-1]
     assert ours["apiVersion"] == sdk["apiVersion"] and ours["kind"] == sdk["kind"]
-    assert ours["spec"]["runtimeRef"] == sdk["spec"]["runtimeRef"]
+    # The SDK names the cluster's runtime; ours is derived from that one, with the failure policies added.
+    assert sdk["spec"]["runtimeRef"] == {"kind": "ClusterTrainingRuntime", "name": "torch-distributed"}
+    assert ours["spec"]["runtimeRef"] == {"kind": "TrainingRuntime", "name": f"{ours['metadata']['name']}-runtime"}
     assert ours["spec"]["trainer"]["numNodes"] == sdk["spec"]["trainer"]["numNodes"]
     assert ours["spec"]["trainer"]["resourcesPerNode"] == sdk["spec"]["trainer"]["resourcesPerNode"]
     crds.validate(sdk)  # the reference itself passes the same strict validation
@@ -142,8 +143,13 @@ def test_dry_run_prints_yaml_for_kubectl_and_writes_nothing(run_cli, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     docs = list(yaml.safe_load_all(proc.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "TrainJob"]
-    crds.validate(docs[1])
+    assert [d["kind"] for d in docs] == ["TrainingRuntime", "ConfigMap", "TrainJob"]
+    crds.validate(docs[0])
+    crds.validate(docs[2])
+    said = [line for line in proc.stdout.splitlines() if line.startswith("#")]
+    assert said[0] == "# failure policies (the derived TrainingRuntime):"
+    assert "#   exit 2 (a refused config or input) fails the job at once" in " ".join(said)
+    assert "#   any other failure restarts the JobSet up to runtime.max_restarts=0 times" in " ".join(said)
     assert not (tmp_path / "outputs").exists()
 
 
@@ -237,12 +243,13 @@ def test_api_errors_become_clear_messages(tmp_path, apiserver):
     server, kubeconfig = apiserver
     run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.job_name=taken")
     launcher_of(run).launch(run.spec)
-    with pytest.raises(LauncherError, match="ConfigMap 'taken-config' in namespace 'default': it already exists"):
+    with pytest.raises(LauncherError, match="TrainingRuntime 'taken-runtime' in namespace 'default': it already "
+                                            "exists"):
         launcher_of(run).launch(run.spec)
 
     server.forbidden_namespaces.add("locked")
     locked = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=locked")
-    with pytest.raises(LauncherError, match="forbidden to create ConfigMap .* in namespace 'locked'"):
+    with pytest.raises(LauncherError, match="forbidden to create TrainingRuntime .* in namespace 'locked'"):
         launcher_of(locked).launch(locked.spec)
 
     missing = make_run(
@@ -325,7 +332,7 @@ def test_secrets_travel_in_a_secret_owned_by_the_trainjob_and_are_never_written(
     printed = to_yaml(render(run))
     assert "s3cret-t0ken" not in printed
     docs = render(run)
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "TrainJob"]
+    assert [d["kind"] for d in docs] == ["TrainingRuntime", "ConfigMap", "Secret", "TrainJob"]
     crds.validate(docs[-1])
     name = job_name(run)
     env = {e["name"]: e for e in docs[-1]["spec"]["trainer"]["env"]}
@@ -390,8 +397,8 @@ def test_an_unreachable_api_server_is_one_clear_error(tmp_path):
     run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}")
     with pytest.raises(
         LauncherError,
-        match=rf"cannot reach the API server at http://127.0.0.1:{port} to create "
-        r"ConfigMap '[a-z0-9-]+-config'",
+        match=rf"cannot reach the API server at http://127.0.0.1:{port} to get "
+        r"ClusterTrainingRuntime 'torch-distributed'",
     ):
         launcher_of(run).launch(run.spec)
     assert not os.path.exists(os.path.join(run.spec.run_dir, "manifests.yaml"))
@@ -410,7 +417,7 @@ def test_an_unreachable_api_server_ends_the_cli_with_one_line_and_exit_1(run_cli
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(
         rf"error: Kubernetes API: cannot reach the API server at "
-        rf"http://127.0.0.1:{port} to create ConfigMap '[a-z0-9-]+-config': ",
+        rf"http://127.0.0.1:{port} to get ClusterTrainingRuntime 'torch-distributed': ",
         lines[0],
     )
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "manifests.yaml").exists()
@@ -438,11 +445,12 @@ def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_tr
     )
     name = job_name(run)
     docs = render(run)
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "Service", "StatefulSet", "TrainJob"]
-    for doc in docs[:-1]:
+    assert [d["kind"] for d in docs] == ["TrainingRuntime", "ConfigMap", "Secret", "Service", "StatefulSet", "TrainJob"]
+    for doc in docs[1:-1]:
         _validated_by_the_client(doc)
+    crds.validate(docs[0])
     crds.validate(docs[-1])
-    sts = docs[3]
+    sts = docs[4]
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == f"{name}-cache"
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["python", "-m", "trainer.cache_node", "/etc/trainjob/config.yaml", "--shard",

@@ -91,6 +91,10 @@ def _runtime(job) -> None:
         require(counts[-1] == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 (an elastic range's: where "
                 "its rendezvous store serves)")
+        require(r.max_restarts == 0 or job.launcher.name != "kubernetes" or job.data.cache.backend != "kubeflow",
+                "runtime.max_restarts", r.max_restarts, "data.cache.backend=kubeflow runs on the cluster's cache "
+                "runtime, which carries no failure policy of trainjob's (restarts would be its own, not the JobSet's "
+                "that runtime.max_restarts sets elsewhere): give 0, or data.cache.backend=trainjob")
         require(len(counts) == 1 or job.launcher.name != "kubernetes", "runtime.nnodes", r.nnodes,
                 "an elastic range runs on launcher=local or docker: a Kubeflow TrainJob has a fixed numNodes "
                 "(Trainer v2 has no elastic policy); give a node count, and runtime.max_restarts to restart")
