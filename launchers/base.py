@@ -101,6 +101,8 @@ class Torchrun:
     rdzv_id: str = "trainjob"
     # Elastic runs: seconds the rendezvous waits for more nodes once it has its minimum.
     last_call_timeout: int = 5
+    # Seconds a node waits at the rendezvous for the others before it ends (torchrun's join_timeout).
+    rdzv_timeout: int = 600
 
 
 def node_range(nnodes: int | str) -> tuple[int, int]:
@@ -173,8 +175,15 @@ def write_private(path: str, text: str) -> None:
     write_whole(path, text, 0o600)
 
 
-# torchrun whose exit code is its failed rank's own: what a Kubernetes pod runs, for its podFailurePolicy.
+# torchrun whose exit code is its failed rank's own: what a Kubernetes pod runs, for its podFailurePolicy, and a
+# local node, whose driver reads the code.
 TORCHRUN = ["-m", "launchers.torchrun"]
+# What that agent exits with when the rendezvous timed out waiting for the other nodes (runtime.rdzv_timeout).
+RDZV_TIMEOUT_EXIT = 3
+# Set in the ranks' environment where the driver waits for them on this machine's disk and reports their
+# failures itself: a rank whose user code failed leaves its report in <run_dir>/logs/rank-<R>.error and prints
+# nothing (every rank may fail alike), and the agent prints no summary of its own.
+DRIVER_REPORTS_ENV = "TRAINJOB_DRIVER_REPORTS"
 
 
 def pod_agent(spec: LaunchSpec) -> list[str]:
@@ -183,15 +192,22 @@ def pod_agent(spec: LaunchSpec) -> list[str]:
     and starts plain torchrun."""
     return ["python", *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
 
-# An elastic job's rendezvous: its store is hosted outside the nodes (`launchers.rendezvous`), so that losing
-# any node leaves it; a node that stops sending heartbeats for 5 s is gone.
+# An elastic job's rendezvous, and a fixed-size one's whose nodes start on their own (the local launcher): its
+# store is hosted outside the nodes (`launchers.rendezvous`), so that losing any node leaves it; a node that
+# stops sending heartbeats for 5 s is gone.
 ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"
+
+
+def store_apart(spec: LaunchSpec) -> bool:
+    """Whether the job's rendezvous store is hosted apart from its nodes: elastic, or nodes started one by one."""
+    return spec.elastic or spec.node is not None
 
 
 def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:
     """torchrun's options for `spec`. One node without an endpoint uses --standalone; else a c10d
     rendezvous at `endpoint` (default: the spec's rdzv_endpoint), which every node joins; an elastic job
-    gives the node range and a store that lives apart from its nodes."""
+    gives the node range and a store that lives apart from its nodes, as does one whose nodes start one by one;
+    a node waits `rdzv_timeout` seconds at the rendezvous for the others."""
     t = spec.torchrun
     args = [
         f"--nproc-per-node={spec.nproc_per_node}",
@@ -203,9 +219,8 @@ def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:
     if spec.nnodes == 1 and not endpoint:
         return [*args, "--standalone"]
     args += [f"--rdzv-backend={t.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t.rdzv_id}"]
-    if spec.elastic:
-        args.append("--rdzv-conf=" + ELASTIC_RDZV_CONF.format(last_call=t.last_call_timeout))
-    return args
+    conf = ELASTIC_RDZV_CONF.format(last_call=t.last_call_timeout) + "," if store_apart(spec) else ""
+    return [*args, f"--rdzv-conf={conf}join_timeout={t.rdzv_timeout}"]
 
 
 def run_name(run_dir: str, max_len: int = 52) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 from launchers import registry
 from launchers.base import (
+    TORCHRUN,
     TORCHRUN_ENV,
     Job,
     JobInfo,
@@ -35,6 +36,7 @@ from launchers.base import (
     read_progress,
     read_summary,
     run_name,
+    store_apart,
     torchrun_args,
 )
 
@@ -69,9 +71,9 @@ def job_name(spec: LaunchSpec) -> str:
 
 
 def start_rendezvous_store(spec: LaunchSpec) -> None:
-    """An elastic job's rendezvous store, in a session of its own so that it outlives this node: it ends
-    when no node of the run is left (`launchers.rendezvous`); when another node's store already serves,
-    this one finds the port taken and leaves."""
+    """The rendezvous store of an elastic job, or of nodes started one by one, in a session of its own so that
+    it outlives this node: it ends when no node of the run is left (`launchers.rendezvous`); when another
+    node's store already serves, this one finds the port taken and leaves."""
     log_path = os.path.join(spec.run_dir, "logs", "rendezvous.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "ab") as log:
@@ -412,7 +414,10 @@ class LocalLauncher(Launcher):
     def command(self, spec: LaunchSpec) -> list[str]:
         if spec.torchrun is None:
             return [sys.executable, *spec.command]
-        return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *spec.command]
+        # A trainer run's agent passes its failed rank's exit code on (2 refused, 143 preempted), and ends a
+        # rendezvous that timed out with RDZV_TIMEOUT_EXIT (`launchers.torchrun`); a function job's is torchrun's.
+        agent = TORCHRUN if spec.command[:2] == ["-m", "trainer.worker"] else ["-m", "torch.distributed.run"]
+        return [sys.executable, *agent, *torchrun_args(spec), *spec.command]
 
     def render(self, spec: LaunchSpec) -> str:
         return shlex.join(self.command(spec)) + "\n"
@@ -427,7 +432,7 @@ class LocalLauncher(Launcher):
         name, nodes = record.name, None
         try:
             nodes = CacheNodeProcesses(spec) if spec.cache_nodes else None
-            if spec.elastic:
+            if store_apart(spec):
                 start_rendezvous_store(spec)
             env = {
                 **os.environ,

@@ -4,16 +4,21 @@ exit code is the code its failed rank exited with, where plain torchrun turns ev
 What the code says matters to whoever watches the node: 2 is a refused config or input (a Kubernetes
 `podFailurePolicy` fails the job at once rather than restarting it), 143 a preemption whose checkpoint is
 written (the run resumes when relaunched). An agent told to stop exits 128 + the signal (its ranks were told
-too, and a SIGTERM lets them checkpoint first); a rank killed by a signal, or an agent that failed, exits 1.
+too, and a SIGTERM lets them checkpoint first); a rendezvous that timed out waiting for the other nodes
+exits 3; a rank killed by a signal, or an agent that failed, exits 1.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+from launchers.base import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
 
 
 def exit_code(error: ChildFailedError) -> int:
@@ -23,11 +28,19 @@ def exit_code(error: ChildFailedError) -> int:
 
 
 def main(argv: list[str]) -> int:
+    args = run.parse_args(argv)
+    reported = bool(os.environ.get(DRIVER_REPORTS_ENV))  # the driver says what failed, once
     try:
-        run.run(run.parse_args(argv))
+        run.run(args)
     except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr)
+        if not reported:
+            print(e.format_msg(), file=sys.stderr)
         return exit_code(e)
+    except RendezvousTimeoutError:
+        if not reported:
+            print(f"error: the rendezvous at {args.rdzv_endpoint} timed out after waiting for {args.nnodes} nodes "
+                  "(runtime.rdzv_timeout)", file=sys.stderr)
+        return RDZV_TIMEOUT_EXIT
     except SignalException as e:  # the agent was told to stop (SIGTERM: preempted); its ranks were stopped
         return 128 + int(e.sigval)
     return 0

@@ -26,18 +26,24 @@ from omegaconf import DictConfig, OmegaConf
 
 import launchers
 from datacache.server import TOKEN_ENV
+from launchers.base import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
 from launchers.paths import write_whole
 from trainer import config
-from trainer.errors import DRIVER_REPORTS_ENV, UserCodeError
+from trainer.errors import UserCodeError
 from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
-from trainer.run_dir import Claim, RunDir, claim, let_go, remove_if_new
+from trainer.run_dir import Claim, RunDir, claim, let_go, node_running, remove_if_new
 
 log = logging.getLogger("trainer")
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 _job_started = False
 
 config.register()
+
+
+# Keys of the runtime section that differ by node by design (each node's own): not in config.yaml, so not in
+# the comparison of the nodes' configs.
+PER_NODE_KEYS = ("node_rank",)
 
 
 def _save_config(resolved: dict, run_dir: str, running: bool = False) -> str:
@@ -108,7 +114,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     else:
         claimed = None
         try:
-            claimed = claim(run_dir, nodes=_nodes_started_here(resolved))
+            claimed = claim(run_dir, nodes=_nodes_started_here(resolved), node=_node_rank(resolved))
             path = _save_config(saved, run_dir, running=claimed.others)
         except config.ConfigError as e:
             _refuse(e, run_dir, claimed)
@@ -148,6 +154,26 @@ def _user_error(run_dir: str, since: float) -> str | None:
     return min(reports)[1] if reports else None
 
 
+def _rendezvous_timeout(spec: launchers.LaunchSpec, code: int | None) -> str | None:
+    """The line for a node of a run started once per node that gave up waiting at the rendezvous (its agent's
+    `code` says so; `runtime.rdzv_timeout`): how many nodes joined, and which never did; None otherwise."""
+    if spec.node is None or code != RDZV_TIMEOUT_EXIT:
+        return None
+    joined = [n for n in range(spec.nnodes) if n == spec.node or node_running(spec.run_dir, n)]
+    missing = [n for n in range(spec.nnodes) if n not in joined]
+    t = spec.torchrun
+    wanted = f"{spec.min_nodes} to {spec.nnodes}" if spec.elastic else str(spec.nnodes)
+    return (f"error: runtime.rdzv_timeout={t.rdzv_timeout}: the rendezvous at {t.rdzv_endpoint} waited "
+            f"{t.rdzv_timeout} s for {wanted} nodes: {len(joined)} joined (node {', '.join(map(str, joined))}), "
+            f"node {', '.join(map(str, missing))} never did (refused, or not started: start each node with the same "
+            "command)")
+
+
+def _node_rank(resolved: dict) -> int | None:
+    runtime = resolved.get("runtime")
+    return None if runtime is None else runtime.get("node_rank")
+
+
 def _nodes_started_here(resolved: dict) -> int:
     """How many nodes of this run may start on this machine on their own: a local multi-node run is the
     same command once per node, each in the same run directory; every other run is one driver."""
@@ -162,6 +188,9 @@ def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheN
     and the cache nodes to start: the config reads the token and the nodes' endpoints from the variables
     the launcher sets (`${oc.env:...}`)."""
     saved = copy.deepcopy(resolved)
+    if saved.get("runtime"):  # per-node settings: every node of a run saves and compares the same file
+        for key in PER_NODE_KEYS:
+            saved["runtime"][key] = None
     cache = saved["data"]["cache"]
     secrets = {}
     if cache.get("token"):
@@ -219,8 +248,10 @@ def _app(cfg: DictConfig) -> float:
     finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
         let_go(run.spec.run_dir)
     code = getattr(job, "exit_code", None)
-    report = _user_error(run.spec.run_dir, started) if state != launchers.JobState.COMPLETE else None
-    if report:  # a rank's user code raised: that report once, for every rank that failed alike
+    # A rank's user code raised (that report once, for every rank that failed alike), or the other nodes never came.
+    report = (_user_error(run.spec.run_dir, started) or _rendezvous_timeout(run.spec, code)
+              if state != launchers.JobState.COMPLETE else None)
+    if report:
         print(report, file=sys.stderr)
         raise SystemExit(1)
     if state != launchers.JobState.COMPLETE:

@@ -28,12 +28,6 @@ _LIBRARY = tuple({os.path.dirname(os.__file__) + os.sep, sys.prefix + os.sep, sy
                   *(p + os.sep for p in site.getsitepackages() if p)})
 
 
-# Set in the ranks' environment where the driver waits for them on this machine's disk: a rank whose user
-# code failed leaves its report in <run_dir>/logs/rank-<R>.error for the driver to print once, and prints
-# nothing itself (every rank of a run may fail alike).
-DRIVER_REPORTS_ENV = "TRAINJOB_DRIVER_REPORTS"
-
-
 class UserCodeError(Exception):
     """User code (a reward function, a chat template, ...) raised `error`. The message is one line naming the
     function, the step and the exception; `frames()` is the traceback of the user's own frames only."""

@@ -141,13 +141,13 @@ def _holder(path: str) -> str:
     return "unknown"
 
 
-def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1) -> Claim:
+def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1, node: int | None = None) -> Claim:
     """Make `run_dir` (the value of `key`) and lock it for this process, or raise ConfigError when another
     process holds it. The lock file holds the holder's pid. This process claiming it again gets its claim.
 
     `nodes` > 1: this process is one node of a run of up to that many, each started here on its own; it
-    takes the first free node slot, and is refused when all are taken or a single-node run holds the
-    directory."""
+    takes the first free node slot (slot `node` where given: `runtime.node_rank`), and is refused when all are
+    taken (that one is) or a single-node run holds the directory."""
     run_dir = os.path.abspath(run_dir)
     if run_dir in _held:
         return _held[run_dir]
@@ -166,24 +166,40 @@ def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1) -> Claim:
         _held[run_dir] = Claim(run_dir, (fd,))
         return _held[run_dir]
     taken = []
-    for node in range(nodes):
-        slot = _lock(node_slot(run_dir, node), fcntl.LOCK_EX)
+    for candidate in range(nodes) if node is None else [node]:
+        slot = _lock(node_slot(run_dir, candidate), fcntl.LOCK_EX)
         if slot is None:
-            taken.append(node)
+            taken.append(candidate)
             continue
         os.ftruncate(slot, 0)
         os.pwrite(slot, f"{os.getpid()}\n".encode(), 0)
-        _held[run_dir] = Claim(run_dir, (fd, slot), node, others=bool(taken) or _others(run_dir, node, nodes))
+        others = bool(taken) or _others(run_dir, candidate, nodes, before=node is not None)
+        _held[run_dir] = Claim(run_dir, (fd, slot), candidate, others=others)
         return _held[run_dir]
     os.close(fd)
+    if node is not None:
+        raise ConfigError("runtime.node_rank", node, f"node {node} of the run in {run_dir} is running already (pid "
+                          f"{_holder(node_slot(run_dir, node))}): give each node its own runtime.node_rank")
     raise ConfigError("runtime.nnodes", nodes, f"all {nodes} nodes of the run in {run_dir} are running already "
                       f"(pids {', '.join(_holder(node_slot(run_dir, n)) for n in taken)}): wait for one to end, "
                       "or give runtime.nnodes more nodes")
 
 
-def _others(run_dir: str, node: int, nodes: int) -> bool:
-    """Whether a node after `node` holds its slot (one that claimed while an earlier node was gone)."""
-    for other in range(node + 1, nodes):
+def node_running(run_dir: str, node: int) -> bool:
+    """Whether a process holds node `node`'s slot of the run in `run_dir`."""
+    if not os.path.exists(node_slot(run_dir, node)):
+        return False
+    fd = _lock(node_slot(run_dir, node), fcntl.LOCK_SH)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def _others(run_dir: str, node: int, nodes: int, before: bool = False) -> bool:
+    """Whether a node after `node` holds its slot (one that claimed while an earlier node was gone); `before`:
+    any other node (slots chosen by `runtime.node_rank`, in no order)."""
+    for other in (n for n in range(0 if before else node + 1, nodes) if n != node):
         fd = _lock(node_slot(run_dir, other), fcntl.LOCK_SH)
         if fd is None:
             return True

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from launchers.base import DRIVER_REPORTS_ENV
 from launchers.paths import write_whole
 from trainer import checkpoint, config, inputs, loop, models, preemption
 from trainer.config import Config, ConfigError
-from trainer.errors import DRIVER_REPORTS_ENV, UserCodeError
+from trainer.errors import UserCodeError
 from trainer.models.assembly import assemble
 from trainer.parallel import ParallelDims
 from trainer.run_dir import RunDir

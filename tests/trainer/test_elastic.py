@@ -85,7 +85,7 @@ def agent_of(driver: subprocess.Popen) -> int:
         while todo:
             pid = todo.pop()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"torch.distributed.run" in f.read().split(b"\0"):
+                if b"launchers.torchrun" in f.read().split(b"\0"):
                     return pid
             todo += _children(pid)
         time.sleep(0.1)
@@ -174,6 +174,54 @@ def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_los
     assert ours["world_size"] == 2 and ours["steps"] == STEPS
 
 
+def test_two_nodes_started_with_their_ranks_equal_one_and_a_node_killed_and_started_again_resumes(one_node, cache_dir,
+                                                                                                 tmp_path):
+    run_dir = tmp_path / "run"
+    fixed = [*ARGS, "runtime.nnodes=2", f"runtime.rdzv_endpoint=127.0.0.1:{_free_port()}", "runtime.rdzv_timeout=120",
+             f"hydra.run.dir={run_dir}"]
+    # As torchrun users start them: node 1 first, each with its own runtime.node_rank, the rest the same.
+    second = _node(cache_dir, tmp_path, *fixed, "runtime.node_rank=1")
+    first = _node(cache_dir, tmp_path, *fixed, "runtime.node_rank=0")
+    _wait(run_dir, [first, second], lambda rs: any(r.get("world_size") == 2 and r["step"] >= 10 for r in rs),
+          "two nodes at step 10")
+    os.kill(agent_of(second), signal.SIGKILL)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 1, out[-2000:]
+    again = _node(cache_dir, tmp_path, *fixed, "runtime.node_rank=1")  # the same command: it rejoins
+    for node in (first, again):
+        out, _ = node.communicate(timeout=300)
+        assert node.returncode == 0, out[-3000:]
+    steps = _records(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1)) and {r["world_size"] for r in steps} == {2}
+    assert [e["event"] for e in read_events(str(run_dir))] == ["reformation"]
+    assert (run_dir / "config.yaml").read_text().count("node_rank: null") == 1  # a per-node key is not saved
+    ours = read_summary(str(run_dir))
+    for key in ("final_train_loss", "final_eval_loss"):
+        assert math.isclose(ours[key], one_node[key], rel_tol=1e-5), (key, ours[key], one_node[key])
+
+
+def test_a_node_refused_for_another_config_leaves_the_waiting_node_to_end_in_one_line(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    fixed = [*ARGS, "runtime.nnodes=2", f"runtime.rdzv_endpoint=127.0.0.1:{_free_port()}", "runtime.rdzv_timeout=10",
+             f"hydra.run.dir={run_dir}"]
+    first = _node(cache_dir, tmp_path, *fixed, "runtime.node_rank=0")
+    deadline = time.monotonic() + 120
+    while not (run_dir / "logs").exists():  # node 0 saved its config and launched
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-2000:]
+        time.sleep(0.1)
+    other = subprocess.run([sys.executable, "-m", "trainer", *fixed, "runtime.node_rank=1", "train.seed=7"],
+                           cwd=tmp_path, env={**os.environ, "TRAINJOB_CACHE": cache_dir}, capture_output=True,
+                           text=True, timeout=120)
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert "another node of this run trains from" in other.stderr
+    out, _ = first.communicate(timeout=180)
+    assert first.returncode == 1, out[-2000:]
+    assert out.strip().splitlines()[-1] == (
+        f"error: runtime.rdzv_timeout=10: the rendezvous at {fixed[-3].split('=')[1]} waited 10 s for 2 nodes: 1 "
+        "joined (node 0), node 1 never did (refused, or not started: start each node with the same command)")
+    assert "Traceback" not in out
+
+
 @pytest.mark.parametrize(("nnodes", "extra", "message"), [
     ("2:1", [], "runtime.nnodes='2:1': needs 1 <= MIN <= MAX"),
     ("0:2", [], "runtime.nnodes='0:2': needs 1 <= MIN <= MAX"),
@@ -183,6 +231,8 @@ def test_a_lost_node_and_a_late_one_reform_the_group_and_end_at_the_one_node_los
      "node(s) of runtime.nnodes=1:4"),
     ("2:3", ["runtime.nproc_per_node=2", "train.global_batch_size=8"],
      "train.global_batch_size=8: must be divisible by data-parallel size x train.grad_accum_steps = 6 x 1 = 6"),
+    ("1:2", ["runtime.node_rank=1"], "runtime.node_rank=1: runtime.nnodes=1:2 is an elastic range, whose "
+     "rendezvous assigns each node its rank: leave runtime.node_rank unset"),
     ("1:2", ["launcher=kubernetes", "launcher.image=x", "launcher.run_claim=runs"],
      "runtime.nnodes='1:2': an elastic range runs on launcher=local or docker"),
 ])

@@ -98,7 +98,7 @@ def _worker_pids(config_path: str) -> list[int]:
                 args = f.read().split(b"\0")
         except OSError:
             continue
-        if b"trainer.worker" in args and config_path.encode() in args and b"torch.distributed.run" not in args:
+        if b"trainer.worker" in args and config_path.encode() in args and b"launchers.torchrun" not in args:
             pids.append(int(pid))
     return sorted(pids)
 

@@ -24,7 +24,9 @@ class RuntimeConfig:
     # N nodes, or MIN:MAX for an elastic job (torchrun's elastic rendezvous: it goes on when nodes are lost, down
     # to MIN, and takes nodes that join, up to MAX).
     nnodes: Any = 1
-    node_rank: int = 0
+    # This node's rank in a fixed-size run started once per node (torchrun's --node-rank); null: the first free
+    # node slot of the run directory. A per-node setting: it is not saved in config.yaml.
+    node_rank: int | None = None
     max_restarts: int = 0
     rdzv_backend: str = "c10d"
     # host:port of node 0; null on one node lets torchrun pick a free local port (--standalone).
@@ -33,6 +35,9 @@ class RuntimeConfig:
     monitor_interval: float = 1.0
     # Elastic jobs: seconds the rendezvous waits for more nodes once MIN have joined.
     last_call_timeout: int = 5
+    # Seconds a node waits at the rendezvous for the others (torchrun's join_timeout) before it ends, saying
+    # how many nodes joined and which never did.
+    rdzv_timeout: int = 600
 
     def check(self) -> None:
         one_of("runtime.name", self.name, RUNTIMES)
@@ -42,9 +47,14 @@ class RuntimeConfig:
             _, most = node_range(self.nnodes)
         except ValueError as e:
             raise ConfigError("runtime.nnodes", self.nnodes, str(e)) from None
-        require(0 <= self.node_rank < most, "runtime.node_rank", self.node_rank,
-                f"must be in [0, runtime.nnodes={self.nnodes})")
+        if self.node_rank is not None:
+            require(":" not in str(self.nnodes), "runtime.node_rank", self.node_rank,
+                    f"runtime.nnodes={self.nnodes} is an elastic range, whose rendezvous assigns each node its "
+                    "rank: leave runtime.node_rank unset")
+            require(0 <= self.node_rank < most, "runtime.node_rank", self.node_rank,
+                    f"must be in [0, runtime.nnodes={self.nnodes})")
         positive(self, "runtime", "last_call_timeout")
+        positive(self, "runtime", "rdzv_timeout")
         require(self.max_restarts >= 0, "runtime.max_restarts", self.max_restarts, "must be >= 0")
         positive(self, "runtime", "monitor_interval")
 
