@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer.errors import ConfigError
 
@@ -168,6 +168,19 @@ def check_data_order(path: str, cfg) -> None:
                               f"deliberately (train.resume={path})")
 
 
+# The optimizer's state and settings are kept per parameter, under its name ("optim.state.<name>.exp_avg",
+# "optim.param_groups.<name>.lr"): under pipeline parallelism each rank holds some parameters, and DCP merges
+# these keys into those of the whole model, whatever strategy saved or loads them.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+NESTED = StateDictOptions(flatten_optimizer_state_dict=False)
+
+
+def _options(keys) -> StateDictOptions:
+    """How checkpoint keys `keys` hold the optimizer: per parameter, or (older checkpoints) per param group."""
+    nested = any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
+    return NESTED if nested else FLAT
+
+
 def _rng_key() -> str:
     return f"rng.rank{dist.get_rank()}"
 
@@ -188,7 +201,7 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     state = {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
     try:
         dcp.save(state, checkpoint_id=tmp)
@@ -258,14 +271,16 @@ def load(path: str, model, optimizer, train_state: dict, device: torch.device) -
     `train_state` gives the keys (and types) to read back. The RNG state is restored only when the
     checkpoint holds one for this rank (it may have been saved with another world size).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "train": dict(train_state)}
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    options = _options(keys)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_sd, "optim": optim_sd, "train": dict(train_state)}
     has_rng = any(k.startswith(_rng_key() + ".") for k in keys)
     if has_rng:
         state[_rng_key()] = _rng_state(device)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     if has_rng:
         torch.set_rng_state(state[_rng_key()]["cpu"])
         if "cuda" in state[_rng_key()]:
