@@ -192,27 +192,38 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
-         device: torch.device) -> str:
-    """Write checkpoint `step` collectively (every rank calls this) and keep the newest `keep_latest_k`."""
-    final = os.path.join(root, f"step-{step}")
-    tmp = os.path.join(root, f".step-{step}.partial")
+def _paths(root: str, step: int) -> tuple[str, str]:
+    """Where checkpoint `step` is written (a name resume never picks) and where it is renamed to when whole."""
+    return os.path.join(root, f".step-{step}.partial"), os.path.join(root, f"step-{step}")
+
+
+def _state(root: str, step: int, model, optimizer, train_state: dict, device: torch.device) -> dict:
+    """Every rank: make the checkpoint's temporary directory fresh, and gather what it holds."""
+    tmp, _ = _paths(root, step)
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
-    state = {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
-    try:
-        dcp.save(state, checkpoint_id=tmp)
-    except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
-        full = not isinstance(e, KeyboardInterrupt | SystemExit) and no_space(e, root)
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep the disk full
-        if full:
-            raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
-                          f"removed): free space in {root}, then run again to resume from the last checkpoint") from e
-        raise
+    return {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
+
+
+def _failed(error: BaseException, root: str, step: int) -> BaseException:
+    """A write of checkpoint `step` failed on every rank (DCP's CheckpointException reaches them all): remove
+    the partial directory; the error to raise (a full disk as OSError ENOSPC, saying what to do)."""
+    tmp, final = _paths(root, step)
+    full = not isinstance(error, KeyboardInterrupt | SystemExit) and no_space(error, root)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep the disk full
+    if full:
+        return OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
+                       f"removed): free space in {root}, then run again to resume from the last checkpoint")
+    return error
+
+
+def _complete(root: str, step: int, keep_latest_k: int) -> str:
+    """Every rank has written its part of checkpoint `step`: rename it whole, keep the newest `keep_latest_k`."""
+    tmp, final = _paths(root, step)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -222,6 +233,63 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
+         device: torch.device) -> str:
+    """Write checkpoint `step` collectively (every rank calls this) and keep the newest `keep_latest_k`."""
+    state = _state(root, step, model, optimizer, train_state, device)
+    try:
+        dcp.save(state, checkpoint_id=_paths(root, step)[0])
+    except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
+        raise _failed(e, root, step) from e
+    return _complete(root, step, keep_latest_k)
+
+
+class AsyncSaver:
+    """`train.checkpoint_async=true`, as TorchTitan saves: `dcp.async_save` copies the state to CPU memory
+    (pinned where there is a GPU), which is all a step waits for, and writes it from a background thread. The
+    ranks coordinate that write over a gloo group of their own, apart from training's collectives. A save
+    first waits for the one in flight; `wait()` (every rank calls it: before the next save, at SIGTERM, at the
+    end of the run) completes it by the same rule as a synchronous save: renamed only when whole, a failed
+    write raised here and its partial directory removed."""
+
+    def __init__(self, device: torch.device):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self.group = dist.new_group(backend="gloo")  # every rank makes it, in the same order
+        self.pending: tuple | None = None  # (future, root, step, keep_latest_k) of the write in flight
+
+    def save(self, root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
+             device: torch.device) -> str:
+        self.wait()
+        state = _state(root, step, model, optimizer, train_state, device)
+        try:
+            future = dcp.async_save(state, checkpoint_id=_paths(root, step)[0], process_group=self.group,
+                                    async_stager=self.stager)
+        except BaseException as e:
+            raise _failed(e, root, step) from e
+        self.pending = (future, root, step, keep_latest_k)
+        return _paths(root, step)[1]
+
+    def wait(self) -> str | None:
+        """Complete the write in flight, if any (every rank calls this); the checkpoint it made."""
+        if self.pending is None:
+            return None
+        future, root, step, keep = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except BaseException as e:
+            log.error("the background write of checkpoint step %d failed: %s", step, e)
+            raise _failed(e, root, step) from e
+        return _complete(root, step, keep)
+
+    def close(self) -> None:
+        self.stager.close()
 
 
 def no_space(error: BaseException, path: str) -> bool:
@@ -253,6 +321,7 @@ class Checkpointer:
         self.root, self.every, self.last, self.keep = root, train_cfg.checkpoint_every, train_cfg.max_steps, \
             train_cfg.keep_latest_k
         self.model, self.optimizer, self.train_state, self.device = model, optimizer, train_state, device
+        self.background = AsyncSaver(device) if train_cfg.checkpoint_async else None
 
     def step(self, step: int) -> str | None:
         """Step `step` is done: save it when due (every rank calls this); the checkpoint written, if any."""
@@ -261,8 +330,19 @@ class Checkpointer:
         return None
 
     def save(self, step: int) -> str:
-        """Save step `step` now, due or not (every rank calls this)."""
-        return save(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
+        """Save step `step` now, due or not (every rank calls this). With train.checkpoint_async, the write goes on
+        in the background: the path is where it will be once `wait` has completed it."""
+        writer = self.background.save if self.background is not None else save
+        return writer(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
+
+    def finish(self) -> None:
+        """The checkpoint in flight, if any, written whole, and the staging memory released (every rank calls
+        this at the end of the run or at SIGTERM; nothing to do when saving synchronously)."""
+        if self.background is not None:
+            try:
+                self.background.wait()
+            finally:
+                self.background.close()
 
 
 def load(path: str, model, optimizer, train_state: dict, device: torch.device) -> dict:

@@ -209,7 +209,10 @@ class Trainer:
                     if self.step < t.max_steps and stop.requested():
                         with logger.paused():
                             saved = saved or self.checkpointer.save(self.step)
+                            self.checkpointer.finish()  # an asynchronous write, whole before the exit
                         raise preemption.Preempted(self.step, saved)
+                with logger.paused():
+                    self.checkpointer.finish()
             finally:
                 logger.close(finished=self.step == t.max_steps)
         if math.isnan(eval_loss):  # no step was run
