@@ -24,8 +24,8 @@ def check(job) -> None:
     _runtime(job)
     world = world_size(job)
     s = job.strategy
-    require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one process: add "
-            f"+runtime=torch-distributed (world size is {world})")
+    require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
+            f"process: add +runtime=torch-distributed (world size is {world})")
     dims = Degrees.of(s, world)
     _parallel(job, dims)
     _recipe(job)
