@@ -3,7 +3,9 @@
 `checkpoints/step-<N>/` is written under a temporary name and renamed once every rank has finished, so a
 rank killed mid-save never leaves a half-written checkpoint where resume would find it. Model and
 optimizer go through `get_state_dict`/`set_state_dict`, so a checkpoint saved under one strategy and
-world size loads under another (DCP reshards).
+world size loads under another (DCP reshards; pipeline stages each save their own parameters under the
+unsplit model's names). With `train.checkpoint_async` the write goes on in the background (`AsyncSaver`) and
+is renamed by the same rule once the run waits for it.
 
 `checkpoints/` holds one line of training: resuming from an earlier checkpoint than the newest starts a
 new line, and the later checkpoints of the old one are moved aside into `checkpoints/abandoned-<time>/`
@@ -24,6 +26,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -208,17 +211,17 @@ def _state(root: str, step: int, model, optimizer, train_state: dict, device: to
     return {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
 
 
-def _failed(error: BaseException, root: str, step: int) -> BaseException:
+def _failed(error: BaseException, root: str, step: int) -> NoReturn:
     """A write of checkpoint `step` failed on every rank (DCP's CheckpointException reaches them all): remove
-    the partial directory; the error to raise (a full disk as OSError ENOSPC, saying what to do)."""
+    the partial directory, and raise (a full disk as OSError ENOSPC, saying what to do; else `error` itself)."""
     tmp, final = _paths(root, step)
     full = not isinstance(error, KeyboardInterrupt | SystemExit) and no_space(error, root)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep the disk full
     if full:
-        return OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
-                       f"removed): free space in {root}, then run again to resume from the last checkpoint")
-    return error
+        raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
+                      f"removed): free space in {root}, then run again to resume from the last checkpoint") from error
+    raise error
 
 
 def _complete(root: str, step: int, keep_latest_k: int) -> str:
@@ -242,7 +245,7 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
     try:
         dcp.save(state, checkpoint_id=_paths(root, step)[0])
     except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
-        raise _failed(e, root, step) from e
+        _failed(e, root, step)
     return _complete(root, step, keep_latest_k)
 
 
@@ -271,7 +274,7 @@ class AsyncSaver:
             future = dcp.async_save(state, checkpoint_id=_paths(root, step)[0], process_group=self.group,
                                     async_stager=self.stager)
         except BaseException as e:
-            raise _failed(e, root, step) from e
+            _failed(e, root, step)
         self.pending = (future, root, step, keep_latest_k)
         return _paths(root, step)[1]
 
@@ -285,7 +288,7 @@ class AsyncSaver:
             future.result()
         except BaseException as e:
             log.error("the background write of checkpoint step %d failed: %s", step, e)
-            raise _failed(e, root, step) from e
+            _failed(e, root, step)
         return _complete(root, step, keep)
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ One torchrun start per world size trains all of its runs (tests/trainer/strategy
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import pytest
 import torch
 
 from tests.conftest import DIST, REFERENCE, REPO, TINY, cli, compose_refused, compose_run, read_metrics, read_summary
+from tests.trainer.hf_models import add_tokenizer, make_llama
+from tests.trainer.test_sft import ARGS as SFT_ARGS
+from tests.trainer.test_sft import _chats
 from tests.trainer.test_strategies import RTOL
 
 pytestmark = pytest.mark.slow
@@ -51,9 +55,24 @@ def deep_reference(tmp_path_factory, cache_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, cache_dir) -> dict[str, str]:
+def sft(tmp_path_factory, cache_dir) -> tuple[list[str], str]:
+    """recipe=sft on packed chats of a Hugging Face Llama: its arguments, and its run in one process."""
+    root = tmp_path_factory.mktemp("pp-sft")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(48)))
+    args = ["model=hf", f"model.path={add_tokenizer(make_llama(str(root)))}", *SFT_ARGS, f"data.path={chats}",
+            "data.packing=true", "train.max_steps=4", "train.eval_every=2"]
+    proc = cli(cache_dir, root, *args, f"hydra.run.dir={root / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return args, str(root / "run")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, cache_dir, sft) -> dict[str, str]:
     every2 = [*REFERENCE, *DIST, *PP, "strategy.pp_microbatches=4", "train.checkpoint_every=2"]
     return _launch(cache_dir, 2, {
+        # one row per micro-batch: each counts its own assistant tokens; documents packed in rows
+        "sft": [*sft[0], *DIST, *PP, "strategy.pp_microbatches=4"],
         "gpipe": [*REFERENCE, *DIST, *PP, "strategy.pp_schedule=gpipe", "train.checkpoint_every=3"],
         "1f1b": every2,
         "1f1b-async": [*every2, "train.checkpoint_async=true"],
@@ -86,6 +105,10 @@ def _same_curve(run_dir: str, reference: str, rel: float = RTOL) -> None:
 def test_each_schedule_on_two_ranks_gives_the_single_process_losses(two_ranks, single_reference, name):
     _same_curve(two_ranks[name], single_reference)
     assert read_summary(two_ranks[name])["params"] == read_summary(single_reference)["params"]
+
+
+def test_sft_on_packed_chats_gives_the_single_process_losses(two_ranks, sft):
+    _same_curve(two_ranks["sft"], sft[1])
 
 
 def test_interleaved_1f1b_runs_two_stages_per_rank_to_the_single_process_losses(two_ranks, deep_reference):

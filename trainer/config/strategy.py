@@ -69,7 +69,6 @@ class StrategyConfig:
                         f"strategy={self.name} uses only strategy.dp_replicate; this must be 1 "
                         "(strategy.data_parallel=ddp keeps a whole, plain copy of the model on every rank)")
 
-
     def _check_pipeline(self) -> None:
         one_of("strategy.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         for name in ("pp_microbatches", "pp_stages_per_rank"):
@@ -114,7 +113,7 @@ class Degrees:
     def of(cls, strategy: StrategyConfig, world_size: int) -> Degrees:
         """The strategy's degrees for `world_size` ranks, solved once per process for each combination."""
         return _solved(int(strategy.dp_replicate), int(strategy.dp_shard), int(strategy.tp), int(world_size),
-                       str(strategy.data_parallel), int(getattr(strategy, "pp", 1)))
+                       str(strategy.data_parallel), int(strategy.pp))
 
     def __post_init__(self) -> None:
         given = self.degrees()
