@@ -9,7 +9,9 @@
 #   4. bench/e2e.py on model=1b and model=small: tokens/s of kernels=torch, kernels=triton,
 #      flag_gems.enable() and transformers' Llama eager and with Liger's apply_liger_kernel_to_llama;
 #   5. bench/gpu_report.py: the issue's targets, met or missed, from the report above.
-# `bash bench/gpu_check.sh overhead` runs bench/step_overhead.py instead (the worker against a hand loop).
+# `bash bench/gpu_check.sh overhead` runs bench/step_overhead.py instead (the worker against a hand loop);
+# `bash bench/gpu_check.sh checkpoint` runs bench/checkpoint.py (the stall of one save, sync against
+# train.checkpoint_async=true, models small and 1b) instead.
 #
 # Here, on a machine with PyPI (once):   bash bench/gpu_check.sh --prepare
 #   downloads what the GPU machine lacks (Hydra, OmegaConf, antlr4; Liger-Kernel, FlagGems and FlagGems'
@@ -75,6 +77,11 @@ e2e() {  # model, kernels, extra overrides...: one line of tokens/s and MFU from
 
 if [ "${1:-}" = "overhead" ]; then
     timeout 120 python3 bench/step_overhead.py 2>&1 | tail -8 | tee "$report"
+    exit 0
+fi
+if [ "${1:-}" = "checkpoint" ]; then
+    timeout 300 python3 bench/checkpoint.py --models small,1b --saves 3 --steps 2 --seq 1024 2>&1 | tail -8 \
+        | tee "$report"
     exit 0
 fi
 

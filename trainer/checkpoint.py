@@ -3,7 +3,9 @@
 `checkpoints/step-<N>/` is written under a temporary name and renamed once every rank has finished, so a
 rank killed mid-save never leaves a half-written checkpoint where resume would find it. Model and
 optimizer go through `get_state_dict`/`set_state_dict`, so a checkpoint saved under one strategy and
-world size loads under another (DCP reshards).
+world size loads under another (DCP reshards; pipeline stages each save their own parameters under the
+unsplit model's names). With `train.checkpoint_async` the write goes on in the background (`AsyncSaver`) and
+is renamed by the same rule once the run waits for it.
 
 `checkpoints/` holds one line of training: resuming from an earlier checkpoint than the newest starts a
 new line, and the later checkpoints of the old one are moved aside into `checkpoints/abandoned-<time>/`
@@ -24,12 +26,13 @@ import shutil
 import tempfile
 import time
 import warnings
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer.errors import ConfigError
 
@@ -168,6 +171,19 @@ def check_data_order(path: str, cfg) -> None:
                               f"deliberately (train.resume={path})")
 
 
+# The optimizer's state and settings are kept per parameter, under its name ("optim.state.<name>.exp_avg",
+# "optim.param_groups.<name>.lr"): under pipeline parallelism each rank holds some parameters, and DCP merges
+# these keys into those of the whole model, whatever strategy saved or loads them.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+NESTED = StateDictOptions(flatten_optimizer_state_dict=False)
+
+
+def _options(keys) -> StateDictOptions:
+    """How checkpoint keys `keys` hold the optimizer: per parameter, or (older checkpoints) per param group."""
+    nested = any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
+    return NESTED if nested else FLAT
+
+
 def _rng_key() -> str:
     return f"rng.rank{dist.get_rank()}"
 
@@ -179,27 +195,38 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
-         device: torch.device) -> str:
-    """Write checkpoint `step` collectively (every rank calls this) and keep the newest `keep_latest_k`."""
-    final = os.path.join(root, f"step-{step}")
-    tmp = os.path.join(root, f".step-{step}.partial")
+def _paths(root: str, step: int) -> tuple[str, str]:
+    """Where checkpoint `step` is written (a name resume never picks) and where it is renamed to when whole."""
+    return os.path.join(root, f".step-{step}.partial"), os.path.join(root, f"step-{step}")
+
+
+def _state(root: str, step: int, model, optimizer, train_state: dict, device: torch.device) -> dict:
+    """Every rank: make the checkpoint's temporary directory fresh, and gather what it holds."""
+    tmp, _ = _paths(root, step)
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
-    try:
-        dcp.save(state, checkpoint_id=tmp)
-    except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
-        full = not isinstance(e, KeyboardInterrupt | SystemExit) and no_space(e, root)
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep the disk full
-        if full:
-            raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
-                          f"removed): free space in {root}, then run again to resume from the last checkpoint") from e
-        raise
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
+    return {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
+
+
+def _failed(error: BaseException, root: str, step: int) -> NoReturn:
+    """A write of checkpoint `step` failed on every rank (DCP's CheckpointException reaches them all): remove
+    the partial directory, and raise (a full disk as OSError ENOSPC, saying what to do; else `error` itself)."""
+    tmp, final = _paths(root, step)
+    full = not isinstance(error, KeyboardInterrupt | SystemExit) and no_space(error, root)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would keep the disk full
+    if full:
+        raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {final} (the partial one was "
+                      f"removed): free space in {root}, then run again to resume from the last checkpoint") from error
+    raise error
+
+
+def _complete(root: str, step: int, keep_latest_k: int) -> str:
+    """Every rank has written its part of checkpoint `step`: rename it whole, keep the newest `keep_latest_k`."""
+    tmp, final = _paths(root, step)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -209,6 +236,63 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
+         device: torch.device) -> str:
+    """Write checkpoint `step` collectively (every rank calls this) and keep the newest `keep_latest_k`."""
+    state = _state(root, step, model, optimizer, train_state, device)
+    try:
+        dcp.save(state, checkpoint_id=_paths(root, step)[0])
+    except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
+        _failed(e, root, step)
+    return _complete(root, step, keep_latest_k)
+
+
+class AsyncSaver:
+    """`train.checkpoint_async=true`, as TorchTitan saves: `dcp.async_save` copies the state to CPU memory
+    (pinned where there is a GPU), which is all a step waits for, and writes it from a background thread. The
+    ranks coordinate that write over a gloo group of their own, apart from training's collectives. A save
+    first waits for the one in flight; `wait()` (every rank calls it: before the next save, at SIGTERM, at the
+    end of the run) completes it by the same rule as a synchronous save: renamed only when whole, a failed
+    write raised here and its partial directory removed."""
+
+    def __init__(self, device: torch.device):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self.group = dist.new_group(backend="gloo")  # every rank makes it, in the same order
+        self.pending: tuple | None = None  # (future, root, step, keep_latest_k) of the write in flight
+
+    def save(self, root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
+             device: torch.device) -> str:
+        self.wait()
+        state = _state(root, step, model, optimizer, train_state, device)
+        try:
+            future = dcp.async_save(state, checkpoint_id=_paths(root, step)[0], process_group=self.group,
+                                    async_stager=self.stager)
+        except BaseException as e:
+            _failed(e, root, step)
+        self.pending = (future, root, step, keep_latest_k)
+        return _paths(root, step)[1]
+
+    def wait(self) -> str | None:
+        """Complete the write in flight, if any (every rank calls this); the checkpoint it made."""
+        if self.pending is None:
+            return None
+        future, root, step, keep = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except BaseException as e:
+            log.error("the background write of checkpoint step %d failed: %s", step, e)
+            _failed(e, root, step)
+        return _complete(root, step, keep)
+
+    def close(self) -> None:
+        self.stager.close()
 
 
 def no_space(error: BaseException, path: str) -> bool:
@@ -240,6 +324,7 @@ class Checkpointer:
         self.root, self.every, self.last, self.keep = root, train_cfg.checkpoint_every, train_cfg.max_steps, \
             train_cfg.keep_latest_k
         self.model, self.optimizer, self.train_state, self.device = model, optimizer, train_state, device
+        self.background = AsyncSaver(device) if train_cfg.checkpoint_async else None
 
     def step(self, step: int) -> str | None:
         """Step `step` is done: save it when due (every rank calls this); the checkpoint written, if any."""
@@ -248,8 +333,19 @@ class Checkpointer:
         return None
 
     def save(self, step: int) -> str:
-        """Save step `step` now, due or not (every rank calls this)."""
-        return save(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
+        """Save step `step` now, due or not (every rank calls this). With train.checkpoint_async, the write goes on
+        in the background: the path is where it will be once `wait` has completed it."""
+        writer = self.background.save if self.background is not None else save
+        return writer(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
+
+    def finish(self) -> None:
+        """The checkpoint in flight, if any, written whole, and the staging memory released (every rank calls
+        this at the end of the run or at SIGTERM; nothing to do when saving synchronously)."""
+        if self.background is not None:
+            try:
+                self.background.wait()
+            finally:
+                self.background.close()
 
 
 def load(path: str, model, optimizer, train_state: dict, device: torch.device) -> dict:
@@ -258,14 +354,16 @@ def load(path: str, model, optimizer, train_state: dict, device: torch.device) -
     `train_state` gives the keys (and types) to read back. The RNG state is restored only when the
     checkpoint holds one for this rank (it may have been saved with another world size).
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "train": dict(train_state)}
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    options = _options(keys)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_sd, "optim": optim_sd, "train": dict(train_state)}
     has_rng = any(k.startswith(_rng_key() + ".") for k in keys)
     if has_rng:
         state[_rng_key()] = _rng_state(device)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     if has_rng:
         torch.set_rng_state(state[_rng_key()]["cpu"])
         if "cuda" in state[_rng_key()]:

@@ -42,15 +42,15 @@ BYTES_PER_PARAM = 16
 
 def check_memory(cfg: Config, dims: Degrees) -> None:
     """Raise ConfigError when this machine cannot hold the model's weights, gradients and optimizer state
-    (sharded over dp_shard x tp ranks, shared by this machine's ranks): a model that cannot fit is a config
-    error, not an allocation failure minutes later."""
+    (sharded over dp_shard x tp ranks, split over pp stages, shared by this machine's ranks): a model that
+    cannot fit is a config error, not an allocation failure minutes later."""
     m = cfg.model
     try:
         params = models.count_params(m)
     except RuntimeError:  # a tensor whose size in bytes overflows int64
         raise ConfigError("model", f"dim={m.dim}, ffn_dim={m.ffn_dim}, vocab_size={m.vocab_size}",
                           "makes a tensor too large to address: choose smaller model.* sizes") from None
-    per_rank = params * BYTES_PER_PARAM / (dims.dp_shard * dims.tp)
+    per_rank = params * BYTES_PER_PARAM / (dims.dp_shard * dims.tp * dims.pp)
     if torch.cuda.is_available():
         available, where = torch.cuda.mem_get_info()[1], "GPU"
     else:

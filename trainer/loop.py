@@ -26,7 +26,7 @@ from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
 from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims
-from trainer.recipes.base import Context, local
+from trainer.recipes.base import Context
 from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,12 @@ class Trainer:
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
-        self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims.tp)
+        self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims)
                              else contextlib.nullcontext)
         bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        self.recipe = recipes.build(cfg, model, Context(device, dims, autocast, self.loss_context))
+        self.pipeline = getattr(model, "pipeline", None)  # strategy.pp > 1: the schedule over this rank's stages
+        self.recipe = recipes.build(cfg, model, Context(device, dims, autocast, self.loss_context, self.pipeline))
         shard = {"global_batch_size": self.recipe.rows_per_step, "seed": t.seed, "rank": dp_rank,
                  "world_size": dp_size}
         self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
@@ -88,11 +89,18 @@ class Trainer:
         self.step = 0
         self.resumed_from: str | None = None
         self.flops_per_token = metrics.flops_per_token(
-            models.num_params(model, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
+            self._num_params(exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
         self.checkpointer = checkpoint.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t, model, self.optimizer,
                                                     self._train_state, device)
+
+    def _num_params(self, exclude_embeddings: bool = False) -> int:
+        """The whole model's parameter count (under pp, the sum over the pipeline's stages)."""
+        count = models.num_params(self.model, exclude_embeddings)
+        if self.pipeline is None:
+            return count
+        return int(self.pipeline.total(torch.tensor(count, dtype=torch.int64, device=self.device)))
 
     def _train_state(self) -> dict:
         epoch, step_in_epoch = self.train_data.plan.position(self.step)
@@ -139,11 +147,9 @@ class Trainer:
         for i, micro in enumerate(self.recipe.micro_batches(batch, accum)):
             sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
             with sync, self.loss_context():
-                loss = self.recipe.loss(micro)
-                loss.backward()
-            total += local(loss.detach())
+                total += self.recipe.step(micro)
         clip = self.cfg.optim.grad_clip
-        grad_norm = parallel.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf)
+        grad_norm = parallel.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf, self.pipeline)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -208,8 +214,11 @@ class Trainer:
                     if self.step < t.max_steps and stop.requested():
                         with logger.paused():
                             saved = saved or self.checkpointer.save(self.step)
+                            self.checkpointer.finish()  # an asynchronous write, whole before the exit
                         logger.preempted(self.step, saved)
                         raise preemption.Preempted(self.step, saved)
+                with logger.paused():
+                    self.checkpointer.finish()
             except UserCodeError as e:  # during step self.step + 1: its checkpoint is the last one written
                 raise e.at_step(self.step + 1) from None
             finally:
@@ -245,7 +254,7 @@ class Trainer:
             "train_time_s": elapsed,
             "tokens_per_s": steps_run * tokens_per_step / elapsed if steps_run else 0.0,
             "world_size": self.world, "strategy": self.cfg.strategy.name,
-            "params": models.num_params(self.model), "resumed_from": self.resumed_from,
+            "params": self._num_params(), "resumed_from": self.resumed_from,
             "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:

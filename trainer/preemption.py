@@ -1,7 +1,8 @@
 """SIGTERM as a preemption notice: what Kubernetes sends a preempted, evicted or drained pod, `docker stop` a
 container and torchrun's agent its ranks when it is itself told to stop. The ranks finish the step in
-flight, write a checkpoint and leave with exit code 143 (128 + SIGTERM), within `train.preemption_grace_s`;
-relaunching the run resumes from that checkpoint exactly.
+flight, write a checkpoint (with `train.checkpoint_async`, waiting for the write in flight to be whole) and
+leave with exit code 143 (128 + SIGTERM), within `train.preemption_grace_s`; relaunching the run resumes from
+that checkpoint exactly.
 
 A signal reaches the ranks at different moments (or only some of them), so after each step they agree
 whether any was told to stop (one all-reduce of a flag) and stop together after the same step. The driver

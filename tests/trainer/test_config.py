@@ -56,6 +56,8 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
                  ("recipe", "kd"): ["model=hf", f"model.path={hf_model}", f"recipe.teacher.path={hf_model}"],
                  ("strategy", "tp"): distributed,
                  ("strategy", "fsdp2_tp"): distributed,
+                 ("strategy", "pp"): distributed,
+                 ("strategy", "fsdp2_pp"): distributed,
                  ("launcher", "docker"): distributed,
                  ("launcher", "kubernetes"): distributed,
                  }.get((group, option), [])
@@ -97,7 +99,7 @@ def test_tensor_parallel_peers_share_batches():
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp",
                     "train.global_batch_size=6"])
     config.validate(cfg)
-    assert config.mesh_degrees(cfg.strategy, 4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert config.mesh_degrees(cfg.strategy, 4) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert config.dp_size(cfg) == 2
 
 

@@ -54,7 +54,7 @@ def test_a_new_combination_is_a_yaml_file(tmp_path):
     job = config.validate(cfg)
     assert job.strategy.name == "hsdp_tp"
     dims = config.parallel_dims(job)
-    assert dims.degrees() == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert dims.degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
     assert dims.fsdp and not dims.ddp and dims.dp_size == 4
     with pytest.raises(config.ConfigError, match="strategy='hsdp_tp': strategy=hsdp_tp needs more than one process"):
         config.validate(_compose(f"hydra.searchpath=[file://{tmp_path}]", "strategy=hsdp_tp"))
@@ -74,7 +74,8 @@ def test_degrees_are_filled_to_the_world_or_refused_naming_the_key(degrees, worl
         return
     filled = dims.degrees()
     assert dims.dp_replicate * dims.dp_shard * dims.tp == world and min(filled.values()) >= 1
-    assert [v for v, given in zip(filled.values(), degrees, strict=True) if given != -1] == [
+    assert filled["pp"] == 1
+    assert [filled[n] for n, given in zip(("dp_replicate", "dp_shard", "tp"), degrees, strict=True) if given != -1] == [
         g for g in degrees if g != -1
     ]
 

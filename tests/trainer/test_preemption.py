@@ -66,9 +66,12 @@ def reference(tmp_path_factory, cache_dir):
     return root / "run"
 
 
-def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_bit_for_bit(reference, cache_dir, tmp_path):
+# train.checkpoint_async: the checkpoint of the step in flight is written in the background, and waited for.
+@pytest.mark.parametrize("extra", [[], ["train.checkpoint_async=true"]], ids=["sync", "async"])
+def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_bit_for_bit(reference, cache_dir, tmp_path,
+                                                                                  extra):
     run_dir = tmp_path / "run"
-    proc = _start(cache_dir, tmp_path, *ARGS, f"hydra.run.dir={run_dir}")
+    proc = _start(cache_dir, tmp_path, *ARGS, *extra, f"hydra.run.dir={run_dir}")
     _wait_for_steps(run_dir, proc, 5)
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)

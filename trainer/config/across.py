@@ -12,7 +12,7 @@ from trainer.config.checks import require
 from trainer.config.model import BYTE_VOCAB_SIZE
 from trainer.config.recipe import DATA, DATA_ROWS
 from trainer.config.runtime import node_counts, nproc_per_node, world_size
-from trainer.config.strategy import Degrees
+from trainer.config.strategy import MULTI_STAGE_SCHEDULES, Degrees
 from trainer.config.train import require_tracker_package
 from trainer.errors import ConfigError
 from trainer.run_dir import RunDir
@@ -24,8 +24,8 @@ def check(job) -> None:
     _runtime(job)
     world = world_size(job)
     s = job.strategy
-    require(s.tp == 1 or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one process: add "
-            f"+runtime=torch-distributed (world size is {world})")
+    require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
+            f"process: add +runtime=torch-distributed (world size is {world})")
     dims = Degrees.of(s, world)
     _parallel(job, dims)
     _recipe(job)
@@ -35,6 +35,7 @@ def check(job) -> None:
     _qat(job)
     _trackers(job)
     _batch_divides(job, dims)
+    _pipeline(job, dims)
     for nodes in node_counts(job)[:-1]:  # an elastic job runs at any of its sizes
         _elastic_size(job, nodes)
     t = job.train
@@ -69,6 +70,7 @@ def _elastic_size(job, nodes: int) -> None:
         raise ConfigError(e.key, e.value, f"{e.allowed} (at {nodes} node(s) of runtime.nnodes={job.runtime.nnodes}, "
                           f"world size {world})") from None
     _batch_divides(job, dims, nodes)
+    _pipeline(job, dims, f" at {nodes} node(s) of runtime.nnodes={job.runtime.nnodes}")
 
 
 def _model_and_data(job) -> None:
@@ -116,6 +118,46 @@ def _parallel(job, dims: Degrees) -> None:
                 "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on the CPU (slowly, for testing)")
         require(dims.tp == 1, "kernels", "triton", f"works with strategy=ddp or fsdp2 (strategy.tp=1); "
                 f"strategy={s.name} hands the kernels DTensors")
+
+
+PIPELINE_RECIPES = ("pretrain", "sft")
+
+
+def _pipeline(job, dims: Degrees, at: str = "") -> None:
+    """Pipeline parallelism (strategy.pp > 1): whole blocks per stage, a plain forward and loss per step, and
+    enough micro-batches of the local batch to keep the stages busy."""
+    if dims.pp == 1:
+        return
+    s, m, t = job.strategy, job.model, job.train
+    require(job.recipe.name in PIPELINE_RECIPES, "recipe", job.recipe.name, f"strategy.pp={dims.pp} runs recipes "
+            f"whose step is one forward and loss ({', '.join(PIPELINE_RECIPES)}); recipe={job.recipe.name} "
+            "calls its model(s) otherwise: use strategy.pp=1")
+    require(not m.tie_embeddings, "strategy.pp", dims.pp, f"model {m.name} ties its output layer to the embedding, "
+            "which would sit on the first and the last stage at once: pipeline parallelism needs untied "
+            "embeddings (model.tie_embeddings=false), or strategy.pp=1")
+    stages = dims.pp * s.stages_per_rank()
+    points = list(s.pp_split_points)
+    if points:
+        require(len(points) == stages - 1 and all(0 < a < b for a, b in zip([0, *points], points, strict=False))
+                and points[-1] < m.n_layers, "strategy.pp_split_points", points,
+                f"must be {stages - 1} increasing block indices in 1..{m.n_layers - 1} (where stages 1..{stages - 1} "
+                f"of {stages} begin: strategy.pp={dims.pp} x {s.stages_per_rank()} stage(s) per rank)")
+    else:
+        require(m.n_layers % stages == 0, "model.n_layers", m.n_layers, f"must be divisible by the {stages} "
+                f"pipeline stages (strategy.pp={dims.pp} x {s.stages_per_rank()} per rank) for an even split; or "
+                "give strategy.pp_split_points")
+    micro = s.pp_microbatches or stages
+    require(s.pp_schedule == "gpipe" or micro >= dims.pp, "strategy.pp_microbatches", micro,
+            f"strategy.pp_schedule={s.pp_schedule} needs at least as many micro-batches as pipeline ranks "
+            f"(strategy.pp={dims.pp})")
+    rounds = max(1, micro // dims.pp)
+    require(s.pp_schedule not in MULTI_STAGE_SCHEDULES or micro % rounds == 0, "strategy.pp_microbatches", micro,
+            f"strategy.pp_schedule={s.pp_schedule} runs rounds of micro-batches // strategy.pp = {rounds}: the "
+            f"micro-batches must be a multiple of {rounds}")
+    local = t.global_batch_size // max(1, dims.dp_size * t.grad_accum_steps)
+    require(local % micro == 0, "strategy.pp_microbatches", micro, f"must divide the local batch of {local} rows "
+            f"(train.global_batch_size={t.global_batch_size} / (data-parallel size {dims.dp_size} x "
+            f"train.grad_accum_steps={t.grad_accum_steps})){at}")
 
 
 def _recipe(job) -> None:

@@ -5,7 +5,7 @@ without torch; `trainer.parallel.ParallelDims` adds the DeviceMesh they describe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
@@ -15,6 +15,9 @@ from trainer.errors import ConfigError
 
 AC_MODES = ("none", "full", "selective")
 DATA_PARALLEL = ("fsdp", "ddp")
+# Pipeline schedules (torch.distributed.pipelining): one stage per rank, or several (interleaved).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b",)
 
 
 @dataclass
@@ -27,6 +30,17 @@ class StrategyConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    # pp > 1: pipeline parallelism, the model's blocks split into stages over pp ranks (the embedding on the
+    # first stage, the norm and output layer on the last), run by the schedule pp_schedule over
+    # pp_microbatches micro-batches of each local batch (null: as many as stages).
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    # Stages per rank: 1 for gpipe and 1f1b; interleaved_1f1b (null: 2) runs several, rank r holding stages
+    # r, r + pp, r + 2 pp, ...
+    pp_stages_per_rank: int | None = None
+    # The first block of each stage but the first (stages - 1 increasing block indices); empty: an even split.
+    pp_split_points: list[int] = field(default_factory=list)
     # How data-parallel ranks hold the model: fsdp (FSDP2 over dp_shard, HSDP over dp_replicate x dp_shard)
     # or ddp (a whole, plain copy per rank: DistributedDataParallel over dp_replicate; no dp_shard, no tp).
     data_parallel: str = "fsdp"
@@ -48,14 +62,39 @@ class StrategyConfig:
         one_of("strategy.param_dtype", self.param_dtype, (AUTO, *DTYPES))
         one_of("strategy.reduce_dtype", self.reduce_dtype, DTYPES)
         positive(self, "strategy", "bucket_cap_mb")
+        self._check_pipeline()
         if self.data_parallel == "ddp":
             for name in ("dp_shard", "tp"):
                 require(getattr(self, name) == 1, f"strategy.{name}", getattr(self, name),
                         f"strategy={self.name} uses only strategy.dp_replicate; this must be 1 "
                         "(strategy.data_parallel=ddp keeps a whole, plain copy of the model on every rank)")
 
+    def _check_pipeline(self) -> None:
+        one_of("strategy.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        for name in ("pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, name)
+            require(value is None or value > 0, f"strategy.{name}", value, "must be > 0, or null for the default")
+        stages = self.pp_stages_per_rank
+        if self.pp_schedule in MULTI_STAGE_SCHEDULES:
+            require(stages is None or stages >= 2, "strategy.pp_stages_per_rank", stages,
+                    f"strategy.pp_schedule={self.pp_schedule} runs several stages per rank: must be >= 2")
+        else:
+            require(stages in (None, 1), "strategy.pp_stages_per_rank", stages,
+                    f"strategy.pp_schedule={self.pp_schedule} runs one stage per rank: must be 1 (or use "
+                    "strategy.pp_schedule=interleaved_1f1b)")
+        if self.data_parallel == "ddp":
+            require(self.pp == 1, "strategy.pp", self.pp, f"strategy={self.name} (data_parallel=ddp) does not "
+                    "compose with pipeline parallelism: use strategy=fsdp2_pp, or strategy=pp")
 
-NAMES = ("dp_replicate", "dp_shard", "tp")
+    def stages_per_rank(self) -> int:
+        """How many pipeline stages each rank runs."""
+        if self.pp_stages_per_rank is not None:
+            return int(self.pp_stages_per_rank)
+        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+# The mesh's dimensions, outermost first (TorchTitan's order): pipeline stages across the slowest links.
+NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -68,11 +107,13 @@ class Degrees:
     tp: int
     world_size: int
     data_parallel: str = "fsdp"
+    pp: int = 1
 
     @classmethod
     def of(cls, strategy: StrategyConfig, world_size: int) -> Degrees:
         """The strategy's degrees for `world_size` ranks, solved once per process for each combination."""
-        return _solved(*(int(getattr(strategy, n)) for n in NAMES), int(world_size), str(strategy.data_parallel))
+        return _solved(int(strategy.dp_replicate), int(strategy.dp_shard), int(strategy.tp), int(world_size),
+                       str(strategy.data_parallel), int(strategy.pp))
 
     def __post_init__(self) -> None:
         given = self.degrees()
@@ -91,16 +132,16 @@ class Degrees:
             require(not self.world_size % known, f"strategy.{rest[0]}", -1,
                     f"the other degrees multiply to {known}, which does not divide the world size {self.world_size}")
             object.__setattr__(self, rest[0], self.world_size // known)  # frozen: filled once, here
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         require(product == self.world_size, "strategy", given,
-                f"dp_replicate x dp_shard x tp = {product} must equal the world size {self.world_size}")
+                f"pp x dp_replicate x dp_shard x tp = {product} must equal the world size {self.world_size}")
 
     def degrees(self) -> dict[str, int]:
         return {n: getattr(self, n) for n in NAMES}
 
     @property
     def dp_size(self) -> int:
-        """How many ranks see different data (tensor-parallel peers share batches)."""
+        """How many ranks see different data (tensor-parallel and pipeline peers share batches)."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -115,10 +156,10 @@ class Degrees:
 
 
 @functools.cache
-def _solved(dp_replicate: int, dp_shard: int, tp: int, world_size: int, data_parallel: str) -> Degrees:
-    return Degrees(dp_replicate, dp_shard, tp, world_size, data_parallel)
+def _solved(dp_replicate: int, dp_shard: int, tp: int, world_size: int, data_parallel: str, pp: int) -> Degrees:
+    return Degrees(dp_replicate, dp_shard, tp, world_size, data_parallel, pp)
 
 
 def mesh_degrees(strategy: StrategyConfig, world: int) -> dict[str, int]:
-    """The strategy's (dp_replicate, dp_shard, tp) degrees for `world` ranks, the -1 filled in."""
+    """The strategy's (pp, dp_replicate, dp_shard, tp) degrees for `world` ranks, the -1 filled in."""
     return Degrees.of(strategy, world).degrees()

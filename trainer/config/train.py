@@ -49,6 +49,9 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 100
     keep_latest_k: int = 2
+    # Save checkpoints in the background (dcp.async_save): a step waits only for the copy of the state to CPU
+    # memory; the next save, SIGTERM and the end of the run wait for the write in flight.
+    checkpoint_async: bool = False
     # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
     resume: str = "auto"
     progress: bool = True

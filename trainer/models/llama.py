@@ -127,8 +127,15 @@ class TiedProjection(nn.Module):
 
 
 class Transformer(nn.Module):
+    """The decoder. A pipeline stage (`trainer.parallel.pipeline`) is a copy with the parts of other stages set to
+    None: without `tok_embeddings` its input is the previous stage's hidden states, without `norm` and an
+    output layer it returns its hidden states."""
+
     # A function (hidden, weight, targets) -> loss that never materialises the logits, or None.
     fused_loss_fn = None
+    # How many ranks split a later pipeline stage's input along the sequence (tensor parallelism's sequence
+    # parallelism): the rotary tables cover the whole sequence. Set by `trainer.parallel.pipeline`.
+    sequence_shards = 1
 
     def __init__(self, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
                  vocab_size: int, max_seq_len: int, rope_theta: float, norm_eps: float,
@@ -167,7 +174,7 @@ class Transformer(nn.Module):
         (batch, seq) numbers the documents packed into each row: attention stays within a document and
         positions restart with each. `cache` (a `KVCache` the new tokens were appended to): the tokens
         continue the ones it holds."""
-        seq = tokens.shape[1]
+        seq = tokens.shape[1] if self.tok_embeddings is not None else tokens.shape[1] * self.sequence_shards
         mask = None
         if cache is not None:
             cos, sin = self.rope_cos[cache.positions], self.rope_sin[cache.positions]
@@ -185,10 +192,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
             same = documents[:, :, None] == documents[:, None, :]
             mask = (same & torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril())[:, None]
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask) if mask is not None else layer(h, cos, sin)
-        return self.norm(h)
+        return self.norm(h) if self.norm is not None else h
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -202,6 +209,8 @@ class Transformer(nn.Module):
         `loss_fn(hidden, output_weight, targets)`, when given, is the loss instead (recipe=kd's, which holds the
         logits of a chunk of tokens at a time). `documents`, `cache`: see `hidden_states`."""
         h = self.hidden_states(tokens, documents, cache)
+        if self.output is None and self.tied_output is None:  # a pipeline stage before the last
+            return h
         if loss_fn is not None:
             return loss_fn(h, self.output_weight, targets)
         if targets is not None and self.fused_loss_fn is not None:

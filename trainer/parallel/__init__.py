@@ -33,15 +33,19 @@ def no_grad_sync(model: nn.Module):
         yield
 
 
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pipeline=None) -> torch.Tensor:
     """Clip gradients to a total 2-norm of `max_norm` and return the norm before clipping.
 
     With sharded (DTensor) gradients, each shard's norm is partial; `full_tensor()` reduces it across the
-    mesh, so the norm, and so the clipping, is that of the whole model on every rank.
+    mesh, so the norm, and so the clipping, is that of the whole model on every rank. Under pipeline
+    parallelism (`pipeline`, a `trainer.parallel.pipeline.Pipeline`) each rank holds some stages: their squared
+    norms add up over the pipeline.
     """
     params = [p for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if pipeline is not None:
+        total = pipeline.total(total.float() ** 2).sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

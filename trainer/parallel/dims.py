@@ -1,8 +1,8 @@
 """`ParallelDims`: the parallel degrees (`trainer.config.strategy.Degrees`, checked and filled there, without
 torch) and the DeviceMesh they describe, built once per rank (as TorchTitan's `distributed/parallel_dims.py`).
 
-The mesh always has the three named dimensions `dp_replicate`, `dp_shard` and `tp` (some of size 1).
-Ranks that differ only in their `tp` coordinate share each batch. What is applied follows from the degrees
+The mesh always has the four named dimensions `pp`, `dp_replicate`, `dp_shard` and `tp` (some of size 1).
+Ranks that differ only in their `tp` or `pp` coordinates share each batch. What is applied follows from the degrees
 and `strategy.data_parallel` alone (see `trainer.parallel.parallelize`): a new combination is a yaml preset.
 """
 
@@ -25,7 +25,7 @@ class ParallelDims(Degrees):
         return cls(**asdict(Degrees.of(strategy, world_size)))
 
     def build_mesh(self, device_type: str):
-        """Build (once) and return the DeviceMesh over the three named dimensions."""
+        """Build (once) and return the DeviceMesh over the four named dimensions."""
         if self.mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -37,24 +37,19 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from trainer.config import StrategyConfig, torch_dtype
 from trainer.models.lora import LoRALinear
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import Pipeline, StagedModel, split, stage_ids, stage_layers
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn.Module:
     """Take the meta-device `model` and return it ready to train on this rank's device over `dims.mesh`
-    (storage allocated, weights not yet initialised: see `trainer.models.init_weights`)."""
+    (storage allocated, weights not yet initialised: see `trainer.models.init_weights`). Under pipeline
+    parallelism, a `trainer.parallel.pipeline.StagedModel` of this rank's stages, each parallelized as a whole
+    model would be."""
+    if dims.pp > 1:
+        return _pipelined(model, dims, cfg)
     mesh = dims.mesh
-    device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
-    if dims.tp > 1:
-        apply_tp(model, mesh["tp"], uses_loss_parallel(cfg, model.tok_embeddings.num_embeddings, dims.tp))
-    if cfg.activation_checkpointing != "none":
-        apply_ac(model, cfg.activation_checkpointing)
-    if cfg.compile:
-        for block in model.layers.values():
-            block.compile(fullgraph=False)
-    if dims.fsdp:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, cfg, device.type)
-    model.to_empty(device=device)
+    device = _device(mesh)
+    model = _parallelize_part(model, dims, cfg, device)
     if dims.ddp:  # DDP wraps a model whose storage exists
         model = DistributedDataParallel(
             model,
@@ -65,23 +60,64 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn
     return model
 
 
-def uses_loss_parallel(cfg: StrategyConfig, vocab_size: int, tp: int) -> bool:
-    return tp > 1 and cfg.loss_parallel and vocab_size % tp == 0
+def _device(mesh) -> torch.device:
+    return torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
+
+
+def _parallelize_part(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig, device: torch.device) -> nn.Module:
+    """TP, activation checkpointing, compile and FSDP2 on `model` (a whole model or a pipeline stage's part)."""
+    mesh = dims.mesh
+    if dims.tp > 1:
+        # A later pipeline stage has no embedding; under pp the loss is never parallel (see uses_loss_parallel).
+        vocab = model.tok_embeddings.num_embeddings if model.tok_embeddings is not None else 0
+        apply_tp(model, mesh["tp"], uses_loss_parallel(cfg, vocab, dims))
+    if cfg.activation_checkpointing != "none":
+        apply_ac(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        for block in model.layers.values():
+            block.compile(fullgraph=False)
+    if dims.fsdp:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, cfg, device.type)
+    model.to_empty(device=device)
+    return model
+
+
+def _pipelined(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn.Module:
+    pp_mesh, device = dims.mesh["pp"], _device(dims.mesh)
+    stages = dims.pp * cfg.stages_per_rank()
+    layers = stage_layers(len(model.layers), stages, list(cfg.pp_split_points))
+    ids = stage_ids(pp_mesh.get_local_rank(), dims.pp, cfg.stages_per_rank())
+    parts = []
+    for i in ids:
+        part = split(model, i, layers[i], stages)
+        part.sequence_shards = dims.tp
+        parts.append(_parallelize_part(part, dims, cfg, device))
+    runner = Pipeline(parts, ids, stages, cfg.pp_microbatches or stages, cfg.pp_schedule, pp_mesh.get_group(),
+                      device)
+    return StagedModel(parts, runner)
+
+
+def uses_loss_parallel(cfg: StrategyConfig, vocab_size: int, dims) -> bool:
+    """Whether the loss is computed on vocabulary shards: under tp, unless turned off or the vocabulary does not
+    divide; never under pp, whose last stage hands the schedule's loss whole logits."""
+    return dims.tp > 1 and dims.pp == 1 and cfg.loss_parallel and vocab_size % dims.tp == 0
 
 
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """Apply the tensor-parallel plan to `model` in place."""
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     logits = Shard(-1) if loss_parallel else Replicate()
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-    }
+    plan = {}
+    if model.tok_embeddings is not None:  # not a later pipeline stage
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:  # not an earlier pipeline stage
+        plan["norm"] = SequenceParallel()
     if model.output is not None:
         plan["output"] = ColwiseParallel(
             input_layouts=Shard(1), output_layouts=logits, use_local_output=not loss_parallel
         )
-    else:
+    elif model.tied_output is not None:
         plan["tied_output"] = PrepareModuleInputOutput(
             input_layouts=(Shard(1), None),
             desired_input_layouts=(Replicate(), None),

@@ -9,6 +9,7 @@ import abc
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ class Context:
     dims: ParallelDims
     autocast: contextlib.AbstractContextManager  # bf16 autocast, or nothing (reusable)
     loss_context: Callable[[], contextlib.AbstractContextManager]  # loss parallelism under tp, else nothing
+    pipeline: Any = None  # strategy.pp > 1: the `trainer.parallel.pipeline.Pipeline` that runs the model's stages
 
 
 class Recipe(abc.ABC):
@@ -51,7 +53,13 @@ class Recipe(abc.ABC):
 
     @abc.abstractmethod
     def loss(self, micro) -> torch.Tensor:
-        """A micro-batch's part of the step's loss (the loop holds `loss_context()` and calls backward)."""
+        """A micro-batch's part of the step's loss (`step` calls backward on it)."""
+
+    def step(self, micro) -> torch.Tensor:
+        """A micro-batch's forward and backward (the loop holds `loss_context()`); its part of the loss, detached."""
+        loss = self.loss(micro)
+        loss.backward()
+        return local(loss.detach())
 
     @abc.abstractmethod
     def eval_loss(self, batch: dict) -> torch.Tensor:

@@ -31,12 +31,28 @@ class Pretrain(Recipe):
         tokens, target, documents, scale = micro
         return self._forward(tokens, target, documents) * scale
 
+    def step(self, micro) -> torch.Tensor:
+        return self._run(*micro, backward=True)
+
+    def _run(self, tokens: torch.Tensor, target: torch.Tensor, documents: torch.Tensor | None, scale,
+             backward: bool) -> torch.Tensor:
+        """The one place where the pipeline (strategy.pp > 1) takes the model's place: its schedule runs the
+        forward (and with `backward` the backward) of the micro-batch over the stages. The loss x `scale`,
+        detached."""
+        if self.ctx.pipeline is not None:
+            documents = None if documents is None else documents[:, :-1]
+            return self.ctx.pipeline.run(tokens[:, :-1], target, documents, scale, backward)
+        loss = self.loss((tokens, target, documents, scale))
+        if backward:
+            loss.backward()
+        return local(loss.detach())
+
     def eval_loss(self, batch: dict) -> torch.Tensor:
         tokens = self.tokens(batch)
         target = self._targets(batch, tokens)
         with self.ctx.loss_context():
-            loss = self._forward(tokens, target, batch.get("documents"))
-        return local(loss) * self._eval_weight(target)
+            loss = self._run(tokens, target, batch.get("documents"), 1.0, backward=False)
+        return loss * self._eval_weight(target)
 
     def _eval_weight(self, target: torch.Tensor):
         return 1.0

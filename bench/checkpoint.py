@@ -1,0 +1,121 @@
+"""The training stall of one checkpoint save, synchronous against `train.checkpoint_async=true`.
+
+For each model preset, in this process (a one-rank group) on this machine's first GPU or its CPU: the model
+and an AdamW state (one step taken), saved by `trainer.checkpoint.Checkpointer` as the loop saves, `--saves`
+times with `--steps` training steps (forward, backward, optimizer) between saves. The stall is the time the
+loop spends in `save()`: the whole write when synchronous; with async the copy of the state to CPU memory
+(pinned on a GPU) and the wait, if any, for the previous write. `write s` is the time from a save's start until
+its checkpoint is renamed whole (async: measured by waiting at once, after the timed saves). The first save of
+each mode is not counted (the staging buffers and the DCP plan are made there).
+
+    python bench/checkpoint.py [--models debug,small] [--saves 4] [--steps 3] [--seq 256] [--batch 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from trainer import checkpoint, config, models  # noqa: E402
+
+
+def model_config(name: str):
+    config.register()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"model={name}"]).model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_steps(model, optimizer, tokens: torch.Tensor, steps: int) -> None:
+    for _ in range(steps):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def measure(name: str, background: bool, args, device: torch.device, root: str) -> dict:
+    torch.manual_seed(0)
+    model = models.build(model_config(name)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), device=device)
+    train_steps(model, optimizer, tokens, 1)
+    train = SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1, checkpoint_async=background)
+    saver = checkpoint.Checkpointer(root, train, model, optimizer, lambda: {"step": 0}, device)
+    stalls, writes = [], []
+    for i in range(args.saves):
+        sync(device)
+        start = time.perf_counter()
+        saver.save(i + 1)
+        sync(device)
+        stalls.append(time.perf_counter() - start)
+        if not background:
+            writes.append(stalls[-1])
+        train_steps(model, optimizer, tokens, args.steps)
+    saver.finish()
+    for i in range(2):  # async: the time until the checkpoint is whole, waiting at once
+        start = time.perf_counter()
+        saver = checkpoint.Checkpointer(root, train, model, optimizer, lambda: {"step": 0}, device)
+        saver.save(args.saves + i + 1)
+        saver.finish()
+        if background and i:
+            writes.append(time.perf_counter() - start)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    return {"model": name, "params": models.num_params(model), "mode": "async" if background else "sync",
+            "stall": statistics.median(stalls[1:]), "first": stalls[0],
+            "write": statistics.median(writes[1:] or writes), "gb": size / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="debug,small")
+    parser.add_argument("--saves", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for name in args.models.split(","):
+            for background in (False, True):
+                root = os.path.join(tmp, f"{name}-{background}")
+                rows.append(measure(name, background, args, device, root))
+                shutil.rmtree(root, ignore_errors=True)
+                print(f"measured {name} {rows[-1]['mode']}", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\ncheckpoint stall per save on {where}, {args.steps} steps between saves")
+    print(f"{'model':<8}{'params':>12}{'mode':>7}{'stall s':>10}{'first s':>10}{'write s':>10}{'ckpt GB':>9}"
+          f"{'stall vs sync':>15}")
+    sync_stall = {}
+    for r in rows:
+        sync_stall.setdefault(r["model"], r["stall"])
+        ratio = r["stall"] / sync_stall[r["model"]]
+        print(f"{r['model']:<8}{r['params']:>12,}{r['mode']:>7}{r['stall']:>10.3f}{r['first']:>10.3f}"
+              f"{r['write']:>10.3f}{r['gb']:>9.2f}{ratio:>14.2f}x")
+
+
+if __name__ == "__main__":
+    main()

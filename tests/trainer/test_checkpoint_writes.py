@@ -1,0 +1,78 @@
+"""How checkpoints are written and read. `train.checkpoint_async`: the background write of a checkpoint is
+completed by the rule of a synchronous save (renamed only when whole); a failed write is raised when the run
+waits for it, and its partial directory is never what resume picks. The optimizer is kept per parameter name
+(so pipeline stages' keys merge), and checkpoints that kept it per param group still load. In this process, as a
+one-rank group."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from trainer import checkpoint
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _checkpointer(root: str) -> checkpoint.Checkpointer:
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    train = SimpleNamespace(checkpoint_every=1, max_steps=10, keep_latest_k=2, checkpoint_async=True)
+    return checkpoint.Checkpointer(root, train, model, optimizer, lambda: {"step": 1}, torch.device("cpu"))
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_background_write_is_raised_when_waited_for_and_never_resumed_from(one_rank_group, tmp_path,
+                                                                                     monkeypatch):
+    root = str(tmp_path / "checkpoints")
+    saver = _checkpointer(root)
+    assert saver.save(1) == os.path.join(root, "step-1")
+    saver.save(2)  # waits for step 1's write first: renamed whole
+    assert "step-1" in os.listdir(root)
+    saver.finish()
+    assert checkpoint.latest(root) == os.path.join(root, "step-2")
+
+    def broken(self, plan, planner):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken)
+    saver = _checkpointer(root)
+    saver.save(3)  # the step goes on; the failure comes to light when the run waits for the write
+    with pytest.raises(BaseException, match="Input/output error"):
+        saver.finish()
+    assert sorted(os.listdir(root)) == ["step-1", "step-2"]  # no step-3, no partial directory
+    assert checkpoint.latest(root) == os.path.join(root, "step-2")
+
+
+@pytest.mark.timeout(60)
+def test_the_optimizer_is_saved_per_parameter_and_older_per_group_checkpoints_still_load(one_rank_group, tmp_path):
+    root = str(tmp_path / "checkpoints")
+    saver = _checkpointer(root)
+    saver.background = None  # synchronous
+    path = saver.save(1)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert "optim.state.weight.exp_avg" in keys and "optim.param_groups.weight.lr" in keys
+
+    older = str(tmp_path / "older")  # as checkpoints were saved before: param groups by index
+    model_sd, optim_sd = get_state_dict(saver.model, saver.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "train": {"step": 7}}, checkpoint_id=older)
+    assert "optim.param_groups.0.lr" in dcp.FileSystemReader(older).read_metadata().state_dict_metadata
+    fresh = _checkpointer(str(tmp_path / "other"))
+    state = checkpoint.load(older, fresh.model, fresh.optimizer, {"step": 0}, torch.device("cpu"))
+    assert state["step"] == 7 and torch.equal(fresh.model.weight, saver.model.weight)
+    exp_avg = saver.optimizer.state[saver.model.weight]["exp_avg"]
+    assert torch.equal(fresh.optimizer.state[fresh.model.weight]["exp_avg"], exp_avg)
