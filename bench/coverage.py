@@ -1,16 +1,24 @@
-"""Kernel coverage of one training step: which ATen ops a step calls, and which of them run in ours.
+"""Kernel coverage of the training step `python -m trainer` runs: which ATen ops it calls, and which of them
+reach our kernels.
 
-One step (forward, backward, AdamW) of a model built from the config (`model=debug` by default, or
-`model=hf model.path=<dir>` for a Hugging Face model's shapes) runs with `kernels=triton` and under
-`ops.enable()`, inside a dispatch trace (`TorchDispatchMode`). For every ATen op the step calls it prints
-how many calls, how many bytes they read and wrote, and where it ran: `ours` (routed to `ops/`), `torch`,
-or excluded by name with the reason (views and metadata move no data; allocations and the copies a step
-needs anyway, such as dtype casts, are not computations). Then the Triton kernels of ours that the step
-launched, which includes the model's fused modules (RMSNorm, RoPE, attention, SwiGLU, the loss) whose
-work never reaches ATen. On a machine without a GPU it runs under Triton's interpreter (slowly: keep the
-shapes small), so CI can check that the coverage does not fall (tests/ops/test_coverage.py).
+Each run is built as the CLI builds it: the config composed from conf/ with the overrides, checked and its
+run directory claimed (`trainer.__main__.prepare_run`), then trained in this process by the worker, as the
+default run is. While it trains, every call of `Trainer._train_step` (forward, backward, clipping, the
+optimizer: what `kernels=triton` runs under `ops.use_kernels()`) is traced at the ATen level
+(`TorchDispatchMode`). A call is `ours` when it reached our kernel (`ops.aten.calls` counted it), else
+it ran in PyTorch, and the table says why: `kernels=torch`, left out by `kernels.include`/`exclude`, not in
+our ATen table, or excluded from the count by its kind (views and metadata move no data; allocations and
+the copies a step needs anyway, such as dtype casts and `.item()`, are not computations). Then the Triton
+kernels of ours the step launched: the model's fused modules (RMSNorm, RoPE, attention, SwiGLU, the loss)
+and the optimizer never reach ATen, their launches do.
 
-    python bench/coverage.py [--seq 64] [--batch 2] [override ...]      e.g. model=debug model.n_layers=2
+It measures `model=debug` and a tiny Hugging Face family (`model=hf`, a Qwen2 or Llama directory written
+here with transformers, nothing downloaded), under `kernels=torch` and `kernels=triton`. On a machine
+without a GPU the kernels run under Triton's interpreter (slow: keep the shapes small), so CI can hold
+the floor (tests/ops/test_coverage.py).
+
+    python bench/coverage.py [--families debug,hf] [--kernels torch,triton] [--hf qwen2|llama] [--seq 16]
+                             [--batch 2] [--steps 1] [override ...]      e.g. kernels.exclude=[mm,addmm,bmm]
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -42,19 +51,35 @@ WHY = {
 }
 EXCLUDED = {
     "allocation": {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "scalar_tensor",
-                   "zeros", "zeros_like", "ones_like", "new_zeros", "new_ones", "full", "full_like"},
-    "copy": {"copy_", "_to_copy", "clone", "detach", "_local_scalar_dense", "lift_fresh_copy"},
+                   "zeros", "zeros_like", "ones_like", "new_zeros", "new_ones", "full", "full_like", "fill_",
+                   "zero_"},
+    "copy": {"copy_", "_to_copy", "clone", "detach", "_local_scalar_dense", "lift_fresh", "lift_fresh_copy"},
     "metadata": {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
                  "_has_compatible_shallow_copy_type", "_record_function_enter_new", "_record_function_exit"},
 }
+VIEWS = {"view", "_unsafe_view", "alias", "as_strided", "t", "expand", "unsqueeze"}
+FAMILIES = ("debug", "hf")
+KERNELS = ("torch", "triton")
 
 
 @dataclasses.dataclass
 class Row:
     op: str
     calls: int = 0
+    ours: int = 0
     bytes: int = 0
-    where: str = "torch"
+    kind: str = ""  # the excluded kind (view, allocation, copy, metadata), or "" for a computing op
+
+
+@dataclasses.dataclass
+class Coverage:
+    """One traced run: its ATen ops, our kernels' launches, and why the others ran in PyTorch."""
+
+    label: str
+    rows: dict[str, Row]
+    launches: collections.Counter
+    reasons: dict[str, str]  # computing op -> why it ran in PyTorch
+    summary: dict
 
 
 def _nbytes(values) -> int:
@@ -73,37 +98,37 @@ def _name(func) -> str:
     return name if func._overloadname == "default" else f"{name}.{func._overloadname}"
 
 
-def _where(func, routed: set[str]) -> str:
-    if _name(func) in routed:
-        return "ours"
+def _kind(func) -> str:
     name = func._schema.name.split("::")[-1]
-    if func.is_view or name in {"view", "_unsafe_view", "alias", "as_strided", "t", "expand", "unsqueeze"}:
-        return "excluded: view"
-    for reason, names in EXCLUDED.items():
-        if name in names:
-            return f"excluded: {reason}"
-    return "torch"
+    if func.is_view or name in VIEWS:
+        return "view"
+    return next((reason for reason, names in EXCLUDED.items() if name in names), "")
 
 
 class Trace(TorchDispatchMode):
-    """Counts each ATen op (by its overload packet name) with the bytes of its tensor arguments and results
-    (none for views), and where it ran. Paused while a Triton kernel launches: what the interpreter does
-    with the tensors is not the step's."""
+    """Counts each ATen call by op, with the bytes of its tensor arguments and results (none for views), and
+    whether it reached our kernel (`ops.aten.calls` grew). Paused while a Triton kernel launches: what the
+    interpreter does with the tensors is not the step's."""
 
-    def __init__(self, routed: set[str]):
+    def __init__(self):
         super().__init__()
-        self.routed = routed
+        from ops.aten import calls
+
+        self.calls = calls
         self.rows: dict[str, Row] = {}
         self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        name = _name(func)
+        before = self.calls[name]
         out = func(*args, **(kwargs or {}))
-        if not self.paused:
-            name = _name(func)
-            row = self.rows.setdefault(name, Row(name, where=_where(func, self.routed)))
-            row.calls += 1
-            if row.where != "excluded: view":
-                row.bytes += _nbytes(args) + _nbytes((kwargs or {}).values()) + _nbytes([out])
+        row = self.rows.setdefault(name, Row(name, kind=_kind(func)))
+        row.calls += 1
+        row.ours += self.calls[name] > before
+        if row.kind != "view":
+            row.bytes += _nbytes(args) + _nbytes((kwargs or {}).values()) + _nbytes([out])
         return out
 
 
@@ -135,81 +160,152 @@ def _counting_launches(trace: Trace, launches: collections.Counter):
             cls.run = run
 
 
-def _config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+@contextlib.contextmanager
+def tracing_steps(trace: Trace, launches: collections.Counter):
+    """Trace every training step the loop runs inside the block (`Trainer._train_step`, as the CLI calls it)."""
+    from trainer import loop
+
+    step = loop.Trainer._train_step
+
+    def traced(self, batch):
+        with trace, _counting_launches(trace, launches):
+            return step(self, batch)
+
+    loop.Trainer._train_step = traced
+    try:
+        yield
+    finally:
+        loop.Trainer._train_step = step
+
+
+def compose(overrides: list[str]):
+    """The config `python -m trainer <overrides>` composes."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     from trainer import config
 
-    config.register()  # the schemas the defaults list names
+    config.register()
     with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        return compose("config", overrides=["kernels=triton", *overrides])
+        return hydra_compose("config", overrides=overrides)
 
 
-def trace_step(overrides: list[str], seq: int = 64, batch: int = 2):
-    """One training step under `ops.enable()` and the trace: (rows by op, our kernels' launch counts)."""
-    import ops
-    from trainer import models
-    from trainer.models import kernels
+def run_cli(overrides: list[str], run_dir: str) -> dict:
+    """Train the run `python -m trainer <overrides> hydra.run.dir=<run_dir>` trains, as it does: checked, the
+    directory claimed and its config saved, the worker called in this process. Its summary."""
+    from trainer.__main__ import prepare_run
+    from trainer.run_dir import let_go
 
-    cfg = _config(overrides)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with torch.device("meta"):
-        model = models.build(cfg.model)
-    model = kernels.apply(model, cfg.kernels)
-    model.to_empty(device=device)
-    model.init_buffers()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    vocab = model.output_weight.shape[0]
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
-    opt = ops.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
-    launches: collections.Counter = collections.Counter()
-    with ops.use_kernels():
-        trace = Trace(set(ops.registered()))
-        with trace, _counting_launches(trace, launches):
-            with autocast:
-                loss = model(tokens[:, :-1], targets=tokens[:, 1:])
-            loss.backward()
-            opt.step()
-    return trace.rows, launches
+    cfg = compose(overrides)
+    cfg.run_dir = run_dir
+    prepared = prepare_run(cfg)
+    try:
+        return prepared.launcher_for().launch(prepared.spec).result()
+    finally:
+        let_go(prepared.spec.run_dir)
+
+
+def _reason(row: Row, cfg) -> str:
+    """Why a computing op ran in PyTorch under the kernels section `cfg`."""
+    from ops.aten import NAMES
+    from trainer.config import aten_ops
+
+    if cfg.name != "triton":
+        return "kernels=torch: PyTorch's kernels throughout"
+    if aten_ops(cfg) is None:
+        return "kernels.aten=false (or an include of model ops only): no ATen op is routed"
+    if row.op in NAMES:
+        return "left to PyTorch by kernels.include/kernels.exclude"
+    return "no kernel of ours for it (not in ops.aten.TABLE)"
 
 
 def summary(rows: dict[str, Row]) -> dict:
     """Calls and bytes of the ops that compute (not excluded), and the share of them that ran in ours."""
-    computing = [r for r in rows.values() if not r.where.startswith("excluded")]
-    ours = [r for r in computing if r.where == "ours"]
-    calls, moved = sum(r.calls for r in computing), sum(r.bytes for r in computing)
-    return {"ops": len(computing), "ours_ops": len(ours), "calls": calls, "ours_calls": sum(r.calls for r in ours),
-            "bytes": moved, "ours_bytes": sum(r.bytes for r in ours)}
+    computing = [r for r in rows.values() if not r.kind]
+    ours = [r for r in computing if r.ours]
+    calls = sum(r.calls for r in computing)
+    ours_calls = sum(r.ours for r in computing)
+    moved = sum(r.bytes for r in computing)
+    ours_bytes = sum(r.bytes * r.ours // max(1, r.calls) for r in computing)
+    return {"ops": len(computing), "ours_ops": len(ours), "calls": calls, "ours_calls": ours_calls,
+            "share": ours_calls / max(1, calls), "bytes": moved, "ours_bytes": ours_bytes}
 
 
-def table(rows: dict[str, Row], launches: collections.Counter) -> str:
-    lines = [f"{'aten op':<40}{'calls':>7}{'MB':>10}  where"]
-    order = sorted(rows.values(), key=lambda r: (r.where.startswith("excluded"), r.where != "torch", -r.bytes))
-    lines += [f"{r.op:<40}{r.calls:>7}{r.bytes / 2**20:>10.2f}  {r.where}" for r in order]
-    s = summary(rows)
-    lines.append(f"computing ops in ours: {s['ours_ops']} of {s['ops']}; calls {s['ours_calls']} of {s['calls']} "
-                 f"({s['ours_calls'] / max(1, s['calls']):.0%}); bytes {s['ours_bytes'] / max(1, s['bytes']):.0%}")
-    lines.append("excluded ops stay in torch eager, by design: " + "; ".join(f"{k}: {v}" for k, v in WHY.items()))
-    lines.append("")
-    lines.append(f"{'our Triton kernel':<40}{'launches':>9}")
-    lines += [f"{name:<40}{count:>9}" for name, count in sorted(launches.items())]
+def trace_run(overrides: list[str], label: str = "", seq: int = 16, batch: int = 2, steps: int = 1) -> Coverage:
+    """Train `python -m trainer <overrides>` for `steps` steps of `batch` rows of `seq` tokens in this process
+    (a temporary run directory), tracing each step."""
+    trace, launches = Trace(), collections.Counter()
+    sizes = [f"data.seq_len={seq}", f"train.global_batch_size={batch}", f"train.max_steps={steps}",
+             "train.progress=false", "train.log_every=1", f"train.eval_every={steps}", "train.eval_batches=1",
+             f"train.checkpoint_every={steps}"]
+    with tempfile.TemporaryDirectory(prefix="coverage-") as run_dir, tracing_steps(trace, launches):
+        run_cli([*sizes, *overrides], os.path.join(run_dir, "run"))
+    kernels = compose([*sizes, *overrides]).kernels
+    reasons = {r.op: _reason(r, kernels) for r in trace.rows.values() if not r.kind and r.ours < r.calls}
+    return Coverage(label or " ".join(overrides), trace.rows, launches, reasons, summary(trace.rows))
+
+
+def table(cov: Coverage) -> str:
+    """Every op of the step, PyTorch's first (with the reason), then ours, then the excluded kinds."""
+    lines = [f"## {cov.label}", f"{'aten op':<36}{'calls':>7}{'ours':>6}{'MB':>9}  where"]
+
+    def where(r: Row) -> str:
+        if r.kind:
+            return f"excluded: {r.kind}"
+        if r.ours == r.calls:
+            return "ours"
+        return f"torch: {cov.reasons[r.op]}"
+
+    order = sorted(cov.rows.values(), key=lambda r: (bool(r.kind), r.ours == r.calls, -r.bytes, r.op))
+    lines += [f"{r.op:<36}{r.calls:>7}{r.ours:>6}{r.bytes / 2**20:>9.2f}  {where(r)}" for r in order]
+    s = cov.summary
+    lines.append(f"computing ATen calls in ours: {s['ours_calls']} of {s['calls']} ({s['share']:.1%}); ops "
+                 f"{s['ours_ops']} of {s['ops']}; bytes {s['ours_bytes'] / max(1, s['bytes']):.0%}")
+    left = sorted(op for op in cov.reasons)
+    lines.append(f"left to PyTorch: {', '.join(f'{op} ({cov.reasons[op]})' for op in left) if left else 'none'}")
+    lines.append("excluded kinds stay in PyTorch by design: " + "; ".join(f"{k}: {v}" for k, v in WHY.items()))
+    lines.append(f"{'our Triton kernel':<36}{'launches':>9}")
+    lines += [f"{name:<36}{count:>9}" for name, count in sorted(cov.launches.items())]
     return "\n".join(lines)
 
 
-def main() -> None:
+def family_overrides(family: str, hf: str, root: str) -> list[str]:
+    """The overrides of one model family: model=debug, or a tiny Hugging Face directory written under `root`."""
+    if family == "debug":
+        return ["model=debug"]
+    from tests.trainer.hf_models import make_llama, make_qwen2
+
+    return ["model=hf", f"model.path={(make_qwen2 if hf == 'qwen2' else make_llama)(root)}"]
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=64, help="tokens per row")
-    parser.add_argument("--batch", type=int, default=2, help="rows")
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model=debug model.n_layers=2")
-    args = parser.parse_args()
-    if args.seq < 1 or args.batch < 1:
-        parser.error(f"--seq {args.seq} --batch {args.batch}: both must be at least 1")
-    rows, launches = trace_step(args.overrides or ["model=debug"], args.seq, args.batch)
-    print(table(rows, launches))
+    parser.add_argument("--families", default="debug,hf", help=f"model families: {', '.join(FAMILIES)}")
+    parser.add_argument("--kernels", default="torch,triton", help="kernels=... to measure")
+    parser.add_argument("--hf", default="qwen2", choices=("qwen2", "llama"), help="the tiny model=hf family")
+    parser.add_argument("--seq", type=int, default=16, help="tokens per row")
+    parser.add_argument("--batch", type=int, default=2, help="rows per step")
+    parser.add_argument("--steps", type=int, default=1, help="training steps (each traced)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. kernels.exclude=[mm,addmm,bmm]")
+    args = parser.parse_args(argv)
+    if args.seq < 1 or args.batch < 1 or args.steps < 1:
+        parser.error(f"--seq {args.seq} --batch {args.batch} --steps {args.steps}: each must be at least 1")
+    args.families, args.kernels = args.families.split(","), args.kernels.split(",")
+    for key, values, allowed in (("--families", args.families, FAMILIES), ("--kernels", args.kernels, KERNELS)):
+        if not values or any(v not in allowed for v in values):
+            parser.error(f"{key} {','.join(values)}: each one of {', '.join(allowed)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
+    with tempfile.TemporaryDirectory(prefix="coverage-models-") as root:
+        for family in args.families:
+            model = family_overrides(family, args.hf, root)
+            for kernels in args.kernels:
+                overrides = [*model, f"kernels={kernels}", *args.overrides]
+                cov = trace_run(overrides, " ".join(overrides), args.seq, args.batch, args.steps)
+                print(table(cov), end="\n\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 #   2. bench/kernels.py --check: every op against eager, Liger-Kernel and FlagGems, bf16 and fp32 rows,
 #      attention at seq 8192 against PyTorch's flash SDPA;
 #   3. end to end through the worker, model=1b (FSDP2 on one GPU, seq 2048, batch 16): tokens/s and MFU
-#      for kernels=torch and kernels=triton;
+#      for kernels=torch, kernels=triton (its default: the model's fused ops, the ATen ops routed during
+#      the step and eval, ops.AdamW) and kernels=triton with kernels.exclude=[mm,addmm,bmm] (cuBLAS's
+#      matmuls): which default is faster;
 #   4. bench/e2e.py on model=1b and model=small: tokens/s of kernels=torch, kernels=triton,
 #      flag_gems.enable() and transformers' Llama eager and with Liger's apply_liger_kernel_to_llama;
 #   5. bench/gpu_report.py: the issue's targets, met or missed, from the report above.
@@ -60,18 +62,18 @@ report="${OUT:-/tmp}/gpu_check.txt"
 
 section() { printf '\n## %s\n' "$*"; }
 
-e2e() {  # model, kernels, extra overrides...: one line of tokens/s and MFU from the run's own files
-    local model=$1 kernels=$2; shift 2
-    local dir="/tmp/gpu_check/$model-$kernels"
+e2e() {  # model, label, overrides (kernels=... first)...: one line of tokens/s and MFU from the run's own files
+    local model=$1 label=$2; shift 2
+    local dir="/tmp/gpu_check/$model-$label"
     rm -rf "$dir"
-    timeout "${E2E_TIMEOUT:-120}" python3 -m trainer "model=$model" "kernels=$kernels" "hydra.run.dir=$dir" \
+    timeout "${E2E_TIMEOUT:-120}" python3 -m trainer "model=$model" "hydra.run.dir=$dir" \
         train.progress=false train.eval_every=1000 train.checkpoint_every=1000 "$@" > "$dir.log" 2>&1
     local rc=$?
     if [ -s "$dir/metrics.jsonl" ]; then  # steps logged before a time cap still give the rate
-        python3 bench/gpu_report.py --run "$dir" "$model" "$kernels"
-        [ $rc -eq 0 ] || echo "  ($model $kernels stopped early: exit $rc)"
+        python3 bench/gpu_report.py --run "$dir" "$model" "$label"
+        [ $rc -eq 0 ] || echo "  ($model $label stopped early: exit $rc)"
     else
-        echo "$model $kernels: failed (exit $rc), last lines:"; tail -5 "$dir.log"
+        echo "$model $label: failed (exit $rc), last lines:"; tail -5 "$dir.log"
     fi
 }
 
@@ -99,23 +101,25 @@ fi
     # Every specialisation compiles on first use: spread the tests over processes, test by test, where
     # pytest-xdist is there; where it is not, without pyproject's -n option, which needs it.
     parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8 --dist load" || echo "-o addopts=-ra")
-    timeout 100 python3 -m pytest tests/ops -q -p no:cacheprovider $parallel 2>&1 | tail -15
+    timeout 90 python3 -m pytest tests/ops -q -p no:cacheprovider $parallel 2>&1 | tail -15
 
     section "python bench/kernels.py --check (Llama-3-8B shapes, 4096 tokens; attention 8192)"
     # Without torch.compile's column (about 10 s of compiling an op, which no target reads).
-    timeout 220 python3 bench/kernels.py --check --dtypes bf16,fp32 --compile-dtypes ""
+    timeout 180 python3 bench/kernels.py --check --dtypes bf16,fp32 --compile-dtypes ""
 
     section "end to end (python -m trainer): tokens/s and MFU (mean over the second half of the logged steps)"
+    # triton: what kernels=triton runs by default; triton-cublas: the same with cuBLAS's matmuls.
     printf '%-8s%-8s%12s%8s\n' model kernels "tokens/s" MFU
     mkdir -p /tmp/gpu_check
-    for kernels in torch triton; do
-        E2E_TIMEOUT=65 e2e 1b "$kernels" +runtime=torch-distributed runtime.nproc_per_node=1 strategy=fsdp2 \
-            data.seq_len=2048 train.global_batch_size=16 train.max_steps=30 train.log_every=2
-    done
+    one_gpu=(+runtime=torch-distributed runtime.nproc_per_node=1 strategy=fsdp2 data.seq_len=2048
+             train.global_batch_size=16 train.max_steps=30 train.log_every=2)
+    E2E_TIMEOUT=60 e2e 1b torch kernels=torch "${one_gpu[@]}"
+    E2E_TIMEOUT=80 e2e 1b triton kernels=triton "${one_gpu[@]}"
+    E2E_TIMEOUT=80 e2e 1b triton-cublas kernels=triton 'kernels.exclude=[mm,addmm,bmm]' "${one_gpu[@]}"
 
     section "python bench/e2e.py: the peers end to end, one loop for all (batch 4, seq 2048)"
-    timeout 60 python3 bench/e2e.py --variants torch,triton,gems,hf,hf-liger --steps 15 model=small
-    timeout 60 python3 bench/e2e.py --variants gems,hf,hf-liger --steps 15 --batch 2 model=1b
+    timeout 40 python3 bench/e2e.py --variants torch,triton,gems,hf,hf-liger --steps 15 model=small
+    timeout 40 python3 bench/e2e.py --variants gems,hf,hf-liger --steps 15 --batch 2 model=1b
 
     section "python bench/gpu_report.py: the issue's targets"
 } 2>&1 | tee "$report"

@@ -12,6 +12,7 @@ from ops.attention import scaled_dot_product_attention
 from ops.blas import addmm, bmm, mm
 from ops.embedding import embedding
 from ops.losses import cross_entropy, fused_linear_cross_entropy
+from ops.multi_tensor import foreach_mul_, foreach_norm, stack, vector_norm
 from ops.norms import layer_norm, rms_norm
 from ops.optim import AdamW, adamw
 from ops.pointwise import add, clamp, div, maximum, minimum, mul, ne, pointwise, reciprocal, sub
@@ -33,6 +34,8 @@ __all__ = [
            "div",
            "embedding",
            "enable",
+           "foreach_mul_",
+           "foreach_norm",
            "fused_linear_cross_entropy",
            "gelu",
            "gelu_and_mul",
@@ -52,7 +55,9 @@ __all__ = [
            "silu",
            "silu_and_mul",
            "softmax",
+           "stack",
            "sub",
            "sum",
            "use_kernels",
+           "vector_norm",
 ]

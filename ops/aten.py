@@ -11,12 +11,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 import os
 import warnings
 
 import torch
 
-from ops import activations, embedding, pointwise, reductions
+from ops import activations, embedding, multi_tensor, pointwise, reductions
 from ops.blas import matmul
 from ops.softmax import softmax_backward, softmax_forward
 
@@ -62,13 +63,63 @@ def _addmm_(self, mat1, mat2, *, beta=1, alpha=1):
     return matmul(mat1, mat2, self, alpha, beta, out=self)
 
 
-def _mul_(self, other):
-    """In place where the result fits `self` as it is (contiguous, the broadcast shape) and `other` reads
-    none of its memory, else computed and copied back."""
-    if (self.is_contiguous() and not _shares(self, other)
-            and self.shape == torch.broadcast_shapes(self.shape, getattr(other, "shape", ()))):
-        return pointwise.mul(self, other, out=self)
-    return self.copy_(pointwise.mul(self, other))
+def _in_place(op, scaled: bool = False):
+    """An in-place ATen binary op (`mul_.Tensor`, `add_.Tensor`) as our pointwise op: written into `self`
+    where the result fits it as it is (contiguous, the broadcast shape) and `other` reads none of its
+    memory, else computed and copied back."""
+    def impl(self, other, *, alpha=1):
+        if scaled and alpha != 1:
+            other = pointwise.mul(other, alpha)
+        if (self.is_contiguous() and not _shares(self, other)
+                and self.shape == torch.broadcast_shapes(self.shape, getattr(other, "shape", ()))):
+            return op(self, other, out=self)
+        return self.copy_(op(self, other))
+
+    return impl
+
+
+def _other_norm(x, ord, dim, keepdim, dtype):
+    """A vector norm of another order than 2 (clipping uses 2), from PyTorch's ops that are not routed."""
+    a = (x.to(dtype) if dtype is not None else x).abs()
+    dims = () if dim is None else dim
+    if ord == math.inf:
+        return a.amax(dims, keepdim)
+    if ord == -math.inf:
+        return a.amin(dims, keepdim)
+    if ord == 0:
+        return (a != 0).sum(dims, keepdim, dtype=a.dtype)
+    return a.pow(ord).sum(dims, keepdim).pow(1.0 / ord)
+
+
+def _floats(*tensors) -> bool:
+    return all(t.dtype in multi_tensor.TL for t in tensors)
+
+
+def _vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if ord != 2 or not _floats(self) or (dtype is not None and dtype not in multi_tensor.TL):
+        return _other_norm(self, ord, dim, keepdim, dtype)
+    return multi_tensor.vector_norm(self, 2, dim, keepdim, dtype)
+
+
+def _foreach_norm(self, ord=2, dtype=None):
+    if ord != 2 or not _floats(*self) or (dtype is not None and dtype not in multi_tensor.TL):
+        return [_other_norm(t, ord, None, False, dtype) for t in self]
+    return multi_tensor.foreach_norm(list(self), 2, dtype)
+
+
+def _foreach_mul_(self, other):
+    """Clipping's scale: one launch over the contiguous float tensors, the others one by one."""
+    fast = [t for t in self if t.is_contiguous() and _floats(t)]
+    multi_tensor.foreach_mul_(fast, other)
+    for t in self:
+        if not (t.is_contiguous() and _floats(t)):
+            _in_place(pointwise.mul)(t, other)
+
+
+def _stack(tensors, dim=0):
+    if not _floats(*tensors):
+        return torch.cat([t.unsqueeze(dim) for t in tensors], dim)
+    return multi_tensor.stack(list(tensors), dim)
 
 
 def _mm_out(self, mat2, *, out):
@@ -107,9 +158,10 @@ TABLE = [
     ("embedding", "embedding", _embedding),
     ("embedding", "embedding_dense_backward", _embedding_dense_backward),
     ("add", "add.Tensor", _binary(pointwise.add, scaled=True)),
+    ("add", "add_.Tensor", _in_place(pointwise.add, scaled=True)),
     ("sub", "sub.Tensor", _binary(pointwise.sub, scaled=True)),
     ("mul", "mul.Tensor", _binary(pointwise.mul)),
-    ("mul", "mul_.Tensor", _mul_),
+    ("mul", "mul_.Tensor", _in_place(pointwise.mul)),
     ("div", "div.Tensor", _binary(pointwise.div)),
     ("ne", "ne.Scalar", lambda self, other: pointwise.ne(self, other)),
     ("ne", "ne.Tensor", lambda self, other: pointwise.ne(self, other)),
@@ -118,6 +170,11 @@ TABLE = [
     ("sum", "sum", lambda self, *, dtype=None: reductions._sum(self, None, False, dtype)),
     ("sum", "sum.dim_IntList",
      lambda self, dim, keepdim=False, *, dtype=None: reductions._sum(self, dim, keepdim, dtype)),
+    # Clipping: each gradient's norm, the norm of the norms, the scale applied.
+    ("foreach_norm", "_foreach_norm.Scalar", _foreach_norm),
+    ("stack", "stack", _stack),
+    ("vector_norm", "linalg_vector_norm", _vector_norm),
+    ("foreach_mul_", "_foreach_mul_.Tensor", _foreach_mul_),
 ]
 OPS = {aten: fn for _, aten, fn in TABLE}
 # A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).
@@ -146,8 +203,8 @@ def _aten_names(names: list[str]) -> list[str]:
 def enable(include: list[str] | None = None, exclude: list[str] | None = None) -> None:
     """Route the ops named in `include` (default: all), less `exclude`, to our kernels. A name is our op's
     (`softmax`, `log_softmax`, `silu`, `gelu`, `addmm`, `mm`, `bmm`, `embedding`, `add`, `sub`, `mul`, `div`,
-    `ne`, `clamp`, `reciprocal`, `sum`: forward and backward, in-place and out= forms included) or an ATen
-    op's (`_softmax`, `add.Tensor`)."""
+    `ne`, `clamp`, `reciprocal`, `sum`, `foreach_norm`, `stack`, `vector_norm`, `foreach_mul_`: forward and
+    backward, in-place and out= forms included) or an ATen op's (`_softmax`, `add.Tensor`)."""
     global _library, _routed
     chosen = _aten_names(list(include)) if include else list(OPS)
     excluded = set(_aten_names(list(exclude or [])))

@@ -16,15 +16,22 @@ from ops.settings import row_settings
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_cols"])
-def _row_sum(x_ptr, y_ptr, n_rows, n_cols, COMPUTE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_sum(x_ptr, y_ptr, n_rows, n_cols, COMPUTE: tl.constexpr, SQUARES: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        acc += tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0).to(COMPUTE)
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_mask)
+        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0).to(COMPUTE)
+        if SQUARES:
+            x = x * x
+        acc += x
+    total = tl.sum(acc, axis=1)
+    if SQUARES:  # a 2-norm: the root of the sum of squares
+        total = tl.sqrt(total)
+    tl.store(y_ptr + rows, total.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
 def _dims(x: torch.Tensor, dim) -> list[int]:
@@ -55,7 +62,8 @@ def sum(x: torch.Tensor, dim=None, keepdim: bool = False, dtype: torch.dtype | N
     return _sum(x, dim, keepdim, dtype)
 
 
-def _sum(x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None) -> torch.Tensor:
+def _sum(x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None, squares: bool = False) -> torch.Tensor:
+    """The sum over `dim`; with `squares`, the 2-norm (the root of the sum of squares, floats only)."""
     if dtype is None:
         dtype = torch.int64 if not (x.is_floating_point() or x.is_complex()) else x.dtype
     if x.is_complex() or dtype.is_complex:
@@ -73,6 +81,6 @@ def _sum(x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None) -> torc
     if n_rows:
         tile_rows, block, num_warps = row_settings(max(1, n_cols))
         compute = tl.float32 if dtype.is_floating_point else tl.int64
-        _row_sum[(triton.cdiv(n_rows, tile_rows),)](rows, out, n_rows, n_cols, COMPUTE=compute, ROWS=tile_rows,
-                                                    BLOCK=block, num_warps=num_warps)
+        _row_sum[(triton.cdiv(n_rows, tile_rows),)](rows, out, n_rows, n_cols, COMPUTE=compute, SQUARES=squares,
+                                                    ROWS=tile_rows, BLOCK=block, num_warps=num_warps)
     return out.view(out_shape)

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 from datacache import StreamingDataset
 from launchers.paths import write_whole
 from trainer import checkpoint, models, parallel, preemption, recipes
-from trainer.config import ConfigError, torch_dtype
+from trainer.config import ConfigError, aten_ops, torch_dtype
+from trainer.config.optim import implementation
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
 from trainer.observability import metrics, plots
@@ -32,15 +33,32 @@ from trainer.run_dir import RunDir
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.optim.Optimizer:
+    """The optim section's optimizer over `model`'s trained parameters; `impl` (optim.impl, resolved):
+    torch.optim's foreach AdamW or ops.AdamW, which save and load the same state dict."""
     # No weight decay on norms' gains (1-D parameters), as usual for transformers.
     trained = [p for p in model.parameters() if p.requires_grad]  # not a frozen base (peft=lora)
     decay = [p for p in trained if p.ndim >= 2]
     no_decay = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "adamw":
+        if impl == "triton":
+            import ops
+
+            return ops.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+
+
+def aten_kernels(cfg):
+    """The ATen ops of the kernels section `cfg` routed to ops/ (`ops.use_kernels`) inside the block, or
+    nothing routed (kernels=torch, kernels.aten=false): what the training step and eval run under."""
+    routing = aten_ops(cfg)
+    if routing is None:
+        return contextlib.nullcontext()
+    import ops
+
+    return ops.use_kernels(*routing)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -71,7 +89,7 @@ class Trainer:
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp_rank, dp_size = dims.data_parallel_rank()
-        self.optimizer = build_optimizer(cfg.optim, model)
+        self.optimizer = build_optimizer(cfg.optim, model, implementation(cfg.optim, cfg.kernels.name))
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
@@ -142,6 +160,11 @@ class Trainer:
             group["lr"] = group["initial_lr"] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
 
     def _train_step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, clipping, the optimizer and the schedule: under the ATen kernels of kernels=triton."""
+        with aten_kernels(self.cfg.kernels):
+            return self._step(batch)
+
+    def _step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(self.recipe.micro_batches(batch, accum)):
@@ -163,7 +186,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         n = 0
         for batch in self.eval_data:
-            total += self.recipe.eval_loss(batch)
+            with aten_kernels(self.cfg.kernels):
+                total += self.recipe.eval_loss(batch)
             n += 1
             if n == self.cfg.train.eval_batches:
                 break

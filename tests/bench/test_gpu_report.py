@@ -31,7 +31,8 @@ REPORT = "\n".join([
     "## end to end (python -m trainer): tokens/s and MFU",
     "model   kernels     tokens/s     MFU",
     "1b      torch          40000   30.0%  (mean of 8 logged steps)",
-    "1b      triton         45000   33.0%  (mean of 8 logged steps)", "",
+    "1b      triton         45000   33.0%  (mean of 8 logged steps)",
+    "1b      triton-cublas  43000   31.5%  (mean of 8 logged steps)", "",
     "## python bench/e2e.py", e2e.line("model", "variant", "tokens/s"),
     e2e.line("1b", "gems", "38000"), e2e.line("1b", "hf-liger", "skipped", "liger-kernel is not installed"),
 ])
@@ -42,7 +43,8 @@ def test_the_report_reads_back_into_targets(tmp_path):
     assert [(r.op, r.dtype) for r in ops] == [("rms_norm", "bf16"), ("silu", "bf16"), ("mm", "fp32"),
                                               ("scaled_dot_product_attention", "bf16")]
     assert ops[0].best_peer_ms == 0.120 and ops[1].liger_ms != ops[1].liger_ms  # NaN: Liger has no silu
-    assert e2e == {("1b", "torch"): 40000.0, ("1b", "triton"): 45000.0, ("1b", "gems"): 38000.0}
+    assert e2e == {("1b", "torch"): 40000.0, ("1b", "triton"): 45000.0, ("1b", "triton-cublas"): 43000.0,
+                   ("1b", "gems"): 38000.0}
     rows = {target: (measured, verdict) for target, measured, verdict in gpu_report.targets(ops, e2e)}
     assert rows["rms_norm bf16: >= 1.0x eager"] == ("3.00x", "met")
     assert rows["rms_norm bf16: >= the faster peer"] == ("1.20x", "met")
@@ -51,18 +53,20 @@ def test_the_report_reads_back_into_targets(tmp_path):
     assert "mm fp32: >= the faster peer" not in rows  # neither peer measured it
     assert rows["scaled_dot_product_attention bf16: >= 0.9x flash SDPA"] == ("0.95x", "met")
     assert rows["model=1b kernels=triton: >= 1.1x kernels=torch"] == ("1.12x", "met")
+    # Which default is faster: ours (kernels=triton) or cuBLAS's matmuls (kernels.exclude=[mm,addmm,bmm]).
+    assert rows["model=1b kernels=triton: our matmuls >= cuBLAS's (kernels.exclude=[mm,addmm,bmm])"] == ("1.05x", "met")
 
     path = tmp_path / "gpu_check.txt"
     path.write_text(REPORT)
     run = subprocess.run([sys.executable, "bench/gpu_report.py", str(path)], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().splitlines()[-1] == "7 targets: 5 met, 2 missed, 0 not measured"
+    assert run.stdout.strip().splitlines()[-1] == "8 targets: 6 met, 2 missed, 0 not measured"
 
 
 def test_an_empty_report_measures_nothing_and_a_missing_one_is_refused(tmp_path):
     rows = gpu_report.targets(*gpu_report.parse("## pytest tests/ops\n5 passed\n"))
-    assert [verdict for _, _, verdict in rows] == ["not measured", "not measured"]
+    assert [verdict for _, _, verdict in rows] == ["not measured"] * 3
     run = subprocess.run([sys.executable, "bench/gpu_report.py", str(tmp_path / "none.txt")], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "cannot read the report" in run.stderr and run.stdout == ""

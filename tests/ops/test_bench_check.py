@@ -114,5 +114,8 @@ def test_a_trainer_runs_metrics_become_the_reports_end_to_end_line(tmp_path):
 def test_the_gpu_check_script_parses_and_reports_through_gpu_report():
     script = (REPO / "bench" / "gpu_check.sh").read_text()
     assert subprocess.run(["bash", "-n", "bench/gpu_check.sh"], cwd=REPO, timeout=60).returncode == 0
-    assert 'python3 bench/gpu_report.py --run "$dir" "$model" "$kernels"' in script
+    assert 'python3 bench/gpu_report.py --run "$dir" "$model" "$label"' in script
+    # kernels=triton as it runs by default, and with cuBLAS's matmuls: one lease tells which is faster.
+    assert "e2e 1b triton kernels=triton" in script
+    assert "e2e 1b triton-cublas kernels=triton 'kernels.exclude=[mm,addmm,bmm]'" in script
     assert 'python3 bench/gpu_report.py "$report"' in script and "bench/kernels.py --check" in script

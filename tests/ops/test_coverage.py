@@ -1,6 +1,8 @@
-"""The kernel coverage of a training step (bench/coverage.py) does not fall: one step of a one-layer
-`model=debug`, and of a tiny Hugging Face model (`model=hf`), at 8 tokens under Triton's interpreter (or
-compiled on a GPU), traced at the ATen level: every op that computes runs in ours."""
+"""The kernel coverage of the step `python -m trainer` runs (bench/coverage.py) does not fall: one step of a
+one-layer `model=debug` and of a tiny Hugging Face model (`model=hf`), at 8 tokens, built and trained as the
+CLI does (checked, run directory claimed, the worker in this process) under Triton's interpreter (or
+compiled on a GPU), traced at the ATen level: every op that computes reaches ours under kernels=triton,
+none under kernels=torch; and what `kernels.*` routes is what the loop runs under."""
 
 from __future__ import annotations
 
@@ -16,57 +18,100 @@ _spec = importlib.util.spec_from_file_location("bench_coverage", REPO / "bench" 
 coverage = sys.modules["bench_coverage"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(coverage)
 
-# Ops the step must call, in ours (a trace that lost them would pass the 100% below vacuously).
-ROUTED = {"mm", "mm.out", "addmm_", "embedding", "embedding_dense_backward", "add.Tensor", "mul.Tensor",
-          "mul_.Tensor", "div.Tensor", "ne.Scalar", "clamp", "reciprocal", "sum", "sum.dim_IntList"}
-# The model's fused modules and the optimizer, which never reach ATen: their kernels must launch.
+ONE_LAYER = ["model=debug", "model.n_layers=1"]
+# Ops the step must call, in ours (a trace that lost them would pass the 100% below vacuously): the
+# matmuls, the embedding, the loss's arithmetic, the loop's loss sum (add_), clipping's norms and scale.
+ROUTED = {"mm", "mm.out", "addmm_", "embedding", "embedding_dense_backward", "add.Tensor", "add_.Tensor",
+          "mul.Tensor", "mul_.Tensor", "div.Tensor", "ne.Scalar", "clamp", "reciprocal", "sum", "sum.dim_IntList",
+          "_foreach_norm.Scalar", "stack", "linalg_vector_norm", "_foreach_mul_.Tensor"}
+# The model's fused modules, clipping and the optimizer launch these.
 KERNELS = {"_norm_fwd", "_norm_bwd", "_rope", "_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_pw_TT_o1_r1",
-           "_pw_TTT_o2_r1", "_ce_loss", "_ce_grad", "_matmul", "_embedding_fwd", "_embedding_bwd", "_adamw"}
+           "_pw_TTT_o2_r1", "_ce_loss", "_ce_grad", "_matmul", "_embedding_fwd", "_embedding_bwd", "_adamw",
+           "_sumsq_blocks", "_segment_norms", "_scale_", "_stack"}
 
 
 @pytest.fixture(scope="module")
-def step():
-    return coverage.trace_step(["model=debug", "model.n_layers=1"], seq=8, batch=1)
+def triton_step():
+    return coverage.trace_run([*ONE_LAYER, "kernels=triton"], seq=8, batch=1, steps=1)
 
 
-def _all_ours(rows):
-    """Every op that computes ran in ours: torch eager only for the excluded (views, allocations, copies)."""
-    eager = sorted(name for name, row in rows.items() if row.where == "torch")
-    assert not eager, f"computing ops in torch eager: {eager}"
-    s = coverage.summary(rows)
-    assert s["ours_ops"] == s["ops"] and s["ours_calls"] == s["calls"] and s["ours_bytes"] == s["bytes"], s
+def _all_ours(cov):
+    """Every computing ATen call reached ours: PyTorch only for the excluded kinds (views, allocations, copies)."""
+    assert not cov.reasons, f"computing ops left to PyTorch: {cov.reasons}"
+    s = cov.summary
+    assert s["calls"] > 0 and s["ours_calls"] == s["calls"] and s["ours_bytes"] == s["bytes"], s
 
 
-@pytest.mark.timeout(300)
-def test_a_training_step_runs_in_our_kernels(step):
-    rows, launches = step
-    ours = {name for name, row in rows.items() if row.where == "ours"}
-    assert ours >= ROUTED, f"back to torch: {sorted(ROUTED - ours)}"
-    _all_ours(rows)
-    assert set(launches) >= KERNELS, f"not launched: {sorted(KERNELS - set(launches))}"
-    assert launches["_adamw"] == 12  # one per parameter of one layer, the embedding and the norm
-    # Views move nothing; every op the step calls has a row, with its calls.
-    assert rows["view"].where == "excluded: view" and rows["view"].bytes == 0
-    assert rows["mm"].calls >= 7 * 2 and rows["mm"].bytes > 0  # seven linears, forward and backward
-    text = coverage.table(rows, launches)
-    assert "computing ops in ours: 14 of 14; calls 45 of 45 (100%); bytes 100%" in text, text
-    assert "excluded: allocation" in text and "allocation: new memory" in text and "_attn_fwd" in text
+@pytest.mark.timeout(400)
+def test_the_cli_step_runs_in_our_kernels(triton_step):
+    cov = triton_step
+    ours = {name for name, row in cov.rows.items() if not row.kind and row.ours}
+    assert ours >= ROUTED, f"back to PyTorch: {sorted(ROUTED - ours)}"
+    _all_ours(cov)
+    assert set(cov.launches) >= KERNELS, f"not launched: {sorted(KERNELS - set(cov.launches))}"
+    # ops.AdamW: one launch per param group (with decay, without), the whole model in two.
+    assert cov.launches["_adamw"] == 2
+    assert cov.rows["view"].kind == "view" and cov.rows["view"].bytes == 0
+    assert cov.rows["mm"].calls >= 7 * 3 and cov.rows["mm"].bytes > 0  # seven linears, forward and backward
+    text = coverage.table(cov)
+    s = cov.summary
+    assert f"computing ATen calls in ours: {s['calls']} of {s['calls']} (100.0%)" in text, text
+    assert "left to PyTorch: none" in text and "excluded: allocation" in text and "_attn_fwd" in text
 
 
-@pytest.mark.timeout(300)
-def test_a_hugging_face_models_step_runs_in_our_kernels(tmp_path):
+@pytest.mark.timeout(120)
+def test_under_kernels_torch_every_op_is_left_to_pytorch_with_its_reason():
+    cov = coverage.trace_run([*ONE_LAYER, "kernels=torch"], seq=8, batch=1, steps=1)
+    assert cov.summary["ours_calls"] == 0 and cov.summary["calls"] > 0 and not cov.launches
+    # torch's foreach AdamW and clipping, and the matmuls: each listed with the reason.
+    assert {"mm", "_foreach_norm.Scalar", "_foreach_lerp_.Scalar"} <= set(cov.reasons)
+    assert set(cov.reasons.values()) == {"kernels=torch: PyTorch's kernels throughout"}
+    assert "mm (kernels=torch: PyTorch's kernels throughout)" in coverage.table(cov)
+
+
+@pytest.mark.timeout(400)
+def test_a_hugging_face_models_cli_step_runs_in_our_kernels(tmp_path):
     """model=hf shapes: a tiny Qwen2 directory (q/k/v biases: addmm; tied embeddings)."""
-    from tests.trainer.hf_models import make_qwen2
+    cov = coverage.trace_run([*coverage.family_overrides("hf", "qwen2", str(tmp_path)), "kernels=triton"], seq=8,
+                             batch=1, steps=1)
+    _all_ours(cov)
+    assert cov.rows["addmm"].ours == 2 * 3  # q, k, v of two layers
+    assert "_attn_bwd_dq" in cov.launches
 
-    rows, launches = coverage.trace_step(["model=hf", f"model.path={make_qwen2(str(tmp_path))}"], seq=8, batch=1)
-    _all_ours(rows)
-    assert rows["addmm"].where == "ours" and rows["addmm"].calls == 2 * 3  # q, k, v of two layers
-    assert "_attn_bwd_dq" in launches
+
+def test_the_loop_routes_what_the_kernels_section_names_and_releases_it():
+    """`kernels.exclude=[mm,addmm,bmm]` keeps cuBLAS's matmuls; kernels.aten=false and kernels=torch route no
+    ATen op; after the block nothing stays routed."""
+    import ops
+    from trainer.loop import aten_kernels
+
+    exclude = coverage.compose(["kernels=triton", "kernels.exclude=[mm,addmm,bmm]"]).kernels
+    with aten_kernels(exclude):
+        routed = set(ops.registered())
+    assert routed and not routed & {"mm", "mm.out", "addmm", "addmm_", "bmm"} and "embedding" in routed
+    assert ops.registered() == []
+    only = coverage.compose(["kernels=triton", "kernels.include=[rms_norm,mm,_softmax]"]).kernels
+    with aten_kernels(only):
+        assert set(ops.registered()) == {"mm", "mm.out", "_softmax"}
+    for overrides in (["kernels=triton", "kernels.aten=false"], ["kernels=torch"],
+                      ["kernels=triton", "kernels.include=[rms_norm]"]):
+        with aten_kernels(coverage.compose(overrides).kernels):
+            assert ops.registered() == [], overrides
 
 
-def test_coverage_refuses_bad_sizes_before_any_work(monkeypatch, capsys):
-    """In this process (bench/coverage.py's main, as its command line runs it): exit 2 and one line."""
-    monkeypatch.setattr(sys, "argv", ["bench/coverage.py", "--seq", "0"])
-    with pytest.raises(SystemExit) as exit_:
-        coverage.main()
-    assert exit_.value.code == 2 and "--seq 0 --batch 2: both must be at least 1" in capsys.readouterr().err
+def test_the_configs_names_are_the_aten_tables():
+    """trainer/config (no torch) names the ATen ops ops.aten routes: the same names, ours and ATen's."""
+    from ops.aten import NAMES, TABLE
+    from trainer.config import ATEN_OPS, ATEN_OVERLOADS
+
+    assert set(ATEN_OPS) == {public for public, _, _ in TABLE}
+    assert set(ATEN_OPS) | set(ATEN_OVERLOADS) == set(NAMES)
+
+
+def test_coverage_refuses_bad_arguments_before_any_work(capsys):
+    """As its command line runs it: exit 2 and one line."""
+    for argv, message in ((["--seq", "0"], "--seq 0 --batch 2 --steps 1: each must be at least 1"),
+                          (["--families", "gpt"], "--families gpt: each one of debug, hf")):
+        with pytest.raises(SystemExit) as exit_:
+            coverage.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -91,8 +91,43 @@ def test_triton_kernels_need_a_gpu_or_the_interpreter_and_no_dtensors(monkeypatc
     config.validate(_compose(["kernels=triton", "kernels.exclude=[fused_linear_cross_entropy]"]))
     with pytest.raises(config.ConfigError, match="strategy=tp hands the kernels DTensors"):
         config.validate(_compose(["kernels=triton", "strategy=tp", "+runtime=torch-distributed"]))
-    with pytest.raises(config.ConfigError, match="kernels.include=\\['softmax'\\]: ops are rms_norm"):
-        config.validate(_compose(["kernels=triton", "kernels.include=[softmax]"]))
+    config.validate(_compose(["kernels=triton", "kernels.include=[softmax,rms_norm]", "kernels.exclude=[mm.out]"]))
+
+
+def test_kernels_names_are_the_models_ops_and_the_aten_ops_in_one_line(monkeypatch):
+    """kernels.include / kernels.exclude name the model's fused ops and the ATen ops; an unknown name is one
+    line listing both; ATen ops included with kernels.aten=false are refused; optim.impl=triton is AdamW's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(config.ConfigError) as error:
+        config.validate(_compose(["kernels=triton", "kernels.exclude=[mm,matmul]"]))
+    message = str(error.value)
+    assert "\n" not in message and "kernels.exclude=['mm', 'matmul']: matmul unknown" in message
+    assert "the model's ops are rms_norm, rotary_embedding" in message
+    assert "ATen ops (kernels.aten=true) are add" in message
+    assert "mm.out" in message  # the overloads are listed too
+    with pytest.raises(config.ConfigError,
+                       match=r"kernels.include=\['mm'\]: mm: ATen ops, routed only with kernels.aten=true"):
+        config.validate(_compose(["kernels=triton", "kernels.aten=false", "kernels.include=[mm]"]))
+    with pytest.raises(config.ConfigError,
+                       match="optim.impl='triton': ops has AdamW only: optim=sgd takes optim.impl=torch"):
+        config.validate(_compose(["optim=sgd", "optim.impl=triton"]))
+    with pytest.raises(config.ConfigError, match="optim.impl='cuda': must be one of torch, triton"):
+        config.validate(_compose(["optim.impl=cuda"]))
+    config.validate(_compose(["kernels=torch", "optim.impl=triton"]))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(config.ConfigError, match="optim.impl='triton': needs a CUDA GPU, or TRITON_INTERPRET=1"):
+        config.validate(_compose(["optim.impl=triton"]))
+
+
+def test_optim_impl_follows_the_kernels_unless_given():
+    from trainer.config.optim import implementation
+
+    for overrides, impl in ((["kernels=triton"], "triton"), (["kernels=torch"], "torch"),
+                            (["kernels=triton", "optim=sgd"], "torch"),
+                            (["kernels=triton", "optim.impl=torch"], "torch"),
+                            (["kernels=torch", "optim.impl=triton"], "triton")):
+        cfg = _compose(overrides)
+        assert implementation(cfg.optim, cfg.kernels.name) == impl, overrides
 
 
 def test_tensor_parallel_peers_share_batches():

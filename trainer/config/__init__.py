@@ -12,7 +12,7 @@ method, and a field of `Config`.
 """
 
 from trainer.config.data import CACHE_KEYS, CacheConfig, DataConfig
-from trainer.config.kernels import TRITON_OPS
+from trainer.config.kernels import ATEN_OPS, ATEN_OVERLOADS, TRITON_OPS, aten_ops, model_ops
 from trainer.config.model import ModelConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.precision import torch_dtype
@@ -23,6 +23,8 @@ from trainer.config.validate import validate
 from trainer.errors import ConfigError
 
 __all__ = [
+    "ATEN_OPS",
+    "ATEN_OVERLOADS",
     "CACHE_KEYS",
     "SCHEMAS",
     "TRITON_OPS",
@@ -34,8 +36,10 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "StrategyConfig",
+    "aten_ops",
     "dp_size",
     "mesh_degrees",
+    "model_ops",
     "node_counts",
     "nproc_per_node",
     "numeric_keys",

@@ -111,10 +111,13 @@ def _parallel(job, dims: Degrees) -> None:
         for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
             require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
                     f"must be divisible by the tensor-parallel degree strategy.tp={dims.tp}")
+    runnable = (job.launcher.name != "local" or runtime.local_gpu_count() > 0
+                or os.environ.get("TRITON_INTERPRET") == "1")
+    if job.optim.impl == "triton" and job.kernels.name != "triton":
+        require(runnable, "optim.impl", "triton",
+                "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernel on the CPU (slowly, for testing)")
     if job.kernels.name == "triton":
-        here = job.launcher.name == "local"
-        require(not here or runtime.local_gpu_count() > 0 or os.environ.get("TRITON_INTERPRET") == "1",
-                "kernels", "triton",
+        require(runnable, "kernels", "triton",
                 "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on the CPU (slowly, for testing)")
         require(dims.tp == 1, "kernels", "triton", f"works with strategy=ddp or fsdp2 (strategy.tp=1); "
                 f"strategy={s.name} hands the kernels DTensors")

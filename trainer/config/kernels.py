@@ -1,5 +1,8 @@
-"""The `kernels` section: PyTorch's kernels, or which Triton kernels of ops/ the model uses
-(`kernels=torch|triton`)."""
+"""The `kernels` section: PyTorch's kernels, or which Triton kernels of ops/ the run uses
+(`kernels=torch|triton`): the model's five fused functions (`TRITON_OPS`) and, with `kernels.aten=true`,
+the ATen ops `ops.enable()` routes during the training step and eval (`ATEN_OPS`, or one of their ATen
+overloads, `ATEN_OVERLOADS`). No torch here: the names are those of `ops.aten.NAMES`
+(tests/ops/test_coverage.py keeps the two the same)."""
 
 from __future__ import annotations
 
@@ -10,26 +13,63 @@ from omegaconf import MISSING
 from trainer.config.checks import one_of, require
 
 KERNELS = ("torch", "triton")
-# The model functions `kernels=triton` can route to ops/ (trainer/kernels.py applies them).
+# The model functions `kernels=triton` can route to ops/ (trainer/models/kernels.py applies them).
 TRITON_OPS = ("rms_norm", "rotary_embedding", "scaled_dot_product_attention", "silu_and_mul",
               "fused_linear_cross_entropy")
+# The ATen ops `ops.enable()` routes, by our name (each with its backward, in-place and out= forms)...
+ATEN_OPS = ("add", "addmm", "bmm", "clamp", "div", "embedding", "foreach_mul_", "foreach_norm", "gelu",
+            "log_softmax", "mm", "mul", "ne", "reciprocal", "silu", "softmax", "stack", "sub", "sum", "vector_norm")
+# ... or by ATen's, one overload each.
+ATEN_OVERLOADS = ("_foreach_mul_.Tensor", "_foreach_norm.Scalar", "_log_softmax", "_log_softmax_backward_data",
+                  "_softmax", "_softmax_backward_data", "add.Tensor", "add_.Tensor", "addmm_", "div.Tensor",
+                  "embedding_dense_backward", "gelu_backward", "linalg_vector_norm", "mm.out", "mul.Tensor",
+                  "mul_.Tensor", "ne.Scalar", "ne.Tensor", "silu_backward", "sub.Tensor", "sum.dim_IntList")
 
 
 @dataclass
 class KernelsConfig:
     name: str = MISSING
-    # triton: which of TRITON_OPS to use (null: all), and which to leave to PyTorch.
+    # triton: which of TRITON_OPS and ATEN_OPS to use (null: all), and which to leave to PyTorch.
     include: list[str] | None = None
     exclude: list[str] = field(default_factory=list)
+    # triton: route ATen ops to ops/ during the step and eval (ops.enable()); false keeps only TRITON_OPS.
+    aten: bool = True
 
     def check(self) -> None:
         one_of("kernels.name", self.name, KERNELS)
+        aten = ATEN_OPS + ATEN_OVERLOADS
         for key in ("include", "exclude"):
-            for op in getattr(self, key) or []:
-                require(op in TRITON_OPS, f"kernels.{key}", list(getattr(self, key)),
-                        f"ops are {', '.join(TRITON_OPS)}")
+            names = list(getattr(self, key) or [])
+            unknown = [op for op in names if op not in TRITON_OPS + aten]
+            require(not unknown, f"kernels.{key}", names,
+                    f"{', '.join(unknown)} unknown: the model's ops are {', '.join(TRITON_OPS)}; the ATen ops "
+                    f"(kernels.aten=true) are {', '.join(ATEN_OPS)}, or an ATen overload of one: "
+                    f"{', '.join(ATEN_OVERLOADS)}")
+        included_aten = [op for op in self.include or [] if op in aten]
+        require(self.aten or not included_aten, "kernels.include", list(self.include or []),
+                f"{', '.join(included_aten)}: ATen ops, routed only with kernels.aten=true")
         if self.name == "triton":
             try:
                 import triton  # noqa: F401
             except ImportError:
                 require(False, "kernels", "triton", "needs the triton package: pip install triton")
+
+
+def model_ops(cfg) -> list[str]:
+    """The model's functions (TRITON_OPS) that the kernels section `cfg` points at ops/: none under
+    kernels=torch, else `include` (null: all) less `exclude`."""
+    if cfg.name != "triton":
+        return []
+    return [op for op in (cfg.include or TRITON_OPS) if op in TRITON_OPS and op not in (cfg.exclude or [])]
+
+
+def aten_ops(cfg) -> tuple[list[str] | None, list[str]] | None:
+    """`ops.enable()`'s (include, exclude) for the kernels section `cfg` (include None: every ATen op), or
+    None when no ATen op is routed (kernels=torch, kernels.aten=false, or an include of model ops only)."""
+    if cfg.name != "triton" or not getattr(cfg, "aten", True):
+        return None
+    aten = ATEN_OPS + ATEN_OVERLOADS
+    include = [op for op in cfg.include if op in aten] if cfg.include else None
+    if include == []:
+        return None
+    return include, [op for op in cfg.exclude or [] if op in aten]

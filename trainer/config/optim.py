@@ -1,7 +1,9 @@
-"""The `optim` section: the optimizer and its learning-rate schedule (`optim=adamw|sgd`)."""
+"""The `optim` section: the optimizer and its learning-rate schedule (`optim=adamw|sgd`), and whose AdamW
+steps (`optim.impl=torch|triton`: torch.optim.AdamW, or ops.AdamW's fused kernel)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
@@ -9,6 +11,7 @@ from omegaconf import MISSING
 from trainer.config.checks import one_of, positive, require
 
 OPTIMIZERS = ("adamw", "sgd")
+IMPLS = ("torch", "triton")
 
 
 @dataclass
@@ -22,6 +25,9 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9
     grad_clip: float | None = 1.0
+    # torch: torch.optim's foreach implementation; triton: ops.AdamW (adamw only). null: triton under
+    # kernels=triton with optim=adamw, else torch. Either loads the other's checkpoints.
+    impl: str | None = None
 
     def check(self) -> None:
         one_of("optim.name", self.name, OPTIMIZERS)
@@ -34,3 +40,17 @@ class OptimConfig:
                 "must be two numbers in [0, 1)")
         require(self.grad_clip is None or self.grad_clip > 0, "optim.grad_clip", self.grad_clip,
                 "must be > 0, or null for no clipping")
+        if self.impl is not None:
+            one_of("optim.impl", self.impl, IMPLS)
+        require(self.impl != "triton" or self.name == "adamw", "optim.impl", self.impl,
+                f"ops has AdamW only: optim={self.name} takes optim.impl=torch")
+        require(self.impl != "triton" or importlib.util.find_spec("triton") is not None, "optim.impl", self.impl,
+                "needs the triton package: pip install triton")
+
+
+def implementation(optim, kernels: str) -> str:
+    """The optim section's `impl`, or its default under `kernels=<kernels>`: triton for AdamW under
+    kernels=triton, else torch."""
+    if optim.impl is not None:
+        return optim.impl
+    return "triton" if kernels == "triton" and optim.name == "adamw" else "torch"

@@ -1,8 +1,9 @@
 """The kernel backend: `kernels=torch` keeps PyTorch's eager kernels; `kernels=triton` points the model's
 RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused
 with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
-choose among those five (`trainer.config.TRITON_OPS`). Attention takes packed rows (`data.packing=true`)
-as document ids (`attention`).
+choose among those five (`trainer.config.TRITON_OPS`) as among the ATen ops the loop routes
+(`trainer.loop.aten_kernels`). Attention takes packed rows (`data.packing=true`) as document ids
+(`attention`).
 """
 
 from __future__ import annotations
@@ -10,16 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.config import TRITON_OPS
+from trainer.config import model_ops
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
-
-
-def selected(cfg) -> list[str]:
-    """The ops `kernels=triton` routes, after include/exclude."""
-    if cfg.name != "triton":
-        return []
-    chosen = list(cfg.include) if cfg.include else list(TRITON_OPS)
-    return [op for op in chosen if op not in (cfg.exclude or [])]
 
 
 def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=False):
@@ -43,7 +36,7 @@ def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=Fal
 
 def apply(model: nn.Module, cfg) -> nn.Module:
     """Point `model`'s functions at the chosen Triton ops, in place (on the meta model, before any strategy)."""
-    chosen = selected(cfg)
+    chosen = model_ops(cfg)
     if not chosen:
         return model
     import ops
