@@ -1,0 +1,84 @@
+"""The native families (`trainer.families`): a tiny model of each, built by transformers from the family's own
+config class with every tensor perturbed, gives transformers' logits (eager attention, fp32), its loss's
+gradient reaches every parameter, and what transformers' config.json says is read as the `model` keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.hf_models import FAMILIES, make_family
+from trainer.config.hf import settings
+from trainer.models import from_hf
+
+pytestmark = pytest.mark.timeout(300)
+NAMES = sorted(FAMILIES)
+# Longer than the sliding windows (8), so that windowed layers differ from full ones.
+TOKENS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("families"))
+    return {name: make_family(root, name) for name in NAMES}
+
+
+def _transformers_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_family_gives_the_logits_of_transformers(family_dirs, name):
+    model = from_hf(family_dirs[name]).eval()
+    with torch.no_grad():
+        ours = model(TOKENS)
+    torch.testing.assert_close(ours, _transformers_logits(family_dirs[name], TOKENS), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_losss_gradient_reaches_every_parameter(family_dirs, name):
+    model = from_hf(family_dirs[name])
+    model(TOKENS[:, :-1], TOKENS[:, 1:]).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing
+
+
+def test_config_json_is_read_as_the_family_options(family_dirs):
+    gemma2, gemma3 = settings(family_dirs["gemma2"]), settings(family_dirs["gemma3"])
+    assert (gemma2["family"], gemma2["norm_placement"], gemma2["norm_offset"], gemma2["activation"]) == (
+        "gemma2", "sandwich", 1.0, "gelu_tanh")
+    assert gemma2["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (gemma2["attn_softcap"], gemma2["final_softcap"], gemma2["attention_scale"]) == (5.0, 3.0, 20**-0.5)
+    assert gemma2["embedding_multiplier"] == 8.0 and gemma2["tie_embeddings"]
+    assert (gemma3["rope_theta"], gemma3["rope_local_theta"], gemma3["qk_norm"]) == (100000.0, 1000.0, "head")
+    assert settings(family_dirs["qwen3"])["head_dim"] == 24
+    assert settings(family_dirs["smollm3"])["nope_layers"] == [1]
+    assert settings(family_dirs["olmo2"])["qk_norm"] == "full"
+    granite = settings(family_dirs["granite"])
+    assert (granite["embedding_multiplier"], granite["residual_multiplier"], granite["attention_scale"],
+            granite["logits_scaling"]) == (3.0, 0.5, 0.1, 4.0)
+    moe = settings(family_dirs["qwen3_moe"])
+    assert (moe["n_experts"], moe["n_experts_per_token"], moe["moe_ffn_dim"], moe["norm_topk_prob"]) == (4, 2, 32, True)
+    assert settings(family_dirs["mixtral"])["norm_topk_prob"] is True
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_router_loss_is_transformers_aux_loss(family_dirs, name):
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(family_dirs[name], dtype=torch.float32).eval()
+    ours = from_hf(family_dirs[name]).eval()
+    coef = FAMILIES[name][2]["router_aux_loss_coef"]
+    with torch.no_grad():
+        out = theirs(TOKENS, labels=TOKENS)  # the router sees all 24 tokens, the loss predicts 23
+        ours(TOKENS, TOKENS)
+        torch.testing.assert_close(ours.moe_stats["moe/aux_loss"], out.aux_loss, rtol=1e-5, atol=1e-6)
+        loss = ours(TOKENS[:, :-1], TOKENS[:, 1:])
+    # Ours adds coef x its aux loss over its 23 tokens to the cross-entropy, as transformers does over its 24.
+    torch.testing.assert_close(loss - coef * ours.moe_stats["moe/aux_loss"], out.loss - coef * out.aux_loss,
+                               rtol=1e-5, atol=1e-6)
+    assert ours.moe_stats["moe/expert_load_max"] >= 1.0
