@@ -82,3 +82,32 @@ def test_the_router_loss_is_transformers_aux_loss(family_dirs, name):
     torch.testing.assert_close(loss - coef * ours.moe_stats["moe/aux_loss"], out.loss - coef * out.aux_loss,
                                rtol=1e-5, atol=1e-6)
     assert ours.moe_stats["moe/expert_load_max"] >= 1.0
+
+
+STEPS = ["train.max_steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false",
+         "train.log_every=1", "data.seq_len=24", "train.global_batch_size=4", "optim.lr=1e-2"]
+
+
+def test_each_family_trains_and_exports_to_what_transformers_loads(family_dirs, run_cli_batch, tmp_path):
+    """`python -m trainer model=hf model.path=DIR` trains each family two steps (one interpreter forking a run per
+    family); `python -m trainer.export` writes a directory transformers loads with the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import read_metrics
+    from trainer import export
+
+    runs = [(["model=hf", f"model.path={family_dirs[name]}", *STEPS, f"hydra.run.dir={tmp_path / name}"], tmp_path)
+            for name in NAMES]
+    for name, proc in zip(NAMES, run_cli_batch(runs, timeout=600), strict=True):
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        checkpoint = str(tmp_path / name / "checkpoints" / "step-2")
+        out = export.export(checkpoint, str(tmp_path / f"{name}-export"))
+        ours = export.load_model(checkpoint, export.run_config(checkpoint)).eval()
+        theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            logits = ours(TOKENS)
+            torch.testing.assert_close(theirs(TOKENS).logits, logits, rtol=0, atol=1e-4, msg=name)
+            assert (logits - from_hf(family_dirs[name])(TOKENS)).abs().max() > 1e-3, name  # training moved it
+        if FAMILIES[name][2].get("num_experts") or FAMILIES[name][2].get("num_local_experts"):
+            line = read_metrics(str(tmp_path / name))[-1]
+            assert line["moe/aux_loss"] > 0 and line["moe/expert_load_max"] >= 1.0, name
