@@ -111,3 +111,22 @@ def test_each_family_trains_and_exports_to_what_transformers_loads(family_dirs, 
         if FAMILIES[name][2].get("num_experts") or FAMILIES[name][2].get("num_local_experts"):
             line = read_metrics(str(tmp_path / name))[-1]
             assert line["moe/aux_loss"] > 0 and line["moe/expert_load_max"] >= 1.0, name
+
+
+@pytest.mark.parametrize("name", ["gemma3", "granite"])
+def test_triton_kernels_give_the_families_logits(family_dirs, name):
+    """kernels=triton on Gemma 3 ((1 + w) norms, per-head q/k norms, GeLU-tanh gates, sliding and full layers)
+    and Granite (the attention multiplier as the kernel's scale): the same logits and loss as PyTorch's."""
+    from omegaconf import OmegaConf
+
+    from trainer.models import kernels
+
+    reference = from_hf(family_dirs[name]).eval()
+    model = kernels.apply(from_hf(family_dirs[name]).eval(), OmegaConf.create({"name": "triton", "include": None,
+                                                                                "exclude": None}))
+    attention = model.layers["1"].attention
+    assert attention.attention_fn is kernels.attention and model.fused_loss_fn is not None
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), reference(TOKENS), rtol=0, atol=1e-4)
+        torch.testing.assert_close(model(TOKENS[:, :-1], TOKENS[:, 1:]), reference(TOKENS[:, :-1], TOKENS[:, 1:]),
+                                   rtol=1e-5, atol=1e-5)
