@@ -130,3 +130,31 @@ def test_triton_kernels_give_the_families_logits(family_dirs, name):
         torch.testing.assert_close(model(TOKENS), reference(TOKENS), rtol=0, atol=1e-4)
         torch.testing.assert_close(model(TOKENS[:, :-1], TOKENS[:, 1:]), reference(TOKENS[:, :-1], TOKENS[:, 1:]),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_fsdp2_and_tp_on_two_processes_equal_one_for_every_family(family_dirs, tmp_path):
+    """One torchrun of 2 gloo ranks (tests/trainer/family_ranks.py) places every family under ddp, fsdp2 (Phi-3's
+    fused tensors split into sharded pieces, the experts sharded with their block) and tp (q/k norms per head or
+    gathered over the projection, norms after attention and MLP, the router whole and each expert split): the
+    same batch gives one process's loss and every parameter's gradient."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "tests.trainer.family_ranks", str(tmp_path), "ddp,fsdp2,tp",
+                           *(family_dirs[name] for name in NAMES)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)
+    for strategy in ("ddp", "fsdp2", "tp"):
+        assert sorted(results[strategy]) == NAMES
+        for name, r in results[strategy].items():
+            assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5), (strategy, name)
+            assert r["worst_grad_error"] < 1e-4, (strategy, name)

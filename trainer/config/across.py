@@ -103,7 +103,7 @@ def _runtime(job) -> None:
 def _parallel(job, dims: Degrees) -> None:
     m, s = job.model, job.strategy
     if dims.tp > 1:
-        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
+        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim", *(("moe_ffn_dim",) if m.moe_ffn_dim else ())):
             require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
                     f"must be divisible by the tensor-parallel degree strategy.tp={dims.tp}")
     if job.kernels.name == "triton":
