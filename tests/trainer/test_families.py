@@ -158,3 +158,67 @@ def test_ddp_fsdp2_and_tp_on_two_processes_equal_one_for_every_family(family_dir
         for name, r in results[strategy].items():
             assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5), (strategy, name)
             assert r["worst_grad_error"] < 1e-4, (strategy, name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decoding_through_the_kv_cache_gives_the_full_forwards_logits(family_dirs, name):
+    """A prompt of 5 tokens, then 19 more one at a time: past the sliding window (8) of Gemma's local layers,
+    whose cached keys beyond it must drop out, and through soft-capping, layers without RoPE and the experts."""
+    from trainer.models.kv_cache import KVCache
+
+    model = from_hf(family_dirs[name]).eval()
+    cache = KVCache(len(model.layers), TOKENS.shape[1])
+    steps = [TOKENS[:, :5]] + [TOKENS[:, i : i + 1] for i in range(5, TOKENS.shape[1])]
+    with torch.no_grad():
+        full = model(TOKENS)
+        cached = []
+        for step in steps:
+            cache.append(torch.ones_like(step, dtype=torch.bool))
+            cached.append(model(step, cache=cache))
+    torch.testing.assert_close(torch.cat(cached, dim=1), full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3_moe"])
+def test_greedy_generation_equals_transformers_generate(family_dirs, name):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.generate import generate
+
+    prompts = TOKENS[:, :6]
+    theirs = AutoModelForCausalLM.from_pretrained(family_dirs[name], dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    out = theirs.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=16,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generate(from_hf(family_dirs[name]), prompts.tolist(), 16) == out[:, 6:].tolist()
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2", "olmo2", "qwen3_moe"])
+def test_lora_adapters_on_the_familys_names_load_in_peft_with_our_logits(family_dirs, name, tmp_path):
+    """Adapters on every projection the family names (Phi-3: the fused qkv_proj and gate_up_proj, written as
+    PEFT's one adapter of the fused layer; a mixture of experts: the attention's), with random A and B, export
+    as PEFT saves them, and `PeftModel.from_pretrained` on transformers' model gives our logits."""
+    from omegaconf import OmegaConf
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer import export
+    from trainer.families import BY_NAME
+    from trainer.models import lora
+
+    targets = list(BY_NAME[name].lora_targets)
+    peft_cfg = OmegaConf.create({"name": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": targets})
+    model = lora.apply(from_hf(family_dirs[name]), peft_cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if lora.is_adapter(n):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    cfg = OmegaConf.create({"model": {"name": "hf", "path": family_dirs[name]}, "peft": peft_cfg})
+    out = str(tmp_path / "adapters")
+    export.write(model, cfg, out)
+    base = AutoModelForCausalLM.from_pretrained(family_dirs[name], dtype=torch.float32, attn_implementation="eager")
+    theirs = PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        ours = model.eval()(TOKENS)
+        assert (ours - from_hf(family_dirs[name])(TOKENS)).abs().max() > 1e-2  # the adapters count
+        torch.testing.assert_close(theirs(TOKENS).logits, ours, rtol=0, atol=1e-4)
