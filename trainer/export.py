@@ -140,12 +140,14 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str, quantize: tuple[str
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
         params = dict(model.named_parameters())
         if any(lora.is_adapter(name) for name in params):
-            tensors = {lora.peft_name(n): p.detach().contiguous() for n, p in params.items() if lora.is_adapter(n)}
+            family = hf.family_of(model)
+            tensors = lora.peft_state({n: p.detach() for n, p in params.items() if lora.is_adapter(n)}, family)
             save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
             with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-                json.dump(lora.adapter_config(_peft(cfg), cfg.model.path), f, indent=2)
+                json.dump(lora.adapter_config(_peft(cfg), cfg.model.path, family), f, indent=2)
         else:
-            tensors = {hf.hf_name(name): p.detach().contiguous() for name, p in params.items()}
+            tensors = hf.hf_state({name: p.detach() for name, p in params.items()}, hf.family_of(model))
+            tensors = {name: t.contiguous() for name, t in tensors.items()}
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(hf_config(cfg), f, indent=2)

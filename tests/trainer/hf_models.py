@@ -107,3 +107,45 @@ def make_mistral(root: str) -> str:
     # A window wider than the tested sequences: within it, sliding-window attention is full attention.
     _perturbed(MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=128))).save_pretrained(path)
     return path
+
+
+# One tiny model of each native family beyond Llama, Qwen2 and Mistral, each with the options that make its
+# family what it is switched on (a window shorter than the tested sequences, layers of both kinds, multipliers
+# away from 1), built from the family's own config class.
+FAMILY_SHAPE = {**SHAPE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 24, "sliding_window": 8, "query_pre_attn_scalar": 20, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0, "num_hidden_layers": 3}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24, "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+        "logits_scaling": 4.0}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "output_router_logits": True, "router_aux_loss_coef": 0.02}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+        "router_aux_loss_coef": 0.02}),
+}
+
+
+def make_family(root: str, name: str) -> str:
+    """A tiny random `name` model (a key of FAMILIES) saved in `root/name`, every tensor perturbed (norm
+    weights, biases and routers included) so that each one counts."""
+    import transformers
+
+    config_class, model_class, options = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**FAMILY_SHAPE, **options})
+    path = os.path.join(root, name)
+    _perturbed(getattr(transformers, model_class)(config)).save_pretrained(path)
+    return path

@@ -229,8 +229,12 @@ def test_help_introduces_trainjob_and_lists_only_options_a_user_can_choose(run_c
 
 
 @pytest.mark.parametrize("experiment", _options("experiment"))
-def test_every_experiment_preset_composes_and_validates_given_its_paths(experiment, hf_model):
+def test_every_experiment_preset_composes_and_validates_given_its_paths(experiment, hf_model, tmp_path):
     # The tiny test model holds 256 positions; the presets ask for the real models' 1024-2048.
+    if experiment.startswith("phi3"):  # its LoRA targets are Phi-3's fused layers
+        from tests.trainer.hf_models import make_family
+
+        hf_model = make_family(str(tmp_path), "phi3")
     cfg = _compose([f"+experiment={experiment}", f"model.path={hf_model}", "data.path=/tmp/rows.jsonl",
                     "data.seq_len=64", *([f"recipe.teacher.path={hf_model}"] if "_kd" in experiment else []),
                     *(["recipe.max_completion_length=64"] if "_grpo" in experiment else [])])

@@ -15,6 +15,7 @@ from trainer.config.runtime import node_counts, nproc_per_node, world_size
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES, Degrees
 from trainer.config.train import require_tracker_package
 from trainer.errors import ConfigError
+from trainer.families import BY_NAME
 from trainer.run_dir import RunDir
 
 
@@ -108,7 +109,7 @@ def _runtime(job) -> None:
 def _parallel(job, dims: Degrees) -> None:
     m, s = job.model, job.strategy
     if dims.tp > 1:
-        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim"):
+        for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim", *(("moe_ffn_dim",) if m.moe_ffn_dim else ())):
             require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
                     f"must be divisible by the tensor-parallel degree strategy.tp={dims.tp}")
     runnable = (job.launcher.name != "local" or runtime.local_gpu_count() > 0
@@ -166,6 +167,9 @@ def _pipeline(job, dims: Degrees, at: str = "") -> None:
 def _recipe(job) -> None:
     """The recipe, the data and the model fit together."""
     recipe, data = job.recipe.name, job.data.name
+    require(recipe != "kd" or job.model.final_softcap is None, "recipe", recipe, "distils from logits it computes "
+            "a chunk at a time from the hidden states, without the soft-capping of the model's final logits "
+            f"(model.final_softcap={job.model.final_softcap}): use recipe=sft")
     require(recipe not in DATA or data == DATA[recipe], "data", data,
             f"recipe={recipe} trains on data={DATA.get(recipe)} ({DATA_ROWS.get(DATA.get(recipe))})")
     if data in DATA.values():
@@ -256,6 +260,10 @@ def _peft(job) -> None:
         require(job.model.name == "hf", "peft", job.peft.name,
                 f"LoRA adapts a pretrained model: use model=hf model.path=<directory> "
                 f"(model is {job.model.name}, whose frozen weights would be random)")
+        family = BY_NAME[job.model.family]
+        targets = list(job.peft.target_modules)
+        require(all(t in family.lora_targets for t in targets), "peft.target_modules", targets,
+                f"a {family.name} model has {', '.join(family.lora_targets)}")
 
 
 def _trackers(job) -> None:

@@ -1,16 +1,25 @@
 """`model=hf`: a Hugging Face model directory's `config.json`, checked and read as the `model` section's
 values (`fill_config`), so that the resolved config.yaml describes the model like any preset's. No torch:
-the driver fills the section before it checks it."""
+the driver fills the section before it checks it.
+
+Every native family (`trainer.families`) is read by one function, from the keys transformers 4 and 5 write
+(`rope_parameters` or `rope_theta`/`rope_scaling`/`rope_local_base_freq`; `layer_types` or
+`sliding_window_pattern`; `num_experts` or `num_local_experts`); what a family's config.json leaves out takes
+transformers' default for that family."""
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 from trainer.errors import ConfigError
+from trainer.families import FAMILIES, Family
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = tuple(FAMILIES)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh"}
 
 
 def read_config(path: str | None, key: str = "model.path") -> dict:
@@ -41,60 +50,158 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
             path,
             "holds no *.safetensors weights (save the model with save_pretrained(..., safe_serialization=True))",
         )
-    unsupported = {"attention_bias": True, "mlp_bias": True, "use_sliding_window": True}
-    for name, bad in unsupported.items():
-        if hf.get(name) == bad:
-            raise ConfigError(key, path, f"config.json sets {name}={bad}, which trainjob's model does not have")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(key, path, f"config.json sets hidden_act={hf['hidden_act']!r}; only silu is supported")
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
-        raise ConfigError(
-            key,
-            path,
-            f"config.json sets head_dim={hf['head_dim']}; trainjob's model needs hidden_size / num_attention_heads",
-        )
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ConfigError(key, path, f"config.json sets the activation {act!r}; trainjob has "
+                          f"{', '.join(ACTIVATIONS)}")
+    if float(_rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ConfigError(key, path, "config.json sets partial_rotary_factor below 1; trainjob rotates whole heads")
     return hf
 
 
-def rope(hf: dict, path: str) -> tuple[float, dict | None]:
-    """(theta, llama3 scaling or None) from either the transformers 4 (`rope_theta`, `rope_scaling`) or the
-    transformers 5 (`rope_parameters`) spelling."""
+def family(hf: dict) -> Family:
+    return FAMILIES[hf["architectures"][0]]
+
+
+def _rope_params(hf: dict, layer_type: str = "full_attention") -> dict:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if layer_type in params or "full_attention" in params:  # Gemma 3 (transformers 5): one set per layer type
+        params = params.get(layer_type) or {}
+    return params
+
+
+def rope(hf: dict, path: str) -> tuple[float, dict | None]:
+    """(theta, scaling or None) of the global layers, from either the transformers 4 (`rope_theta`,
+    `rope_scaling`) or the transformers 5 (`rope_parameters`) spelling. Scaling: llama3 or linear."""
+    params = _rope_params(hf)
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 1_000_000.0 if _gemma3(hf) else 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        return theta, {k: params[k] for k in keys}
-    raise ConfigError("model.path", path, f"RoPE type {kind!r} is not supported; trainjob has default and llama3")
+        return theta, {"rope_type": "llama3", **{k: params[k] for k in keys}}
+    if kind == "linear":
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    raise ConfigError("model.path", path, f"RoPE type {kind!r} is not supported; trainjob has default, llama3 "
+                      "and linear")
+
+
+def _gemma3(hf: dict) -> bool:
+    return hf["architectures"][0] == "Gemma3ForCausalLM"
+
+
+def _layer_types(hf: dict, n_layers: int) -> list[str] | None:
+    """Which layers attend within a sliding window (transformers' `layer_types`), or None: every layer is full."""
+    window, arch = hf.get("sliding_window"), hf["architectures"][0]
+    if not window or arch in ("MistralForCausalLM",) or hf.get("use_sliding_window") is False:
+        return None
+    types = hf.get("layer_types")
+    if not types and arch.startswith("Gemma"):
+        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or
+                      (6 if _gemma3(hf) else 2))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if not types and hf.get("use_sliding_window"):  # Qwen2/3 before layer_types: the layers from max_window_layers
+        first = int(hf.get("max_window_layers", n_layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    return list(types) if types and "sliding_attention" in types else None
+
+
+def _moe(hf: dict, fam: Family, n_layers: int) -> dict:
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if not fam.moe or not experts:
+        return {}
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = sorted({*(hf.get("mlp_only_layers") or []), *(i for i in range(n_layers) if (i + 1) % step)})
+    return {
+        "n_experts": experts,
+        "n_experts_per_token": int(hf["num_experts_per_tok"]),
+        "moe_ffn_dim": int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        "dense_layers": dense,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)) if fam.name != "mixtral" else True,
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+        "output_router_logits": bool(hf.get("output_router_logits", False)),
+    }
+
+
+def _multipliers(hf: dict, fam: Family, head_dim: int) -> dict:
+    scalar = hf.get("query_pre_attn_scalar")
+    scale = hf.get("attention_multiplier") or (float(scalar) ** -0.5 if scalar else None)
+    embedding = math.sqrt(hf["hidden_size"]) if fam.embedding_scale else float(hf.get("embedding_multiplier", 1.0))
+    return {
+        "embedding_multiplier": embedding,
+        "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
+        "attention_scale": float(scale) if scale and float(scale) != head_dim**-0.5 else None,
+        "logits_scaling": float(hf.get("logits_scaling", 1.0)),
+        "attn_softcap": _float_or_none(hf.get("attn_logit_softcapping")),
+        "final_softcap": _float_or_none(hf.get("final_logit_softcapping")),
+    }
+
+
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _attention(hf: dict, fam: Family, n_layers: int) -> dict:
+    types = _layer_types(hf, n_layers)
+    local = None
+    if _gemma3(hf):
+        local_params = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+        local = float(local_params.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+    nope = [i for i, rope in enumerate(hf.get("no_rope_layers") or []) if not rope]  # SmolLM3: 1 = RoPE
+    bias = "qkv" if fam.qkv_bias else ("all" if hf.get("attention_bias") else "none")
+    return {
+        "attention_bias": bias,
+        "mlp_bias": bool(hf.get("mlp_bias", False)),
+        "sliding_window": int(hf["sliding_window"]) if types else None,
+        "layer_types": types,
+        "rope_local_theta": local,
+        "nope_layers": nope,
+    }
 
 
 def settings(path: str) -> dict:
     """The `model.*` values (ModelConfig's fields) of the model in directory `path`."""
     hf = read_config(path)
+    fam = family(hf)
     theta, _ = rope(hf, path)
     max_seq_len = int(hf.get("max_position_embeddings", 2048))
-    if hf["architectures"][0] == "MistralForCausalLM" and hf.get("sliding_window"):
+    if fam.name == "mistral" and hf.get("sliding_window"):
         # Within the window, Mistral's sliding-window attention is full causal attention.
         max_seq_len = min(max_seq_len, int(hf["sliding_window"]))
+    n_heads, n_layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_heads)
     return {
         "dim": hf["hidden_size"],
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": hf["num_attention_heads"],
-        "n_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
         "ffn_dim": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
         "max_seq_len": max_seq_len,
         "rope_theta": theta,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", fam.tie_default)),
+        "family": fam.name,
+        "head_dim": head_dim if head_dim * n_heads != hf["hidden_size"] else None,
+        "qk_norm": fam.qk_norm,
+        "norm_placement": fam.norm_placement,
+        "norm_offset": fam.norm_offset,
+        "activation": ACTIVATIONS[hf.get("hidden_activation") or hf.get("hidden_act", "silu")],
+        **_attention(hf, fam, n_layers),
+        **_multipliers(hf, fam, head_dim),
+        **_moe(hf, fam, n_layers),
     }
 
 
 def fill_config(model_cfg) -> None:
     """With `model=hf`, set the model.* keys from the directory's config.json (the resolved config.yaml then
-    describes the model like any preset's)."""
+    describes the model like any preset's). `model.output_router_logits=true` given on the command line stays:
+    it turns on the router's load-balancing loss of a mixture of experts whose config.json leaves it off."""
     if model_cfg.name == "hf":
+        keep = bool(model_cfg.get("output_router_logits"))
         for key, value in settings(model_cfg.path).items():
             model_cfg[key] = value
+        if keep and "output_router_logits" in model_cfg:
+            model_cfg["output_router_logits"] = True
+

@@ -1,15 +1,19 @@
-"""The `model` section: the transformer's sizes (`model=debug|llama3_8b|hf|...`)."""
+"""The `model` section: the transformer's sizes (`model=debug|llama3_8b|hf|...`) and the options of the
+pretrained families (`trainer.families`), which `model=hf` reads from config.json; their defaults are
+Llama's, so the presets are Llama-style decoders."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from trainer.config.checks import positive, require
+from trainer.config.checks import one_of, positive, require
+from trainer.families import BY_NAME
 
 # The byte-level tokenizer's vocabulary (`trainer.data.tokenizer`): the 256 bytes, then BOS, EOS and PAD.
 BYTE_VOCAB_SIZE = 259
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -28,13 +32,64 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # The family's options (trainer/families.py says which family sets which).
+    family: str = "llama"  # the checkpoint layout: names, fused tensors
+    head_dim: int | None = None  # None: dim / n_heads
+    attention_bias: str = "none"  # none | qkv | all (q, k, v and o)
+    mlp_bias: bool = False
+    qk_norm: str = "none"  # none | head (each head's q and k) | full (the whole q and k projections)
+    norm_placement: str = "pre"  # pre | sandwich (before and after attention and MLP) | post (after only)
+    norm_offset: float = 0.0  # 1.0: norms scale by (1 + weight)
+    activation: str = "silu"  # silu | gelu_tanh: the MLP's gate
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    logits_scaling: float = 1.0  # the logits are divided by it
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # the window of layer_types' sliding_attention layers
+    layer_types: list[str] | None = None  # per layer: full_attention | sliding_attention (None: all full)
+    rope_local_theta: float | None = None  # the RoPE base of sliding layers (Gemma 3); None: rope_theta
+    nope_layers: list[int] = field(default_factory=list)  # layers without RoPE (SmolLM3)
+    n_experts: int = 0  # > 0: a mixture of experts MLP
+    n_experts_per_token: int = 0
+    moe_ffn_dim: int | None = None  # each expert's hidden size (None: ffn_dim)
+    dense_layers: list[int] = field(default_factory=list)  # layers with the dense MLP in an MoE model
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
 
     def check(self) -> None:
         positive(self, "model", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                  "max_seq_len", "rope_theta", "norm_eps", "init_std")
-        require(self.dim % self.n_heads == 0, "model.dim", self.dim,
-                f"must be divisible by model.n_heads={self.n_heads}")
-        require((self.dim // self.n_heads) % 2 == 0, "model.dim", self.dim,
-                f"model.dim / model.n_heads must be even for rotary embeddings (is {self.dim / self.n_heads:g})")
+        if self.head_dim is None:
+            require(self.dim % self.n_heads == 0, "model.dim", self.dim,
+                    f"must be divisible by model.n_heads={self.n_heads} (or give model.head_dim)")
+        head_dim = self.head_dim or self.dim // self.n_heads
+        require(head_dim > 0 and head_dim % 2 == 0, "model.head_dim" if self.head_dim else "model.dim",
+                self.head_dim or self.dim, f"the head size must be even for rotary embeddings (is {head_dim})")
         require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
                 f"must divide model.n_heads={self.n_heads}")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        one_of("model.family", self.family, tuple(BY_NAME))
+        one_of("model.attention_bias", self.attention_bias, ("none", "qkv", "all"))
+        one_of("model.qk_norm", self.qk_norm, ("none", "head", "full"))
+        one_of("model.norm_placement", self.norm_placement, ("pre", "sandwich", "post"))
+        one_of("model.activation", self.activation, ("silu", "gelu_tanh"))
+        for key in ("attention_scale", "attn_softcap", "final_softcap", "sliding_window", "rope_local_theta"):
+            value = getattr(self, key)
+            require(value is None or value > 0, f"model.{key}", value, "must be > 0 (or null)")
+        if self.layer_types is not None:
+            require(len(self.layer_types) == self.n_layers and all(t in LAYER_TYPES for t in self.layer_types),
+                    "model.layer_types", list(self.layer_types),
+                    f"must give one of {', '.join(LAYER_TYPES)} for each of the model.n_layers={self.n_layers}")
+            require("sliding_attention" not in self.layer_types or self.sliding_window is not None,
+                    "model.sliding_window", self.sliding_window, "must be set where layer_types has sliding layers")
+        for key in ("nope_layers", "dense_layers"):
+            bad = [i for i in getattr(self, key) if not 0 <= i < self.n_layers]
+            require(not bad, f"model.{key}", list(getattr(self, key)), f"must be layer indices < {self.n_layers}")
+        if self.n_experts:
+            require(0 < self.n_experts_per_token <= self.n_experts, "model.n_experts_per_token",
+                    self.n_experts_per_token, f"must be 1 ... model.n_experts={self.n_experts}")

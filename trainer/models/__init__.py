@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.models import hf
 from trainer.models.hf import WRAPPED, from_hf
-from trainer.models.llama import Transformer
+from trainer.models.llama import OPTION_KEYS, Transformer
 
 __all__ = ["Transformer", "build", "count_params", "from_hf", "init_weights", "num_params",
            "param_shapes"]
@@ -31,7 +31,19 @@ def build(cfg) -> Transformer:
         dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
         ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
         rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings,
+        **_options(cfg),
     )
+
+
+def _options(cfg) -> dict:
+    """The family options `cfg` gives (a config without them is a Llama-style model)."""
+    found = {}
+    for key in OPTION_KEYS:
+        value = getattr(cfg, key, None)
+        if value is not None:
+            found[key] = list(value) if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig" \
+                else value
+    return found
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:

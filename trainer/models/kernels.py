@@ -4,6 +4,11 @@ with the output projection, so the logits are never materialised). `kernels.incl
 choose among those five (`trainer.config.TRITON_OPS`) as among the ATen ops the loop routes
 (`trainer.loop.aten_kernels`). Attention takes packed rows (`data.packing=true`) as document ids
 (`attention`).
+
+The families' pieces: `(1 + w)` norms are `ops.rms_norm` with the weight plus one; GeLU-tanh gates (Gemma) go to
+`ops.gelu_and_mul(approximate="tanh")` with `silu_and_mul`; an attention `scale` (Gemma's query_pre_attn_scalar,
+Granite's multiplier) is the kernel's. Sliding-window layers and soft-capped attention keep PyTorch's attention
+(the kernel has neither a window nor a cap), and a model whose final logits are soft-capped keeps PyTorch's loss.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from trainer.config import model_ops
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
 
-def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=False):
+def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=False, scale=None):
     """`ops.scaled_dot_product_attention` as the model calls it. Packed rows come as the model's boolean
     (batch, 1, seq, seq) mask, causal within each document (`Transformer.hidden_states`): query i then
     sees keys start..i of its document, so i + 1 - (its visible keys) is where that document starts, a
@@ -29,9 +34,15 @@ def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=Fal
         seq = attn_mask.shape[-1]
         starts = torch.arange(1, seq + 1, device=attn_mask.device) - attn_mask[:, 0].sum(-1)
         return ops.scaled_dot_product_attention(query, key, value, attn_mask=starts, is_causal=True,
-                                                enable_gqa=enable_gqa)
+                                                enable_gqa=enable_gqa, scale=scale)
     return ops.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
-                                            enable_gqa=enable_gqa)
+                                            enable_gqa=enable_gqa, scale=scale)
+
+
+def gelu_tanh_and_mul(x, y):
+    import ops
+
+    return ops.gelu_and_mul(x, y, approximate="tanh")
 
 
 def apply(model: nn.Module, cfg) -> nn.Module:
@@ -47,10 +58,11 @@ def apply(model: nn.Module, cfg) -> nn.Module:
         elif isinstance(module, Attention):
             if "rotary_embedding" in chosen:
                 module.rope_fn = ops.rotary_embedding
-            if "scaled_dot_product_attention" in chosen:
+            if "scaled_dot_product_attention" in chosen and not module.sliding and module.softcap is None:
                 module.attention_fn = attention
         elif isinstance(module, FeedForward) and "silu_and_mul" in chosen:
-            module.gate_fn = ops.silu_and_mul
-        elif isinstance(module, Transformer) and "fused_linear_cross_entropy" in chosen:
+            module.gate_fn = ops.silu_and_mul if module.activation == "silu" else gelu_tanh_and_mul
+        elif (isinstance(module, Transformer) and "fused_linear_cross_entropy" in chosen
+              and module.final_softcap is None):
             module.fused_loss_fn = ops.fused_linear_cross_entropy
     return model

@@ -40,11 +40,13 @@ class KVCache:
         self.start = self.length = 0
         self.valid: torch.Tensor | None = None  # (batch, max_len): which cached tokens are real, not padding
         self.positions: torch.Tensor | None = None
+        self.key_positions: torch.Tensor | None = None  # (batch, length): where a sliding window measures from
         self.mask: torch.Tensor | None = None
 
     def append(self, valid: torch.Tensor) -> None:
         """Take the next tokens, `valid` (batch, new) saying which are real (False for left padding), before
-        the forward that reads them; sets `positions` (batch, new) and `mask` (batch, 1, new, length)."""
+        the forward that reads them; sets `positions` (batch, new), `key_positions` (batch, length) and `mask`
+        (batch, 1, new, length)."""
         batch, new = valid.shape
         if self.length + new > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} tokens; {self.length} + {new} do not fit")
@@ -53,7 +55,8 @@ class KVCache:
         self.start, self.length = self.length, self.length + new
         self.valid[:, self.start : self.length] = valid
         seen = self.valid[:, : self.length]
-        self.positions = (seen.cumsum(1) - 1).clamp(min=0)[:, self.start :]
+        self.key_positions = (seen.cumsum(1) - 1).clamp(min=0)
+        self.positions = self.key_positions[:, self.start :]
         query = torch.arange(self.start, self.length, device=valid.device)[:, None]
         key = torch.arange(self.length, device=valid.device)[None, :]
         # A padding query still sees itself, so that no row of the mask is empty (SDPA would give NaN there);

@@ -1,9 +1,12 @@
-"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The decoder every model of trainjob is: a Llama-style transformer (RMSNorm, RoPE, grouped-query attention,
+a gated MLP) whose blocks take the options of the pretrained families (`trainer.families`: where the norms
+sit, `(1 + w)` norms, q/k norms, biases, GeLU-tanh gates, multipliers, soft-capping, sliding-window layers
+interleaved with global ones and their own RoPE base, layers without RoPE, mixtures of experts in
+`trainer.models.moe`). Their defaults (`Options`) are Llama's.
 
 It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside. Layers are
 kept in a ModuleDict keyed by index so that their names stay stable under any wrapping. The head count
 used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
-Pretrained families add q/k/v biases (Qwen2) and Llama 3.1's RoPE scaling (`trainer.models.hf`).
 The normalisation, rotary, gating and loss functions are attributes (PyTorch's by default) that
 `trainer.models.kernels` can point at the Triton ops of `ops/`. Incremental decoding passes a
 `trainer.models.kv_cache.KVCache` through `forward(..., cache=)`: it gives the positions and the mask of the new
@@ -12,23 +15,62 @@ tokens, and each attention layer appends its keys and values to its own slot of 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from trainer.models.moe import MoE, load_balancing
+
+
+@dataclasses.dataclass
+class Options:
+    """The family options of the decoder (the `model` section's keys of the same names)."""
+
+    family: str = "llama"
+    head_dim: int | None = None
+    attention_bias: str = "none"
+    mlp_bias: bool = False
+    qk_norm: str = "none"
+    norm_placement: str = "pre"
+    norm_offset: float = 0.0
+    activation: str = "silu"
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: list | None = None
+    rope_local_theta: float | None = None
+    nope_layers: list = dataclasses.field(default_factory=list)
+    n_experts: int = 0
+    n_experts_per_token: int = 0
+    moe_ffn_dim: int | None = None
+    dense_layers: list = dataclasses.field(default_factory=list)
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+
+
+OPTION_KEYS = tuple(f.name for f in dataclasses.fields(Options))
 
 
 class RMSNorm(nn.Module):
     norm_fn = staticmethod(F.rms_norm)
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm_fn(x, (x.shape[-1],), self.weight, self.eps)
+        weight = self.weight + self.offset if self.offset else self.weight  # Gemma: x_normed * (1 + w)
+        return self.norm_fn(x, (x.shape[-1],), weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -43,32 +85,67 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """Attention whose scores pass through softcap * tanh(scores / softcap) before the softmax (Gemma 2), as
+    transformers' eager attention computes it; `mask` None is causal."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        length, keys = q.shape[-2], k.shape[-2]
+        mask = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril(keys - length)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 class Attention(nn.Module):
     rope_fn = staticmethod(apply_rotary)
     attention_fn = staticmethod(F.scaled_dot_product_attention)
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qkv_bias: bool = False):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qkv_bias: bool = False, *, head_dim: int | None = None,
+                 o_bias: bool = False, qk_norm: str = "none", eps: float = 1e-6, norm_offset: float = 0.0,
+                 scale: float | None = None, softcap: float | None = None, use_rope: bool = True,
+                 sliding: bool = False):
         super().__init__()
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim or dim // n_heads
+        self.scale, self.softcap, self.use_rope, self.sliding = scale, softcap, use_rope, sliding
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm != "none":  # head: over each head's width; full: over the whole projection (OLMo 2)
+            q_width, k_width = (self.head_dim, self.head_dim) if qk_norm == "head" else (
+                n_heads * self.head_dim, n_kv_heads * self.head_dim)
+            self.q_norm = RMSNorm(q_width, eps, norm_offset)
+            self.k_norm = RMSNorm(k_width, eps, norm_offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        q, k = self.rope_fn(q, k, cos, sin)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(bsz, seq, -1, self.head_dim)
+        k = k.view(bsz, seq, -1, self.head_dim)
+        v = v.view(bsz, seq, -1, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = self.rope_fn(q, k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv is not None:  # decoding: attend to every key so far (the cache gives the mask)
             k, v = kv.update(k, v)
         # mask (packed rows): (batch, 1, seq, seq), causal within each document; else plain causal.
-        out = self.attention_fn(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1],
-        )
+        if self.softcap is not None:
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            out = softcapped_attention(q, k, v, mask, scale, self.softcap)
+        else:
+            out = self.attention_fn(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                    enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -76,32 +153,63 @@ def silu_and_mul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.silu(x) * y
 
 
+def gelu_tanh_and_mul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh") * y
+
+
+GATES = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
 class FeedForward(nn.Module):
     gate_fn = staticmethod(silu_and_mul)
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: str = "silu", bias: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.activation = activation
+        if activation != "silu":
+            self.gate_fn = GATES[activation]
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.gate_fn(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, eps: float, qkv_bias: bool = False):
+    """Attention then the MLP, each with a residual connection. The norms sit before them (`pre`), before and
+    after (`sandwich`, Gemma) or after only (`post`, OLMo 2); the residual branches are scaled by
+    `residual_multiplier` (Granite)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, eps: float, qkv_bias: bool = False,
+                 *, attention: dict | None = None, feed_forward: nn.Module | None = None, placement: str = "pre",
+                 norm_offset: float = 0.0, residual_multiplier: float = 1.0):
         super().__init__()
-        self.attention_norm = RMSNorm(dim, eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads, qkv_bias)
-        self.ffn_norm = RMSNorm(dim, eps)
-        self.feed_forward = FeedForward(dim, ffn_dim)
+        self.residual_multiplier = residual_multiplier
+        if placement != "post":
+            self.attention_norm = RMSNorm(dim, eps, norm_offset)
+        self.attention = Attention(dim, n_heads, n_kv_heads, qkv_bias, eps=eps, norm_offset=norm_offset,
+                                   **(attention or {}))
+        if placement != "pre":
+            self.post_attention_norm = RMSNorm(dim, eps, norm_offset)
+        if placement != "post":
+            self.ffn_norm = RMSNorm(dim, eps, norm_offset)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(dim, ffn_dim)
+        if placement != "pre":
+            self.post_ffn_norm = RMSNorm(dim, eps, norm_offset)
+
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        norm = getattr(self, name, None)
+        return x if norm is None else norm(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         # The mask goes by keyword: tensor parallelism's input plan covers the positional inputs.
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask, kv=kv)
-        return x + self.feed_forward(self.ffn_norm(x))
+        a = self._norm("post_attention_norm", self.attention(self._norm("attention_norm", x), cos, sin, mask=mask,
+                                                             kv=kv))
+        x = x + (a * self.residual_multiplier if self.residual_multiplier != 1.0 else a)
+        f = self._norm("post_ffn_norm", self.feed_forward(self._norm("ffn_norm", x)))
+        return x + (f * self.residual_multiplier if self.residual_multiplier != 1.0 else f)
 
 
 def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
@@ -117,6 +225,17 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
     return torch.where(medium, blended, scaled)
 
 
+def rope_tables(theta: float, head_dim: int, length: int, scaling: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (length, head_dim), of RoPE with base `theta`; `scaling`: llama3 or linear, or None."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        kind, params = scaling.get("rope_type", "llama3"), {k: v for k, v in scaling.items() if k != "rope_type"}
+        inv_freq = inv_freq / params["factor"] if kind == "linear" else llama3_scaled(inv_freq, **params)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 class TiedProjection(nn.Module):
     """The output projection of a model with tied embeddings: logits from the embedding matrix it is given.
     It holds no parameter (the embedding does); it is a module so that a strategy can place its inputs and
@@ -124,6 +243,52 @@ class TiedProjection(nn.Module):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(h, weight)
+
+
+def _feed_forward(dim: int, ffn_dim: int, index: int, o: Options) -> nn.Module:
+    if o.n_experts and index not in o.dense_layers:
+        experts = [FeedForward(dim, o.moe_ffn_dim or ffn_dim, o.activation, o.mlp_bias) for _ in range(o.n_experts)]
+        return MoE(dim, experts, o.n_experts_per_token, o.norm_topk_prob)
+    return FeedForward(dim, ffn_dim, o.activation, o.mlp_bias)
+
+
+def _block(dim, n_heads, n_kv_heads, ffn_dim, eps, index: int, o: Options) -> Block:
+    sliding = bool(o.layer_types) and o.layer_types[index] == "sliding_attention"
+    attention = {
+        "head_dim": o.head_dim, "o_bias": o.attention_bias == "all", "qk_norm": o.qk_norm, "scale": o.attention_scale,
+        "softcap": o.attn_softcap, "use_rope": index not in o.nope_layers, "sliding": sliding,
+    }
+    return Block(dim, n_heads, n_kv_heads, ffn_dim, eps, o.attention_bias != "none", attention=attention,
+                 feed_forward=_feed_forward(dim, ffn_dim, index, o), placement=o.norm_placement,
+                 norm_offset=o.norm_offset, residual_multiplier=o.residual_multiplier)
+
+
+def _positions(seq: int, device: torch.device, documents: torch.Tensor | None, cache):
+    """(positions of the `seq` tokens, positions of the keys they attend to, the attention mask or None: causal)."""
+    if cache is not None:
+        return cache.positions, cache.key_positions, cache.mask
+    if documents is None:
+        positions = torch.arange(seq, device=device)
+        return positions, positions, None
+    index = torch.arange(seq, device=device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    same = documents[:, :, None] == documents[:, None, :]
+    mask = (same & torch.ones(seq, seq, dtype=torch.bool, device=device).tril())[:, None]
+    return positions, positions, mask
+
+
+def _window(mask: torch.Tensor | None, positions: torch.Tensor, keys: torch.Tensor, window: int):
+    """The mask of a sliding-window layer: `mask` (None: causal) and a key at most window - 1 positions back."""
+    if mask is None and positions.dim() == 1 and positions.shape[0] <= window:
+        return None  # the window holds every earlier token: plain causal attention
+    near = (positions[..., :, None] - keys[..., None, :]) < window
+    if mask is None:
+        length = positions.shape[-1]
+        mask = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+    near = near[None, None] if near.dim() == 2 else near[:, None]
+    return mask & near
 
 
 class Transformer(nn.Module):
@@ -139,63 +304,71 @@ class Transformer(nn.Module):
 
     def __init__(self, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
                  vocab_size: int, max_seq_len: int, rope_theta: float, norm_eps: float,
-                 tie_embeddings: bool, qkv_bias: bool = False, rope_scaling: dict | None = None):
+                 tie_embeddings: bool, qkv_bias: bool = False, rope_scaling: dict | None = None, **options):
         super().__init__()
+        o = Options(**options)
+        if qkv_bias:
+            o.attention_bias = "qkv"
+        self.options = o
         self.dim, self.n_layers, self.n_heads = dim, n_layers, n_heads
         self.max_seq_len, self.rope_theta, self.rope_scaling = max_seq_len, rope_theta, rope_scaling
+        self.family, self.final_softcap = o.family, o.final_softcap
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleDict(
-            {str(i): Block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, qkv_bias) for i in range(n_layers)}
+            {str(i): _block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, i, o) for i in range(n_layers)}
         )
-        self.norm = RMSNorm(dim, norm_eps)
+        self.norm = RMSNorm(dim, norm_eps, o.norm_offset)
         # Tied: no separate output layer; the embedding matrix projects back. Sharing one Parameter
         # between two modules would not survive `to_empty`, which re-creates each module's tensors.
         self.output = None if tie_embeddings else nn.Linear(dim, vocab_size, bias=False)
         self.tied_output = TiedProjection() if tie_embeddings else None
-        head_dim = dim // n_heads
+        head_dim = o.head_dim or dim // n_heads
         self.register_buffer("rope_cos", torch.empty(max_seq_len, head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        if o.rope_local_theta is not None:  # Gemma 3: the sliding layers' own base
+            self.register_buffer("rope_local_cos", torch.empty(max_seq_len, head_dim), persistent=False)
+            self.register_buffer("rope_local_sin", torch.empty(max_seq_len, head_dim), persistent=False)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Fill the rotary tables in place (after `to_empty`, on whatever device the buffers are)."""
         head_dim = self.rope_cos.shape[-1]
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        if self.rope_scaling is not None:
-            inv_freq = llama3_scaled(inv_freq, **self.rope_scaling)
-        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.rope_cos.copy_(angles.cos())
-        self.rope_sin.copy_(angles.sin())
+        cos, sin = rope_tables(self.rope_theta, head_dim, self.max_seq_len, self.rope_scaling)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        if self.options.rope_local_theta is not None:
+            cos, sin = rope_tables(self.options.rope_local_theta, head_dim, self.max_seq_len, None)
+            self.rope_local_cos.copy_(cos)
+            self.rope_local_sin.copy_(sin)
 
     def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
                       cache=None) -> torch.Tensor:
-        """The final normed hidden states, (batch, seq, dim): what the output projection reads. `documents`
-        (batch, seq) numbers the documents packed into each row: attention stays within a document and
-        positions restart with each. `cache` (a `KVCache` the new tokens were appended to): the tokens
-        continue the ones it holds."""
-        seq = tokens.shape[1] if self.tok_embeddings is not None else tokens.shape[1] * self.sequence_shards
-        mask = None
-        if cache is not None:
-            cos, sin = self.rope_cos[cache.positions], self.rope_sin[cache.positions]
-            h = self.tok_embeddings(tokens)
-            for i, layer in enumerate(self.layers.values()):
-                h = layer(h, cos, sin, cache.mask, kv=cache.layers[i])
-            return self.norm(h)
-        if documents is None:
-            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        else:
-            index = torch.arange(seq, device=tokens.device).expand_as(documents)
-            starts = torch.ones_like(documents, dtype=torch.bool)
-            starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-            positions = index - torch.where(starts, index, 0).cummax(dim=1).values
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-            same = documents[:, :, None] == documents[:, None, :]
-            mask = (same & torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril())[:, None]
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, mask) if mask is not None else layer(h, cos, sin)
-        return self.norm(h) if self.norm is not None else h
+        """The final normed hidden states, (batch, seq, dim), divided by `logits_scaling`: what the output
+        projection reads. `documents` (batch, seq) numbers the documents packed into each row: attention stays
+        within a document and positions restart with each. `cache` (a `KVCache` the new tokens were appended
+        to): the tokens continue the ones it holds."""
+        o = self.options
+        staged = self.tok_embeddings is None  # a later pipeline stage: `tokens` are the hidden states
+        seq = tokens.shape[1] * self.sequence_shards if staged else tokens.shape[1]
+        positions, keys, mask = _positions(seq, tokens.device, documents, cache)
+        tables = {False: (self.rope_cos[positions], self.rope_sin[positions])}
+        tables[True] = (self.rope_local_cos[positions], self.rope_local_sin[positions]) \
+            if o.rope_local_theta is not None else tables[False]
+        masks = {False: mask, True: _window(mask, positions, keys, o.sliding_window) if o.sliding_window else mask}
+        h = tokens if staged else self.tok_embeddings(tokens)
+        if o.embedding_multiplier != 1.0 and not staged:  # in the model's dtype, as transformers scales Gemma's
+            h = h * torch.tensor(o.embedding_multiplier, dtype=h.dtype)
+        for i, layer in enumerate(self.layers.values()):
+            sliding = layer.attention.sliding
+            cos, sin = tables[sliding]
+            extra = {} if masks[sliding] is None else {"mask": masks[sliding]}
+            if cache is not None:
+                extra["kv"] = cache.layers[i]
+            h = layer(h, cos, sin, **extra)
+        if self.norm is None:  # a pipeline stage before the last
+            return h
+        h = self.norm(h)
+        return h / o.logits_scaling if o.logits_scaling != 1.0 else h
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -204,8 +377,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None, cache=None, loss_fn=None) -> torch.Tensor:
-        """The logits, or with `targets` the mean cross-entropy (computed in fp32). The loss is taken here,
-        inside forward, so that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits.
+        """The logits, or with `targets` the mean cross-entropy (computed in fp32), plus a mixture of experts'
+        load-balancing loss where `output_router_logits` asks for it. The loss is taken here, inside forward, so
+        that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits.
         `loss_fn(hidden, output_weight, targets)`, when given, is the loss instead (recipe=kd's, which holds the
         logits of a chunk of tokens at a time). `documents`, `cache`: see `hidden_states`."""
         h = self.hidden_states(tokens, documents, cache)
@@ -214,8 +388,24 @@ class Transformer(nn.Module):
         if loss_fn is not None:
             return loss_fn(h, self.output_weight, targets)
         if targets is not None and self.fused_loss_fn is not None:
-            return self.fused_loss_fn(h, self.output_weight, targets)
+            return self._with_router_loss(self.fused_loss_fn(h, self.output_weight, targets))
         logits = self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+        return self._with_router_loss(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1)))
+
+    def _with_router_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss`, plus router_aux_loss_coef x the load-balancing loss of the experts where asked; the experts'
+        load goes to `moe_stats` (a metrics line's `moe/aux_loss` and `moe/expert_load_max`)."""
+        if not self.options.n_experts:
+            return loss
+        aux, load = load_balancing([m for m in self.modules() if isinstance(m, MoE)])
+        self.moe_stats = {"moe/aux_loss": aux.detach(), "moe/expert_load_max": load.max()}
+        if not self.options.output_router_logits:
+            return loss
+        aux = aux * self.options.router_aux_loss_coef
+        if isinstance(loss, DTensor):  # loss parallelism: every tensor-parallel rank holds the same routing
+            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+        return loss + aux

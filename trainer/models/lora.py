@@ -5,6 +5,11 @@ so pretrained weights, checkpoints and strategies see what they always see) plus
 `lora_B` (out x rank). Everything else is frozen. As in PEFT, A starts Kaiming-uniform and B at zero, so
 training starts from the pretrained model exactly; A is drawn whole per name and seed, so every strategy
 and world size starts from the same adapters. Names map to PEFT's (`base_model.model.<hf name>.lora_A.weight`).
+
+Each family names its targets as its checkpoint does (`Family.lora_targets`). A fused checkpoint tensor (Phi-3's
+`qkv_proj`, `gate_up_proj`) is several of our layers: each gets its own adapter of rank r, and the export joins
+them into the one adapter PEFT puts on the fused layer, of rank r x pieces: A stacked, B block-diagonal (its
+`rank_pattern` and `alpha_pattern` keep the scaling alpha / r), which computes exactly what ours do.
 """
 
 from __future__ import annotations
@@ -17,10 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.models.hf import _BLOCK, WRAPPED, hf_name
-
-# PEFT's target name -> ours inside a block (attention.wq ...).
-OURS = {hf.rsplit(".", 1)[1]: ours for ours, hf in _BLOCK.items() if "." in hf}
+from trainer.families import Family
+from trainer.models.hf import WRAPPED, _fused_names, _inner, family_of, hf_name
 
 
 class LoRALinear(nn.Linear):
@@ -45,11 +48,13 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     """Add adapters to `cfg.target_modules` of every block and freeze everything else (`cfg`: the peft section)."""
     if cfg.name != "lora":
         return model
+    targets = family_of(model).lora_targets
     for block in model.layers.values():
         for target in cfg.target_modules:
-            linear = block.get_submodule(OURS[target])
-            linear.__class__ = LoRALinear
-            linear.add_adapter(cfg.rank, cfg.alpha, cfg.dropout)
+            for name in targets[target]:
+                linear = block.get_submodule(name)
+                linear.__class__ = LoRALinear
+                linear.add_adapter(cfg.rank, cfg.alpha, cfg.dropout)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
     return model
@@ -98,14 +103,33 @@ def init_adapters(model: nn.Module, shapes: dict, seed: int) -> None:
                 param.copy_(full)
 
 
-def peft_name(name: str) -> str:
+def peft_name(name: str, family: Family | None = None) -> str:
     """PEFT's key for our adapter parameter `name` (`layers.0.attention.wq.lora_A.weight`)."""
     module, leaf = name.split(".lora_", 1)
-    return f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.lora_{leaf}"
+    return f"base_model.model.{hf_name(module + '.weight', family).removesuffix('.weight')}.lora_{leaf}"
 
 
-def adapter_config(cfg, base: str) -> dict:
+def peft_state(adapters: dict[str, torch.Tensor], family: Family) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors' tensors for our whole adapter parameters `adapters`, the pieces of a fused
+    layer joined (A stacked by rows, B block-diagonal)."""
+    out, fused = {}, {}
+    for name, p in adapters.items():
+        module, leaf = name.split(".lora_", 1)
+        if _inner(module + ".weight") in _fused_names(family):
+            fused.setdefault((peft_name(name, family), leaf[0]), {})[_inner(module + ".weight")] = p
+        else:
+            out[peft_name(name, family)] = p.contiguous()
+    for (key, which), parts in fused.items():
+        order = next(o for o in family.fused.values() if set(parts) <= set(o))
+        pieces = [parts[piece] for piece in order]
+        out[key] = (torch.cat(pieces) if which == "A" else torch.block_diag(*pieces)).contiguous()
+    return out
+
+
+def adapter_config(cfg, base: str, family: Family | None = None) -> dict:
     """adapter_config.json as PEFT writes it for these adapters on the model in directory `base`."""
+    targets = family.lora_targets if family else {}
+    joined = {t: len(targets[t]) for t in cfg.target_modules if len(targets.get(t, ())) > 1}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -114,6 +138,8 @@ def adapter_config(cfg, base: str) -> dict:
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
         "target_modules": list(cfg.target_modules),
+        "rank_pattern": {t: cfg.rank * n for t, n in joined.items()},
+        "alpha_pattern": {t: cfg.alpha * n for t, n in joined.items()},
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

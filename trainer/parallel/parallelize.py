@@ -5,7 +5,8 @@ checkpointing, torch.compile, and then FSDP2/HSDP or DDP, in TorchTitan's order
 Tensor parallelism (DTensor, as TorchTitan plans it for Llama): attention q/k/v and MLP w1/w3 are split by
 output (column-wise: heads and hidden units), attention o and MLP w2 by input (row-wise); between blocks
 the residual stream is split along the sequence (sequence parallelism), so the norms run on a shard of the
-tokens. The output projection is column-wise; with loss parallelism its logits stay split over the
+tokens. Each family's pieces (`_block_plan`): norms after attention and MLP, q/k norms, a mixture's router and
+experts. The output projection is column-wise; with loss parallelism its logits stay split over the
 vocabulary and the loss is computed on the shards. Tied embeddings: the embedding is split by vocabulary
 rows, which is how a column-wise output layer splits its weight, so the tied projection gathers the sequence
 and each rank computes its own vocabulary's logits from its rows, with no extra communication.
@@ -22,9 +23,10 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -36,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from trainer.config import StrategyConfig, torch_dtype
 from trainer.models.lora import LoRALinear
+from trainer.models.moe import MoE
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import Pipeline, StagedModel, split, stage_ids, stage_layers
 
@@ -133,25 +136,83 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
         param.requires_grad_(name not in frozen)
 
 
-_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-_ROWWISE = ("attention.wo", "feed_forward.w2")
+_COLWISE = ("attention.wq", "attention.wk", "attention.wv")
+_ROWWISE = ("attention.wo",)
+_MLP_COLWISE, _MLP_ROWWISE = ("w1", "w3"), ("w2",)
+
+
+def _linear(block: nn.Module, name: str, rowwise: bool, output=None):
+    """The TP style of linear layer `name` (LoRA's where it has adapters): column-wise, or row-wise with its
+    output placed as `output` (default: split along the sequence)."""
+    lora = isinstance(block.get_submodule(name), LoRALinear)
+    if not rowwise:
+        return (_LoRAColwise if lora else ColwiseParallel)()
+    return (_LoRARowwise if lora else RowwiseParallel)(output_layouts=output or Shard(1))
 
 
 def _block_plan(block: nn.Module) -> dict:
-    plan = {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-        ),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    }
-    for name in _COLWISE:
-        plan[name] = (_LoRAColwise if isinstance(block.get_submodule(name), LoRALinear) else ColwiseParallel)()
-    for name in _ROWWISE:
-        style = _LoRARowwise if isinstance(block.get_submodule(name), LoRALinear) else RowwiseParallel
-        plan[name] = style(output_layouts=Shard(1))
+    """A block's plan: the norms on the sequence-split residual stream (after-norms hand back plain tensors, as
+    the row-wise layers before them do), q/k/v and o split by heads, q/k norms per head on each rank's heads or,
+    over a whole projection (OLMo 2), on the gathered projection; the MLP, or each expert of a mixture, split by
+    hidden units, the router whole."""
+    plan = {"attention": PrepareModuleInput(
+        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))}
+    for name, after in (("attention_norm", False), ("post_attention_norm", True), ("ffn_norm", False),
+                        ("post_ffn_norm", True)):
+        if hasattr(block, name):
+            plan[name] = SequenceParallel(use_local_output=after)
+    qk_norm = block.attention.qk_norm
+    for name in ("attention.q_norm", "attention.k_norm") if qk_norm != "none" else ():
+        plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True) if qk_norm == "head" else _GatheredNorm()
+    for name in _COLWISE + _ROWWISE:
+        plan[name] = _linear(block, name, name in _ROWWISE)
+    if isinstance(block.feed_forward, MoE):
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        plan["feed_forward.gate"] = _Replicated()
+        for expert in block.feed_forward.experts:
+            for name in _MLP_COLWISE + _MLP_ROWWISE:
+                full = f"feed_forward.experts.{expert}.{name}"
+                plan[full] = _linear(block, full, name in _MLP_ROWWISE, Replicate())
+    else:
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in _MLP_COLWISE + _MLP_ROWWISE:
+            plan[f"feed_forward.{name}"] = _linear(block, f"feed_forward.{name}", name in _MLP_ROWWISE)
     return plan
+
+
+class _Replicated(ParallelStyle):
+    """A module whole on every rank (a mixture's router): its parameters replicated DTensors, its input and
+    output plain tensors, the same on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            _distribute(mod, mesh, {n: Replicate() for n, _ in mod.named_parameters(recurse=False)}, None)
+
+        return distribute_module(
+            module, device_mesh, partition,
+            input_fn=lambda mod, inputs, mesh: tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs),
+            output_fn=lambda mod, out, mesh: out.to_local())
+
+
+class _GatheredNorm(ParallelStyle):
+    """A norm over a whole column-wise projection (OLMo 2's q/k norms): the rank's columns are gathered, normed
+    with the replicated weight, and split again."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            _distribute(mod, mesh, {n: Replicate() for n, _ in mod.named_parameters(recurse=False)}, None)
+
+        def gather(mod, inputs, mesh):
+            x = inputs[0]
+            return (DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False).redistribute(
+                placements=[Replicate()]),)
+
+        return distribute_module(
+            module, device_mesh, partition, input_fn=gather,
+            output_fn=lambda mod, out, mesh: out.redistribute(placements=[Shard(out.dim() - 1)]).to_local())
 
 
 def _distribute(module: nn.Module, mesh, placements: dict[str, Placement], src_data_rank) -> None:

@@ -1,10 +1,13 @@
 """`recipe=pretrain`: the next-token loss on every token of token rows (data=stdlib, data=parquet, cache
-nodes), packed documents attending within themselves where the batch numbers them."""
+nodes), packed documents attending within themselves where the batch numbers them. A mixture of experts adds
+its router's `moe/aux_loss` and `moe/expert_load_max` (the busiest expert's share of the routed tokens, times
+the number of experts: 1 when balanced) to each metrics line."""
 
 from __future__ import annotations
 
 import torch
 
+from trainer.models import unwrap
 from trainer.recipes.base import Recipe, local
 
 
@@ -29,7 +32,11 @@ class Pretrain(Recipe):
 
     def loss(self, micro) -> torch.Tensor:
         tokens, target, documents, scale = micro
-        return self._forward(tokens, target, documents) * scale
+        loss = self._forward(tokens, target, documents) * scale
+        moe = unwrap(self.model).__dict__.pop("moe_stats", None)  # a mixture of experts: its router's numbers
+        if moe:
+            self.add_stats(moe, 1 / self.cfg.train.grad_accum_steps)
+        return loss
 
     def step(self, micro) -> torch.Tensor:
         return self._run(*micro, backward=True)
