@@ -60,6 +60,7 @@ class StagedModel(nn.Module):
         super().__init__()
         object.__setattr__(self, "parts", parts)  # not children: their names would prefix the modules'
         self.pipeline = pipeline
+        self.family = parts[0].family  # the checkpoint layout every part shares (`trainer.models.hf`)
         for name in ("tok_embeddings", "norm", "output"):
             found = [getattr(p, name) for p in parts if getattr(p, name) is not None]
             if found:
