@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models import chunked
+
 
 class RMSNorm(nn.Module):
     norm_fn = staticmethod(F.rms_norm)
@@ -197,16 +199,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None, cache=None, loss_fn=None) -> torch.Tensor:
-        """The logits, or with `targets` the mean cross-entropy (computed in fp32). The loss is taken here,
-        inside forward, so that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits.
-        `loss_fn(hidden, output_weight, targets)`, when given, is the loss instead (recipe=kd's, which holds the
-        logits of a chunk of tokens at a time). `documents`, `cache`: see `hidden_states`."""
+        """The logits, or with `targets` the mean cross-entropy (computed in fp32, the logits never whole: the fused
+        kernel under kernels=triton, else `chunked.cross_entropy`). The loss is taken here, inside forward, so that
+        wrappers' hooks (DDP, FSDP) see it. `loss_fn(hidden, output_weight, targets)`, when given, is the loss
+        instead (recipe=kd's divergence, dpo's and grpo's log-probabilities). `documents`, `cache`: see
+        `hidden_states`."""
         h = self.hidden_states(tokens, documents, cache)
         if loss_fn is not None:
             return loss_fn(h, self.output_weight, targets)
         if targets is not None and self.fused_loss_fn is not None:
             return self.fused_loss_fn(h, self.output_weight, targets)
-        logits = self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+        if targets is not None:  # the logits a chunk of tokens at a time (`trainer.models.chunked`)
+            return chunked.cross_entropy(h, self.output_weight, targets)
+        return self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainer.models.chunked import IGNORE
 from trainer.recipes.pretrain import Pretrain
 
-IGNORE = -100
+__all__ = ["IGNORE", "SFT", "targets", "weights"]
 
 
 def targets(batch: dict, tokens: torch.Tensor) -> torch.Tensor:
