@@ -4,10 +4,12 @@ torchrun and gloo). The model and tokenizer are tiny ones made here."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -132,3 +134,51 @@ def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_pat
     bad.write_text(json.dumps({"prompt": "hi", "chosen": "yes"}) + "\n")
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
     assert f"row 1 of {bad} needs the strings prompt, chosen, rejected" in err
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_packed_pairs_give_the_loss_and_gradient_of_the_same_pairs_unpacked(loss_type):
+    """data.packing: pairs packed whole into rows (`chat.pack(pairs=True)`), each answer a document, give
+    `pair_loss`'s loss and gradient of the same pairs in padded rows; a micro-batch's share of the pairs weighs
+    its mean."""
+    from trainer.data import chat
+    from trainer.models.llama import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=90, max_seq_len=64,
+                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model.init_buffers()
+    reference = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    gen, seq, pad = torch.Generator().manual_seed(1), 12, 89
+    conversations = []
+    for _ in range(5 * 2):
+        n = int(torch.randint(3, 8, (), generator=gen))
+        mask = np.zeros(n, np.int8)
+        mask[int(torch.randint(1, n - 1, (), generator=gen)):] = 1
+        conversations.append((torch.randint(0, 89, (n,), generator=gen).numpy().astype(np.int32), mask, n))
+    settings_ = {"beta": 0.2, "loss_type": loss_type, "label_smoothing": 0.0}
+
+    def padded(t, m, n):
+        return np.pad(t, (0, seq + 1 - n), constant_values=pad), np.pad(m, (0, seq + 1 - n))
+
+    rows = [[padded(*c) for c in conversations[i : i + 2]] for i in range(0, len(conversations), 2)]
+    tokens = torch.tensor(np.stack([np.concatenate([a[0], b[0]]) for a, b in rows])).long()
+    mask = torch.tensor(np.stack([np.concatenate([a[1], b[1]]) for a, b in rows]))
+    loss, _ = dpo.pair_loss(model, reference, tokens, mask, settings_)
+    expected = torch.autograd.grad(loss, list(model.parameters()))
+
+    packed = chat.pack(conversations, seq, pad, pairs=True)
+    assert 1 < len(packed) < 5 and all(len(t) == 2 * seq + 1 for t, _, _ in packed)
+    p_tokens, p_mask, p_docs = (torch.tensor(np.stack(x)).long() for x in zip(*packed, strict=True))
+    total = 0
+    for row in range(len(packed)):  # one micro-batch per packed row, each weighed by its pairs
+        part = slice(row, row + 1)
+        pairs = dpo.packed_pairs(dpo.targets({"loss_mask": p_mask[part]}, p_tokens[part]), p_docs[part, :-1])[0]
+        got, _ = dpo.packed_pair_loss(model, reference, p_tokens[part], p_mask[part], p_docs[part], settings_)
+        total = total + got * pairs.sum() / 5
+    torch.testing.assert_close(total, loss, rtol=1e-5, atol=1e-6)
+    for g, e in zip(torch.autograd.grad(total, list(model.parameters())), expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)

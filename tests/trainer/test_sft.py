@@ -127,9 +127,8 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in compose_refused(
         tmp_path, capsys, *ARGS, f"data.path={path}"
     )
-    assert "data.packing=True: packs conversations of data=chat; data=stdlib has none to pack" in compose_refused(
-        tmp_path, capsys, "data.packing=true"
-    )
+    assert ("data.packing=True: packs conversations of data=chat or pairs of data=preference; data=stdlib has "
+            "none to pack" in compose_refused(tmp_path, capsys, "data.packing=true"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")

@@ -29,7 +29,7 @@ from trainer.models import chunked, lora
 from trainer.models.assembly import assemble
 from trainer.models.kernels import selected
 from trainer.recipes.base import Recipe, local
-from trainer.recipes.sft import IGNORE, targets
+from trainer.recipes.sft import IGNORE, shares, targets
 
 LOSS_TYPES = config_recipe.LOSS_TYPES["dpo"]
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -103,6 +103,47 @@ def pair_loss(model, reference, batch_tokens: torch.Tensor, batch_mask: torch.Te
                     rejected_tokens=counts.chunk(2)[1])
 
 
+def _per_document(values: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """(rows, positions) sums of `values` (rows, positions) over each row's documents (numbered below positions)."""
+    rows, width = values.shape
+    index = (torch.arange(rows, device=values.device)[:, None] * width + documents).flatten()
+    return values.new_zeros(rows * width).index_add(0, index, values.flatten()).view(rows, width)
+
+
+def packed_pairs(target: torch.Tensor, documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the pairs a packed batch holds: (rows, pairs) booleans, each answer's counted targets: (rows, 2 x pairs))
+    for targets and the inputs' document numbers (rows, positions): documents 2k and 2k + 1 of a row are pair k's
+    chosen and rejected answers; padding and an unfinished pair count none."""
+    counted = _per_document((target != IGNORE).to(torch.float32), documents)
+    pairs = counted.shape[1] // 2
+    return (counted[:, 0 : 2 * pairs : 2] > 0) & (counted[:, 1 : 2 * pairs : 2] > 0), counted
+
+
+def packed_pair_loss(model, reference, tokens: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor,
+                     settings: dict, loss_fn=chunked.token_logps):
+    """The mean DPO loss over the pairs of packed rows (`data.packing`: whole pairs one after another, each answer
+    a document that attends within itself), as `pair_loss` takes it of the same pairs unpacked; 0 with none."""
+    target = targets({"loss_mask": mask}, tokens)
+    inputs, docs = tokens[:, :-1], documents[:, :-1]
+    with torch.no_grad():
+        ref = _per_document(reference(inputs, target, docs, loss_fn=loss_fn), docs)
+    policy = model(inputs, target, docs, loss_fn=loss_fn)
+    present, counted = packed_pairs(target, docs)
+    if not present.any():  # still through the model, so that every parameter's gradient hook runs
+        return policy.sum() * 0, {}
+    policy = _per_document(policy, docs)
+    n = present.shape[1]
+
+    def chosen(x):
+        return x[:, 0 : 2 * n : 2][present]
+
+    def rejected(x):
+        return x[:, 1 : 2 * n : 2][present]
+
+    return dpo_loss(chosen(policy), rejected(policy), chosen(ref), rejected(ref), **settings,
+                    chosen_tokens=chosen(counted).to(policy.dtype), rejected_tokens=rejected(counted).to(policy.dtype))
+
+
 class DPO(Recipe):
     """`recipe=dpo` on data=preference: `pair_loss` against the frozen starting model (with peft=lora the
     policy with its adapters off, so the reference costs no second copy); its rewards go on metrics lines."""
@@ -117,20 +158,37 @@ class DPO(Recipe):
         self.settings = {"beta": r.beta, "loss_type": r.loss_type, "label_smoothing": r.label_smoothing}
         self.logps_fn = logps_fn(cfg.kernels)
 
-    def _loss(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _loss(self, tokens: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        mask = mask.to(self.ctx.device)
         with self.ctx.autocast:
-            loss, stats = pair_loss(self.model, self.reference, tokens, mask.to(self.ctx.device), self.settings,
-                                    self.logps_fn)
+            if documents is None:
+                loss, stats = pair_loss(self.model, self.reference, tokens, mask, self.settings, self.logps_fn)
+            else:
+                loss, stats = packed_pair_loss(self.model, self.reference, tokens, mask,
+                                               documents.to(self.ctx.device), self.settings, self.logps_fn)
         self.add_stats(stats, 1 / self.cfg.train.grad_accum_steps)
         return loss
 
+    def _pairs(self, tokens: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+        """How many pairs packed rows hold."""
+        target = targets({"loss_mask": mask}, tokens)
+        return packed_pairs(target, documents[:, :-1].to(tokens.device))[0].sum().float()
+
     def micro_batches(self, batch: dict, accum: int) -> list:
-        return list(zip(self.tokens(batch).chunk(accum), batch["loss_mask"].chunk(accum), strict=True))
+        tokens, masks = self.tokens(batch).chunk(accum), batch["loss_mask"].chunk(accum)
+        if "documents" not in batch:
+            return [(t, m, None, 1 / accum) for t, m in zip(tokens, masks, strict=True)]
+        # Packed rows hold different numbers of pairs: each micro-batch's mean weighs by its share of the step's.
+        documents = batch["documents"].chunk(accum)
+        scales = shares(torch.stack([self._pairs(*micro) for micro in zip(tokens, masks, documents, strict=True)]))
+        return list(zip(tokens, masks, documents, scales, strict=True))
 
     def loss(self, micro) -> torch.Tensor:
-        tokens, mask = micro
-        return self._loss(tokens, mask) / self.cfg.train.grad_accum_steps
+        tokens, mask, documents, scale = micro
+        return self._loss(tokens, mask, documents) * scale
 
     def eval_loss(self, batch: dict) -> torch.Tensor:
+        tokens, documents = self.tokens(batch), batch.get("documents")
+        scale = 1.0 if documents is None else shares(self._pairs(tokens, batch["loss_mask"], documents)[None])[0]
         with self.kept_stats(), self.ctx.loss_context():
-            return local(self._loss(self.tokens(batch), batch["loss_mask"]))
+            return local(self._loss(tokens, batch["loss_mask"], documents)) * scale
