@@ -115,6 +115,13 @@ def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_
     for key in ("loss", "rewards/margins", "grad_norm"):
         assert [m[key] for m in tp] == pytest.approx([m[key] for m in metrics], rel=1e-4, abs=1e-6), key
 
+    # Padding-free (data.packing): whole pairs packed into rows; it starts at the reference and learns too.
+    proc = run_cli(*args, "data.packing=true", "train.global_batch_size=2", f"hydra.run.dir={tmp_path / 'packed'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    packed = read_metrics(str(tmp_path / "packed"))
+    assert packed[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert packed[-1]["rewards/margins"] > 0.1 and packed[-1]["rewards/accuracies"] == 1.0
+
 
 def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_path, capsys):
     model, path = preference_setup
