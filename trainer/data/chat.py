@@ -213,7 +213,8 @@ def _encode(d, tok: HFTokenizer, pad: int, model_path: str, doc_id: str, chats: 
                           "only) or data.chat.mask=all (every token), or a template with "
                           "{% generation %} blocks") from None
     if not all(mask[1:].any() for _, mask in encoded):
-        return f"no counted token within {cut + 1} tokens (data.seq_len={d.seq_len})"
+        limit = f"data.seq_len + 1 = {d.seq_len + 1}" if cut == d.seq_len else f"data.seq_len = {d.seq_len}"
+        return f"no counted token within {limit} tokens"
     return encoded
 
 
