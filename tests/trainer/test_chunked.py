@@ -69,6 +69,23 @@ def test_the_models_loss_is_the_whole_logits_cross_entropy():
     torch.testing.assert_close(-logps.sum() / (targets != chunked.IGNORE).sum(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_fake_quantised_output_layer_is_chunked_as_it_computes_whole():
+    """train.qat: the chunks multiply the hidden states and weight as torchao's FakeQuantizedLinear rounds them."""
+    from trainer.models import qat
+
+    torch.manual_seed(0)
+    model = Transformer(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=64,
+                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model.init_buffers()
+    qat.prepare(model, "int8_dynamic_act_int4_weight", 32)
+    tokens = torch.randint(0, 96, (2, 17))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    whole = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+    torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-6)
+    grad = torch.autograd.grad(loss, model.output.weight)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(whole, model.output.weight)[0], rtol=1e-4, atol=1e-6)
+
+
 def test_chunks_are_sized_to_the_vocabulary():
     assert chunked.chunk_tokens_for(151_936) * 151_936 * 4 <= chunked.CHUNK_BYTES
     assert chunked.chunk_tokens_for(256) >= 1024

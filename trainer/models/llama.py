@@ -201,14 +201,24 @@ class Transformer(nn.Module):
                 documents: torch.Tensor | None = None, cache=None, loss_fn=None) -> torch.Tensor:
         """The logits, or with `targets` the mean cross-entropy (computed in fp32, the logits never whole: the fused
         kernel under kernels=triton, else `chunked.cross_entropy`). The loss is taken here, inside forward, so that
-        wrappers' hooks (DDP, FSDP) see it. `loss_fn(hidden, output_weight, targets)`, when given, is the loss
-        instead (recipe=kd's divergence, dpo's and grpo's log-probabilities). `documents`, `cache`: see
-        `hidden_states`."""
+        wrappers' hooks (DDP, FSDP) see it. `loss_fn(hidden, output matrix, targets)` (as `projected` gives them),
+        when given, is the loss instead (recipe=kd's divergence, dpo's and grpo's log-probabilities). `documents`,
+        `cache`: see `hidden_states`."""
         h = self.hidden_states(tokens, documents, cache)
         if loss_fn is not None:
-            return loss_fn(h, self.output_weight, targets)
+            return loss_fn(*self.projected(h), targets)
         if targets is not None and self.fused_loss_fn is not None:
-            return self.fused_loss_fn(h, self.output_weight, targets)
+            return self.fused_loss_fn(*self.projected(h), targets)
         if targets is not None:  # the logits a chunk of tokens at a time (`trainer.models.chunked`)
-            return chunked.cross_entropy(h, self.output_weight, targets)
+            return chunked.cross_entropy(*self.projected(h), targets)
         return self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)
+
+    def projected(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states, output matrix) as the output layer multiplies them: train.qat's fake-quantised layer
+        (torchao's FakeQuantizedLinear) rounds both first, differentiably, so the chunked losses see what it sees."""
+        layer, weight = self.output, self.output_weight
+        if getattr(layer, "activation_fake_quantizer", None) is not None:
+            h = layer.activation_fake_quantizer(h)
+        if getattr(layer, "weight_fake_quantizer", None) is not None:
+            weight = layer.weight_fake_quantizer(weight)
+        return h, weight
