@@ -1,58 +1,67 @@
-"""`recipe=dpo` on `data=preference`: the loss and its gradient are the paper's formula, and on a tiny
-preference set the reward margin grows, also under tensor parallelism (2 CPU processes, real torchrun and
-gloo). The model and tokenizer are tiny ones made here."""
+"""`recipe=dpo` on `data=preference`: the loss of each loss type, its gradient and its rewards are TRL 1.16's own,
+and on a tiny preference set the reward margin grows, also under tensor parallelism (2 CPU processes, real
+torchrun and gloo). The model and tokenizer are tiny ones made here."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, examples, read_metrics
+from tests.trainer import trl_reference
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 from trainer.recipes import dpo
 from trainer.recipes.sft import IGNORE
 
 pytestmark = pytest.mark.timeout(300)
-logps = st.lists(st.floats(-60, -0.01), min_size=4, max_size=4)
 
 
-@settings(max_examples=examples(40))
-@given(logps, logps, logps, logps, st.floats(0.01, 2.0))
-def test_loss_and_gradient_are_the_papers_formula(pc, pr, rc, rr, beta):
-    policy_chosen = torch.tensor(pc, dtype=torch.float64, requires_grad=True)
-    policy_rejected = torch.tensor(pr, dtype=torch.float64, requires_grad=True)
-    loss, stats = dpo.dpo_loss(
-        policy_chosen,
-        policy_rejected,
-        torch.tensor(rc, dtype=torch.float64),
-        torch.tensor(rr, dtype=torch.float64),
-        beta,
-    )
-    z = [beta * ((a - c) - (b - d)) for a, b, c, d in zip(pc, pr, rc, rr, strict=True)]
-    # -log sigmoid(z) = log(1 + e^-z); its derivative in z is -sigmoid(-z).
-    assert float(loss.detach()) == pytest.approx(sum(math.log1p(math.exp(-x)) for x in z) / 4, rel=1e-9, abs=1e-12)
-    loss.backward()
-    slope = [1 / (1 + math.exp(x)) for x in z]
-    assert policy_chosen.grad.tolist() == pytest.approx([-beta * s / 4 for s in slope], rel=1e-9, abs=1e-15)
-    assert policy_rejected.grad.tolist() == pytest.approx([beta * s / 4 for s in slope], rel=1e-9, abs=1e-15)
-    assert float(stats["rewards/margins"]) == pytest.approx(sum(z) / 4, rel=1e-9, abs=1e-12)
-    assert float(stats["rewards/accuracies"]) == sum(x > 0 for x in z) / 4
+class _Model:
+    """A policy whose forward gives the given per-token log-probabilities where the targets count (what the
+    model's `loss_fn=chunked.token_logps` returns; chunked.token_logps itself is checked in test_chunked.py)."""
+
+    def __init__(self, logps: torch.Tensor):
+        self.logps = logps
+
+    def __call__(self, inputs, target, loss_fn):
+        assert inputs.shape == target.shape == self.logps.shape
+        return self.logps * (target != IGNORE)
 
 
-def test_sequence_logps_sum_the_counted_tokens():
-    logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0))
-    target = torch.tensor([[1, 2, IGNORE, 4, IGNORE], [IGNORE, IGNORE, 6, 0, 3]])
-    expected = [
-        sum(torch.log_softmax(logits[b, t], -1)[target[b, t]] for t in range(5) if target[b, t] != IGNORE)
-        for b in range(2)
-    ]
-    torch.testing.assert_close(dpo.sequence_logps(logits, target), torch.stack(expected))
+@settings(max_examples=examples(60))
+@given(pairs=st.integers(1, 4), length=st.integers(2, 9), beta=st.floats(0.01, 2.0),
+       loss_type=st.sampled_from(dpo.LOSS_TYPES), smoothing=st.floats(0.0, 0.49), seed=st.integers(0, 2**16))
+def test_loss_gradient_and_rewards_equal_trls(pairs, length, beta, loss_type, smoothing, seed):
+    """`pair_loss` on preference rows (chosen half, rejected half, each with its loss mask) against TRL 1.16's own
+    `DPOTrainer._compute_loss` on the same per-token log-probabilities, for every loss type."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (pairs, 2 * length), generator=gen)
+    mask = (torch.rand(pairs, 2 * length, generator=gen) < 0.6).long()
+    mask[:, [0, length]] = 0  # a sequence's first token is the prompt's: never a target
+    logps = (-torch.rand(2 * pairs, length - 1, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    ref = (-torch.rand(2 * pairs, length - 1, generator=gen, dtype=torch.float64) * 3)
+    smoothing = smoothing if loss_type == "robust" else 0.0
+    settings_ = {"beta": beta, "loss_type": loss_type, "label_smoothing": smoothing}
+    loss, stats = dpo.pair_loss(_Model(logps), _Model(ref), tokens, mask, settings_)
+    (grad,) = torch.autograd.grad(loss, logps)
+    completion = torch.cat([mask[:, :length], mask[:, length:]])
+    counted = completion[:, 1:].bool()
+    ref_chosen, ref_rejected = (ref * counted).sum(-1).chunk(2)
+    reference, metrics = trl_reference.dpo(logps * counted, ref_chosen, ref_rejected, completion,
+                                           loss_type=loss_type, beta=beta, label_smoothing=smoothing)
+    (reference_grad,) = torch.autograd.grad(reference, logps)
+    torch.testing.assert_close(loss, reference, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-9, atol=1e-12)
+    for key in dpo.METRICS:
+        assert float(stats[key]) == pytest.approx(metrics[key][0], rel=1e-6, abs=1e-9), key
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +133,13 @@ def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_
     for key in ("loss", "rewards/margins", "grad_norm"):
         assert [m[key] for m in tp] == pytest.approx([m[key] for m in metrics], rel=1e-4, abs=1e-6), key
 
+    # Padding-free (data.packing): whole pairs packed into rows; it starts at the reference and learns too.
+    proc = run_cli(*args, "data.packing=true", "train.global_batch_size=2", f"hydra.run.dir={tmp_path / 'packed'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    packed = read_metrics(str(tmp_path / "packed"))
+    assert packed[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert packed[-1]["rewards/margins"] > 0.1 and packed[-1]["rewards/accuracies"] == 1.0
+
 
 def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_path, capsys):
     model, path = preference_setup
@@ -132,7 +148,62 @@ def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_pat
     assert "recipe.beta=0.0: must be > 0" in compose_refused(
         tmp_path, capsys, *hf, *ARGS, f"data.path={path}", "recipe.beta=0"
     )
+    good = [*hf, *ARGS, f"data.path={path}"]
+    assert "recipe.loss_type='dapo': must be one of sigmoid, ipo, hinge, robust" in compose_refused(
+        tmp_path, capsys, *good, "recipe.loss_type=dapo")
+    assert ("recipe.label_smoothing=0.1: only recipe=dpo with recipe.loss_type=robust reads it"
+            in compose_refused(tmp_path, capsys, *good, "recipe.label_smoothing=0.1"))
+    assert "recipe.label_smoothing=0.5: must be in [0, 0.5)" in compose_refused(
+        tmp_path, capsys, *good, "recipe.loss_type=robust", "recipe.label_smoothing=0.5")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi", "chosen": "yes"}) + "\n")
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
     assert f"row 1 of {bad} needs the strings prompt, chosen, rejected" in err
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_packed_pairs_give_the_loss_and_gradient_of_the_same_pairs_unpacked(loss_type):
+    """data.packing: pairs packed whole into rows (`chat.pack(pairs=True)`), each answer a document, give
+    `pair_loss`'s loss and gradient of the same pairs in padded rows; a micro-batch's share of the pairs weighs
+    its mean."""
+    from trainer.data import chat
+    from trainer.models.llama import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=90, max_seq_len=64,
+                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model.init_buffers()
+    reference = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    gen, seq, pad = torch.Generator().manual_seed(1), 12, 89
+    conversations = []
+    for _ in range(5 * 2):
+        n = int(torch.randint(3, 8, (), generator=gen))
+        mask = np.zeros(n, np.int8)
+        mask[int(torch.randint(1, n - 1, (), generator=gen)):] = 1
+        conversations.append((torch.randint(0, 89, (n,), generator=gen).numpy().astype(np.int32), mask, n))
+    settings_ = {"beta": 0.2, "loss_type": loss_type, "label_smoothing": 0.0}
+
+    def padded(t, m, n):
+        return np.pad(t, (0, seq + 1 - n), constant_values=pad), np.pad(m, (0, seq + 1 - n))
+
+    rows = [[padded(*c) for c in conversations[i : i + 2]] for i in range(0, len(conversations), 2)]
+    tokens = torch.tensor(np.stack([np.concatenate([a[0], b[0]]) for a, b in rows])).long()
+    mask = torch.tensor(np.stack([np.concatenate([a[1], b[1]]) for a, b in rows]))
+    loss, _ = dpo.pair_loss(model, reference, tokens, mask, settings_)
+    expected = torch.autograd.grad(loss, list(model.parameters()))
+
+    packed = chat.pack(conversations, seq, pad, pairs=True)
+    assert 1 < len(packed) < 5 and all(len(t) == 2 * seq + 1 for t, _, _ in packed)
+    p_tokens, p_mask, p_docs = (torch.tensor(np.stack(x)).long() for x in zip(*packed, strict=True))
+    total = 0
+    for row in range(len(packed)):  # one micro-batch per packed row, each weighed by its pairs
+        part = slice(row, row + 1)
+        pairs = dpo.packed_pairs(dpo.targets({"loss_mask": p_mask[part]}, p_tokens[part]), p_docs[part, :-1])[0]
+        got, _ = dpo.packed_pair_loss(model, reference, p_tokens[part], p_mask[part], p_docs[part], settings_)
+        total = total + got * pairs.sum() / 5
+    torch.testing.assert_close(total, loss, rtol=1e-5, atol=1e-6)
+    for g, e in zip(torch.autograd.grad(total, list(model.parameters())), expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)

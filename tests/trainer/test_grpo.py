@@ -44,10 +44,11 @@ def test_the_mean_reward_rises_on_a_toy_task(prompts, run_cli, tmp_path):
     lines = read_metrics(str(run))
     assert len(lines) == 30
     for line in lines:
-        for key in ("rewards/lowercase/mean", "rewards/lowercase/std", "reward", "kl", "clip_ratio",
-                    "completion_length"):
+        for key in ("rewards/lowercase/mean", "rewards/lowercase/std", "reward", "reward_std", "kl",
+                    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                    "completions/mean_length"):
             assert key in line, key
-        assert 0 < line["completion_length"] <= 8
+        assert 0 < line["completions/mean_length"] <= 8
     first = sum(m["reward"] for m in lines[:5]) / 5
     last = sum(m["reward"] for m in lines[-5:]) / 5
     assert first < 0.2 and last > first + 0.3, (first, last)
@@ -70,7 +71,7 @@ def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts
         assert m["reward"] == pytest.approx(weighted, rel=1e-5)
     # The second update of a generation batch reuses its completions: the same rewards, and a ratio that moved.
     assert lines[1]["reward"] == pytest.approx(lines[0]["reward"], rel=1e-6)
-    assert lines[0]["clip_ratio"] == 0 and lines[1]["clip_ratio"] > 0
+    assert lines[0]["clip_ratio/region_mean"] == 0 and lines[1]["clip_ratio/region_mean"] > 0
 
 
 def test_a_reward_function_that_raises_ends_every_rank_in_one_report_of_the_users_frames(prompts, run_cli, tmp_path):
@@ -104,6 +105,10 @@ def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):
         "recipe.reward_funcs=[tests.trainer.grpo_rewards:needs_a_column]": "takes difficulty, which the rows of",
         f"recipe.reward_funcs=[{TOY}] recipe.num_generations=3": "recipe.num_generations=3: must divide "
                                                                  "train.global_batch_size=16",
+        f"recipe.reward_funcs=[{TOY}] recipe.loss_type=sigmoid": "recipe.loss_type='sigmoid': must be one of grpo, "
+                                                                 "bnpo, dr_grpo, dapo",
+        f"recipe.reward_funcs=[{TOY}] recipe.importance_sampling_level=seq": "recipe.importance_sampling_level='seq'"
+                                                                            ": must be one of token, sequence",
     }
     for overrides, message in cases.items():
         assert message in compose_refused(tmp_path, capsys, *base, *overrides.split()), overrides

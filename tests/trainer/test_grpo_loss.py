@@ -1,17 +1,21 @@
-"""The GRPO loss (`trainer.recipes.grpo`) and its gradient equal TRL's formula, and at ratio 1 it is the plain
-policy gradient. The reference below is TRL 1.16.0's `GRPOTrainer` (trl/trainer/grpo_trainer.py): advantages as
-`_generate_and_score_completions` takes them (multi_objective_aggregation="sum_then_normalize"), the loss as
-`_compute_loss` takes it (loss_type="grpo", importance_sampling_level="token", no delta, no vLLM correction),
-transcribed since the trainer cannot be called without a whole training setup."""
+"""The GRPO loss (`trainer.recipes.grpo`), its gradient and its metrics equal TRL 1.16's own `GRPOTrainer.
+_compute_loss` (called through tests/trainer/trl_reference.py) for every loss type and importance-sampling level,
+over micro-batches and ranks (dapo's normaliser on two real gloo ranks), and at ratio 1 it is the plain policy
+gradient. The advantages are computed inline in TRL's `_generate_and_score_completions`, which cannot be called
+without a whole generation setup: they are compared with its lines transcribed below
+(multi_objective_aggregation="sum_then_normalize")."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import examples
+from tests.trainer import trl_reference
 from trainer.recipes import grpo
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,19 +44,6 @@ def _trl_advantages(rewards, num_generations, scale_rewards):
     return adv
 
 
-def _trl_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask, epsilon_low,
-              epsilon_high, beta):
-    advantages = advantages.unsqueeze(1)
-    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
-    if beta != 0.0:
-        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if beta != 0.0:
-        per_token_loss = per_token_loss + beta * per_token_kl
-    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-
-
 @settings(max_examples=examples(60))
 @given(prompts=st.integers(1, 4), generations=st.integers(1, 6), scale=st.sampled_from(grpo.SCALE_REWARDS),
        seed=st.integers(0, 2**16), binary=st.booleans())
@@ -67,27 +58,86 @@ def test_advantages_equal_trls(prompts, generations, scale, seed, binary):
                                rtol=0, atol=1e-6)
 
 
-@settings(max_examples=examples(80))
-@given(completions=st.integers(1, 8), tokens=st.integers(1, 12), epsilon=st.floats(0.05, 0.5),
-       epsilon_high=st.one_of(st.none(), st.floats(0.05, 0.5)), beta=st.sampled_from([0.0, 0.04, 0.3]),
-       drift=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
-def test_loss_and_gradient_equal_trls_formula(completions, tokens, epsilon, epsilon_high, beta, drift, seed):
-    gen = torch.Generator().manual_seed(seed)
+def _case(gen, completions, tokens, drift):
     shape = (completions, tokens)
     logps = (-torch.rand(shape, generator=gen, dtype=torch.float64) * 4).requires_grad_()
     old = logps.detach() + drift * torch.randn(shape, generator=gen, dtype=torch.float64)
     ref = logps.detach() + torch.randn(shape, generator=gen, dtype=torch.float64)
     adv = torch.randn(completions, generator=gen, dtype=torch.float64)
     mask = (torch.rand(shape, generator=gen) < 0.7).double()
-    loss, stats = grpo.grpo_loss(logps, old, adv, mask, epsilon, epsilon_high, beta, ref)
+    return logps, old, ref, adv, mask
+
+
+@settings(max_examples=examples(80))
+@given(completions=st.integers(1, 8), tokens=st.integers(1, 12), epsilon=st.floats(0.05, 0.5),
+       epsilon_high=st.one_of(st.none(), st.floats(0.05, 0.5)), beta=st.sampled_from([0.0, 0.04, 0.3]),
+       drift=st.floats(0.0, 1.0), seed=st.integers(0, 2**16), loss_type=st.sampled_from(grpo.LOSS_TYPES),
+       level=st.sampled_from(grpo.IMPORTANCE_LEVELS), accum=st.integers(1, 4), ranks=st.integers(1, 4),
+       max_length=st.integers(12, 32))
+def test_loss_gradient_and_metrics_equal_trls(completions, tokens, epsilon, epsilon_high, beta, drift, seed,
+                                              loss_type, level, accum, ranks, max_length):
+    """One micro-batch of a generation batch of `accum` micro-batches on each of `ranks` ranks, against TRL's own
+    `GRPOTrainer._compute_loss` (dapo's normaliser: the whole batch's tokens, here made up, over the ranks)."""
+    gen = torch.Generator().manual_seed(seed)
+    logps, old, ref, adv, mask = _case(gen, completions, tokens, drift)
+    everyone = float(mask.sum()) * ranks * accum + 3.0
+    loss, stats = grpo.grpo_loss(logps, old, adv, mask, epsilon, epsilon_high, beta, ref, loss_type, level, accum,
+                                 torch.tensor(everyone) / ranks, max_length)
     (grad,) = torch.autograd.grad(loss, logps)
-    reference = _trl_loss(logps, old, ref, adv, mask, epsilon, epsilon if epsilon_high is None else epsilon_high,
-                          beta)
+    reference, metrics = trl_reference.grpo(
+        logps, old, ref, adv, mask, loss_type=loss_type, importance_sampling_level=level, epsilon=epsilon,
+        epsilon_high=epsilon_high, beta=beta, accum=accum, num_processes=ranks, num_items_in_batch=everyone,
+        max_completion_length=max_length)
     (reference_grad,) = torch.autograd.grad(reference, logps)
     torch.testing.assert_close(loss, reference, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grad, reference_grad, rtol=1e-9, atol=1e-12)
-    assert 0 <= stats["clip_ratio"] <= 1 and stats["kl"] >= 0
-    torch.testing.assert_close(stats["completion_length"], mask.sum(-1).mean())
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", *(["kl"] * bool(beta))):
+        if mask.sum() or level == "sequence":
+            assert float(stats[key]) == pytest.approx(metrics[key][0], rel=1e-6, abs=1e-7), key  # TRL counts in fp32
+    torch.testing.assert_close(stats["completions/mean_length"], mask.sum(-1).mean())
+
+
+def _dapo_rank(rank: int, world: int, store: str, case: list, out: str) -> None:
+    """One of `world` gloo ranks: its micro-batches' dapo losses with the normaliser it reduces with the others,
+    and its gradient averaged over the ranks as DDP averages it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    micro = case[rank]
+    per_rank = grpo.dapo_tokens_per_rank([m[4] for m in micro])
+    grads = []
+    for logps, old, ref, adv, mask in micro:
+        logps = logps.clone().requires_grad_()
+        loss, _ = grpo.grpo_loss(logps, old, adv, mask, 0.2, 0.28, 0.04, ref, "dapo", "token", len(micro), per_rank)
+        grads.append(torch.autograd.grad(loss, logps)[0] / world)
+    torch.save(grads, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_dapo_normalises_by_every_ranks_tokens_as_trl_does(tmp_path):
+    """Two gloo ranks, two micro-batches each, of different lengths and masks: each rank's gradient, averaged as
+    DDP does, equals TRL's with num_items_in_batch the tokens of every rank, and the step's is the gradient of the
+    mean token loss over every token of every rank and micro-batch."""
+    gen = torch.Generator().manual_seed(7)
+    case = [[[t.detach() for t in _case(gen, n, length, 0.5)] for n, length in shapes]
+            for shapes in ([(3, 5), (2, 7)], [(4, 3), (1, 9)])]
+    out = str(tmp_path / "grads")
+    # Forked: the ranks start with this process's imports (a spawned one would import TRL and torch again).
+    mp.start_processes(_dapo_rank, args=(2, str(tmp_path / "store"), case, out), nprocs=2, join=True,
+                       start_method="fork")
+    everyone = sum(float(m[4].sum()) for micro in case for m in micro)
+    for rank, micro in enumerate(case):
+        got = torch.load(f"{out}.{rank}")
+        for (logps, old, ref, adv, mask), grad in zip(micro, got, strict=True):
+            logps = logps.clone().requires_grad_()
+            trl_loss, _ = trl_reference.grpo(logps, old, ref, adv, mask, loss_type="dapo", epsilon=0.2,
+                                             epsilon_high=0.28, beta=0.04, accum=2, num_processes=2,
+                                             num_items_in_batch=everyone)
+            expected = torch.autograd.grad(trl_loss, logps)[0] / 2  # DDP's average over the 2 ranks
+            torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
+            # The same as the gradient of (sum of token losses over every token) / (every token): a global mean.
+            loss, _ = grpo.grpo_loss(logps, old, adv, mask, 0.2, 0.28, 0.04, ref, "bnpo")
+            local = torch.autograd.grad(loss * mask.sum().clamp(min=1) / everyone, logps)[0]
+            torch.testing.assert_close(grad, local, rtol=1e-9, atol=1e-12)
 
 
 @settings(max_examples=examples(30))
@@ -97,11 +147,11 @@ def test_on_policy_the_gradient_is_the_advantage_over_the_length(completions, to
     logps = (-torch.rand(completions, tokens, generator=gen, dtype=torch.float64)).requires_grad_()
     adv = torch.randn(completions, generator=gen, dtype=torch.float64)
     mask = (torch.rand(completions, tokens, generator=gen) < 0.7).double()
-    loss, stats = grpo.grpo_loss(logps, logps.detach(), adv, mask, epsilon=0.2)
+    loss, stats = grpo.grpo_loss(logps, logps.detach(), adv, mask, epsilon=0.2, loss_type="grpo")
     (grad,) = torch.autograd.grad(loss, logps)
     expected = -adv[:, None] * mask / mask.sum(-1, keepdim=True).clamp(min=1) / completions
     torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
-    assert stats["clip_ratio"] == 0 and stats["kl"] == 0
+    assert stats["clip_ratio/region_mean"] == 0 and stats["kl"] == 0
 
 
 def test_bad_settings_are_refused_by_name():

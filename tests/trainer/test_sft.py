@@ -127,9 +127,8 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in compose_refused(
         tmp_path, capsys, *ARGS, f"data.path={path}"
     )
-    assert "data.packing=True: packs conversations of data=chat; data=stdlib has none to pack" in compose_refused(
-        tmp_path, capsys, "data.packing=true"
-    )
+    assert ("data.packing=True: packs conversations of data=chat or pairs of data=preference; data=stdlib has "
+            "none to pack" in compose_refused(tmp_path, capsys, "data.packing=true"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
@@ -169,14 +168,17 @@ def test_a_packed_row_gives_each_conversation_the_logits_it_has_alone(chat_setup
 
 
 @settings(max_examples=examples(40))
-@given(st.lists(st.integers(1, 13), min_size=1, max_size=12))
-def test_packing_keeps_every_conversation_whole_and_in_order(lengths):
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=12), st.booleans())
+def test_packing_keeps_every_conversation_whole_and_in_order(lengths, pairs):
+    """data=chat packs conversations; data=preference (pairs) packs (chosen, rejected) pairs, each in one row."""
     seq, pad = 12, 99
+    lengths = (lengths[: len(lengths) // 2 * 2] or [3, 4]) if pairs else lengths
     rows = [(np.arange(n, dtype=np.int32) + 100 * i, np.ones(n, np.int8), n) for i, n in enumerate(lengths)]
-    packed = chat.pack(rows, seq, pad)
+    packed = chat.pack(rows, seq, pad, pairs=pairs)
     found = []
     for tokens, mask, documents in packed:
-        assert len(tokens) == len(mask) == len(documents) == seq + 1
+        assert len(tokens) == len(mask) == len(documents) == (2 * seq if pairs else seq) + 1
+        assert not pairs or documents[tokens != pad].max() % 2 == 1  # whole pairs: an even number of documents
         real = tokens != pad  # the generated ids are never the pad id
         assert list(documents) == sorted(documents) and not mask[~real].any()
         assert (documents[~real] == documents[real].max() + 1).all()  # padding: a document of its own

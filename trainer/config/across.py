@@ -184,8 +184,8 @@ def _recipe(job) -> None:
         require(not (c.endpoints or c.eval_endpoints or c.nodes), "data.cache", "set",
                 f"data={data} is read from its local corpus; cache nodes serve "
                 "token rows of data=stdlib or data=parquet only")
-    require(not job.data.packing or data == "chat", "data.packing", True,
-            f"packs conversations of data=chat; data={data} has none to pack")
+    require(not job.data.packing or data in ("chat", "preference"), "data.packing", True,
+            f"packs conversations of data=chat or pairs of data=preference; data={data} has none to pack")
 
 
 def _grpo(job) -> None:

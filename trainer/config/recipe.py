@@ -16,6 +16,9 @@ DATA = {"sft": "chat", "dpo": "preference", "grpo": "prompts"}
 DATA_ROWS = {"chat": "rows with messages", "preference": "rows with prompt, chosen, rejected",
              "prompts": "rows with a prompt (text) or messages"}
 SCALE_REWARDS = ("group", "batch", "none")
+# recipe.loss_type per recipe, TRL 1.16's names (GRPOConfig, DPOConfig); conf/recipe/<name>.yaml sets TRL's default.
+LOSS_TYPES = {"grpo": ("grpo", "bnpo", "dr_grpo", "dapo"), "dpo": ("sigmoid", "ipo", "hinge", "robust")}
+IMPORTANCE_LEVELS = ("token", "sequence")
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
 
@@ -44,6 +47,13 @@ class RecipeConfig:
     # dpo: how far from the reference the policy may move (the KL penalty's inverse weight); grpo: the KL
     # penalty's weight (0: no reference is held).
     beta: float = 0.1
+    # grpo: grpo | bnpo | dr_grpo | dapo (TRL's default, set in conf/recipe/grpo.yaml); dpo: sigmoid (the default,
+    # conf/recipe/dpo.yaml) | ipo | hinge | robust. Each as TRL 1.16 computes it (trainer.recipes.grpo, .dpo).
+    loss_type: str | None = None
+    # dpo with loss_type=robust: the assumed share of flipped preference labels, in [0, 0.5).
+    label_smoothing: float = 0.0
+    # grpo: importance weights per token, or per completion (the mean of its tokens' log-ratios: GSPO).
+    importance_sampling_level: str = "token"
     # grpo: completions per prompt (train.global_batch_size counts completions), the reward functions
     # (`package.module:function`, called with prompts=, completions= and the rows' other columns, returning a
     # float per completion) and their weights (null: 1 each), how advantages are scaled (group: by each
@@ -65,6 +75,17 @@ class RecipeConfig:
 
     def check(self) -> None:
         one_of("recipe", self.name, RECIPES)
+        if self.name in LOSS_TYPES:
+            one_of("recipe.loss_type", self.loss_type, LOSS_TYPES[self.name])
+        else:
+            require(self.loss_type is None, "recipe.loss_type", self.loss_type,
+                    f"only recipe=grpo and recipe=dpo read it (recipe={self.name}: leave it null)")
+        require(self.label_smoothing == 0 or (self.name == "dpo" and self.loss_type == "robust"),
+                "recipe.label_smoothing", self.label_smoothing,
+                "only recipe=dpo with recipe.loss_type=robust reads it (TRL's other losses do not): leave it 0")
+        require(0 <= self.label_smoothing < 0.5, "recipe.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
+        require(self.importance_sampling_level == "token" or self.name == "grpo", "recipe.importance_sampling_level",
+                self.importance_sampling_level, f"only recipe=grpo reads it (recipe={self.name}: leave it token)")
         if self.name == "dpo":
             require(self.beta > 0, "recipe.beta", self.beta, "must be > 0")
         if self.name == "grpo":
@@ -76,6 +97,7 @@ class RecipeConfig:
         require(self.num_generations >= 2, "recipe.num_generations", self.num_generations,
                 "must be >= 2 (advantages compare the completions of one prompt)")
         one_of("recipe.scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        one_of("recipe.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
         require(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
                 "recipe.reward_weights", None if self.reward_weights is None else list(self.reward_weights),
                 f"must give one weight per reward function ({len(self.reward_funcs)}), or be null for 1 each")

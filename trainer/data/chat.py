@@ -10,8 +10,10 @@ message by message on a stock template), the last one, or all. A conversation wh
 token after its first is dropped (it would teach nothing), as is one with no assistant turn or no messages;
 corpus.json counts them by reason, so that a split left too small names them. Rows are
 `{"tokens": int32[seq_len + 1], "loss_mask": int8[seq_len + 1]}`; ids of any vocabulary fit. With
-`data.packing=true` (data=chat), whole conversations are packed in order into each row instead, and a
-`documents` column numbers them, so that the model attends, and counts positions, within each only.
+`data.packing=true`, whole conversations are packed in order into each row instead, and a `documents` column
+numbers them, so that the model attends, and counts positions, within each only; data=preference packs whole
+pairs (chosen, then rejected: documents 2k and 2k + 1 of a row) into rows of 2 x seq_len + 1 tokens, each
+conversation cut to seq_len tokens (recipe=dpo's padding-free rows).
 """
 
 from __future__ import annotations
@@ -129,10 +131,13 @@ def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int
     return (np.array(ids + [pad_id] * pad, dtype=np.int32), np.array(mask + [0] * pad, dtype=np.int8))
 
 
-def pack(rows: list[tuple[np.ndarray, np.ndarray, int]], seq_len: int, pad_id: int):
+def pack(rows: list[tuple[np.ndarray, np.ndarray, int]], seq_len: int, pad_id: int, pairs: bool = False):
     """Conversations (tokens, mask, length) packed greedily, in order, into rows of seq_len + 1: (tokens, mask,
-    documents), where documents numbers each row's conversations from 0 and its padding after them."""
-    width, packed, current = seq_len + 1, [], []
+    documents), where documents numbers each row's conversations from 0 and its padding after them. `pairs`
+    (data=preference): the conversations come two by two (chosen, rejected), each pair kept in one row, and rows
+    are 2 x seq_len + 1 wide (the conversations cut to seq_len tokens: a pair always fits)."""
+    width, packed, current = (2 * seq_len if pairs else seq_len) + 1, [], []
+    step = 2 if pairs else 1
 
     def flush():
         tokens = np.full(width, pad_id, np.int32)
@@ -144,10 +149,11 @@ def pack(rows: list[tuple[np.ndarray, np.ndarray, int]], seq_len: int, pad_id: i
         packed.append((tokens, mask, documents))
         current.clear()
 
-    for row in rows:
-        if sum(n for _, _, n in current) + row[2] > width:
+    for start in range(0, len(rows), step):
+        unit = rows[start : start + step]
+        if current and sum(n for _, _, n in current + unit) > width:
             flush()
-        current.append(row)
+        current.extend(unit)
     if current:
         flush()
     return packed
@@ -198,8 +204,9 @@ def _encode(d, tok: HFTokenizer, pad: int, model_path: str, doc_id: str, chats: 
         return "empty"
     if d.chat.mask != "all" and not all(any(m["role"] == "assistant" for m in c) for c in chats):
         return "no assistant turn"
+    cut = d.seq_len - 1 if d.packing and d.name == "preference" else d.seq_len  # a packed pair fits its row
     try:
-        encoded = [encode_row(tok, messages, d.seq_len, pad, d.chat.mask) for messages in chats]
+        encoded = [encode_row(tok, messages, cut, pad, d.chat.mask) for messages in chats]
     except TemplateMaskError as e:
         raise ConfigError("data.chat.mask", d.chat.mask, f"the chat template of model.path={model_path} {e} "
                           f"(conversation {doc_id} of data.path={d.path}), so its assistant turns cannot be "
@@ -207,7 +214,8 @@ def _encode(d, tok: HFTokenizer, pad: int, model_path: str, doc_id: str, chats: 
                           "only) or data.chat.mask=all (every token), or a template with "
                           "{% generation %} blocks") from None
     if not all(mask[1:].any() for _, mask in encoded):
-        return f"no counted token within data.seq_len + 1 = {d.seq_len + 1} tokens"
+        limit = f"data.seq_len + 1 = {d.seq_len + 1}" if cut == d.seq_len else f"data.seq_len = {d.seq_len}"
+        return f"no counted token within {limit} tokens"
     return encoded
 
 
@@ -241,15 +249,18 @@ def prepare(cfg) -> str:
             if isinstance(encoded, str):
                 dropped[encoded] = dropped.get(encoded, 0) + 1
                 continue
-            tokens, mask = np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
             in_eval = zlib.crc32(doc_id.encode()) % 10_000 < eval_share(d) * 100
-            splits["eval" if in_eval else "train"].append((tokens, mask))
+            splits["eval" if in_eval else "train"].append(encoded)
         total = sum(len(rows) for rows in splits.values()) + sum(dropped.values())
         if d.packing:
             splits = {
-                name: pack([(t, m, _length(t, m, pad)) for t, m in rows], d.seq_len, pad)
+                name: pack([(t, m, _length(t, m, pad)) for convs in rows for t, m in convs], d.seq_len, pad,
+                           pairs=d.name == "preference")
                 for name, rows in splits.items()
             }
+        else:  # a preference row: the chosen conversation's row, then the rejected one's
+            splits = {name: [tuple(np.concatenate(c) for c in zip(*convs, strict=True)) for convs in rows]
+                      for name, rows in splits.items()}
         counts = {name: _write(rows, d.seq_len, os.path.join(tmp, name)) for name, rows in splits.items()}
         top = max((int(row[0].max()) for rows in splits.values() for row in rows), default=0)
         if dropped:

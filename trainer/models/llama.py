@@ -59,6 +59,8 @@ class Options:
 
 OPTION_KEYS = tuple(f.name for f in dataclasses.fields(Options))
 
+from trainer.models import chunked
+
 
 class RMSNorm(nn.Module):
     norm_fn = staticmethod(F.rms_norm)
@@ -377,24 +379,38 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None, cache=None, loss_fn=None) -> torch.Tensor:
-        """The logits, or with `targets` the mean cross-entropy (computed in fp32), plus a mixture of experts'
-        load-balancing loss where `output_router_logits` asks for it. The loss is taken here, inside forward, so
-        that wrappers' hooks (DDP, FSDP) see it and a fused loss can skip the logits.
-        `loss_fn(hidden, output_weight, targets)`, when given, is the loss instead (recipe=kd's, which holds the
-        logits of a chunk of tokens at a time). `documents`, `cache`: see `hidden_states`."""
+        """The logits, or with `targets` the mean cross-entropy (computed in fp32, the logits never whole: the fused
+        kernel under kernels=triton, else `chunked.cross_entropy`), plus a mixture of experts' load-balancing loss
+        where `output_router_logits` asks for it. The loss is taken here, inside forward, so that wrappers' hooks
+        (DDP, FSDP) see it. `loss_fn(hidden, output matrix, targets)` (as `projected` gives them; with
+        `softcap=` the final soft-cap where the model has one), when given, is the loss instead (recipe=kd's
+        divergence, dpo's and grpo's log-probabilities). `documents`, `cache`: see `hidden_states`."""
         h = self.hidden_states(tokens, documents, cache)
         if self.output is None and self.tied_output is None:  # a pipeline stage before the last
             return h
         if loss_fn is not None:
-            return loss_fn(h, self.output_weight, targets)
+            return loss_fn(*self.projected(h), targets, **self.cap)
         if targets is not None and self.fused_loss_fn is not None:
-            return self._with_router_loss(self.fused_loss_fn(h, self.output_weight, targets))
+            return self._with_router_loss(self.fused_loss_fn(*self.projected(h), targets))
+        if targets is not None:  # the logits a chunk of tokens at a time (`trainer.models.chunked`)
+            return self._with_router_loss(chunked.cross_entropy(*self.projected(h), targets, **self.cap))
         logits = self.output(h) if self.output is not None else self.tied_output(h, self.tok_embeddings.weight)
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        if targets is None:
-            return logits
-        return self._with_router_loss(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1)))
+        return chunked.capped(logits, self.final_softcap)
+
+    @property
+    def cap(self) -> dict:
+        """The keyword that hands a loss over the output layer the final logits' soft-cap, where there is one."""
+        return {} if self.final_softcap is None else {"softcap": self.final_softcap}
+
+    def projected(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states, output matrix) as the output layer multiplies them: train.qat's fake-quantised layer
+        (torchao's FakeQuantizedLinear) rounds both first, differentiably, so the chunked losses see what it sees."""
+        layer, weight = self.output, self.output_weight
+        if getattr(layer, "activation_fake_quantizer", None) is not None:
+            h = layer.activation_fake_quantizer(h)
+        if getattr(layer, "weight_fake_quantizer", None) is not None:
+            weight = layer.weight_fake_quantizer(weight)
+        return h, weight
 
     def _with_router_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss`, plus router_aux_loss_coef x the load-balancing loss of the experts where asked; the experts'

@@ -1,5 +1,5 @@
 """`recipe=grpo`: Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath) on data=prompts, its loss
-as TRL's GRPOTrainer takes it (`loss_type="grpo"`, token-level importance sampling).
+as TRL 1.16's GRPOTrainer takes it (`recipe.loss_type`, `recipe.importance_sampling_level`; TRL's defaults).
 
 Each prompt gets G completions; each completion's reward (the weighted sum over the reward functions) becomes its
 advantage within its group:
@@ -8,13 +8,25 @@ advantage within its group:
                                                               none: not divided; std with Bessel's correction)
 
 and with per-token log-probabilities under the policy (logp), the policy that generated (old) and the frozen
-reference (ref), the ratio rho = exp(logp - old) per completion token:
+reference (ref), the ratio rho = exp(logp - old) per completion token (importance_sampling_level=token), or
+exp(mean over the completion's tokens of logp - old) per completion (sequence: GSPO):
 
     token loss = -min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3
     k3         = exp(ref - logp) - (ref - logp) - 1
-    loss       = mean over completions of (the mean of its token losses)
 
-The KL term is the k3 estimator of KL(policy || reference). A completion with no counted token adds 0.
+summed over a micro-batch's completion tokens and normalised as `loss_type` says:
+
+    grpo     each completion's mean token loss, averaged over completions
+    bnpo     the micro-batch's mean token loss
+    dr_grpo  the sum over (completions x recipe.max_completion_length)
+    dapo     the sum over the generation batch's completion tokens on every rank, over the number of ranks
+             (TRL's num_items_in_batch / num_processes), so the step's gradient is the mean over every token
+             of every rank and micro-batch (the default)
+
+each but dapo divided by the micro-batches of a step, and averaged over the data-parallel ranks by the
+gradient reduction, as TRL's accumulation and DDP take it.
+The KL term is the k3 estimator of KL(policy || reference). A completion with no counted token adds 0. The
+log-probabilities come from the model's forward a chunk of tokens at a time (`trainer.models.chunked`).
 
 `GRPO`, the recipe object: every `recipe.num_iterations` steps it samples `recipe.num_generations` completions
 of each of its rank's prompts from the policy (`trainer.generate`; each rank its own prompts, tensor-parallel
@@ -35,17 +47,20 @@ import math
 import torch
 import torch.distributed as dist
 
+from trainer.config import recipe as config_recipe
 from trainer.generate import generate
 from trainer.models import lora
 from trainer.models.assembly import assemble
 from trainer.recipes import rewards
 from trainer.recipes.base import Recipe
-from trainer.recipes.dpo import token_logps
+from trainer.recipes.dpo import logps_fn
 from trainer.recipes.prompt_data import prompt_text
 from trainer.recipes.sft import IGNORE
 
 SCALE_REWARDS = ("group", "batch", "none")
-METRICS = ("kl", "clip_ratio", "completion_length")
+LOSS_TYPES = config_recipe.LOSS_TYPES["grpo"]
+IMPORTANCE_LEVELS = config_recipe.IMPORTANCE_LEVELS
+METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length")
 
 
 def advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
@@ -66,14 +81,48 @@ def advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str =
     return centred / (std + 1e-4)
 
 
+def _ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The importance weights: per token (completions, tokens), or per completion (completions, 1), the exp of
+    its tokens' mean log-ratio (GSPO, `importance_sampling_level=sequence`)."""
+    log_ratio = logps - old_logps
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    elif level != "token":
+        raise ValueError(f"importance_sampling_level={level!r}: must be one of {', '.join(IMPORTANCE_LEVELS)}")
+    return torch.exp(log_ratio)
+
+
+def _reduce(token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, accum: int,
+            tokens_per_rank: float | torch.Tensor | None, max_completion_length: int | None) -> torch.Tensor:
+    """A micro-batch's part of the step's loss, as TRL's `_compute_loss` takes it for `loss_type`."""
+    if loss_type == "grpo":
+        return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accum
+    if loss_type == "bnpo":
+        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0) / accum
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' divides by max_completion_length: give it")
+        return (token_loss * mask).sum() / (token_loss.shape[0] * max_completion_length) / accum
+    if loss_type == "dapo":
+        if tokens_per_rank is None:
+            raise ValueError("loss_type='dapo' divides by the generation batch's tokens per rank: give them")
+        return (token_loss * mask).sum() / torch.as_tensor(tokens_per_rank, dtype=token_loss.dtype,
+                                                            device=token_loss.device)
+    raise ValueError(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
+
+
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               epsilon: float, epsilon_high: float | None = None, beta: float = 0.0,
-              ref_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss and its statistics (masked means over completion tokens of the KL and of the share of tokens
-    clipped; the mean completion length). logps, old_logps, ref_logps, mask: (completions, tokens);
-    advantages: (completions,)."""
+              ref_logps: torch.Tensor | None = None, loss_type: str = "dapo", importance_sampling_level: str = "token",
+              accum: int = 1, tokens_per_rank: float | torch.Tensor | None = None,
+              max_completion_length: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-batch's part of the step's loss (one of `accum` micro-batches of a generation batch) and its
+    statistics, named as TRL's metrics (masked means over completion tokens, or over completions with
+    sequence-level weights). logps, old_logps, ref_logps, mask: (completions, tokens); advantages: (completions,).
+    dapo: `tokens_per_rank` is the generation batch's counted tokens on every rank over the number of ranks
+    (`dapo_tokens_per_rank`); dr_grpo: `max_completion_length` is the constant length it divides by."""
     mask = mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)
+    ratio = _ratio(logps, old_logps, mask, importance_sampling_level)
     adv = advantages[:, None]
     high = epsilon if epsilon_high is None else epsilon_high
     token_loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv)
@@ -84,16 +133,33 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
         token_loss = token_loss + beta * kl
-    lengths = mask.sum(-1)
-    loss = ((token_loss * mask).sum(-1) / lengths.clamp(min=1)).mean()
-    clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    loss = _reduce(token_loss, mask, loss_type, accum, tokens_per_rank, max_completion_length)
+    low_clipped = (ratio < 1 - epsilon) & (adv < 0)
+    high_clipped = (ratio > 1 + high) & (adv > 0)
     counted = mask.sum().clamp(min=1)
+
+    def masked_mean(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(mask.dtype)
+        return x.mean() if x.shape[1] == 1 else (x * mask).sum() / counted
+
     stats = {
-        "kl": (kl * mask).sum() / counted,
-        "clip_ratio": (clipped.to(mask.dtype) * mask).sum() / counted,
-        "completion_length": lengths.mean(),
+        "kl": masked_mean(kl),
+        "clip_ratio/low_mean": masked_mean(low_clipped),
+        "clip_ratio/high_mean": masked_mean(high_clipped),
+        "clip_ratio/region_mean": masked_mean(low_clipped | high_clipped),
+        "completions/mean_length": mask.sum(-1).mean(),
     }
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def dapo_tokens_per_rank(masks: list[torch.Tensor]) -> torch.Tensor:
+    """The counted tokens of a generation batch (its micro-batches' masks) on every rank, over the number of
+    ranks: TRL's `num_items_in_batch / num_processes`. Tensor-parallel peers hold the same rows; they count in
+    both the sum and the number of ranks, and cancel."""
+    total = torch.stack([m.sum() for m in masks]).sum().float()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.clamp(min=1.0) / (dist.get_world_size() if dist.is_initialized() else 1)
 
 
 class GRPO(Recipe):
@@ -111,6 +177,8 @@ class GRPO(Recipe):
         self.dp_rank, self.dp_size = ctx.dims.data_parallel_rank()
         self.generator = torch.Generator(ctx.device).manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank)
         self.buffer: list | None = None  # the generation batch's micro-batches
+        self.tokens_per_rank = None  # loss_type=dapo's normaliser of the generation batch
+        self.logps_fn = logps_fn(cfg.kernels)
         self.reward_stats: dict[str, torch.Tensor] = {}
 
     @property
@@ -126,18 +194,21 @@ class GRPO(Recipe):
     def micro_batches(self, batch: dict | None, accum: int) -> list:
         if batch is not None:
             self.buffer = self._generation_batch(batch, accum)
+            self.tokens_per_rank = dapo_tokens_per_rank([micro[2] for micro in self.buffer])
         self.add_stats(self.reward_stats)
         return self.buffer
 
     def loss(self, micro) -> torch.Tensor:
         tokens, target, mask, adv, old, ref = micro
         with self.ctx.autocast:
-            logps = token_logps(self.model(tokens[:, :-1]), target)
-        loss, stats = grpo_loss(logps, logps.detach() if old is None else old, adv, mask, self.r.epsilon,
-                                self.r.epsilon_high, self.r.beta, ref)
+            logps = self.model(tokens[:, :-1], target, loss_fn=self.logps_fn)
         accum = self.cfg.train.grad_accum_steps
+        loss, stats = grpo_loss(logps, logps.detach() if old is None else old, adv, mask, self.r.epsilon,
+                                self.r.epsilon_high, self.r.beta, ref, self.r.loss_type,
+                                self.r.importance_sampling_level, accum, self.tokens_per_rank,
+                                self.r.max_completion_length)
         self.add_stats(stats, 1 / accum)
-        return loss / accum
+        return loss
 
     def eval_loss(self, batch: dict) -> torch.Tensor:
         generator = torch.Generator(self.ctx.device).manual_seed(self.cfg.train.seed + 7919 * (self.dp_rank + 1))
@@ -216,6 +287,6 @@ class GRPO(Recipe):
     def _logps(self, model, tokens: tuple, targets: tuple) -> list[torch.Tensor]:
         out = []
         for t, y in zip(tokens, targets, strict=True):
-            with self.ctx.loss_context(), self.ctx.autocast:
-                out.append(token_logps(model(t[:, :-1]), y))
+            with self.ctx.autocast:
+                out.append(model(t[:, :-1], y, loss_fn=self.logps_fn))
         return out

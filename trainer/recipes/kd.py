@@ -10,7 +10,8 @@ the assistant's tokens; other data: every token). T^2 keeps the gradients' scale
 
 Neither model's logits exist whole: the teacher gives its final hidden states, the student its own inside its
 forward (`loss_fn`, so that DDP and FSDP hooks see the loss), and the logits of both are made `recipe.kd.
-chunk_tokens` tokens at a time, the student's recomputed in backward (activation checkpointing of the chunk).
+chunk_tokens` tokens at a time, the student's recomputed in backward (`trainer.models.chunked`, the one chunking
+of every recipe).
 The teacher is placed like the student (`trainer.models.assembly`); its output matrix is gathered once."""
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from trainer.models import unwrap
 from trainer.models.assembly import assemble
+from trainer.models.chunked import capped, chunked
 from trainer.recipes.sft import IGNORE, SFT
 
 
@@ -44,29 +45,28 @@ def divergence(student: torch.Tensor, teacher: torch.Tensor, loss: str, temperat
     return value * temperature**2
 
 
-def _chunk(h_s, w_s, h_t, w_t, y, loss: str, temperature: float):
-    student = F.linear(h_s, w_s)
+def _chunk(student: torch.Tensor, y: torch.Tensor, h_t: torch.Tensor, w_t: torch.Tensor, loss: str,
+           temperature: float, teacher_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens,) cross-entropies and divergences of a chunk: the student's logits, the teacher's made here."""
     with torch.no_grad():
-        teacher = F.linear(h_t, w_t)
-    ce = F.cross_entropy(student.float(), y, reduction="sum")
-    return ce, divergence(student, teacher, loss, temperature).sum()
+        teacher = capped(F.linear(h_t, w_t), teacher_softcap)
+    ce = F.cross_entropy(student.float(), y, reduction="none")
+    return ce, divergence(student, teacher, loss, temperature)
 
 
 def kd_loss(h_s: torch.Tensor, w_s: torch.Tensor, h_t: torch.Tensor, w_t: torch.Tensor, targets: torch.Tensor,
-            loss: str = "forward_kl", temperature: float = 1.0, alpha: float = 0.5, chunk_tokens: int = 1024
+            loss: str = "forward_kl", temperature: float = 1.0, alpha: float = 0.5, chunk_tokens: int = 1024,
+            softcap: float | None = None, teacher_softcap: float | None = None
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The mean distillation loss over the counted (not IGNORE) targets, and its two parts. h_s, h_t: (batch,
-    seq, dim) hidden states of the student and the teacher; w_s, w_t their (vocab, dim) output matrices."""
+    seq, dim) hidden states of the student and the teacher; w_s, w_t their (vocab, dim) output matrices; softcap,
+    teacher_softcap: the final logits' soft-caps of the two (Gemma 2), None where there is none."""
     counted = (targets != IGNORE).flatten()
     h_s, h_t, y = h_s.flatten(0, 1)[counted], h_t.flatten(0, 1)[counted], targets.flatten()[counted]
     n = max(int(y.numel()), 1)
-    ce = div = h_s.new_zeros((), dtype=torch.float32)
-    for start in range(0, y.numel(), chunk_tokens):
-        end = start + chunk_tokens
-        part = checkpoint(_chunk, h_s[start:end], w_s, h_t[start:end], w_t, y[start:end], loss, temperature,
-                          use_reentrant=False)
-        ce, div = ce + part[0], div + part[1]
-    ce, div = ce / n, div / n
+    fn = functools.partial(_chunk, w_t=w_t, loss=loss, temperature=temperature, teacher_softcap=teacher_softcap)
+    ce, div = chunked(fn, h_s, w_s, y, h_t, chunk_tokens=chunk_tokens, softcap=softcap)
+    ce, div = ce.sum() / n, div.sum() / n
     total = alpha * div + (1 - alpha) * ce
     return total, {"kd/divergence": div.detach(), "kd/ce": ce.detach()}
 
@@ -84,10 +84,13 @@ class KD(SFT):
         with torch.no_grad():
             self.teacher_weight = _whole(unwrap(self.teacher).output_weight).detach()
         k = cfg.recipe.kd
-        self.settings = {"loss": k.loss, "temperature": k.temperature, "alpha": k.alpha, "chunk_tokens": k.chunk_tokens}
+        self.settings = {"loss": k.loss, "temperature": k.temperature, "alpha": k.alpha, "chunk_tokens": k.chunk_tokens,
+                         "teacher_softcap": getattr(unwrap(self.teacher), "final_softcap", None)}
 
-    def _loss_fn(self, h_t: torch.Tensor, h_s: torch.Tensor, w_s: torch.Tensor, targets: torch.Tensor):
-        loss, stats = kd_loss(_whole(h_s), _whole(w_s), h_t, self.teacher_weight, targets, **self.settings)
+    def _loss_fn(self, h_t: torch.Tensor, h_s: torch.Tensor, w_s: torch.Tensor, targets: torch.Tensor,
+                 softcap: float | None = None):
+        loss, stats = kd_loss(_whole(h_s), _whole(w_s), h_t, self.teacher_weight, targets, softcap=softcap,
+                              **self.settings)
         self.add_stats(stats, 1 / self.cfg.train.grad_accum_steps)
         return loss
 
@@ -95,7 +98,7 @@ class KD(SFT):
         inputs = tokens[:, :-1]
         docs = documents[:, :-1].to(self.ctx.device) if documents is not None else None
         with torch.no_grad(), self.ctx.autocast:
-            h_t = _whole(self.teacher(inputs, None, docs, loss_fn=lambda h, w, y: h))
+            h_t = _whole(self.teacher(inputs, None, docs, loss_fn=lambda h, w, y, **_: h))
         with self.ctx.autocast:
             return self.model(inputs, target, docs, loss_fn=functools.partial(self._loss_fn, h_t))
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainer.models.chunked import IGNORE
 from trainer.recipes.pretrain import Pretrain
 
-IGNORE = -100
+__all__ = ["IGNORE", "SFT", "shares", "targets", "weights"]
 
 
 def targets(batch: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -28,15 +29,19 @@ def targets(batch: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 def weights(chunks: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """For each micro-batch of targets, (its counted tokens) x world / (counted tokens on every rank): the
-    factor that turns its mean loss into its part of the global mean. Tensor-parallel peers count the same
-    batch, and gradient reduction averages over the data-parallel ranks; both cancel in the world size."""
-    counts = torch.stack([(c != IGNORE).sum() for c in chunks]).float()
+    factor that turns its mean loss into its part of the global mean (`shares` of the counts)."""
+    return shares(torch.stack([(c != IGNORE).sum() for c in chunks]).float())
+
+
+def shares(counts: torch.Tensor) -> list[torch.Tensor]:
+    """For each micro-batch's count of what the step's loss averages over (tokens, pairs), count x world / (the
+    count on every rank). Tensor-parallel peers count the same batch, and gradient reduction averages over the
+    data-parallel ranks; both cancel in the world size."""
     total = counts.sum()
     if dist.is_initialized():
         dist.all_reduce(total)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return list(counts * world / total)
-
 
 
 class SFT(Pretrain):

@@ -1,0 +1,111 @@
+"""`trainer.models.chunked`: log-probabilities and the cross-entropy made a chunk of tokens at a time equal the
+whole logits' (values and gradients, 1e-5 in float32) for any chunk size and mask; the model's loss (pretrain,
+sft under kernels=torch) is the whole logits' cross-entropy; under kernels=triton the chunks' log-softmax is the
+Triton cross-entropy. Under tensor parallelism (vocabulary-split logits) the recipes' runs equal one process's:
+tests/trainer/test_dpo.py (strategy=tp) and tests/trainer/test_strategies.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import examples
+from trainer.models import chunked
+from trainer.models.llama import Transformer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _case(seed: int, batch: int, seq: int, dim: int, vocab: int, ignored: float):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, dim, generator=gen).requires_grad_()
+    weight = (torch.randn(vocab, dim, generator=gen) / dim**0.5).requires_grad_()
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen)
+    targets[torch.rand(batch, seq, generator=gen) < ignored] = chunked.IGNORE
+    upstream = torch.randn(batch, seq, generator=gen)
+    return hidden, weight, targets, upstream
+
+
+def _whole_logps(hidden, weight, targets):
+    logits = F.linear(hidden, weight).float()
+    return -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(batch=st.integers(1, 3), seq=st.integers(1, 20), vocab=st.integers(2, 300), chunk=st.integers(1, 40),
+       ignored=st.sampled_from([0.0, 0.4, 1.0]), seed=st.integers(0, 2**16))
+def test_token_logps_and_their_gradients_equal_the_whole_logits(batch, seq, vocab, chunk, ignored, seed):
+    hidden, weight, targets, upstream = _case(seed, batch, seq, 16, vocab, ignored)
+    got = chunked.token_logps(hidden, weight, targets, chunk_tokens=chunk)
+    grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    expected = _whole_logps(hidden, weight, targets)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert (got[targets == chunked.IGNORE] == 0).all()
+
+
+def test_the_models_loss_is_the_whole_logits_cross_entropy():
+    torch.manual_seed(0)
+    model = Transformer(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=97, max_seq_len=64,
+                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model.init_buffers()
+    tokens = torch.randint(0, 97, (3, 25))
+    targets = tokens[:, 1:].masked_fill(torch.rand(3, 24) < 0.3, chunked.IGNORE)
+    loss = model(tokens[:, :-1], targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    logits = model(tokens[:, :-1])
+    expected = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    expected_grads = torch.autograd.grad(expected, list(model.parameters()))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    # The loss_fn hook gives the recipes' log-probabilities from the same hidden states.
+    logps = model(tokens[:, :-1], targets, loss_fn=chunked.token_logps)
+    torch.testing.assert_close(-logps.sum() / (targets != chunked.IGNORE).sum(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_fake_quantised_output_layer_is_chunked_as_it_computes_whole():
+    """train.qat: the chunks multiply the hidden states and weight as torchao's FakeQuantizedLinear rounds them."""
+    from trainer.models import qat
+
+    torch.manual_seed(0)
+    model = Transformer(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=64,
+                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model.init_buffers()
+    qat.prepare(model, "int8_dynamic_act_int4_weight", 32)
+    tokens = torch.randint(0, 96, (2, 17))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    whole = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+    torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-6)
+    grad = torch.autograd.grad(loss, model.output.weight)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(whole, model.output.weight)[0], rtol=1e-4, atol=1e-6)
+
+
+def test_chunks_are_sized_to_the_vocabulary():
+    assert chunked.chunk_tokens_for(151_936) * 151_936 * 4 <= chunked.CHUNK_BYTES
+    assert chunked.chunk_tokens_for(256) >= 1024
+
+
+def test_under_kernels_triton_the_chunks_log_softmax_is_the_triton_cross_entropy(monkeypatch):
+    import ops
+    from trainer.config.kernels import KernelsConfig
+    from trainer.recipes.dpo import logps_fn
+
+    calls = []
+    monkeypatch.setattr(ops, "cross_entropy", lambda *a, **k: calls.append(1) or ops.losses.cross_entropy(*a, **k))
+    fn = logps_fn(KernelsConfig(name="triton"))
+    hidden, weight, targets, upstream = _case(3, 2, 9, 16, 40, 0.3)
+    got = fn(hidden, weight, targets, chunk_tokens=4)
+    grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    expected = _whole_logps(hidden, weight, targets)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
+    assert calls  # the Triton op (under Triton's interpreter on a CPU) took the chunks
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert logps_fn(KernelsConfig(name="torch")) is chunked.token_logps
