@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from trainer.models import chunked
 from trainer.models.moe import MoE, load_balancing
 
 
@@ -58,8 +59,6 @@ class Options:
 
 
 OPTION_KEYS = tuple(f.name for f in dataclasses.fields(Options))
-
-from trainer.models import chunked
 
 
 class RMSNorm(nn.Module):
