@@ -49,7 +49,7 @@ def compare(path: str, strategy: str) -> dict:
     vocab = model.tok_embeddings.num_embeddings
     model = parallelize(model, dims, cfg)
     hf.load_weights(model, path)
-    loss, grads = loss_and_grads(model, uses_loss_parallel(cfg, vocab, dims.tp))
+    loss, grads = loss_and_grads(model, uses_loss_parallel(cfg, vocab, dims))
     ref_loss, ref_grads = loss_and_grads(from_hf(path), False)
     worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item() for n, g in ref_grads.items())
     return {"loss": loss, "reference_loss": ref_loss, "worst_grad_error": worst, "params": len(grads)}
