@@ -132,6 +132,11 @@ class Trainer:
             group["lr"] = group["initial_lr"] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
 
     def _train_step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # model.impl=transformers with kernels=triton routes ATen ops to ops/ for the step; else nothing.
+        with getattr(models.unwrap(self.model), "step_scope", contextlib.nullcontext)():
+            return self._step(batch)
+
+    def _step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         accum = self.cfg.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(self.recipe.micro_batches(batch, accum)):

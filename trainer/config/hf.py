@@ -1,6 +1,7 @@
-"""`model=hf`: a Hugging Face model directory's `config.json`, checked and read as the `model` section's
-values (`fill_config`), so that the resolved config.yaml describes the model like any preset's. No torch:
-the driver fills the section before it checks it."""
+"""`model=hf` on trainjob's own decoder (`model.impl=native`): a Hugging Face model directory's `config.json`,
+checked and read as the `model` section's values (`trainer.config.hf_impl.fill_config` chooses the impl and fills
+the section), so that the resolved config.yaml describes the model like any preset's. No torch: the driver fills
+the section before it checks it."""
 
 from __future__ import annotations
 
@@ -91,10 +92,3 @@ def settings(path: str) -> dict:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
-
-def fill_config(model_cfg) -> None:
-    """With `model=hf`, set the model.* keys from the directory's config.json (the resolved config.yaml then
-    describes the model like any preset's)."""
-    if model_cfg.name == "hf":
-        for key, value in settings(model_cfg.path).items():
-            model_cfg[key] = value

@@ -2,7 +2,8 @@
 RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused
 with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
 choose among those five (`trainer.config.TRITON_OPS`). Attention takes packed rows (`data.packing=true`)
-as document ids (`attention`).
+as document ids (`attention`). Under `model.impl=transformers`, whose modeling code these rewrites do not reach,
+the ATen ops of `ops.enable()` are routed to our kernels during each step instead (`hf_transformers.apply_kernels`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from trainer.config import TRITON_OPS
+from trainer.models import hf_transformers
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
 
@@ -46,6 +48,8 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     chosen = selected(cfg)
     if not chosen:
         return model
+    if isinstance(model, hf_transformers.TransformersModel):
+        return hf_transformers.apply_kernels(model, chosen)
     import ops
 
     for module in model.modules():

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainer.models import hf_transformers
 from trainer.models.hf import _BLOCK, WRAPPED, hf_name
 
 # PEFT's target name -> ours inside a block (attention.wq ...).
@@ -45,11 +46,13 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     """Add adapters to `cfg.target_modules` of every block and freeze everything else (`cfg`: the peft section)."""
     if cfg.name != "lora":
         return model
-    for block in model.layers.values():
-        for target in cfg.target_modules:
-            linear = block.get_submodule(OURS[target])
-            linear.__class__ = LoRALinear
-            linear.add_adapter(cfg.rank, cfg.alpha, cfg.dropout)
+    if isinstance(model, hf_transformers.TransformersModel):  # by module name, as PEFT matches them
+        linears = hf_transformers.lora_targets(model, cfg.target_modules)
+    else:
+        linears = [block.get_submodule(OURS[t]) for block in model.layers.values() for t in cfg.target_modules]
+    for linear in linears:
+        linear.__class__ = LoRALinear
+        linear.add_adapter(cfg.rank, cfg.alpha, cfg.dropout)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
     return model
@@ -101,6 +104,8 @@ def init_adapters(model: nn.Module, shapes: dict, seed: int) -> None:
 def peft_name(name: str) -> str:
     """PEFT's key for our adapter parameter `name` (`layers.0.attention.wq.lora_A.weight`)."""
     module, leaf = name.split(".lora_", 1)
+    if module.startswith(hf_transformers.PREFIX):  # model.impl=transformers: transformers' names already
+        return f"base_model.model.{hf_transformers.hf_name(module)}.lora_{leaf}"
     return f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.lora_{leaf}"
 
 

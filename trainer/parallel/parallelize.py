@@ -18,6 +18,8 @@ one reduce-scatter adds up with the weight's. So an adapter costs no communicati
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -34,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from trainer.config import StrategyConfig, torch_dtype
+from trainer.config import ConfigError, StrategyConfig, torch_dtype
 from trainer.models.lora import LoRALinear
 from trainer.parallel.dims import ParallelDims
 
@@ -44,12 +46,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn
     (storage allocated, weights not yet initialised: see `trainer.models.init_weights`)."""
     mesh = dims.mesh
     device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
-    if dims.tp > 1:
+    if dims.tp > 1 and getattr(model, "causal_lm", None) is not None:  # model.impl=transformers
+        apply_shipped_tp(model, mesh["tp"])
+    elif dims.tp > 1:
         apply_tp(model, mesh["tp"], uses_loss_parallel(cfg, model.tok_embeddings.num_embeddings, dims.tp))
     if cfg.activation_checkpointing != "none":
         apply_ac(model, cfg.activation_checkpointing)
     if cfg.compile:
-        for block in model.layers.values():
+        for block in model.layers.children():
             block.compile(fullgraph=False)
     if dims.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
@@ -176,7 +180,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, cfg: StrategyConfig, device_type: str)
     policy = MixedPrecisionPolicy(
         param_dtype=torch_dtype(cfg.param_dtype, device_type), reduce_dtype=torch_dtype(cfg.reduce_dtype, device_type)
     )
-    layers = list(model.layers.values())
+    layers = list(model.layers.children())
     for i, block in enumerate(layers):
         # The last block's parameters are needed again first in backward: keeping them saves an all-gather.
         fully_shard(
@@ -186,3 +190,36 @@ def apply_fsdp(model: nn.Module, dp_mesh, cfg: StrategyConfig, device_type: str)
             reshard_after_forward=cfg.reshard_after_forward and i < len(layers) - 1,
         )
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+
+
+# The styles of transformers' `base_model_tp_plan` that `apply_shipped_tp` takes, as DTensor's parallel styles;
+# between them activations stay whole (no sequence parallelism), as in transformers' own tensor parallelism.
+_SHIPPED_STYLES = {
+    "colwise": lambda lora: (_LoRAColwise if lora else ColwiseParallel)(),
+    "rowwise": lambda lora: (_LoRARowwise if lora else RowwiseParallel)(),
+    "embedding_rowwise": lambda lora: RowwiseParallel(input_layouts=Replicate()),
+}
+
+
+def apply_shipped_tp(model: nn.Module, tp_mesh) -> None:
+    """Tensor parallelism on a `model.impl=transformers` model from the plan its config class ships
+    (`base_model_tp_plan`: module name patterns under the base model, each a style)."""
+    lm = model.causal_lm
+    plan = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ConfigError("strategy", "tp", f"{type(lm).__name__} ships no tensor-parallel plan "
+                          "(base_model_tp_plan): use strategy=ddp or fsdp2")
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    styles = {}
+    for pattern, style in plan.items():
+        if style not in _SHIPPED_STYLES:
+            raise ConfigError("strategy", "tp", f"{type(lm).__name__}'s plan splits {pattern} as {style}; trainjob "
+                              f"takes {', '.join(_SHIPPED_STYLES)}: use strategy=ddp or fsdp2")
+        for name, module in lm.base_model.named_modules():
+            if fnmatch.fnmatchcase(name, pattern):
+                lora = isinstance(module, LoRALinear)
+                styles[f"causal_lm.{lm.base_model_prefix}.{name}"] = _SHIPPED_STYLES[style](lora)
+    parallelize_module(model, tp_mesh, styles)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+
