@@ -17,7 +17,7 @@ embedding's: the output layer reads it at each forward (a parameter shared by tw
 from __future__ import annotations
 
 import contextlib
-import logging
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,6 @@ from torch import nn
 
 from trainer.errors import ConfigError
 
-log = logging.getLogger(__name__)
 PREFIX = "causal_lm."
 # config attributes by which a model's logits are more than its output layer applied to the final hidden states.
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "final_logit_softcapping")
@@ -108,6 +107,8 @@ class TransformersModel(nn.Module):
             del lm.get_output_embeddings().weight
         self.plain_head = all(getattr(config, k, None) in (None, 1, 1.0) for k in _LOGIT_TRANSFORMS)
         self._layers = _decoder_layers(lm, self.n_layers)
+        # transformers 5 renames `past_key_values` to `cache`, one model at a time.
+        self._cache_key = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
         self._built_buffers = {name: b.detach().clone() for name, b in lm.named_buffers()}
 
     @property
@@ -136,7 +137,7 @@ class TransformersModel(nn.Module):
                 from transformers import DynamicCache
 
                 cache.hf = DynamicCache(config=self.causal_lm.config)
-            inputs.update(past_key_values=cache.hf, use_cache=True, position_ids=cache.positions,
+            inputs.update({self._cache_key: cache.hf}, use_cache=True, position_ids=cache.positions,
                           attention_mask=cache.valid[:, : cache.length].long())
         elif documents is not None:
             inputs["position_ids"] = document_positions(documents)
