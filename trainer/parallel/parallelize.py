@@ -24,9 +24,10 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -201,14 +202,36 @@ _SHIPPED_STYLES = {
 }
 
 
+class _Replicated(ParallelStyle):
+    """A module outside the plan (a norm, the output layer): its parameters whole on every rank as DTensors (so
+    that clipping and the optimizer see one kind of tensor), its inputs and outputs plain tensors."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        def inputs(_, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) if isinstance(a, torch.Tensor)
+                         else a for a in args)
+
+        def outputs(_, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        _distribute(module, mesh, {name: Replicate() for name, _ in module.named_parameters(recurse=False)}, None)
+        module.register_forward_pre_hook(lambda m, args: inputs(m, args, mesh))
+        module.register_forward_hook(lambda m, args, out: outputs(m, out, mesh))
+        return module
+
+
 def apply_shipped_tp(model: nn.Module, tp_mesh) -> None:
     """Tensor parallelism on a `model.impl=transformers` model from the plan its config class ships
-    (`base_model_tp_plan`: module name patterns under the base model, each a style)."""
+    (`base_model_tp_plan`: module name patterns under the base model, each a style); the modules it leaves out
+    keep their parameters whole (`_Replicated`)."""
     lm = model.causal_lm
     plan = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
     if not plan:
         raise ConfigError("strategy", "tp", f"{type(lm).__name__} ships no tensor-parallel plan "
                           "(base_model_tp_plan): use strategy=ddp or fsdp2")
+    if model.tied:
+        raise ConfigError("strategy", "tp", f"{type(lm).__name__} ties its output layer to its embedding, which "
+                          "its plan splits by rows: use strategy=ddp or fsdp2")
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     styles = {}
     for pattern, style in plan.items():
@@ -220,6 +243,9 @@ def apply_shipped_tp(model: nn.Module, tp_mesh) -> None:
                 lora = isinstance(module, LoRALinear)
                 styles[f"causal_lm.{lm.base_model_prefix}.{name}"] = _SHIPPED_STYLES[style](lora)
     parallelize_module(model, tp_mesh, styles)
+    rest = {name: _Replicated() for name, module in model.named_modules()
+            if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))}
+    parallelize_module(model, tp_mesh, rest)
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)
 
