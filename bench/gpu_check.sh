@@ -10,6 +10,9 @@
 #      flag_gems.enable() and transformers' Llama eager and with Liger's apply_liger_kernel_to_llama;
 #   5. bench/gpu_report.py: the issue's targets, met or missed, from the report above.
 # `bash bench/gpu_check.sh overhead` runs bench/step_overhead.py instead (the worker against a hand loop).
+# `bash bench/gpu_check.sh models` runs bench/models.py instead (a second call of at most about 5 minutes, as the
+# report above fills one): per model family, tokens/s and peak memory of a training step, model.impl=native
+# against model.impl=transformers, at the tiny and small shapes, the rows it prints on CPUs.
 #
 # Here, on a machine with PyPI (once):   bash bench/gpu_check.sh --prepare
 #   downloads what the GPU machine lacks (Hydra, OmegaConf, antlr4; Liger-Kernel, FlagGems and FlagGems'
@@ -75,6 +78,11 @@ e2e() {  # model, kernels, extra overrides...: one line of tokens/s and MFU from
 
 if [ "${1:-}" = "overhead" ]; then
     timeout 120 python3 bench/step_overhead.py 2>&1 | tail -8 | tee "$report"
+    exit 0
+fi
+if [ "${1:-}" = "models" ]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$report"
+    timeout 290 python3 bench/models.py --steps 20 --warmup 5 2>&1 | grep -v "model shards" | tee -a "$report"
     exit 0
 fi
 

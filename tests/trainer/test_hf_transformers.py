@@ -153,3 +153,25 @@ def test_forced_on_a_llama_directory_it_trains_with_our_decoders_losses(dirs, ca
         losses[impl] = [m["loss"] for m in read_metrics(str(tmp_path / impl / "run"))]
     assert len(losses["native"]) == 3
     assert losses["transformers"] == pytest.approx(losses["native"], rel=1e-5)
+
+
+def test_kernels_triton_routes_aten_ops_for_the_step_with_the_same_loss_and_gradients(dirs):
+    from types import SimpleNamespace
+
+    from ops import aten
+    from trainer.models import kernels
+
+    tokens = TOKENS[:1, :9]
+    plain, routed = hf_transformers.from_hf(dirs["neox"]), hf_transformers.from_hf(dirs["neox"])
+    kernels.apply(routed, SimpleNamespace(name="triton", include=None, exclude=[]))
+    assert routed.fused_loss_fn is not None  # the loss fused with the output layer: no logits
+    expected = plain(tokens[:, :-1], tokens[:, 1:])
+    expected.backward()
+    aten.calls.clear()
+    with routed.step_scope():
+        loss = routed(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    assert aten.calls["mm"] > 0 and aten.calls["addmm"] > 0 and aten.registered() == []  # scoped to the step
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    for ours, theirs in zip(routed.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
