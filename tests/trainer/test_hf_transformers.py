@@ -136,11 +136,21 @@ def test_lora_export_loads_in_peft_and_merged_in_transformers_with_the_runs_logi
         assert json.load(f)["architectures"] == ["GPTNeoXForCausalLM"]
 
 
-def test_tp_is_refused_where_the_model_ships_no_plan(dirs, tmp_path, capsys):
+def test_tp_where_the_model_ships_no_plan_and_architectures_transformers_lacks_are_refused(dirs, tmp_path, capsys):
     err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={dirs['stablelm']}", "strategy=tp", *DIST)
     assert err.count("\n") == 1
     assert (f"strategy='tp': strategy=tp splits layers by a tensor-parallel plan; model.impl=transformers takes "
             f"the one its config class ships (base_model_tp_plan), and {dirs['stablelm']}'s has none") in err
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    for name in os.listdir(dirs["stablelm"]):
+        (unknown / name).write_bytes((dirs["root"] / "stablelm" / name).read_bytes())
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={unknown}")
+    assert "its architecture NoSuchForCausalLM is not a causal LM transformers" in err and err.count("\n") == 1
+    err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={dirs['neox']}", "model.impl=native")
+    assert "GPTNeoXForCausalLM is not supported" in err and "model.impl=transformers runs it" in err
 
 
 def test_forced_on_a_llama_directory_it_trains_with_our_decoders_losses(dirs, cache_dir, tmp_path):
