@@ -14,6 +14,9 @@
 # `bash bench/gpu_check.sh overhead` runs bench/step_overhead.py instead (the worker against a hand loop);
 # `bash bench/gpu_check.sh checkpoint` runs bench/checkpoint.py (the stall of one save, sync against
 # train.checkpoint_async=true, models small and 1b) instead.
+# `bash bench/gpu_check.sh models` runs bench/models.py instead (a second call of at most about 5 minutes, as the
+# report above fills one): per model family, tokens/s and peak memory of a training step, model.impl=native
+# against model.impl=transformers, at the tiny and small shapes, the rows it prints on CPUs.
 #
 # Here, on a machine with PyPI (once):   bash bench/gpu_check.sh --prepare
 #   downloads what the GPU machine lacks (Hydra, OmegaConf, antlr4; Liger-Kernel, FlagGems and FlagGems'
@@ -84,6 +87,11 @@ fi
 if [ "${1:-}" = "checkpoint" ]; then
     timeout 300 python3 bench/checkpoint.py --models small,1b --saves 3 --steps 2 --seq 1024 2>&1 | tail -8 \
         | tee "$report"
+    exit 0
+fi
+if [ "${1:-}" = "models" ]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$report"
+    timeout 290 python3 bench/models.py --steps 20 --warmup 5 2>&1 | grep -v "model shards" | tee -a "$report"
     exit 0
 fi
 

@@ -4,7 +4,8 @@ CHECKPOINT is `<run_dir>/checkpoints/step-<N>`, written under any strategy and w
 shards); the run's `config.yaml` says which model it holds. OUT gets `config.json`, `model.safetensors`
 (fp32, Hugging Face's tensor names) and, for a `model=hf` run, the tokenizer and generation files of the
 model directory it started from, so that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it.
-A built-in preset is written as a `LlamaForCausalLM` (its byte tokenizer has no Hugging Face files). A
+A built-in preset is written as a `LlamaForCausalLM` (its byte tokenizer has no Hugging Face files); a
+`model.impl=transformers` run as transformers' `save_pretrained` writes its model. A
 `peft=lora` run gives its adapters as PEFT saves them (`peft.PeftModel.from_pretrained(base, OUT)` loads
 them), or with `--merge` the whole model with the adapters folded in. With `--quantize`, OUT also gets the
 model's linear weights in torchao's int8-dynamic-activation, int4-weight form (`quantized.pt`,
@@ -32,9 +33,9 @@ from datacache.args import OneLineParser
 from launchers.paths import directory_problem, nearest_existing
 from trainer import models
 from trainer.checkpoint import damage
-from trainer.config.hf import read_config
+from trainer.config.hf_impl import choose
 from trainer.errors import ConfigError
-from trainer.models import hf, lora
+from trainer.models import hf, hf_transformers, lora
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
 TOKENIZER_FILES = (
@@ -140,11 +141,13 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str, quantize: tuple[str
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
         params = dict(model.named_parameters())
         if any(lora.is_adapter(name) for name in params):
-            family = hf.family_of(model)
+            family = None if isinstance(model, hf_transformers.TransformersModel) else hf.family_of(model)
             tensors = lora.peft_state({n: p.detach() for n, p in params.items() if lora.is_adapter(n)}, family)
             save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
             with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
                 json.dump(lora.adapter_config(_peft(cfg), cfg.model.path, family), f, indent=2)
+        elif isinstance(model, hf_transformers.TransformersModel):
+            hf_transformers.save_pretrained(model, tmp)
         else:
             tensors = hf.hf_state({name: p.detach() for name, p in params.items()}, hf.family_of(model))
             tensors = {name: t.contiguous() for name, t in tensors.items()}
@@ -172,6 +175,9 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str, quantize: tuple[str
 
 def _quantization(cfg: DictConfig, checkpoint: str, merge: bool) -> tuple[str, int]:
     """(scheme, group size) of `--quantize` for the run `cfg`; ConfigError when its model cannot take them."""
+    if cfg.model.get("impl") == "transformers":
+        raise ConfigError("--quantize", True, "quantises trainjob's own decoder; this run's model ran through "
+                          "transformers (model.impl=transformers)")
     train = cfg.get("train") or {}
     scheme = train.get("qat") if train.get("qat") not in (None, "none") else "int8_dynamic_act_int4_weight"
     group = int(train.get("qat_group_size") or 32)
@@ -205,8 +211,8 @@ def export(checkpoint: str, out: str, merge: bool = False, quantize: bool = Fals
             f"folds LoRA adapters into the weights; {checkpoint} was trained with "
             f"peft={_peft(cfg).name}, so there is nothing to merge",
         )
-    if cfg.model.name == "hf":
-        read_config(cfg.model.path, key="model.path (of the run)")
+    if cfg.model.name == "hf":  # still a directory that the run's impl loads
+        choose(cfg.model.path, cfg.model.get("impl"), key="model.path (of the run)")
     scheme = _quantization(cfg, checkpoint, merge) if quantize else None
     model = load_model(checkpoint, cfg)
     write(lora.merge(model) if merge else model, cfg, out, scheme)

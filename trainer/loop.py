@@ -160,7 +160,8 @@ class Trainer:
             group["lr"] = group["initial_lr"] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
 
     def _train_step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, backward, clipping, the optimizer and the schedule: under the ATen kernels of kernels=triton."""
+        """Forward, backward, clipping, the optimizer and the schedule: under the ATen kernels of kernels=triton
+        (on model.impl=transformers the one way our kernels reach its modeling code)."""
         with aten_kernels(self.cfg.kernels):
             return self._step(batch)
 

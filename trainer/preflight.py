@@ -16,7 +16,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from launchers.paths import directory_problem
 from trainer.config import ConfigError, parallel_dims, validate
-from trainer.config.hf import fill_config
+from trainer.config.hf_impl import fill_config
 from trainer.run_dir import note_before_making
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.base import DRIVER_REPORTS_ENV
 from launchers.paths import write_whole
 from trainer import checkpoint, config, inputs, loop, models, preemption
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
 from trainer.models.assembly import assemble
 from trainer.parallel import ParallelDims
@@ -125,6 +125,8 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
     dims = ParallelDims.from_config(cfg.strategy, env.world_size)
     corpus = (checked or inputs.check(cfg, dims)).corpus
     mesh = dims.build_mesh(env.device.type)
+    if cfg.model.name == "hf":  # which code runs the directory, and why
+        log.info("%s", hf_impl.describe(cfg.model.path, cfg.model.impl))
     model = assemble(cfg.model, cfg, dims)
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO
 from trainer import config
-from trainer.config.hf import fill_config
+from trainer.config.hf_impl import fill_config
 
 CONF = os.path.join(REPO, "conf")
 

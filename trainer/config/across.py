@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 
-from trainer.config import runtime
+from trainer.config import hf_impl, runtime
 from trainer.config.checks import require
 from trainer.config.model import BYTE_VOCAB_SIZE
 from trainer.config.recipe import DATA, DATA_ROWS
@@ -108,6 +108,10 @@ def _runtime(job) -> None:
 
 def _parallel(job, dims: Degrees) -> None:
     m, s = job.model, job.strategy
+    if dims.tp > 1 and m.impl == "transformers":
+        require(hf_impl.ships_tp_plan(m.path) is not False, "strategy", s.name,
+                f"strategy={s.name} splits layers by a tensor-parallel plan; model.impl=transformers takes the one "
+                f"its config class ships (base_model_tp_plan), and {m.path}'s has none: use strategy=ddp or fsdp2")
     if dims.tp > 1:
         for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim", *(("moe_ffn_dim",) if m.moe_ffn_dim else ())):
             require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
@@ -211,13 +215,12 @@ def _kd(job) -> None:
     """A KD teacher shares the student's tokenizer and holds the sequence length."""
     if job.recipe.name != "kd":
         return
-    from trainer.config import hf  # reads config.json only
-
     path = job.recipe.teacher.path
     require(bool(path) and os.path.isfile(os.path.join(path, "config.json")), "recipe.teacher.path", path,
             "recipe=kd needs the teacher's Hugging Face model directory (holding config.json)")
-    hf.read_config(path, key="recipe.teacher.path")  # a directory trainjob can load, or refused naming the key
-    teacher, m = hf.settings(path), job.model
+    # A directory trainjob can load (natively or through transformers), or refused naming the key.
+    _, teacher = hf_impl.read(path, "recipe.teacher.path")
+    m = job.model
     require(teacher["vocab_size"] == m.vocab_size, "recipe.teacher.path", path,
             f"the teacher has a vocabulary of {teacher['vocab_size']} tokens, the student model.vocab_size="
             f"{m.vocab_size}: distillation compares their distributions token by token, so both need the same "
@@ -260,10 +263,13 @@ def _peft(job) -> None:
         require(job.model.name == "hf", "peft", job.peft.name,
                 f"LoRA adapts a pretrained model: use model=hf model.path=<directory> "
                 f"(model is {job.model.name}, whose frozen weights would be random)")
+        # Through transformers any module name of the model is a target (the ranks check that it names one).
+        if job.model.impl == "transformers":
+            return
         family = BY_NAME[job.model.family]
         targets = list(job.peft.target_modules)
         require(all(t in family.lora_targets for t in targets), "peft.target_modules", targets,
-                f"a {family.name} model has {', '.join(family.lora_targets)}")
+                f"a {family.name} model (model.impl=native) has {', '.join(family.lora_targets)}")
 
 
 def _trackers(job) -> None:

@@ -1,6 +1,7 @@
-"""`model=hf`: a Hugging Face model directory's `config.json`, checked and read as the `model` section's
-values (`fill_config`), so that the resolved config.yaml describes the model like any preset's. No torch:
-the driver fills the section before it checks it.
+"""`model=hf` on trainjob's own decoder (`model.impl=native`): a Hugging Face model directory's `config.json`,
+checked and read as the `model` section's values (`trainer.config.hf_impl.fill_config` chooses the impl and fills
+the section), so that the resolved config.yaml describes the model like any preset's. No torch: the driver fills
+the section before it checks it.
 
 Every native family (`trainer.families`) is read by one function, from the keys transformers 4 and 5 write
 (`rope_parameters` or `rope_theta`/`rope_scaling`/`rope_local_base_freq`; `layer_types` or
@@ -192,16 +193,4 @@ def settings(path: str) -> dict:
         **_multipliers(hf, fam, head_dim),
         **_moe(hf, fam, n_layers),
     }
-
-
-def fill_config(model_cfg) -> None:
-    """With `model=hf`, set the model.* keys from the directory's config.json (the resolved config.yaml then
-    describes the model like any preset's). `model.output_router_logits=true` given on the command line stays:
-    it turns on the router's load-balancing loss of a mixture of experts whose config.json leaves it off."""
-    if model_cfg.name == "hf":
-        keep = bool(model_cfg.get("output_router_logits"))
-        for key, value in settings(model_cfg.path).items():
-            model_cfg[key] = value
-        if keep and "output_router_logits" in model_cfg:
-            model_cfg["output_router_logits"] = True
 

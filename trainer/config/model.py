@@ -21,6 +21,9 @@ class ModelConfig:
     name: str = MISSING
     # model=hf: a Hugging Face model directory; the keys below are then read from its config.json.
     path: str | None = None
+    # model=hf: the code that runs it, native (trainjob's decoder) or transformers (the directory's own modeling
+    # code); unset, config.json chooses (trainer.config.hf_impl).
+    impl: str | None = None
     dim: int = MISSING
     n_layers: int = MISSING
     n_heads: int = MISSING
@@ -62,6 +65,13 @@ class ModelConfig:
     def check(self) -> None:
         positive(self, "model", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                  "max_seq_len", "rope_theta", "norm_eps", "init_std")
+        require(self.impl in (None, "native", "transformers"), "model.impl", self.impl,
+                "must be native or transformers (or unset: chosen from model=hf's config.json)")
+        require(self.impl != "transformers" or self.name == "hf", "model.impl", self.impl,
+                f"runs a Hugging Face directory through transformers: use model=hf model.path=<directory> "
+                f"(model={self.name} is trainjob's own decoder)")
+        if self.impl == "transformers":
+            return  # the rules below are our decoder's
         if self.head_dim is None:
             require(self.dim % self.n_heads == 0, "model.dim", self.dim,
                     f"must be divisible by model.n_heads={self.n_heads} (or give model.head_dim)")

@@ -54,7 +54,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     if width + max_new_tokens > inner.max_seq_len:
         raise ValueError(f"the longest prompt ({width} tokens) plus max_new_tokens={max_new_tokens} exceeds the "
                          f"model's {inner.max_seq_len} positions")
-    device = inner.rope_cos.device
+    device = next(inner.parameters()).device
     collective = any(isinstance(p, DTensor) for p in inner.parameters())
     tp = _tp_degree(inner)
     tokens, valid = left_padded(prompts, pad, device, multiple=tp)

@@ -28,19 +28,20 @@ from trainer.generate.text import Text
 def _source(path: str):
     """(model loader, tokenizer directory or None, positions the model has) of SOURCE; checks it first."""
     from trainer import export
-    from trainer.config.hf import read_config, settings
-    from trainer.models import hf
+    from trainer.config.hf_impl import choose, read
+    from trainer.models import hf, hf_transformers
 
     if os.path.isfile(os.path.join(path, ".metadata")):
         cfg = export.run_config(path)
         hf_dir = None
         if cfg.model.name == "hf":
-            read_config(cfg.model.path, key="model.path (of the run)")
+            choose(cfg.model.path, cfg.model.get("impl"), key="model.path (of the run)")
             hf_dir = cfg.model.path
         return (lambda: export.load_model(path, cfg)), hf_dir, int(cfg.model.max_seq_len)
     if os.path.isfile(os.path.join(path, "config.json")):
-        read_config(path, key="SOURCE")
-        return (lambda: hf.from_hf(path)), path, settings(path)["max_seq_len"]
+        impl, settings = read(path, "SOURCE")
+        loader = hf_transformers if impl == "transformers" else hf
+        return (lambda: loader.from_hf(path)), path, settings["max_seq_len"]
     raise ConfigError("SOURCE", path, "must be a checkpoint (<run_dir>/checkpoints/step-<N>, holding .metadata) "
                       "or a Hugging Face model directory (holding config.json)")
 

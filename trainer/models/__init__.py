@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.models import hf
+from trainer.models import hf, hf_transformers
 from trainer.models.hf import WRAPPED, from_hf
 from trainer.models.llama import OPTION_KEYS, Transformer
 
@@ -23,9 +23,12 @@ __all__ = ["Transformer", "build", "count_params", "from_hf", "init_weights", "n
            "param_shapes"]
 
 
-def build(cfg) -> Transformer:
-    """The model described by `cfg` (a `ModelConfig`), on the current default device."""
+def build(cfg) -> nn.Module:
+    """The model described by `cfg` (a `ModelConfig`), on the current default device: our `Transformer`, or
+    with `model.impl=transformers` transformers' own model behind its interface."""
     if getattr(cfg, "name", None) == "hf":  # a ModelConfig, or any config with the Transformer's keys
+        if getattr(cfg, "impl", None) == "transformers":
+            return hf_transformers.build(cfg.path)
         return hf.build(cfg.path)
     return Transformer(
         dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
@@ -89,8 +92,7 @@ def count_params(cfg) -> int:
     block on the meta device stands for every block, so any depth costs the same."""
     with torch.device("meta"):
         if cfg.name == "hf":
-            model = hf.build(cfg.path)
-            return num_params(model)
+            return num_params(build(cfg))
         one = build(dataclasses.replace(cfg, n_layers=1))
     per_block = sum(p.numel() for p in one.layers["0"].parameters())
     return num_params(one) + (cfg.n_layers - 1) * per_block
@@ -99,8 +101,10 @@ def count_params(cfg) -> int:
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Parameter count of the full (unsharded) model."""
     seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen or (exclude_embeddings and "tok_embeddings" in name):
+    if exclude_embeddings:
+        seen = {id(p) for p in unwrap(model).tok_embeddings.parameters()}
+    for p in model.parameters():
+        if id(p) in seen:
             continue
         seen.add(id(p))
         total += p.numel()

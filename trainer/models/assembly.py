@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.models import build, hf, init_weights, kernels, lora, param_shapes
+from trainer.models import build, hf, hf_transformers, init_weights, kernels, lora, param_shapes
 from trainer.parallel import ParallelDims, parallelize
 
 
@@ -27,7 +27,7 @@ def assemble(model_cfg, cfg, dims: ParallelDims, *, peft: bool = True, qat: bool
     shapes = param_shapes(model)
     model = parallelize(model, dims, cfg.strategy)
     if model_cfg.name == "hf":
-        hf.load_weights(model, model_cfg.path)
+        (hf_transformers if model_cfg.impl == "transformers" else hf).load_weights(model, model_cfg.path)
     else:
         init_weights(model, shapes, cfg.train.seed, model_cfg.init_std, model_cfg.n_layers)
     if peft and cfg.peft.name == "lora":

@@ -3,7 +3,8 @@ RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of 
 with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
 choose among those five (`trainer.config.TRITON_OPS`) as among the ATen ops the loop routes
 (`trainer.loop.aten_kernels`). Attention takes packed rows (`data.packing=true`) as document ids
-(`attention`).
+(`attention`). Under `model.impl=transformers`, whose modeling code these rewrites do not reach, only the loss is
+fused (`hf_transformers.apply_kernels`); its layers reach our kernels through the ATen ops the loop routes.
 
 The families' pieces: `(1 + w)` norms are `ops.rms_norm` with the weight plus one; GeLU-tanh gates (Gemma) go to
 `ops.gelu_and_mul(approximate="tanh")` with `silu_and_mul`; an attention `scale` (Gemma's query_pre_attn_scalar,
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from trainer.config import model_ops
+from trainer.models import hf_transformers
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
 
@@ -50,6 +52,8 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     chosen = model_ops(cfg)
     if not chosen:
         return model
+    if isinstance(model, hf_transformers.TransformersModel):
+        return hf_transformers.apply_kernels(model, chosen)
     import ops
 
     for module in model.modules():

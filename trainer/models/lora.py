@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.families import Family
+from trainer.models import hf_transformers
 from trainer.models.hf import WRAPPED, _fused_names, _inner, family_of, hf_name
 
 
@@ -48,13 +49,15 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     """Add adapters to `cfg.target_modules` of every block and freeze everything else (`cfg`: the peft section)."""
     if cfg.name != "lora":
         return model
-    targets = family_of(model).lora_targets
-    for block in model.layers.values():
-        for target in cfg.target_modules:
-            for name in targets[target]:
-                linear = block.get_submodule(name)
-                linear.__class__ = LoRALinear
-                linear.add_adapter(cfg.rank, cfg.alpha, cfg.dropout)
+    if isinstance(model, hf_transformers.TransformersModel):  # by module name, as PEFT matches them
+        linears = hf_transformers.lora_targets(model, cfg.target_modules)
+    else:
+        targets = family_of(model).lora_targets
+        linears = [block.get_submodule(name) for block in model.layers.values() for target in cfg.target_modules
+                   for name in targets[target]]
+    for linear in linears:
+        linear.__class__ = LoRALinear
+        linear.add_adapter(cfg.rank, cfg.alpha, cfg.dropout)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
     return model
@@ -106,16 +109,18 @@ def init_adapters(model: nn.Module, shapes: dict, seed: int) -> None:
 def peft_name(name: str, family: Family | None = None) -> str:
     """PEFT's key for our adapter parameter `name` (`layers.0.attention.wq.lora_A.weight`)."""
     module, leaf = name.split(".lora_", 1)
+    if module.startswith(hf_transformers.PREFIX):  # model.impl=transformers: transformers' names already
+        return f"base_model.model.{hf_transformers.hf_name(module)}.lora_{leaf}"
     return f"base_model.model.{hf_name(module + '.weight', family).removesuffix('.weight')}.lora_{leaf}"
 
 
-def peft_state(adapters: dict[str, torch.Tensor], family: Family) -> dict[str, torch.Tensor]:
+def peft_state(adapters: dict[str, torch.Tensor], family: Family | None) -> dict[str, torch.Tensor]:
     """adapter_model.safetensors' tensors for our whole adapter parameters `adapters`, the pieces of a fused
-    layer joined (A stacked by rows, B block-diagonal)."""
+    layer joined (A stacked by rows, B block-diagonal); `family` None: model.impl=transformers (its own names)."""
     out, fused = {}, {}
     for name, p in adapters.items():
         module, leaf = name.split(".lora_", 1)
-        if _inner(module + ".weight") in _fused_names(family):
+        if family is not None and _inner(module + ".weight") in _fused_names(family):
             fused.setdefault((peft_name(name, family), leaf[0]), {})[_inner(module + ".weight")] = p
         else:
             out[peft_name(name, family)] = p.contiguous()

@@ -19,6 +19,8 @@ one reduce-scatter adds up with the weight's. So an adapter costs no communicati
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -36,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from trainer.config import StrategyConfig, torch_dtype
+from trainer.config import ConfigError, StrategyConfig, torch_dtype
 from trainer.models.lora import LoRALinear
 from trainer.models.moe import MoE
 from trainer.parallel.dims import ParallelDims
@@ -70,14 +72,16 @@ def _device(mesh) -> torch.device:
 def _parallelize_part(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig, device: torch.device) -> nn.Module:
     """TP, activation checkpointing, compile and FSDP2 on `model` (a whole model or a pipeline stage's part)."""
     mesh = dims.mesh
-    if dims.tp > 1:
+    if dims.tp > 1 and getattr(model, "causal_lm", None) is not None:  # model.impl=transformers
+        apply_shipped_tp(model, mesh["tp"])
+    elif dims.tp > 1:
         # A later pipeline stage has no embedding; under pp the loss is never parallel (see uses_loss_parallel).
         vocab = model.tok_embeddings.num_embeddings if model.tok_embeddings is not None else 0
         apply_tp(model, mesh["tp"], uses_loss_parallel(cfg, vocab, dims))
     if cfg.activation_checkpointing != "none":
         apply_ac(model, cfg.activation_checkpointing)
     if cfg.compile:
-        for block in model.layers.values():
+        for block in model.layers.children():
             block.compile(fullgraph=False)
     if dims.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
@@ -273,7 +277,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, cfg: StrategyConfig, device_type: str)
     policy = MixedPrecisionPolicy(
         param_dtype=torch_dtype(cfg.param_dtype, device_type), reduce_dtype=torch_dtype(cfg.reduce_dtype, device_type)
     )
-    layers = list(model.layers.values())
+    layers = list(model.layers.children())
     for i, block in enumerate(layers):
         # The last block's parameters are needed again first in backward: keeping them saves an all-gather.
         fully_shard(
@@ -283,3 +287,61 @@ def apply_fsdp(model: nn.Module, dp_mesh, cfg: StrategyConfig, device_type: str)
             reshard_after_forward=cfg.reshard_after_forward and i < len(layers) - 1,
         )
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+
+
+# The styles of transformers' `base_model_tp_plan` that `apply_shipped_tp` takes, as DTensor's parallel styles;
+# between them activations stay whole (no sequence parallelism), as in transformers' own tensor parallelism.
+_SHIPPED_STYLES = {
+    "colwise": lambda lora: (_LoRAColwise if lora else ColwiseParallel)(),
+    "rowwise": lambda lora: (_LoRARowwise if lora else RowwiseParallel)(),
+    "embedding_rowwise": lambda lora: RowwiseParallel(input_layouts=Replicate()),
+}
+
+
+class _Replicated(ParallelStyle):
+    """A module outside the plan (a norm, the output layer): its parameters whole on every rank as DTensors (so
+    that clipping and the optimizer see one kind of tensor), its inputs and outputs plain tensors."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        def inputs(_, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) if isinstance(a, torch.Tensor)
+                         else a for a in args)
+
+        def outputs(_, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        _distribute(module, mesh, {name: Replicate() for name, _ in module.named_parameters(recurse=False)}, None)
+        module.register_forward_pre_hook(lambda m, args: inputs(m, args, mesh))
+        module.register_forward_hook(lambda m, args, out: outputs(m, out, mesh))
+        return module
+
+
+def apply_shipped_tp(model: nn.Module, tp_mesh) -> None:
+    """Tensor parallelism on a `model.impl=transformers` model from the plan its config class ships
+    (`base_model_tp_plan`: module name patterns under the base model, each a style); the modules it leaves out
+    keep their parameters whole (`_Replicated`)."""
+    lm = model.causal_lm
+    plan = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ConfigError("strategy", "tp", f"{type(lm).__name__} ships no tensor-parallel plan "
+                          "(base_model_tp_plan): use strategy=ddp or fsdp2")
+    if model.tied:
+        raise ConfigError("strategy", "tp", f"{type(lm).__name__} ties its output layer to its embedding, which "
+                          "its plan splits by rows: use strategy=ddp or fsdp2")
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    styles = {}
+    for pattern, style in plan.items():
+        if style not in _SHIPPED_STYLES:
+            raise ConfigError("strategy", "tp", f"{type(lm).__name__}'s plan splits {pattern} as {style}; trainjob "
+                              f"takes {', '.join(_SHIPPED_STYLES)}: use strategy=ddp or fsdp2")
+        for name, module in lm.base_model.named_modules():
+            if fnmatch.fnmatchcase(name, pattern):
+                lora = isinstance(module, LoRALinear)
+                styles[f"causal_lm.{lm.base_model_prefix}.{name}"] = _SHIPPED_STYLES[style](lora)
+    parallelize_module(model, tp_mesh, styles)
+    rest = {name: _Replicated() for name, module in model.named_modules()
+            if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))}
+    parallelize_module(model, tp_mesh, rest)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+

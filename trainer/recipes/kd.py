@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from trainer.config import hf_impl
 from trainer.models import unwrap
 from trainer.models.assembly import assemble
 from trainer.models.chunked import capped, chunked
@@ -79,7 +80,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 class KD(SFT):
     def __init__(self, cfg, model, ctx):
         super().__init__(cfg, model, ctx)
-        teacher_cfg = dataclasses.replace(cfg.model, name="hf", path=cfg.recipe.teacher.path)
+        path = cfg.recipe.teacher.path  # the teacher runs natively or through transformers, as its directory says
+        teacher_cfg = dataclasses.replace(cfg.model, name="hf", path=path, impl=hf_impl.choose(path, None)[0])
         self.teacher = assemble(teacher_cfg, cfg, ctx.dims, peft=False, qat=False, frozen=True)
         with torch.no_grad():
             self.teacher_weight = _whole(unwrap(self.teacher).output_weight).detach()
