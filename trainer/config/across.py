@@ -140,6 +140,9 @@ def _pipeline(job, dims: Degrees, at: str = "") -> None:
     require(job.recipe.name in PIPELINE_RECIPES, "recipe", job.recipe.name, f"strategy.pp={dims.pp} runs recipes "
             f"whose step is one forward and loss ({', '.join(PIPELINE_RECIPES)}); recipe={job.recipe.name} "
             "calls its model(s) otherwise: use strategy.pp=1")
+    require(m.impl != "transformers", "strategy.pp", dims.pp, "model.impl=transformers runs transformers' own "
+            "modeling code, whose model trainjob does not split into stages: use strategy.pp=1 (fsdp2 shards it), "
+            "or a native family (model.impl=native)")
     require(not m.tie_embeddings, "strategy.pp", dims.pp, f"model {m.name} ties its output layer to the embedding, "
             "which would sit on the first and the last stage at once: pipeline parallelism needs untied "
             "embeddings (model.tie_embeddings=false), or strategy.pp=1")
