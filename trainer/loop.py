@@ -40,7 +40,10 @@ def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.o
     trained = [p for p in model.parameters() if p.requires_grad]  # not a frozen base (peft=lora)
     decay = [p for p in trained if p.ndim >= 2]
     no_decay = [p for p in trained if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains no 1-D parameter) is left out: a checkpoint's optimizer state is kept per
+    # parameter name, and torch.distributed.checkpoint cannot place a group without parameters.
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if cfg.name == "adamw":
         if impl == "triton":
             import ops

@@ -169,16 +169,18 @@ def test_kernels_triton_routes_aten_ops_for_the_step_with_the_same_loss_and_grad
     from types import SimpleNamespace
 
     from ops import aten
+    from trainer.loop import aten_kernels
     from trainer.models import kernels
 
     tokens = TOKENS[:1, :9]
     plain, routed = hf_transformers.from_hf(dirs["neox"]), hf_transformers.from_hf(dirs["neox"])
-    kernels.apply(routed, SimpleNamespace(name="triton", include=None, exclude=[]))
+    section = SimpleNamespace(name="triton", include=None, exclude=[], aten=True)
+    kernels.apply(routed, section)
     assert routed.fused_loss_fn is not None  # the loss fused with the output layer: no logits
     expected = plain(tokens[:, :-1], tokens[:, 1:])
     expected.backward()
     aten.calls.clear()
-    with routed.step_scope():
+    with aten_kernels(section):  # what the training loop runs each step under
         loss = routed(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
     assert aten.calls["mm"] > 0 and aten.calls["addmm"] > 0 and aten.registered() == []  # scoped to the step
