@@ -87,7 +87,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self.flops_per_token = metrics.flops_per_token(
             models.num_params(model, exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
-            cfg.model.get("head_dim") or cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+            cfg.model.head_dim or cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
         self.checkpointer = checkpoint.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t, model, self.optimizer,
                                                     self._train_state, device)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.hf_models import FAMILIES, make_family
+from tests.conftest import read_metrics
+from tests.trainer.hf_models import FAMILIES, add_tokenizer, make_family
 from trainer.config.hf import settings
 from trainer.models import from_hf
 
@@ -20,7 +21,7 @@ TOKENS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("families"))
-    return {name: make_family(root, name) for name in NAMES}
+    return {name: add_tokenizer(make_family(root, name)) for name in NAMES}
 
 
 def _transformers_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -88,17 +89,47 @@ STEPS = ["train.max_steps=2", "train.eval_every=2", "train.checkpoint_every=2", 
          "train.log_every=1", "data.seq_len=24", "train.global_batch_size=4", "optim.lr=1e-2"]
 
 
+def _preset_runs(family_dirs, root) -> list:
+    """Two steps of the Qwen3 GRPO preset on text prompts and of the Gemma 3 LoRA preset on conversations."""
+    import json
+    import random
+
+    from tests.trainer.test_sft import _chats
+
+    rng = random.Random(0)
+    prompts, chats = root / "prompts.jsonl", root / "chats.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(["the", "cat", "sat"]) for _ in range(3))})
+                               + "\n" for _ in range(32)))
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(32, seed=1)))
+    small = ["train.max_steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false",
+             "train.log_every=1", "data.seq_len=32", "optim.warmup_steps=0", "strategy=ddp"]
+    return [
+        (["+experiment=qwen3_0_6b_grpo", f"model.path={family_dirs['qwen3']}", f"data.path={prompts}", *small,
+          "recipe.num_generations=4", "train.global_batch_size=8", "recipe.max_completion_length=8",
+          "data.eval_percent=25", "recipe.reward_funcs=[tests.trainer.grpo_rewards:lowercase]",
+          f"hydra.run.dir={root / 'grpo'}"], root),
+        (["+experiment=gemma3_1b_lora", f"model.path={family_dirs['gemma3']}", f"data.path={chats}", *small,
+          "train.global_batch_size=4", "data.eval_percent=25", f"hydra.run.dir={root / 'gemma3-lora'}"], root),
+    ]
+
+
+@pytest.mark.timeout(900)  # eleven short runs: about a minute of CPU, more on a busy machine
 def test_each_family_trains_and_exports_to_what_transformers_loads(family_dirs, run_cli_batch, tmp_path):
     """`python -m trainer model=hf model.path=DIR` trains each family two steps (one interpreter forking a run per
-    family); `python -m trainer.export` writes a directory transformers loads with the trained model's logits."""
+    family); `python -m trainer.export` writes a directory transformers loads with the trained model's logits.
+    The Qwen3 GRPO and Gemma 3 LoRA presets train two steps on their families' tiny models."""
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import read_metrics
     from trainer import export
 
     runs = [(["model=hf", f"model.path={family_dirs[name]}", *STEPS, f"hydra.run.dir={tmp_path / name}"], tmp_path)
             for name in NAMES]
-    for name, proc in zip(NAMES, run_cli_batch(runs, timeout=600), strict=True):
+    runs += _preset_runs(family_dirs, tmp_path)
+    procs = run_cli_batch(runs, timeout=900)
+    for proc in procs[len(NAMES):]:  # the presets' runs
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reward" in read_metrics(str(tmp_path / "grpo"))[-1] and read_metrics(str(tmp_path / "gemma3-lora"))
+    for name, proc in zip(NAMES, procs, strict=False):
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         checkpoint = str(tmp_path / name / "checkpoints" / "step-2")
         out = export.export(checkpoint, str(tmp_path / f"{name}-export"))
