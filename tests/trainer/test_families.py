@@ -253,3 +253,55 @@ def test_lora_adapters_on_the_familys_names_load_in_peft_with_our_logits(family_
         ours = model.eval()(TOKENS)
         assert (ours - from_hf(family_dirs[name])(TOKENS)).abs().max() > 1e-2  # the adapters count
         torch.testing.assert_close(theirs(TOKENS).logits, ours, rtol=0, atol=1e-4)
+
+
+def _respelled(src: str, dst: str, drop: tuple[str, ...], **changes) -> str:
+    """A copy of model directory `src` whose config.json drops `drop` and sets `changes`."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(f"{dst}/config.json") as f:
+        config = json.load(f)
+    for key in drop:
+        config.pop(key, None)
+    config.update(changes)
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def test_transformers_4_spellings_of_config_json_read_the_same(family_dirs, tmp_path):
+    """Gemma 3 as transformers 4 wrote it (rope_theta, rope_local_base_freq, sliding_window_pattern, a linear
+    rope_scaling of its global layers) and Qwen3-MoE's num_experts: the same model keys, and transformers' logits."""
+    gemma3 = _respelled(family_dirs["gemma3"], str(tmp_path / "gemma3"), ("rope_parameters", "layer_types"),
+                        rope_theta=100000.0, rope_local_base_freq=1000.0, sliding_window_pattern=2,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0})
+    read = settings(gemma3)
+    assert {k: read[k] for k in ("rope_theta", "rope_local_theta", "layer_types", "sliding_window")} == {
+        k: settings(family_dirs["gemma3"])[k] for k in ("rope_theta", "rope_local_theta", "layer_types",
+                                                         "sliding_window")}
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(gemma3).eval()(TOKENS), _transformers_logits(gemma3, TOKENS), rtol=0,
+                                   atol=1e-4)
+    moe = _respelled(family_dirs["qwen3_moe"], str(tmp_path / "moe"), ("num_local_experts",), num_experts=4)
+    assert settings(moe)["n_experts"] == 4
+
+
+def test_what_a_family_cannot_take_is_refused_in_one_line(family_dirs, tmp_path, capsys):
+    from tests.conftest import compose_refused
+
+    phi3 = family_dirs["phi3"]
+    message = compose_refused(tmp_path, capsys, "model=hf", f"model.path={phi3}", "peft=lora")
+    assert "peft.target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']: a phi3 model has" in message
+    assert "qkv_proj" in message and "gate_up_proj" in message
+    message = compose_refused(tmp_path, capsys, "model=hf", f"model.path={family_dirs['qwen3_moe']}", "peft=lora",
+                              "peft.target_modules=[q_proj,gate_proj]")
+    assert "a qwen3_moe model has q_proj, k_proj, v_proj, o_proj" in message
+    message = compose_refused(tmp_path, capsys, "model=hf", f"model.path={family_dirs['gemma2']}", "recipe=kd",
+                              "data=chat", "data.path=x.jsonl", f"recipe.teacher.path={family_dirs['gemma2']}")
+    assert "recipe='kd': distils" in message and "model.final_softcap=3.0" in message
+    partial = _respelled(family_dirs["phi3"], str(tmp_path / "phi4-mini"), ("rope_parameters",), rope_theta=1e4,
+                         partial_rotary_factor=0.75)  # as transformers 4 wrote Phi-4-mini
+    with pytest.raises(Exception, match="partial_rotary_factor below 1"):
+        settings(partial)
