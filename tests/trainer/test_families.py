@@ -58,6 +58,7 @@ def test_config_json_is_read_as_the_family_options(family_dirs):
     assert (gemma3["rope_theta"], gemma3["rope_local_theta"], gemma3["qk_norm"]) == (100000.0, 1000.0, "head")
     assert settings(family_dirs["qwen3"])["head_dim"] == 24
     assert settings(family_dirs["smollm3"])["nope_layers"] == [1]
+    assert settings(family_dirs["phi3"])["layer_types"] == ["sliding_attention"] * 2  # its window is every layer's
     assert settings(family_dirs["olmo2"])["qk_norm"] == "full"
     granite = settings(family_dirs["granite"])
     assert (granite["embedding_multiplier"], granite["residual_multiplier"], granite["attention_scale"],
