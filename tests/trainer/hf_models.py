@@ -123,7 +123,7 @@ FAMILIES = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 8}),  # every layer windowed
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {
@@ -134,7 +134,7 @@ FAMILIES = {
         "output_router_logits": True, "router_aux_loss_coef": 0.02}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
         "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
-        "router_aux_loss_coef": 0.02}),
+        "router_aux_loss_coef": 0.02, "sliding_window": 8}),
 }
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.hf_models import FAMILIES, make_family
+from tests.conftest import read_metrics
+from tests.trainer.hf_models import FAMILIES, add_tokenizer, make_family
 from trainer.config.hf import settings
 from trainer.models import from_hf
 
@@ -20,7 +21,7 @@ TOKENS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("families"))
-    return {name: make_family(root, name) for name in NAMES}
+    return {name: add_tokenizer(make_family(root, name)) for name in NAMES}
 
 
 def _transformers_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -57,6 +58,7 @@ def test_config_json_is_read_as_the_family_options(family_dirs):
     assert (gemma3["rope_theta"], gemma3["rope_local_theta"], gemma3["qk_norm"]) == (100000.0, 1000.0, "head")
     assert settings(family_dirs["qwen3"])["head_dim"] == 24
     assert settings(family_dirs["smollm3"])["nope_layers"] == [1]
+    assert settings(family_dirs["phi3"])["layer_types"] == ["sliding_attention"] * 2  # its window is every layer's
     assert settings(family_dirs["olmo2"])["qk_norm"] == "full"
     granite = settings(family_dirs["granite"])
     assert (granite["embedding_multiplier"], granite["residual_multiplier"], granite["attention_scale"],
@@ -88,17 +90,47 @@ STEPS = ["train.max_steps=2", "train.eval_every=2", "train.checkpoint_every=2", 
          "train.log_every=1", "data.seq_len=24", "train.global_batch_size=4", "optim.lr=1e-2"]
 
 
+def _preset_runs(family_dirs, root) -> list:
+    """Two steps of the Qwen3 GRPO preset on text prompts and of the Gemma 3 LoRA preset on conversations."""
+    import json
+    import random
+
+    from tests.trainer.test_sft import _chats
+
+    rng = random.Random(0)
+    prompts, chats = root / "prompts.jsonl", root / "chats.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(["the", "cat", "sat"]) for _ in range(3))})
+                               + "\n" for _ in range(32)))
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(32, seed=1)))
+    small = ["train.max_steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false",
+             "train.log_every=1", "data.seq_len=32", "optim.warmup_steps=0", "strategy=ddp"]
+    return [
+        (["+experiment=qwen3_0_6b_grpo", f"model.path={family_dirs['qwen3']}", f"data.path={prompts}", *small,
+          "recipe.num_generations=4", "train.global_batch_size=8", "recipe.max_completion_length=8",
+          "data.eval_percent=25", "recipe.reward_funcs=[tests.trainer.grpo_rewards:lowercase]",
+          f"hydra.run.dir={root / 'grpo'}"], root),
+        (["+experiment=gemma3_1b_lora", f"model.path={family_dirs['gemma3']}", f"data.path={chats}", *small,
+          "train.global_batch_size=4", "data.eval_percent=25", f"hydra.run.dir={root / 'gemma3-lora'}"], root),
+    ]
+
+
+@pytest.mark.timeout(900)  # eleven short runs: about a minute of CPU, more on a busy machine
 def test_each_family_trains_and_exports_to_what_transformers_loads(family_dirs, run_cli_batch, tmp_path):
     """`python -m trainer model=hf model.path=DIR` trains each family two steps (one interpreter forking a run per
-    family); `python -m trainer.export` writes a directory transformers loads with the trained model's logits."""
+    family); `python -m trainer.export` writes a directory transformers loads with the trained model's logits.
+    The Qwen3 GRPO and Gemma 3 LoRA presets train two steps on their families' tiny models."""
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import read_metrics
     from trainer import export
 
     runs = [(["model=hf", f"model.path={family_dirs[name]}", *STEPS, f"hydra.run.dir={tmp_path / name}"], tmp_path)
             for name in NAMES]
-    for name, proc in zip(NAMES, run_cli_batch(runs, timeout=600), strict=True):
+    runs += _preset_runs(family_dirs, tmp_path)
+    procs = run_cli_batch(runs, timeout=900)
+    for proc in procs[len(NAMES):]:  # the presets' runs
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reward" in read_metrics(str(tmp_path / "grpo"))[-1] and read_metrics(str(tmp_path / "gemma3-lora"))
+    for name, proc in zip(NAMES, procs, strict=False):
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         checkpoint = str(tmp_path / name / "checkpoints" / "step-2")
         out = export.export(checkpoint, str(tmp_path / f"{name}-export"))
@@ -222,3 +254,55 @@ def test_lora_adapters_on_the_familys_names_load_in_peft_with_our_logits(family_
         ours = model.eval()(TOKENS)
         assert (ours - from_hf(family_dirs[name])(TOKENS)).abs().max() > 1e-2  # the adapters count
         torch.testing.assert_close(theirs(TOKENS).logits, ours, rtol=0, atol=1e-4)
+
+
+def _respelled(src: str, dst: str, drop: tuple[str, ...], **changes) -> str:
+    """A copy of model directory `src` whose config.json drops `drop` and sets `changes`."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(f"{dst}/config.json") as f:
+        config = json.load(f)
+    for key in drop:
+        config.pop(key, None)
+    config.update(changes)
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def test_transformers_4_spellings_of_config_json_read_the_same(family_dirs, tmp_path):
+    """Gemma 3 as transformers 4 wrote it (rope_theta, rope_local_base_freq, sliding_window_pattern, a linear
+    rope_scaling of its global layers) and Qwen3-MoE's num_experts: the same model keys, and transformers' logits."""
+    gemma3 = _respelled(family_dirs["gemma3"], str(tmp_path / "gemma3"), ("rope_parameters", "layer_types"),
+                        rope_theta=100000.0, rope_local_base_freq=1000.0, sliding_window_pattern=2,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0})
+    read = settings(gemma3)
+    assert {k: read[k] for k in ("rope_theta", "rope_local_theta", "layer_types", "sliding_window")} == {
+        k: settings(family_dirs["gemma3"])[k] for k in ("rope_theta", "rope_local_theta", "layer_types",
+                                                         "sliding_window")}
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(gemma3).eval()(TOKENS), _transformers_logits(gemma3, TOKENS), rtol=0,
+                                   atol=1e-4)
+    moe = _respelled(family_dirs["qwen3_moe"], str(tmp_path / "moe"), ("num_local_experts",), num_experts=4)
+    assert settings(moe)["n_experts"] == 4
+
+
+def test_what_a_family_cannot_take_is_refused_in_one_line(family_dirs, tmp_path, capsys):
+    from tests.conftest import compose_refused
+
+    phi3 = family_dirs["phi3"]
+    message = compose_refused(tmp_path, capsys, "model=hf", f"model.path={phi3}", "peft=lora")
+    assert "peft.target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']: a phi3 model has" in message
+    assert "qkv_proj" in message and "gate_up_proj" in message
+    message = compose_refused(tmp_path, capsys, "model=hf", f"model.path={family_dirs['qwen3_moe']}", "peft=lora",
+                              "peft.target_modules=[q_proj,gate_proj]")
+    assert "a qwen3_moe model has q_proj, k_proj, v_proj, o_proj" in message
+    message = compose_refused(tmp_path, capsys, "model=hf", f"model.path={family_dirs['gemma2']}", "recipe=kd",
+                              "data=chat", "data.path=x.jsonl", f"recipe.teacher.path={family_dirs['gemma2']}")
+    assert "recipe='kd': distils" in message and "model.final_softcap=3.0" in message
+    partial = _respelled(family_dirs["phi3"], str(tmp_path / "phi4-mini"), ("rope_parameters",), rope_theta=1e4,
+                         partial_rotary_factor=0.75)  # as transformers 4 wrote Phi-4-mini
+    with pytest.raises(Exception, match="partial_rotary_factor below 1"):
+        settings(partial)

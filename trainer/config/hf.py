@@ -19,6 +19,8 @@ from trainer.errors import ConfigError
 from trainer.families import FAMILIES, Family
 
 ARCHITECTURES = tuple(FAMILIES)
+# Families whose sliding_window, when set, applies to every layer (transformers has no layer_types for them).
+WINDOW_EVERYWHERE = ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh"}
 
@@ -102,6 +104,8 @@ def _layer_types(hf: dict, n_layers: int) -> list[str] | None:
         pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or
                       (6 if _gemma3(hf) else 2))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if not types and arch in WINDOW_EVERYWHERE:
+        types = ["sliding_attention"] * n_layers
     if not types and hf.get("use_sliding_window"):  # Qwen2/3 before layer_types: the layers from max_window_layers
         first = int(hf.get("max_window_layers", n_layers))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
