@@ -261,8 +261,11 @@ def table(cov: Coverage) -> str:
     s = cov.summary
     lines.append(f"computing ATen calls in ours: {s['ours_calls']} of {s['calls']} ({s['share']:.1%}); ops "
                  f"{s['ours_ops']} of {s['ops']}; bytes {s['ours_bytes'] / max(1, s['bytes']):.0%}")
-    left = sorted(op for op in cov.reasons)
-    lines.append(f"left to PyTorch: {', '.join(f'{op} ({cov.reasons[op]})' for op in left) if left else 'none'}")
+    by_reason: dict[str, list[str]] = {}
+    for op in sorted(cov.reasons):
+        by_reason.setdefault(cov.reasons[op], []).append(op)
+    lines.append("left to PyTorch: " + ("; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items())
+                                        if by_reason else "none"))
     lines.append("excluded kinds stay in PyTorch by design: " + "; ".join(f"{k}: {v}" for k, v in WHY.items()))
     lines.append(f"{'our Triton kernel':<36}{'launches':>9}")
     lines += [f"{name:<36}{count:>9}" for name, count in sorted(cov.launches.items())]

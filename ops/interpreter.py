@@ -1,8 +1,14 @@
-"""Running the kernels under Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors): one correction.
+"""Running the kernels under Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors): one correction, and
+launches that dispatch no ATen op of their own.
 
 The interpreter keeps bf16 values as their raw 16 bits (numpy has no bf16) and its `tl.dot` multiplies
 those bits as integers. A GPU multiplies bf16 tiles exactly into an fp32 accumulator, so widening both
-tiles to fp32 first gives the GPU's result. Nothing here runs when the kernels are compiled.
+tiles to fp32 first gives the GPU's result.
+
+Each interpreted launch copies its tensor arguments to host storages and back with ATen ops (`copy_`,
+`set_`, `empty`); a compiled launch dispatches none. They run with the Python dispatch modes set aside, so a
+`TorchDispatchMode` that traces a step under the interpreter sees the ATen calls a GPU would dispatch.
+Nothing here runs when the kernels are compiled.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ import os
 
 
 def install() -> None:
-    """Make the interpreter's `tl.dot` widen bf16 tiles (once; only when TRITON_INTERPRET=1)."""
+    """Make the interpreter's `tl.dot` widen bf16 tiles and its launches run without the Python dispatch
+    modes (once; only when TRITON_INTERPRET=1)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     import triton.language as tl
@@ -30,3 +37,20 @@ def install() -> None:
 
     create_dot.widens_bf16 = True
     InterpreterBuilder.create_dot = create_dot
+    _launch_without_modes()
+
+
+def _launch_without_modes() -> None:
+    import torch.utils._python_dispatch as python_dispatch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+    if getattr(run, "without_modes", False):
+        return
+
+    def launch(self, *args, **kwargs):
+        with python_dispatch._disable_current_modes():
+            return run(self, *args, **kwargs)
+
+    launch.without_modes = True
+    InterpretedFunction.run = launch

@@ -31,16 +31,29 @@ def table(values, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-def blocks(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(which tensor each block belongs to, where in it the block starts, the number of blocks)."""
+@functools.lru_cache(maxsize=64)
+def _blocks(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     counts = [triton.cdiv(n, POINTWISE_BLOCK) for n in sizes]
     owner = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
     start = np.concatenate([np.arange(c, dtype=np.int64) * POINTWISE_BLOCK for c in counts] or [np.zeros(0)])
-    return table(owner, device), table(start, device), len(owner)
+    return table(sizes, device), table(owner, device), table(start, device), len(owner)
+
+
+def blocks(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(the sizes, which tensor each block belongs to, where in it the block starts, the number of blocks),
+    kept for the next call with the same sizes (every step of a model's optimizer and clipping)."""
+    return _blocks(tuple(sizes), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _addresses(pointers: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return table(pointers, device)
 
 
 def addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return table([t.data_ptr() for t in tensors], device)
+    """The tensors' addresses as a table (kept: parameters and moments stay where they are, and the caching
+    allocator gives gradients the same addresses step after step)."""
+    return _addresses(tuple(t.data_ptr() for t in tensors), device)
 
 
 @triton.jit
@@ -65,20 +78,25 @@ def _segment_norms(partial_ptr, first_block, n_blocks, out_ptr, BLOCK: tl.conste
     tl.store(out_ptr + t, tl.sqrt(tl.sum(acc, axis=0)).to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=64)
+def _segments(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tensor's first block and number of blocks."""
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return table(first, device), table(counts, device)
+
+
 def _norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The 2-norms of same-dtype, contiguous tensors on one device, as one (len,) tensor of `dtype`."""
     device = tensors[0].device
     sizes = [t.numel() for t in tensors]
-    owner, start, n = blocks(sizes, device)
+    size_table, owner, start, n = blocks(sizes, device)
     partial = torch.empty(n, dtype=torch.float32, device=device)
     if n:
-        _sumsq_blocks[(n,)](addresses(tensors, device), table(sizes, device), owner, start, partial,
+        _sumsq_blocks[(n,)](addresses(tensors, device), size_table, owner, start, partial,
                             T=TL[tensors[0].dtype], BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
     counts = [triton.cdiv(s, POINTWISE_BLOCK) for s in sizes]
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     out = torch.empty(len(tensors), dtype=dtype, device=device)
-    _segment_norms[(len(tensors),)](partial, table(first, device), table(counts, device), out, BLOCK=256,
-                                    num_warps=warps(256))
+    _segment_norms[(len(tensors),)](partial, *_segments(tuple(counts), device), out, BLOCK=256, num_warps=warps(256))
     return out
 
 
@@ -145,9 +163,9 @@ def foreach_mul_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t)
     for (device, kind), ts in groups.items():
-        owner, start, n = blocks([t.numel() for t in ts], device)
-        _scale_[(n,)](addresses(ts, device), table([t.numel() for t in ts], device), owner, start,
-                      scale.to(device), T=TL[kind], BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
+        sizes, owner, start, n = blocks([t.numel() for t in ts], device)
+        _scale_[(n,)](addresses(ts, device), sizes, owner, start, scale.to(device), T=TL[kind],
+                      BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
 
 
 @triton.jit
@@ -184,7 +202,7 @@ def stack(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
         inner = 1
         for size in shape[dim:]:
             inner *= size
-        owner, start, count = blocks([n] * len(sources), device)
+        _, owner, start, count = blocks([n] * len(sources), device)
         _stack[(count,)](addresses(sources, device), owner, start, out, n, len(sources), inner, T=TL[dtype],
                          BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
     return out

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.distributed.tensor import DTensor
 
-from ops.multi_tensor import TL, addresses, blocks, table
+from ops.multi_tensor import TL, addresses, blocks
 from ops.settings import POINTWISE_BLOCK, warps
 
 
@@ -59,11 +59,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _launch(params, grads, avgs, sqs, step: int, lr, beta1, beta2, eps, weight_decay, sign) -> None:
     """One launch over tensors that share a device, dtypes and step: a program per block of any of them."""
     device = params[0].device
-    sizes = [p.numel() for p in params]
-    owner, start, n = blocks(sizes, device)
+    sizes, owner, start, n = blocks([p.numel() for p in params], device)
     step_size = lr / (1 - beta1**step)
     bc2_sqrt = math.sqrt(1 - beta2**step)
-    _adamw[(n,)](*(addresses(ts, device) for ts in (params, grads, avgs, sqs)), table(sizes, device), owner, start,
+    _adamw[(n,)](*(addresses(ts, device) for ts in (params, grads, avgs, sqs)), sizes, owner, start,
                  lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, sign, P=TL[params[0].dtype],
                  G=TL[grads[0].dtype], S=TL[avgs[0].dtype], BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
 

@@ -167,7 +167,7 @@ def compile_spec(spec: dict, archs: list[int]) -> list[str]:
 def record_model_shapes(path: str) -> None:
     """Record, without running, every op forward and backward at Llama-3-8B's row lengths (hidden 4096,
     FFN 14336, vocabulary 128256, 32/8 heads of 128), a 1024-cube matmul, attention, the embedding, the
-    loss's comparisons, clamps and reciprocals, and an AdamW step, in bf16 and fp32: the
+    loss's comparisons, clamps and reciprocals, an AdamW step and gradient clipping, in bf16 and fp32: the
     block sizes, warps and tiles a GPU uses at those shapes, which the op tests' small shapes never
     reach. (The fused linear cross-entropy's kernels are the cross-entropy ones at the same vocabulary.)"""
     import torch
@@ -214,6 +214,9 @@ def record_model_shapes(path: str) -> None:
         weight = leaf(ffn, dim)
         weight.grad = torch.zeros_like(weight)
         ops.AdamW([weight]).step()
+        # Clipping the gradients: their norms, the norm of the norms, the scale.
+        norms = ops.foreach_norm([weight.grad, x], dtype=torch.float32)
+        ops.foreach_mul_([weight.grad, x], ops.vector_norm(ops.stack(norms)))
 
 
 def compile_all(path: str, archs: list[int]) -> list[str]:
