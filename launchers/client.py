@@ -53,6 +53,24 @@ try:
     _sys.stdout, _sys.stderr = _Tee(_sys.stdout, _log), _Tee(_sys.stderr, _log)
 except OSError:
     pass
+
+
+def _run(func, kwargs):
+    \"\"\"Call func; an exception ends the rank with one line naming the function and the exception, then the
+    user's own frames (none of this script's call, of the interpreter's library or of site-packages), exit 1.\"\"\"
+    import traceback as _tb
+    try:
+        func(**kwargs)
+    except Exception as e:
+        ours = (_os.path.dirname(_os.__file__), _sys.prefix, _sys.base_prefix)
+        frames = [f for f in _tb.extract_tb(e.__traceback__)[1:] if not f.filename.startswith(ours)]
+        detail = " ".join(str(e).split())
+        print(f"error: {func.__name__} raised {type(e).__name__}{': ' + detail if detail else ''} on rank "
+              f"{_os.environ.get('RANK', '0')}", file=_sys.stderr)
+        if frames:
+            print("Traceback (your code, most recent call last):\\n" + "".join(_tb.format_list(frames)).rstrip(),
+                  file=_sys.stderr)
+        _sys.exit(1)
 """
 
 
@@ -107,7 +125,7 @@ def function_script(func: Callable, func_args: dict[str, Any] | None) -> str:
     except (OSError, TypeError):
         raise ValueError(f"func={func.__name__}: its source cannot be read (defined on stdin, in a notebook "
                          "cell lost since, or by exec?): define it in a file; the job runs its source") from None
-    return f"{_TEE}\n{source}\n\nif __name__ == '__main__':\n    {func.__name__}(**{args!r})\n"
+    return f"{_TEE}\n{source}\n\nif __name__ == '__main__':\n    _run({func.__name__}, {args!r})\n"
 
 
 class Client:

@@ -16,7 +16,7 @@ import sys
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 
 from launchers.base import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
 
@@ -41,6 +41,11 @@ def main(argv: list[str]) -> int:
             print(f"error: the rendezvous at {args.rdzv_endpoint} timed out after waiting for {args.nnodes} nodes "
                   "(runtime.rdzv_timeout)", file=sys.stderr)
         return RDZV_TIMEOUT_EXIT
+    except RendezvousError as e:  # the store went away (killed, its machine lost), or the run was closed there
+        detail = " ".join(f"{type(e).__name__}: {e}".split()).rstrip(": ")
+        print(f"error: the rendezvous at {args.rdzv_endpoint} failed ({detail}): restart the nodes with the same "
+              "command to resume from the newest checkpoint", file=sys.stderr)
+        return 1
     except SignalException as e:  # the agent was told to stop (SIGTERM: preempted); its ranks were stopped
         return 128 + int(e.sigval)
     return 0

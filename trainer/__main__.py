@@ -105,6 +105,10 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         checked = check(cfg)
     except config.ConfigError as e:
         _refuse(e, run_dir)
+    except UserCodeError as e:  # a chat template that raised while the corpus was built: exit 1, nothing left
+        print(e.report(), file=sys.stderr)
+        remove_if_new(run_dir)
+        raise SystemExit(1) from None
     resolved = OmegaConf.to_container(cfg, resolve=True)
     saved, secrets, cache_nodes = _as_launched(resolved)
     lock_fds, node = (), None

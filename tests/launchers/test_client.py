@@ -338,3 +338,34 @@ def test_client_options_reach_the_trainer_as_the_same_values(value):
 
     parsed = OverridesParser.create().parse_override(f"++launcher.option={_hydra(value)}").value()
     assert parsed == value and type(parsed) is type(value)
+
+
+def test_a_function_that_raises_ends_its_rank_in_one_line_and_the_users_frames(tmp_path):
+    import importlib.util
+
+    from launchers.client import function_script
+
+    (tmp_path / "user_code.py").write_text(textwrap.dedent("""\
+        def fails(path):
+            import json  # the job runs the function's source alone, as Kubeflow's CustomTrainer does
+
+            def read(text):
+                return json.loads(text)
+            read("{not json at " + path)
+        """))
+    spec = importlib.util.spec_from_file_location("user_code", tmp_path / "user_code.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    script = tmp_path / "job" / "train_func.py"
+    script.parent.mkdir()
+    script.write_text(function_script(module.fails, {"path": "/data"}))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RANK": "1"})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "error: fails raised JSONDecodeError: Expecting property name enclosed in double quotes: " \
+                       "line 1 column 2 (char 1) on rank 1", lines
+    assert lines[1] == "Traceback (your code, most recent call last):"
+    files = [line.split('"')[1] for line in lines[2:] if line.startswith("  File ")]
+    assert files == [str(script)] * 2, lines  # fails, then read: not json's frames, not the call in the script
+    assert (tmp_path / "job" / "logs" / "rank-1.log").read_text().strip() == proc.stderr.strip()

@@ -8,6 +8,7 @@ conversation (Qwen3's thinking block) is refused under data.chat.mask=assistant,
 from __future__ import annotations
 
 import json
+import os
 import random
 import string
 
@@ -210,3 +211,31 @@ def test_rows_dropped_are_counted_by_reason_in_the_refusal_not_blamed_on_the_bat
                           "leaves the train split 0 rows, fewer than train.global_batch_size=4"), err
     assert "global_batch_size=4: the train split" not in err and len(err.strip().splitlines()) == 1
     compose_run(tmp_path, *args, "data.seq_len=64")  # the same rows train once the replies fit
+
+
+def test_a_template_that_raises_ends_the_run_in_one_report_naming_it_and_leaves_nothing(tmp_path, capsys):
+    from tests.trainer.hf_models import add_tokenizer, make_llama
+
+    model = add_tokenizer(make_llama(str(tmp_path / "model")))
+    config_path = os.path.join(model, "tokenizer_config.json")
+    with open(config_path) as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception("
+                                   "'System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with open(config_path, "w") as f:
+        json.dump(tok_config, f)
+    path = tmp_path / "chats.jsonl"
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}]
+    path.write_text(json.dumps({"messages": turns}) + "\n")
+    capsys.readouterr()  # the model's making
+    with pytest.raises(SystemExit) as e:
+        compose_run(tmp_path, "model=hf", f"model.path={model}", "recipe=sft", "data=chat", f"data.path={path}",
+                    f"data.cache_dir={tmp_path / 'cache'}")
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (f"error: the chat template of model.path={model} raised TemplateError: System role not "
+                      f"supported on conversation chats.jsonl:0 of data.path={path}, before the first step"), err
+    assert err[1:] == ["Traceback (your code, most recent call last):",
+                       '  File "<template>", line 1, in top-level template code'], err
+    assert not (tmp_path / "run").exists()

@@ -97,6 +97,20 @@ def test_a_cut_summary_and_foreign_metrics_lines_still_give_a_row(one_run, cut, 
     assert f"warning: {one_run / 'summary.json'} is not a run's summary" in capsys.readouterr().err
 
 
+def test_the_report_counts_a_runs_events_and_skips_a_line_cut_short(one_run):
+    (one_run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "preemption", "time": "t0", "at_step": 1}, {"event": "resume", "time": "t1", "resumed_from_step": 1},
+        {"event": "reformation", "time": "t2"}, {"event": "resume", "time": "t3"}]) + '{"event": "resu')
+    rows, _ = report.collect([str(one_run)])
+    assert rows[0].events == "1 preemption, 2 resume, 1 reformation"
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(report.table(rows))
+    text = console.export_text()
+    assert "events" in text and "1 preemption, 2 resume, 1 reformation" in text
+
+
 def test_report_output_that_cannot_be_written_is_refused_before_anything(one_run, capsys):
     (one_run.parent / "taken.png").mkdir()
     for output, says in ((one_run.parent / "taken.png", "is a directory"),

@@ -111,3 +111,20 @@ def test_a_teacher_that_cannot_teach_is_refused(models, tmp_path, capsys):
     err = compose_refused(tmp_path, capsys, *base, f"recipe.teacher.path={other}")
     assert "the teacher has a vocabulary of 400 tokens, the student model.vocab_size=320" in err
     assert "recipe=kd needs the teacher's Hugging Face model directory" in compose_refused(tmp_path, capsys, *base)
+
+
+def test_a_teacher_that_cannot_load_is_one_line_naming_its_file(models, run_cli, tmp_path):
+    student, teacher, chats = models
+    cut, garbage = tmp_path / "cut", tmp_path / "garbage"
+    for broken in (cut, garbage):
+        shutil.copytree(teacher, broken)
+    weights = next(cut.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (garbage / "config.json").write_text("{not json")
+    base = ["model=hf", f"model.path={student}", f"data.path={chats}", *ARGS, "train.max_steps=1"]
+    for broken, named in ((cut, weights), (garbage, garbage / "config.json")):
+        proc = run_cli(*base, f"recipe.teacher.path={broken}", f"hydra.run.dir={tmp_path / broken.name / 'run'}")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert lines[0].startswith("error: invalid config: recipe.teacher.path=") and str(named) in lines[0], lines
+        assert not (tmp_path / broken.name / "run").exists()

@@ -134,6 +134,20 @@ def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(
     assert (f"checkpoint {newest} cannot be loaded (its shard {shard.name} is truncated"
             in fallback.stdout + fallback.stderr)
     assert '"resumed_from": "' + str(damaged / "checkpoints" / "step-1") in (damaged / "summary.json").read_text()
+    # Export refuses a cut checkpoint by name and writes nothing; a non-QAT one quantises post-training.
+    cut_run = tmp_path / "cut-run"
+    shutil.copytree(trained, cut_run, ignore=shutil.ignore_patterns(".lock"))
+    cut_shard = next((cut_run / "checkpoints" / "step-2").glob("*.distcp"))
+    with open(cut_shard, "r+b") as f:
+        f.truncate(cut_shard.stat().st_size - 1)
+    cut, ptq = run_cli_batch([([str(cut_run / "checkpoints" / "step-2"), str(tmp_path / "cut-export")], tmp_path),
+                              ([str(cut_run / "checkpoints" / "step-1"), str(tmp_path / "ptq"), "--quantize"],
+                               tmp_path)], module="trainer.export")
+    assert cut.returncode == 2 and len(cut.stderr.strip().splitlines()) == 1, cut.stderr
+    assert f"cannot be loaded: its shard {cut_shard.name} is truncated" in cut.stderr
+    assert not (tmp_path / "cut-export").exists() and not list(tmp_path.glob(".cut-export*"))
+    assert ptq.returncode == 0, ptq.stderr[-2000:]
+    assert {"quantized.pt", "quantization.json", "model.safetensors"} <= set(os.listdir(tmp_path / "ptq"))
 
 
 @settings(max_examples=examples(10), deadline=None)

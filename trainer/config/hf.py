@@ -25,6 +25,25 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
                "gelu_new": "gelu_tanh"}
 
 
+def safetensors_damage(file: str) -> str | None:
+    """Why the safetensors file `file` cannot be loaded whole, or None: its header (an 8-byte length, then
+    JSON) does not read, or the file is shorter than the tensors the header places in it (cut short by a
+    copy or a full disk). Reads the header only."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if length > size - 8:
+                return f"its header says {length} bytes, more than the file's {size}"
+            header = json.loads(f.read(length))
+        ends = [int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        return f"its header does not read ({type(e).__name__}: {e})"
+    if 8 + length + max(ends, default=0) > size:
+        return f"it is truncated ({size} of {8 + length + max(ends, default=0)} bytes)"
+    return None
+
+
 def read_config(path: str | None, key: str = "model.path") -> dict:
     """The model directory's config.json, after checking that trainjob can run the model it describes."""
     if not path:
@@ -37,8 +56,13 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ConfigError(key, path, "must be a Hugging Face model directory holding config.json")
-    with open(file) as f:
-        hf = json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:  # cut short, not JSON, not UTF-8
+        raise ConfigError(key, path, f"its {file} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(key, path, f"its {file} holds a JSON {type(hf).__name__}, not a model's config")
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ConfigError(
@@ -47,12 +71,17 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
             f"its architecture {', '.join(archs) or '(none given)'} is not supported; "
             f"trainjob fine-tunes {', '.join(ARCHITECTURES)}",
         )
-    if not glob.glob(os.path.join(path, "*.safetensors")):
+    weights = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not weights:
         raise ConfigError(
             key,
             path,
             "holds no *.safetensors weights (save the model with save_pretrained(..., safe_serialization=True))",
         )
+    for weights_file in weights:
+        problem = safetensors_damage(weights_file)
+        if problem:
+            raise ConfigError(key, path, f"its weights {weights_file} cannot be loaded: {problem}")
     act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ConfigError(key, path, f"config.json sets the activation {act!r}; trainjob has "

@@ -34,7 +34,7 @@ from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
 from trainer.config.data import eval_share
 from trainer.data.corpus import build_once, dropped_text
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserCodeError
 from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,9 @@ def _encode(d, tok: HFTokenizer, pad: int, model_path: str, doc_id: str, chats: 
                           "found message by message: use data.chat.mask=last (the last assistant turn "
                           "only) or data.chat.mask=all (every token), or a template with "
                           "{% generation %} blocks") from None
+    except Exception as e:  # the template raised (raise_exception, an undefined name, a bug of its own)
+        raise UserCodeError(f"the chat template of model.path={model_path}", e, f"on conversation {doc_id} of "
+                            f"data.path={d.path}, before the first step") from e
     if not all(mask[1:].any() for _, mask in encoded):
         limit = f"data.seq_len + 1 = {d.seq_len + 1}" if cut == d.seq_len else f"data.seq_len = {d.seq_len}"
         return f"no counted token within {limit} tokens"

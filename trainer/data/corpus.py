@@ -259,8 +259,7 @@ def dropped_text(dropped: dict[str, int], total: int) -> str:
 def without_eval(d, rows: int, needed: int) -> str:
     """The one line saying that a run of the default `data.eval_percent` trains without eval."""
     return (f"data.eval_percent (unset: {eval_share(d):g}) leaves the eval split of data={d.name} {rows} row(s), "
-            f"fewer than the {needed} one eval step takes: training without eval (set data.eval_percent to hold "
-            "out more)")
+            f"too few for an eval step ({needed}): training without eval (set data.eval_percent to hold out more)")
 
 
 def eval_rows(corpus: str) -> int:
@@ -286,7 +285,7 @@ def check_corpus(corpus: str, cfg) -> None:
         rows = info["rows"][split]
         if getattr(d.cache, endpoints_key) or rows >= batch:
             continue
-        if split == "eval" and d.eval_percent is None:  # the default share of small data: no eval, said so
+        if split == "eval" and rows == 0 and d.eval_percent is None:  # the default share of small data: no eval
             log.warning(without_eval(d, rows, batch))
             continue
         fix = ("raise data.eval_percent" if split == "eval" else "lower data.eval_percent") + " or use more data"
