@@ -1,9 +1,10 @@
 """Sampling from our `Transformer` (a preset, or a `model=hf` model): batched prompts of any lengths, left
 padded, decoded token by token through a `KVCache`; greedy or sampled (`trainer.generate.sampling`); each row
-stops at one of its end tokens or after `max_new_tokens`, and leaves the batch then: the rows still running move
-to the front of the cache, allocated once per call, and every later step computes only them (sampling still draws
-the whole batch's random numbers, so a seed gives the tokens `transformers`' `generate` gives, whose ended rows
-stay). `python -m trainer.generate` is the command line.
+stops at one of its end tokens or after `max_new_tokens`, and leaves the batch then (ended rows leave together
+once they are a quarter of the batch): the rows still running move to the front of the cache, allocated once per
+call, and every later step computes only them. Sampling still draws the whole batch's random numbers, so a seed
+gives the tokens `transformers`' `generate` gives (whose ended rows stay). `python -m trainer.generate` is the
+command line.
 
 Under a strategy each rank generates for its own prompts: a DDP model decodes with its inner module (no
 collective); a sharded one (FSDP2, TP: DTensor parameters) makes every forward collective, so every rank
@@ -75,9 +76,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
         done |= torch.isin(step, stop)
         if i == max_new_tokens - 1 or _all_ended(done, collective):
             break
-        # Ended rows leave the batch and its cache; under a collective forward (every rank steps until all
-        # have ended) they stay, writing padding.
-        if not collective and bool(done.any()):
+        # Ended rows leave the batch and its cache once they are a quarter of it (each move copies the cache);
+        # under a collective forward (every rank steps until all have ended) they stay, writing padding.
+        if not collective and 4 * int(done.sum()) >= len(done):
             kept = (~done).nonzero().squeeze(1)
             running, step, done = running[kept], step[kept], done[kept]
             cache.keep(kept)
