@@ -121,7 +121,7 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
     dims = ParallelDims.from_config(cfg.strategy, env.world_size)
     corpus = (checked or inputs.check(cfg, dims)).corpus
     mesh = dims.build_mesh(env.device.type)
-    model = assemble(cfg.model, cfg, dims)
+    model = assemble(cfg.model, cfg, dims, score_head=cfg.recipe.name == "reward")
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device, torch.get_num_threads(),

@@ -11,6 +11,18 @@ import os
 from trainer.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# The same families with a sequence-classification head (`score`) instead of the LM head: reward models.
+CLASSIFIERS = tuple(a.replace("ForCausalLM", "ForSequenceClassification") for a in ARCHITECTURES)
+
+
+def is_classifier(hf: dict) -> bool:
+    """Whether config.json `hf` (read by `read_config`) describes a *ForSequenceClassification model."""
+    return hf["architectures"][0] in CLASSIFIERS
+
+
+def num_labels(hf: dict) -> int:
+    """The classifier's output width, as transformers' PretrainedConfig reads it (id2label, else num_labels)."""
+    return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
 
 
 def read_config(path: str | None, key: str = "model.path") -> dict:
@@ -28,12 +40,12 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
     with open(file) as f:
         hf = json.load(f)
     archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES + CLASSIFIERS:
         raise ConfigError(
             key,
             path,
             f"its architecture {', '.join(archs) or '(none given)'} is not supported; "
-            f"trainjob fine-tunes {', '.join(ARCHITECTURES)}",
+            f"trainjob fine-tunes {', '.join(ARCHITECTURES)} (and their *ForSequenceClassification reward models)",
         )
     if not glob.glob(os.path.join(path, "*.safetensors")):
         raise ConfigError(
@@ -75,7 +87,7 @@ def settings(path: str) -> dict:
     hf = read_config(path)
     theta, _ = rope(hf, path)
     max_seq_len = int(hf.get("max_position_embeddings", 2048))
-    if hf["architectures"][0] == "MistralForCausalLM" and hf.get("sliding_window"):
+    if hf["architectures"][0].startswith("Mistral") and hf.get("sliding_window"):
         # Within the window, Mistral's sliding-window attention is full causal attention.
         max_seq_len = min(max_seq_len, int(hf["sliding_window"]))
     return {

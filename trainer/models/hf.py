@@ -39,35 +39,43 @@ _TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": 
 WRAPPED = "_checkpoint_wrapped_module."
 
 
-def hf_name(name: str) -> str:
-    """Hugging Face's name for our parameter `name` (such as `layers.0.attention.wq.weight`)."""
+def hf_name(name: str, head: str = "lm_head") -> str:
+    """Hugging Face's name for our parameter `name` (such as `layers.0.attention.wq.weight`); our `output` is
+    `head` (`lm_head`, or a classifier's `score`: `trainer.models.score`)."""
     module, leaf = name.rsplit(".", 1)
     if module.startswith("layers."):
         _, index, inner = module.split(".", 2)
         return f"model.layers.{index}.{_BLOCK[inner]}.{leaf}"
-    return f"{_TOP[module]}.{leaf}"
+    return f"{head if module == 'output' else _TOP[module]}.{leaf}"
 
 
 def build(path: str) -> Transformer:
     """The model of directory `path`, its weights not loaded (build it on the meta device)."""
     hf = read_config(path)
     _, scaling = rope(hf, path)
-    return Transformer(**settings(path), qkv_bias=hf["architectures"][0] == "Qwen2ForCausalLM", rope_scaling=scaling)
+    return Transformer(**settings(path), qkv_bias=hf["architectures"][0].startswith("Qwen2"), rope_scaling=scaling)
 
 
-def load_weights(model: nn.Module, path: str) -> None:
+def load_weights(model: nn.Module, path: str) -> list[str]:
     """Fill `model`'s parameters (sharded or not, on any device) from the safetensors files in `path`; every
-    rank calls this, and reads only its own slices."""
+    rank calls this, and reads only its own slices. Returns the names of those left as they were: a score head
+    (`trainer.models.score`) that a causal LM's directory does not hold."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
     # LoRA adapters (`.lora_A.`, `.lora_B.`) are not in a pretrained directory; trainer.models.lora starts them.
+    head = "score" if getattr(inner, "score_head", False) else "lm_head"
     state = {
-        hf_name(name.replace(WRAPPED, "")): param for name, param in inner.named_parameters() if ".lora_" not in name
+        hf_name(name.replace(WRAPPED, ""), head): param
+        for name, param in inner.named_parameters() if ".lora_" not in name
     }
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
+    untouched = []
+    if head == "score" and "score.weight" not in saved:
+        del state["score.weight"]
+        untouched.append("output.weight")
     for name, param in state.items():
         if name not in saved or tuple(saved[name].size) != tuple(param.shape):
             found = tuple(saved[name].size) if name in saved else "nothing"
@@ -80,6 +88,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     with torch.no_grad():
         dcp.load(state, storage_reader=reader)
     inner.init_buffers()
+    return untouched
 
 
 def from_hf(path: str) -> Transformer:
