@@ -9,10 +9,11 @@ different steps, as a policy's completions do. Both sample with the same seed an
 give the same tokens (checked); tokens/s counts each row's completion up to its end token, the same for both.
 Each figure is the best of `--repeats` timed runs after a warmup.
 
-The GRPO part runs `python -m trainer` (recipe=grpo, model=hf on that directory) for a few steps and reads the
-metrics lines: `perf/generate_s`, `perf/score_s` (the reward functions and the reward model) and `perf/logps_s`
-(the old and reference log-probabilities) that the recipe records, and the step's time from the line's tokens/s;
-training is the rest.
+The GRPO part runs `python -m trainer` (recipe=grpo, model=hf on that directory) for a few steps, with generation
+in the step and with recipe.generation.async=true, and reads the metrics lines: `perf/generate_s`,
+`perf/rollout_wait_s` (async: how long the step waited for the background), `perf/score_s` (the reward functions
+and the reward model) and `perf/logps_s` (the old and reference log-probabilities) that the recipe records, and
+the loop's `step_time_s`; training is the rest.
 
     python bench/rollout.py [--family llama,qwen2] [--batch 16] [--new 64] [--repeats 3] [--grpo-steps 4]
 """
@@ -97,8 +98,9 @@ def compare(path: str, batch: int, new: int, repeats: int, sample: bool) -> dict
             "lengths": f"{min(len(r) for r in a)}-{max(len(r) for r in a)}"}
 
 
-def grpo_split(path: str, steps: int) -> dict:
-    """The mean per-step seconds of a GRPO run's generation, scoring, log-probs and training."""
+def grpo_split(path: str, steps: int, overlap: bool) -> dict:
+    """The mean per-step seconds of a GRPO run's generation, scoring, log-probs and training (after the first
+    step), with recipe.generation.async=`overlap`."""
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "prompts.jsonl")
         with open(data, "w") as f:
@@ -110,18 +112,19 @@ def grpo_split(path: str, steps: int) -> dict:
         proc = subprocess.run(
             [sys.executable, "-m", "trainer", "model=hf", f"model.path={path}", "recipe=grpo", "data=prompts",
              f"data.path={data}", "data.seq_len=64", "data.eval_percent=10", "recipe.num_generations=8",
-             "train.global_batch_size=32", "recipe.max_completion_length=64",
+             "train.global_batch_size=32", "recipe.max_completion_length=64", "train.progress=false",
              "recipe.reward_funcs=[tests.trainer.grpo_rewards:lowercase]", f"train.max_steps={steps}",
-             f"train.eval_every={steps}", "train.eval_batches=1", "train.log_every=1", f"hydra.run.dir={run}"],
+             f"train.eval_every={steps}", "train.eval_batches=1", "train.log_every=1",
+             f"recipe.generation.async={str(overlap).lower()}", f"hydra.run.dir={run}"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=1800)
         if proc.returncode:
             raise SystemExit(proc.stderr[-3000:])
         with open(os.path.join(run, "metrics.jsonl")) as f:
             lines = [json.loads(line) for line in f if '"loss"' in line][1:]  # the first step warms up
-    step_s = [32 * 64 / m["tokens_per_s"] for m in lines]
-    out = {k: sum(m[f"perf/{k}_s"] for m in lines) / len(lines) for k in ("generate", "score", "logps")}
-    out["step"] = sum(step_s) / len(step_s)
-    out["train"] = out["step"] - out["generate"] - out["score"] - out["logps"]
+    keys = ("step_time", "generate", "rollout_wait", "score", "logps")
+    out = {k: sum(m.get(f"perf/{k}_s", m.get(f"{k}_s", 0.0)) for m in lines) / len(lines) for k in keys}
+    exposed = out["rollout_wait"] if overlap else out["generate"]  # the generation the step waited for
+    out["train"] = out["step_time"] - exposed - out["score"] - out["logps"]
     return out
 
 
@@ -146,13 +149,15 @@ def main() -> None:
                       f"| {r['same_tokens']} |", flush=True)
         if args.grpo_steps:
             family, path = next(iter(paths.items()))
-            s = grpo_split(path, args.grpo_steps)
             print(f"\nrecipe=grpo on {family}, 32 completions of 4 prompts a step, up to 64 tokens each "
                   "(seconds per step, mean after the first)\n")
-            print("| step | generation | scoring | old/ref log-probs | training |\n|---|---|---|---|---|")
-            print(f"| {s['step']:.2f} | {s['generate']:.2f} ({s['generate'] / s['step']:.0%}) | {s['score']:.3f} | "
-                  f"{s['logps']:.2f} | {s['train']:.2f} ({s['train'] / s['step']:.0%}) |")
-
+            print("| generation | step | generating | waited for it | scoring | old/ref log-probs | training |\n"
+                  "|---|---|---|---|---|---|---|")
+            for overlap in (False, True):
+                s = grpo_split(path, args.grpo_steps, overlap)
+                print(f"| {'async' if overlap else 'in the step'} | {s['step_time']:.2f} | {s['generate']:.2f} | "
+                      f"{s['rollout_wait'] if overlap else s['generate']:.2f} | {s['score']:.3f} | {s['logps']:.2f} | "
+                      f"{s['train']:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -102,6 +102,22 @@ def test_the_mean_reward_rises_on_a_toy_task(prompts, run_cli, tmp_path):  # noq
     assert lines[-1]["kl"] != 0  # the reference is the starting policy, beta 0.05 as TRL's
 
 
+def test_async_generation_trains_on_the_batch_sampled_during_the_step_before(prompts, run_cli, tmp_path):  # noqa: F811
+    """recipe.generation.async=true: from the second step on, each step trains on completions sampled one update
+    earlier (the lag logged), their old log-probabilities the sampling weights', so the ratio is no longer 1."""
+    run = tmp_path / "run"
+    proc = run_cli(*ARGS, "recipe=rloo", f"data.path={prompts}", f"recipe.reward_funcs=[{TOY}]", "recipe.beta=0",
+                   "recipe.generation.async=true", "train.max_steps=4", "train.eval_every=4",
+                   f"hydra.run.dir={run}", env=REWARDS_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = read_metrics(str(run))
+    assert [m["sample/staleness_mean"] for m in lines] == [0, 1, 1, 1]
+    assert all(m["perf/rollout_wait_s"] >= 0 and m["perf/generate_s"] > 0 for m in lines)
+    # On policy (the first step) the sequence ratio is 1 and the loss is minus the mean advantage, 0; a batch
+    # sampled before the last update is not.
+    assert lines[0]["loss"] == pytest.approx(0, abs=1e-6) and any(abs(m["loss"]) > 1e-6 for m in lines[1:])
+
+
 def test_rloo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):  # noqa: F811
     base = [*ARGS, "recipe=rloo", f"data.path={prompts}"]
     assert "recipe=rloo needs at least one reward function" in compose_refused(tmp_path, capsys, *base)
@@ -109,3 +125,8 @@ def test_rloo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):  # 
         tmp_path, capsys, *base, f"recipe.reward_funcs=[{TOY}]", "recipe.min_p=2.0")
     assert "recipe.reward_model.path=" in compose_refused(
         tmp_path, capsys, *base, f"recipe.reward_funcs=[{TOY}]", f"recipe.reward_model.path={tmp_path}")
+    assert "recipe.generation.async=True: samples in a background thread" in compose_refused(
+        tmp_path, capsys, *base, f"recipe.reward_funcs=[{TOY}]", "recipe.generation.async=true", "strategy=fsdp2")
+    assert "use recipe.num_iterations=1" in compose_refused(
+        tmp_path, capsys, *base, f"recipe.reward_funcs=[{TOY}]", "recipe.generation.async=true",
+        "recipe.num_iterations=2")

@@ -10,7 +10,7 @@ import os
 from trainer.config import runtime
 from trainer.config.checks import require
 from trainer.config.model import BYTE_VOCAB_SIZE
-from trainer.config.recipe import DATA, DATA_ROWS, ONLINE
+from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, is_async
 from trainer.config.runtime import node_counts, nproc_per_node, world_size
 from trainer.config.strategy import Degrees
 from trainer.config.train import require_tracker_package
@@ -156,6 +156,9 @@ def _grpo(job) -> None:
     require(job.data.seq_len + r.max_completion_length <= job.model.max_seq_len, "recipe.max_completion_length",
             r.max_completion_length, f"data.seq_len={job.data.seq_len} (the longest prompt) plus this must be <= "
             f"model.max_seq_len={job.model.max_seq_len}")
+    require(not is_async(r) or job.strategy.name == "ddp", "recipe.generation.async", True,
+            f"samples in a background thread from a copy of the whole weights; strategy={job.strategy.name} shards "
+            "them, so every forward is collective across ranks: use strategy=ddp")
     if r.reward_model.path:
         _reward_model(job)
 

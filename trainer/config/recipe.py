@@ -25,6 +25,26 @@ class TeacherConfig:
     path: str | None = None  # kd: the teacher's Hugging Face directory (the student's tokenizer)
 
 
+class GenerationConfig:
+    """grpo, rloo: `recipe.generation.async=true` samples the next step's completions in the background, from a
+    copy of the weights taken before this step's update, while this step trains (TRL's async GRPO with its
+    staleness bound at one step). `async` is a Python keyword, so this dataclass is built by hand (no generated
+    __init__, __repr__ or __eq__)."""
+
+    def __init__(self, **values):
+        setattr(self, "async", bool(values.get("async", False)))
+
+
+GenerationConfig.__annotations__ = {"async": bool}
+setattr(GenerationConfig, "async", False)
+GenerationConfig = dataclass(init=False, repr=False, eq=False)(GenerationConfig)
+
+
+def is_async(recipe) -> bool:
+    """Whether `recipe` (the section) asks for generation overlapping training."""
+    return bool(getattr(recipe.generation, "async"))
+
+
 @dataclass
 class RewardModelConfig:
     # grpo, rloo: a reward model's Hugging Face directory (an exported recipe=reward run, a
@@ -72,6 +92,7 @@ class RecipeConfig:
     min_p: float | None = None
     normalize_advantages: bool = False
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     # reward: TRL's center_rewards_coefficient, the weight of the mean squared sum of a pair's rewards in the loss
     # (null: none), keeping the rewards centred on 0.
     center_rewards_coefficient: float | None = None
@@ -108,6 +129,9 @@ class RecipeConfig:
         require(self.top_k >= 0, "recipe.top_k", self.top_k, "must be >= 0 (0: every token)")
         require(0 < self.top_p <= 1, "recipe.top_p", self.top_p, "must be in (0, 1]")
         require(self.min_p is None or 0 <= self.min_p <= 1, "recipe.min_p", self.min_p, "must be in [0, 1], or null")
+        require(not is_async(self) or self.num_iterations == 1, "recipe.generation.async", True,
+                f"generates each step's completions during the step before; recipe.num_iterations="
+                f"{self.num_iterations} reuses one generation batch for several steps: use recipe.num_iterations=1")
 
     def _check_kd(self) -> None:
         kd = self.kd

@@ -40,10 +40,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from trainer.config.recipe import is_async
 from trainer.generate import generate
 from trainer.models import lora
 from trainer.models.assembly import assemble
 from trainer.recipes import rewards
+from trainer.recipes.async_rollouts import AsyncRollouts
 from trainer.recipes.base import Recipe
 from trainer.recipes.dpo import token_logps
 from trainer.recipes.prompt_data import prompt_text
@@ -119,6 +121,7 @@ class GRPO(Recipe):
         self.dp_rank, self.dp_size = ctx.dims.data_parallel_rank()
         self.generator = torch.Generator(ctx.device).manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank)
         self.buffer: list | None = None  # the generation batch's micro-batches
+        self.rollouts = AsyncRollouts(self) if is_async(r) else None  # it reads the batches itself, one ahead
         self.reward_stats: dict[str, torch.Tensor] = {}
 
     @property
@@ -129,10 +132,10 @@ class GRPO(Recipe):
         return math.ceil(step / self.r.num_iterations)
 
     def wants_batch(self, step: int) -> bool:
-        return self.buffer is None or step % self.r.num_iterations == 0
+        return self.rollouts is None and (self.buffer is None or step % self.r.num_iterations == 0)
 
     def micro_batches(self, batch: dict | None, accum: int) -> list:
-        if batch is not None:
+        if batch is not None or self.rollouts is not None:
             self.buffer = self._generation_batch(batch, accum)
         self.add_stats(self.reward_stats)
         return self.buffer
@@ -159,11 +162,13 @@ class GRPO(Recipe):
         prompts = [row[:n] for row, n in zip(batch["tokens"].tolist(), lengths, strict=True)]
         return prompts, [json.loads(r) for r in batch["rows"]]
 
-    def _sample(self, prompts: list[list[int]], generator: torch.Generator) -> list[list[int]]:
+    def _sample(self, prompts: list[list[int]], generator: torch.Generator, model=None, autocast=None
+                ) -> list[list[int]]:
         repeated = [p for p in prompts for _ in range(self.G)]
-        with self.ctx.autocast:
-            return generate(self.model, repeated, self.r.max_completion_length, eos=self.text.eos, pad=self.text.pad,
-                            temperature=self.r.temperature, top_k=self.r.top_k, top_p=self.r.top_p,
+        model = self.model if model is None else model
+        with self.ctx.autocast if autocast is None else autocast:
+            return generate(model, repeated, self.r.max_completion_length, eos=self.text.eos,
+                            pad=self.text.pad, temperature=self.r.temperature, top_k=self.r.top_k, top_p=self.r.top_p,
                             generator=generator, min_p=self.r.min_p or 0.0)
 
     @contextmanager
@@ -200,28 +205,34 @@ class GRPO(Recipe):
     @torch.no_grad()
     def _generation_batch(self, batch: dict, accum: int) -> list:
         times: dict[str, float] = {}
-        prompts, completions, total, reward_stats = self._generate_and_score(batch, times)
+        prompts, completions, total, reward_stats, old = self._generate_and_score(batch, times, accum)
         adv = self._advantages(total)
         tokens, target = self._rows([p for p in prompts for _ in range(self.G)], completions)
         mask = target != IGNORE
         parts = [tokens.chunk(accum), target.chunk(accum), mask.chunk(accum), adv.chunk(accum)]
         with self.timed(times, "perf/logps_s"):
-            old = self._logps(self.model, parts[0], parts[1]) if self.r.num_iterations > 1 else [None] * accum
+            if old is None:
+                old = self._logps(self.model, parts[0], parts[1]) if self.r.num_iterations > 1 else [None] * accum
             ref = self._logps(self.reference, parts[0], parts[1]) if self.reference is not None else [None] * accum
         self.reward_stats = {**reward_stats, **{k: torch.tensor(v, device=self.ctx.device) for k, v in times.items()}}
         return list(zip(*parts, old, ref, strict=True))
 
-    def _generate_and_score(self, batch: dict, times: dict) -> tuple:
-        """(prompts' tokens, completions, weighted rewards, reward statistics) of a generation batch; the
-        seconds generating and scoring take go to `times`."""
-        prompts, rows = self._prompts(batch)
-        self.model.eval()
-        with self.timed(times, "perf/generate_s"):
-            completions = self._sample(prompts, self.generator)
-        self.model.train()
+    def _generate_and_score(self, batch: dict | None, times: dict, accum: int) -> tuple:
+        """(prompts' tokens, completions, weighted rewards, reward statistics, the sampling policy's
+        log-probabilities by micro-batch or None) of a generation batch: `batch`'s, or under
+        recipe.generation.async the one sampled in the background; the seconds it takes go to `times`."""
+        old = None
+        if self.rollouts is not None:
+            prompts, rows, completions, old = self.rollouts.take(accum, times)
+        else:
+            prompts, rows = self._prompts(batch)
+            self.model.eval()
+            with self.timed(times, "perf/generate_s"):
+                completions = self._sample(prompts, self.generator)
+            self.model.train()
         with self.timed(times, "perf/score_s"):
             total, stats = self._rewards(rows, prompts, completions)
-        return prompts, completions, total, stats
+        return prompts, completions, total, stats, old
 
     def _advantages(self, total: torch.Tensor) -> torch.Tensor:
         if self.r.scale_rewards != "batch":

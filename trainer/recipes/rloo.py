@@ -68,13 +68,14 @@ class RLOO(GRPO):
     @torch.no_grad()
     def _generation_batch(self, batch: dict, accum: int) -> list:
         times: dict[str, float] = {}
-        prompts, completions, total, reward_stats = self._generate_and_score(batch, times)
+        prompts, completions, total, reward_stats, old = self._generate_and_score(batch, times, accum)
         tokens, target = self._rows([p for p in prompts for _ in range(self.G)], completions)
         mask = target != IGNORE
         parts = [tokens.chunk(accum), target.chunk(accum)]
         with self.timed(times, "perf/logps_s"):
-            needs_old = self.r.beta > 0 or self.r.num_iterations > 1
-            old = self._logps(self.model, *parts) if needs_old else [None] * accum
+            if old is None:  # else the sampling policy's, from the background (recipe.generation.async)
+                needs_old = self.r.beta > 0 or self.r.num_iterations > 1
+                old = self._logps(self.model, *parts) if needs_old else [None] * accum
             if self.reference is not None:
                 per_token = (torch.cat(old) - torch.cat(self._logps(self.reference, *parts))) * mask
                 total = total - self.r.beta * per_token.sum(-1)
