@@ -7,7 +7,7 @@ downloaded), saved, and loaded by each side from that directory: ours through `t
 this machine's CPU (or first GPU). Each batch holds prompts of mixed lengths; a set of end tokens makes rows end at
 different steps, as a policy's completions do. Both sample with the same seed and warpers (or decode greedily) and
 give the same tokens (checked); tokens/s counts each row's completion up to its end token, the same for both.
-Each figure is the best of `--repeats` timed runs after a warmup.
+Each figure is the best of `--repeats` timed runs after a warmup, the two sides run in turn.
 
 The GRPO part runs `python -m trainer` (recipe=grpo, model=hf on that directory) for a few steps, with generation
 in the step and with recipe.generation.async=true, and reads the metrics lines: `perf/generate_s`,
@@ -52,16 +52,19 @@ def make_model(family: str, root: str) -> str:
     return path
 
 
-def _timed(fn, repeats: int):
-    fn()  # warmup
-    best, out = float("inf"), None
+def _best_times(fns: list, repeats: int) -> tuple[list[float], list]:
+    """The best of `repeats` timed runs of each of `fns` (after a warmup of each), run in turn so that a shared
+    machine's load weighs on each alike; and each one's last output."""
+    outs = [fn() for fn in fns]
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best, out
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            outs[i] = fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best, outs
 
 
 def _until_end(row: list[int], eos: set[int]) -> list[int]:
@@ -91,8 +94,7 @@ def compare(path: str, batch: int, new: int, repeats: int, sample: bool) -> dict
                                   do_sample=sample, eos_token_id=END_TOKENS, pad_token_id=0, **warpers)
         return [_until_end(row, set(END_TOKENS)) for row in out[:, tokens.shape[1]:].tolist()]
 
-    t_mine, a = _timed(mine, repeats)
-    t_hf, b = _timed(hf, repeats)
+    (t_mine, t_hf), (a, b) = _best_times([mine, hf], repeats)
     count = sum(len(r) for r in a)
     return {"ours_tok_s": count / t_mine, "hf_tok_s": count / t_hf, "same_tokens": a == b, "tokens": count,
             "lengths": f"{min(len(r) for r in a)}-{max(len(r) for r in a)}"}
@@ -135,8 +137,10 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--grpo-steps", type=int, default=4, help="0: skip the GRPO run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as root:
         print("| model | mode | batch | new tokens | rows' lengths | ours tok/s | transformers tok/s | ratio | "
               "same tokens |\n|---|---|---|---|---|---|---|---|---|")
