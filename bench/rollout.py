@@ -33,6 +33,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from tests.trainer.hf_models import add_tokenizer  # noqa: E402
 from trainer.generate import generate, left_padded  # noqa: E402
 from trainer.models import from_hf  # noqa: E402
 
@@ -49,7 +50,7 @@ def make_model(family: str, root: str) -> str:
                    else (Qwen2Config(**SHAPE, tie_word_embeddings=True), Qwen2ForCausalLM))
     path = os.path.join(root, family)
     cls(config).save_pretrained(path)
-    return path
+    return add_tokenizer(path)  # a small byte-level BPE with a chat template: model=hf reads prompts with it
 
 
 def _best_times(fns: list, repeats: int) -> tuple[list[float], list]:
