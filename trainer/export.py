@@ -10,7 +10,9 @@ A built-in preset is written as a `LlamaForCausalLM` (its byte tokenizer has no 
 them), or with `--merge` the whole model with the adapters folded in. With `--quantize`, OUT also gets the
 model's linear weights in torchao's int8-dynamic-activation, int4-weight form (`quantized.pt`,
 `quantization.json`; `trainer.models.qat.load(OUT)` loads them): the conversion that ends a `train.qat` run, in
-its `train.qat_group_size` groups, or post-training quantisation of any other run's model (groups of 32).
+its `train.qat_group_size` groups, or post-training quantisation of any other run's model (groups of 32). A
+`recipe=reward` run gives a `*ForSequenceClassification` with one label (its `score` head, and the pad_token_id it
+scores by) that `transformers.AutoModelForSequenceClassification.from_pretrained(OUT)` loads.
 
 OUT must not exist yet (nothing a user made is overwritten); it is written under a temporary name and
 renamed when complete.
@@ -35,7 +37,7 @@ from trainer import models
 from trainer.checkpoint import damage
 from trainer.config.hf_impl import choose
 from trainer.errors import ConfigError
-from trainer.models import hf, hf_transformers, lora
+from trainer.models import hf, hf_transformers, lora, score
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
 TOKENIZER_FILES = (
@@ -81,7 +83,10 @@ def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
     from torch.distributed import checkpoint as dcp
 
     with torch.device("meta"):
-        model = lora.apply(models.build(cfg.model), _peft(cfg))
+        model = models.build(cfg.model)
+        if _reward(cfg):
+            score.attach(model)
+        model = lora.apply(model, _peft(cfg))
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
@@ -93,6 +98,26 @@ def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
 
 def _peft(cfg: DictConfig) -> DictConfig:
     return cfg.get("peft") or OmegaConf.create({"name": "none"})  # configs saved before peft existed
+
+
+def _reward(cfg: DictConfig) -> bool:
+    """Whether the run trained a reward model (recipe=reward): a score head instead of the LM head."""
+    return (cfg.get("recipe") or {}).get("name") == "reward"
+
+
+def _classifier(config: dict, cfg: DictConfig) -> dict:
+    """`config` (a causal LM's config.json) as a one-label *ForSequenceClassification's, padded as the run's
+    preference rows were (the score is read at the last token that is not pad_token_id)."""
+    from trainer.data.chat import padding_id
+    from trainer.models.hf_tokenizer import HFTokenizer
+
+    family = config["architectures"][0].replace("ForCausalLM", "").replace("ForSequenceClassification", "")
+    config["architectures"] = [f"{family}ForSequenceClassification"]
+    config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    config.pop("num_labels", None)
+    if cfg.model.name == "hf":
+        config["pad_token_id"] = padding_id(HFTokenizer(cfg.model.path))
+    return config
 
 
 def hf_config(cfg: DictConfig) -> dict:
@@ -124,7 +149,7 @@ def hf_config(cfg: DictConfig) -> dict:
         }
     config.pop("dtype", None)
     config["torch_dtype"] = "float32"
-    return config
+    return _classifier(config, cfg) if _reward(cfg) else config
 
 
 def write(model: torch.nn.Module, cfg: DictConfig, out: str, quantize: tuple[str, int] | None = None) -> None:
@@ -149,7 +174,8 @@ def write(model: torch.nn.Module, cfg: DictConfig, out: str, quantize: tuple[str
         elif isinstance(model, hf_transformers.TransformersModel):
             hf_transformers.save_pretrained(model, tmp)
         else:
-            tensors = hf.hf_state({name: p.detach() for name, p in params.items()}, hf.family_of(model))
+            head = "score" if _reward(cfg) else "lm_head"
+            tensors = hf.hf_state({name: p.detach() for name, p in params.items()}, hf.family_of(model), head)
             tensors = {name: t.contiguous() for name, t in tensors.items()}
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
             with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -225,7 +225,7 @@ class Trainer:
                                        self.flops_per_token, self.peak_flops, extras=self.recipe.record)
         start_step, eval_loss = self.step, float("nan")
         self.model.train()
-        data = iter(self._loader())
+        data = self.recipe.source = iter(self._loader())
         with preemption.watch() as stop:
             try:
                 while self.step < t.max_steps:

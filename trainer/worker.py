@@ -127,7 +127,7 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
     mesh = dims.build_mesh(env.device.type)
     if cfg.model.name == "hf":  # which code runs the directory, and why
         log.info("%s", hf_impl.describe(cfg.model.path, cfg.model.impl))
-    model = assemble(cfg.model, cfg, dims)
+    model = assemble(cfg.model, cfg, dims, score_head=cfg.recipe.name == "reward")
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device, torch.get_num_threads(),

@@ -106,6 +106,43 @@ def test_greedy_equals_transformers_generate_token_for_token(hf_dirs, ours, name
     assert free == _hf_greedy(hf_dirs[name], prompts, 24, [], pad=0)
 
 
+def _hf_sampled(path: str, prompts, max_new_tokens: int, eos: list[int], seed: int, **warpers) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens, valid = left_padded(prompts, 0)
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=tokens, attention_mask=valid.long(), max_new_tokens=max_new_tokens,
+                         do_sample=True, eos_token_id=eos, pad_token_id=0, **warpers)
+    return out[:, tokens.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("warpers", [{"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                                     {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05}])
+def test_a_seed_samples_what_transformers_generate_samples(hf_dirs, ours, warpers):
+    """The same logits warpers in transformers' order and the same random draws: the same tokens for the same
+    torch seed, also after rows have ended and left our batch (transformers keeps them, writing padding)."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 13, 1, 8, 3)]
+    torch.manual_seed(11)
+    free = generate(ours["llama"], prompts, 20, **warpers)
+    eos = [free[0][3], free[3][6]]  # rows that end early; the rest may run on
+    torch.manual_seed(11)
+    mine = generate(ours["llama"], prompts, 20, eos=eos, **warpers)
+    theirs = _hf_sampled(hf_dirs["llama"], prompts, 20, eos, 11, **warpers)
+    assert min(len(r) for r in mine) <= 4 and max(len(r) for r in mine) == 20
+    for row, reference in zip(mine, theirs, strict=True):
+        assert reference == row + [0] * (len(reference) - len(row))
+
+
+def test_the_draw_is_torch_multinomials_for_any_rows_of_the_batch():
+    probs = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(4)).squeeze(1)
+    rows = torch.tensor([1, 4, 5])
+    drawn = sampling.draw(probs[rows], torch.Generator().manual_seed(4), rows, batch=6)
+    assert torch.equal(drawn, expected[rows])
+
+
 def test_every_row_stops_at_max_new_tokens_or_its_end_token(ours):
     prompts = [[1, 2, 3], [4]]
     assert [len(r) for r in generate(ours["preset"], prompts, 7)] == [7, 7]

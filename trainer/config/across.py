@@ -10,7 +10,7 @@ import os
 from trainer.config import hf_impl, runtime
 from trainer.config.checks import require
 from trainer.config.model import BYTE_VOCAB_SIZE
-from trainer.config.recipe import DATA, DATA_ROWS
+from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, is_async
 from trainer.config.runtime import node_counts, nproc_per_node, world_size
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES, Degrees
 from trainer.config.train import require_tracker_package
@@ -31,6 +31,7 @@ def check(job) -> None:
     _parallel(job, dims)
     _recipe(job)
     _grpo(job)
+    _reward(job)
     _kd(job)
     _peft(job)
     _qat(job)
@@ -54,7 +55,7 @@ def _batch_divides(job, dims: Degrees, nodes: int | None = None) -> None:
     require(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
             f"must be divisible by data-parallel size x train.grad_accum_steps = {dims.dp_size} x "
             f"{t.grad_accum_steps} = {per_step}{at}")
-    if job.recipe.name == "grpo":  # each rank generates for whole prompts
+    if job.recipe.name in ONLINE:  # each rank generates for whole prompts
         prompts = t.global_batch_size // job.recipe.num_generations
         require(prompts % dims.dp_size == 0, "train.global_batch_size", t.global_batch_size,
                 f"/ recipe.num_generations={job.recipe.num_generations} gives {prompts} prompts a step, which "
@@ -180,9 +181,8 @@ def _recipe(job) -> None:
     require(recipe not in DATA or data == DATA[recipe], "data", data,
             f"recipe={recipe} trains on data={DATA.get(recipe)} ({DATA_ROWS.get(DATA.get(recipe))})")
     if data in DATA.values():
-        wanted = next(r for r, d in DATA.items() if d == data)
-        require(recipe == wanted or (recipe == "kd" and data == "chat"), "recipe", recipe,
-                f"data={data} is for recipe={wanted}" + (" (or recipe=kd)" if data == "chat" else ""))
+        wanted = [r for r, d in DATA.items() if d == data] + (["kd"] if data == "chat" else [])
+        require(recipe in wanted, "recipe", recipe, f"data={data} is for recipe={' or recipe='.join(wanted)}")
         require(job.model.name == "hf" or data == "prompts", "model", job.model.name, f"data={data} tokenizes "
                 "with the model directory's tokenizer and chat template: use model=hf model.path=<directory>")
         require(bool(job.data.path), "data.path", job.data.path,
@@ -196,12 +196,16 @@ def _recipe(job) -> None:
 
 
 def _grpo(job) -> None:
-    """GRPO's completions fill the global batch, and each fits the model after its prompt."""
+    """GRPO's and RLOO's completions fill the global batch, each fits the model after its prompt, and something
+    scores them."""
     r, t = job.recipe, job.train
-    if r.name != "grpo":
+    if r.name not in ONLINE:
+        require(not r.reward_model.path, "recipe.reward_model.path", r.reward_model.path,
+                f"scores completions of recipe=grpo or rloo; recipe={r.name} samples none")
         return
-    require(bool(r.reward_funcs), "recipe.reward_funcs", list(r.reward_funcs),
-            "recipe=grpo needs at least one reward function, as package.module:function")
+    require(bool(r.reward_funcs) or bool(r.reward_model.path), "recipe.reward_funcs", list(r.reward_funcs),
+            f"recipe={r.name} needs at least one reward function, as package.module:function, or "
+            "recipe.reward_model.path")
     from trainer.recipes import rewards  # imports the user's modules (they read the data's columns); no torch
 
     for spec in r.reward_funcs:
@@ -212,6 +216,55 @@ def _grpo(job) -> None:
     require(job.data.seq_len + r.max_completion_length <= job.model.max_seq_len, "recipe.max_completion_length",
             r.max_completion_length, f"data.seq_len={job.data.seq_len} (the longest prompt) plus this must be <= "
             f"model.max_seq_len={job.model.max_seq_len}")
+    require(not is_async(r) or job.strategy.name == "ddp", "recipe.generation.async", True,
+            f"samples in a background thread from a copy of the whole weights; strategy={job.strategy.name} shards "
+            "them, so every forward is collective across ranks: use strategy=ddp")
+    if r.reward_model.path:
+        _reward_model(job)
+
+
+def _reward(job) -> None:
+    """recipe=reward trains a score head on the whole model; only it starts from a classifier's directory."""
+    m, name = job.model, job.recipe.name
+    if m.name == "hf" and m.path and os.path.isfile(os.path.join(m.path, "config.json")):
+        from trainer.config import hf
+
+        require(name == "reward" or not hf.is_classifier(hf.read_config(m.path)), "model.path", m.path,
+                f"holds a *ForSequenceClassification model (a reward model): recipe={name} trains a causal LM; "
+                "a reward model trains with recipe=reward, or scores with recipe.reward_model.path")
+    if name != "reward":
+        return
+    require(job.strategy.tp == 1, "strategy", job.strategy.name, "recipe=reward's score head has one output, "
+            "which tensor parallelism cannot split over ranks: use strategy=ddp or fsdp2")
+    require(job.peft.name == "none", "peft", job.peft.name, "recipe=reward trains a new score head, which "
+            "peft=lora would leave frozen: use peft=none")
+
+
+def _reward_model(job) -> None:
+    """A reward model scores the policy's token ids: a one-label classifier with the policy's tokenizer."""
+    from trainer.config import hf  # reads config.json only
+
+    r, m, key = job.recipe, job.model, "recipe.reward_model.path"
+    path = r.reward_model.path
+    require(os.path.isfile(os.path.join(path, "config.json")), key, path,
+            "must be a Hugging Face model directory holding config.json (python -m trainer.export of a "
+            "recipe=reward run writes one)")
+    config = hf.read_config(path, key=key)
+    require(hf.is_classifier(config) and hf.num_labels(config) == 1, key, path, "must hold a "
+            f"*ForSequenceClassification model with one label; it holds {config['architectures'][0]} with "
+            f"{hf.num_labels(config)} label(s)")
+    scorer = hf.settings(path)
+    require(scorer["vocab_size"] == m.vocab_size, key, path, f"its vocabulary has {scorer['vocab_size']} tokens, "
+            f"the policy's model.vocab_size={m.vocab_size}: it scores the policy's token ids, so both need the "
+            "same tokenizer")
+    mine = os.path.join(m.path, "tokenizer.json") if m.name == "hf" else None
+    theirs = os.path.join(path, "tokenizer.json")
+    require(not (mine and os.path.isfile(mine) and os.path.isfile(theirs)) or _vocab(mine) == _vocab(theirs), key,
+            path, f"its tokenizer.json maps tokens to other ids than model.path={m.path}'s: it scores the policy's "
+            "token ids, so both need the same tokenizer")
+    longest = job.data.seq_len + r.max_completion_length
+    require(scorer["max_seq_len"] >= longest, key, path, f"it holds {scorer['max_seq_len']} positions, fewer "
+            f"than data.seq_len + recipe.max_completion_length = {longest}")
 
 
 def _kd(job) -> None:

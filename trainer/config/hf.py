@@ -42,6 +42,23 @@ def safetensors_damage(file: str) -> str | None:
     if 8 + length + max(ends, default=0) > size:
         return f"it is truncated ({size} of {8 + length + max(ends, default=0)} bytes)"
     return None
+# The same families with a sequence-classification head (`score`) instead of the LM head: reward models.
+CLASSIFIERS = tuple(a.replace("ForCausalLM", "ForSequenceClassification") for a in ARCHITECTURES)
+
+
+def is_classifier(hf: dict) -> bool:
+    """Whether config.json `hf` (read by `read_config`) describes a *ForSequenceClassification model."""
+    return hf["architectures"][0] in CLASSIFIERS
+
+
+def num_labels(hf: dict) -> int:
+    """The classifier's output width, as transformers' PretrainedConfig reads it (id2label, else num_labels)."""
+    return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
+
+
+def causal_architecture(hf: dict) -> str:
+    """config.json's architecture as its causal LM's name (a reward model's classifier is its family's)."""
+    return hf["architectures"][0].replace("ForSequenceClassification", "ForCausalLM")
 
 
 def read_config(path: str | None, key: str = "model.path") -> dict:
@@ -64,12 +81,12 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
     if not isinstance(hf, dict):
         raise ConfigError(key, path, f"its {file} holds a JSON {type(hf).__name__}, not a model's config")
     archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES + CLASSIFIERS:
         raise ConfigError(
             key,
             path,
             f"its architecture {', '.join(archs) or '(none given)'} is not supported; "
-            f"trainjob fine-tunes {', '.join(ARCHITECTURES)}",
+            f"trainjob fine-tunes {', '.join(ARCHITECTURES)} (and their *ForSequenceClassification reward models)",
         )
     weights = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not weights:
@@ -92,7 +109,7 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
 
 
 def family(hf: dict) -> Family:
-    return FAMILIES[hf["architectures"][0]]
+    return FAMILIES[causal_architecture(hf)]
 
 
 def _rope_params(hf: dict, layer_type: str = "full_attention") -> dict:
@@ -120,12 +137,12 @@ def rope(hf: dict, path: str) -> tuple[float, dict | None]:
 
 
 def _gemma3(hf: dict) -> bool:
-    return hf["architectures"][0] == "Gemma3ForCausalLM"
+    return causal_architecture(hf) == "Gemma3ForCausalLM"
 
 
 def _layer_types(hf: dict, n_layers: int) -> list[str] | None:
     """Which layers attend within a sliding window (transformers' `layer_types`), or None: every layer is full."""
-    window, arch = hf.get("sliding_window"), hf["architectures"][0]
+    window, arch = hf.get("sliding_window"), causal_architecture(hf)
     if not window or arch in ("MistralForCausalLM",) or hf.get("use_sliding_window") is False:
         return None
     types = hf.get("layer_types")

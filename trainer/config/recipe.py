@@ -1,5 +1,5 @@
-"""The `recipe` section: which loss a run trains with (`recipe=pretrain|sft|dpo|grpo|kd`) and its settings, with
-the rules of its own values. The rules that tie it to the data, the model and the batch are cross-section
+"""The `recipe` section: which loss a run trains with (`recipe=pretrain|sft|dpo|grpo|rloo|reward|kd`) and its
+settings, with the rules of its own values. The rules that tie it to the data, the model and the batch are cross-section
 rules (`trainer.config.across`)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from omegaconf import MISSING
 
 from trainer.config.checks import one_of, require
 
-RECIPES = ("pretrain", "sft", "dpo", "grpo", "kd")
-# The data each recipe trains on, and the recipe each dataset of its own is for.
-DATA = {"sft": "chat", "dpo": "preference", "grpo": "prompts"}
+RECIPES = ("pretrain", "sft", "dpo", "grpo", "rloo", "reward", "kd")
+# The data each recipe trains on; a dataset of its own is for those recipes only.
+DATA = {"sft": "chat", "dpo": "preference", "reward": "preference", "grpo": "prompts", "rloo": "prompts"}
+ONLINE = ("grpo", "rloo")  # the recipes that sample completions and score them
 DATA_ROWS = {"chat": "rows with messages", "preference": "rows with prompt, chosen, rejected",
              "prompts": "rows with a prompt (text) or messages"}
 SCALE_REWARDS = ("group", "batch", "none")
@@ -25,6 +26,34 @@ KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 @dataclass
 class TeacherConfig:
     path: str | None = None  # kd: the teacher's Hugging Face directory (the student's tokenizer)
+
+
+class GenerationConfig:
+    """grpo, rloo: `recipe.generation.async=true` samples the next step's completions in the background, from a
+    copy of the weights taken before this step's update, while this step trains (TRL's async GRPO with its
+    staleness bound at one step). `async` is a Python keyword, so this dataclass is built by hand (no generated
+    __init__, __repr__ or __eq__)."""
+
+    def __init__(self, **values):
+        setattr(self, "async", bool(values.get("async", False)))
+
+
+GenerationConfig.__annotations__ = {"async": bool}
+setattr(GenerationConfig, "async", False)
+GenerationConfig = dataclass(init=False, repr=False, eq=False)(GenerationConfig)
+
+
+def is_async(recipe) -> bool:
+    """Whether `recipe` (the section) asks for generation overlapping training."""
+    return bool(getattr(recipe.generation, "async"))
+
+
+@dataclass
+class RewardModelConfig:
+    # grpo, rloo: a reward model's Hugging Face directory (an exported recipe=reward run, a
+    # *ForSequenceClassification with one label, the policy's tokenizer) scoring completions beside
+    # recipe.reward_funcs; its weight comes after theirs in recipe.reward_weights.
+    path: str | None = None
 
 
 @dataclass
@@ -54,7 +83,7 @@ class RecipeConfig:
     label_smoothing: float = 0.0
     # grpo: importance weights per token, or per completion (the mean of its tokens' log-ratios: GSPO).
     importance_sampling_level: str = "token"
-    # grpo: completions per prompt (train.global_batch_size counts completions), the reward functions
+    # grpo, rloo: completions per prompt (train.global_batch_size counts completions), the reward functions
     # (`package.module:function`, called with prompts=, completions= and the rows' other columns, returning a
     # float per completion) and their weights (null: 1 each), how advantages are scaled (group: by each
     # prompt's std; batch: the batch's; none), the clipping range (epsilon_high null: epsilon), the updates per
@@ -70,6 +99,13 @@ class RecipeConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float | None = None
+    normalize_advantages: bool = False
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    # reward: TRL's center_rewards_coefficient, the weight of the mean squared sum of a pair's rewards in the loss
+    # (null: none), keeping the rewards centred on 0.
+    center_rewards_coefficient: float | None = None
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     kd: KDConfig = field(default_factory=KDConfig)
 
@@ -88,8 +124,11 @@ class RecipeConfig:
                 self.importance_sampling_level, f"only recipe=grpo reads it (recipe={self.name}: leave it token)")
         if self.name == "dpo":
             require(self.beta > 0, "recipe.beta", self.beta, "must be > 0")
-        if self.name == "grpo":
+        if self.name in ONLINE:
             self._check_grpo()
+        if self.name == "reward":
+            require(self.center_rewards_coefficient is None or self.center_rewards_coefficient >= 0,
+                    "recipe.center_rewards_coefficient", self.center_rewards_coefficient, "must be >= 0, or null")
         if self.name == "kd":
             self._check_kd()
 
@@ -98,17 +137,23 @@ class RecipeConfig:
                 "must be >= 2 (advantages compare the completions of one prompt)")
         one_of("recipe.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         one_of("recipe.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
-        require(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
+        rewards = len(self.reward_funcs) + bool(self.reward_model.path)
+        require(self.reward_weights is None or len(self.reward_weights) == rewards,
                 "recipe.reward_weights", None if self.reward_weights is None else list(self.reward_weights),
-                f"must give one weight per reward function ({len(self.reward_funcs)}), or be null for 1 each")
+                f"must give one weight per reward function ({len(self.reward_funcs)})"
+                + (" and one for recipe.reward_model" if self.reward_model.path else "") + ", or be null for 1 each")
         for key in ("epsilon", "num_iterations", "max_completion_length"):
             require(getattr(self, key) > 0, f"recipe.{key}", getattr(self, key), "must be > 0")
         require(self.epsilon_high is None or self.epsilon_high > 0, "recipe.epsilon_high", self.epsilon_high,
                 "must be > 0, or null for recipe.epsilon")
         require(self.beta >= 0, "recipe.beta", self.beta, "must be >= 0 (0: no KL penalty, no reference held)")
-        require(self.temperature > 0, "recipe.temperature", self.temperature, "must be > 0 (GRPO samples)")
+        require(self.temperature > 0, "recipe.temperature", self.temperature, f"must be > 0 ({self.name} samples)")
         require(self.top_k >= 0, "recipe.top_k", self.top_k, "must be >= 0 (0: every token)")
         require(0 < self.top_p <= 1, "recipe.top_p", self.top_p, "must be in (0, 1]")
+        require(self.min_p is None or 0 <= self.min_p <= 1, "recipe.min_p", self.min_p, "must be in [0, 1], or null")
+        require(not is_async(self) or self.num_iterations == 1, "recipe.generation.async", True,
+                f"generates each step's completions during the step before; recipe.num_iterations="
+                f"{self.num_iterations} reuses one generation batch for several steps: use recipe.num_iterations=1")
 
     def _check_kd(self) -> None:
         kd = self.kd

@@ -159,6 +159,11 @@ def pack(rows: list[tuple[np.ndarray, np.ndarray, int]], seq_len: int, pad_id: i
     return packed
 
 
+def padding_id(tok: HFTokenizer) -> int:
+    """The id chat and preference rows are padded with: the tokenizer's pad token, else its eos token, else 0."""
+    return next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
+
+
 def _length(tokens: np.ndarray, mask: np.ndarray, pad_id: int) -> int:
     """How many of a padded row's tokens are the conversation's (up to its last non-pad or counted token)."""
     real = np.nonzero((tokens != pad_id) | (mask != 0))[0]
@@ -242,7 +247,7 @@ def prepare(cfg) -> str:
         "packing": bool(d.packing),
         "mask": d.chat.mask,
     }
-    pad = next((i for i in (tok.token_id("pad_token"), tok.token_id("eos_token")) if i is not None), 0)
+    pad = padding_id(tok)
 
     def write(tmp: str) -> dict:
         splits: dict[str, list] = {"train": [], "eval": []}

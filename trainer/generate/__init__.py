@@ -1,13 +1,17 @@
 """Sampling from our `Transformer` (a preset, or a `model=hf` model): batched prompts of any lengths, left
 padded, decoded token by token through a `KVCache`; greedy or sampled (`trainer.generate.sampling`); each row
-stops at one of its end tokens or after `max_new_tokens`. `python -m trainer.generate` is the command line.
+stops at one of its end tokens or after `max_new_tokens`, and leaves the batch then (ended rows leave together
+once they are a quarter of the batch): the rows still running move to the front of the cache, allocated once per
+call, and every later step computes only them. Sampling still draws the whole batch's random numbers, so a seed
+gives the tokens `transformers`' `generate` gives (whose ended rows stay). `python -m trainer.generate` is the
+command line.
 
 Under a strategy each rank generates for its own prompts: a DDP model decodes with its inner module (no
 collective); a sharded one (FSDP2, TP: DTensor parameters) makes every forward collective, so every rank
-steps until all ranks' rows have ended (one all-reduce per token), and ranks of a tensor-parallel group must
-be given the same prompts (and, when sampling, the same generator seed). Tensor parallelism splits the
-sequence of the norms' inputs evenly over its ranks, so there every call's tokens are left padded to a
-multiple of the tensor-parallel degree (one new token becomes `tp` columns, all but the last masked)."""
+steps until all ranks' rows have ended (one all-reduce per token; ended rows stay in the batch), and ranks of a
+tensor-parallel group must be given the same prompts (and, when sampling, the same generator seed). Tensor
+parallelism splits the sequence of the norms' inputs evenly over its ranks, so there every call's tokens are left
+padded to a multiple of the tensor-parallel degree (one new token becomes `tp` columns, all but the last masked)."""
 
 from __future__ import annotations
 
@@ -40,10 +44,10 @@ def left_padded(prompts: Sequence[Sequence[int]], pad: int, device=None, multipl
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Sequence[int] = (),
              pad: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None) -> list[list[int]]:
+             generator: torch.Generator | None = None, min_p: float = 0.0) -> list[list[int]]:
     """The tokens generated after each prompt (non-empty lists of ids), up to and including the first token
     of `eos`, at most `max_new_tokens`. `pad` fills the left of shorter prompts (any id: padding is masked)."""
-    for name, value, allowed in sampling.problems(temperature, top_k, top_p):
+    for name, value, allowed in sampling.problems(temperature, top_k, top_p, min_p):
         raise ValueError(f"{name}={value}: {allowed}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
@@ -60,22 +64,37 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     tokens, valid = left_padded(prompts, pad, device, multiple=tp)
     cache = KVCache(len(inner.layers), tokens.shape[1] + max_new_tokens * tp)
     stop = torch.tensor(sorted(set(eos)), dtype=torch.long, device=device)
+    out = torch.full((len(prompts), max_new_tokens), pad, dtype=torch.long, device=device)
+    running = torch.arange(len(prompts), device=device)  # the prompt of each row still in the batch
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    out = []
     cache.append(valid)
     logits = _last_logits(inner, tokens, cache)
-    for _ in range(max_new_tokens):
-        step = sampling.next_token(logits, temperature, top_k, top_p, generator)
+    for i in range(max_new_tokens):
+        step = sampling.next_token(logits, temperature, top_k, top_p, generator, min_p, running, len(prompts))
         step = torch.where(done, pad, step)
-        out.append(step)
+        out[running, i] = step
         done |= torch.isin(step, stop)
-        if len(out) == max_new_tokens or _all_ended(done, collective):
+        if i == max_new_tokens - 1 or _all_ended(done, collective):
             break
-        new, new_valid = left_padded([[t] for t in step.tolist()], pad, device, multiple=tp)
+        # Ended rows leave the batch and its cache once they are a quarter of it (each move copies the cache);
+        # under a collective forward (every rank steps until all have ended) they stay, writing padding.
+        if not collective and 4 * int(done.sum()) >= len(done):
+            kept = (~done).nonzero().squeeze(1)
+            running, step, done = running[kept], step[kept], done[kept]
+            cache.keep(kept)
+        new, new_valid = _next_columns(step, pad, tp)
         cache.append(new_valid)
         logits = _last_logits(inner, new, cache)
-    rows = torch.stack(out, dim=1).tolist()
-    return [_until_end(row, set(eos)) for row in rows]
+    return [_until_end(row, set(eos)) for row in out.tolist()]
+
+
+def _next_columns(step: torch.Tensor, pad: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of the next call and which are real: one column, or `tp` columns whose last is the token."""
+    tokens = torch.full((step.shape[0], tp), pad, dtype=torch.long, device=step.device)
+    tokens[:, -1] = step
+    valid = torch.zeros(step.shape[0], tp, dtype=torch.bool, device=step.device)
+    valid[:, -1] = True
+    return tokens, valid
 
 
 def _tp_degree(model: nn.Module) -> int:
@@ -87,6 +106,12 @@ def _tp_degree(model: nn.Module) -> int:
 
 
 def _last_logits(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The logits of the last column, (batch, vocab); unsharded, only that column goes through the output layer
+    (a prompt's whole logits would be the prefill's largest tensor)."""
+    if tokens.shape[1] > 1 and not isinstance(model.tok_embeddings.weight, DTensor):
+        h = model.hidden_states(tokens, cache=cache)[:, -1:]
+        out = model.output(h) if model.output is not None else model.tied_output(h, model.tok_embeddings.weight)
+        return out[:, -1]
     logits = model(tokens, cache=cache)[:, -1]
     # Under tensor parallelism with loss parallelism the logits are split over the vocabulary.
     return logits.full_tensor() if isinstance(logits, DTensor) else logits

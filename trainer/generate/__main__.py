@@ -5,7 +5,7 @@ Face model directory. The text goes through the model's own tokenizer: the Huggi
 `model.path` for a `model=hf` checkpoint), or the byte tokenizer of a built-in preset. `--chat` sends each prompt
 as a user message through the directory's chat template, with the generation prompt. Generation stops at an end
 token (the tokenizer's eos_token and every `eos_token_id` of generation_config.json, else of config.json) or
-after --max-new-tokens. Greedy by default; --temperature > 0 samples, from --top-k / --top-p when given.
+after --max-new-tokens. Greedy by default; --temperature > 0 samples, from --top-k / --top-p / --min-p when given.
 Every argument is checked, and the prompts tokenized, before any weight is read: a bad one is refused in one
 line with exit status 2.
 """
@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sample from the top-p nucleus (1: all)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than min-p x the most likely one (0: none)")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt (prompt, completion, token_ids) instead of the text")
@@ -64,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 def _check(args) -> None:
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be >= 1")
-    for name, value, allowed in sampling.problems(args.temperature, args.top_k, args.top_p):
+    for name, value, allowed in sampling.problems(args.temperature, args.top_k, args.top_p, args.min_p):
         raise ConfigError("--" + name.replace("_", "-"), value, allowed)
     if not all(args.prompt):
         raise ConfigError("--prompt", "", "every prompt needs some text")
@@ -84,7 +86,7 @@ def run(args) -> list[dict]:
     model = load().eval()
     gen = torch.Generator().manual_seed(args.seed)
     outputs = generate(model, prompts, args.max_new_tokens, eos=text.eos, pad=text.pad, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, generator=gen)
+                       top_k=args.top_k, top_p=args.top_p, generator=gen, min_p=args.min_p)
     return [{"prompt": p, "completion": text.decode(ids), "token_ids": ids}
             for p, ids in zip(args.prompt, outputs, strict=True)]
 

@@ -69,12 +69,16 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
 
 
-def init_weights(model: nn.Module, shapes: dict, seed: int, std: float, n_layers: int) -> None:
-    """Initialise every parameter of `model` (sharded or not) and its rotary tables, in place."""
+def init_weights(model: nn.Module, shapes: dict, seed: int, std: float, n_layers: int,
+                 only: list[str] | None = None) -> None:
+    """Initialise every parameter of `model` (sharded or not), or the ones named in `only`, and its rotary
+    tables, in place."""
     inner = unwrap(model)
     with torch.no_grad():
         for name, param in inner.named_parameters():
             clean = name.replace(WRAPPED, "")
+            if only is not None and clean not in only:
+                continue
             shape, dtype = shapes[clean]
             full = _draw(clean, shape, dtype, seed, std, n_layers).to(param.device)
             if isinstance(param, DTensor):

@@ -8,16 +8,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.models import build, hf, hf_transformers, init_weights, kernels, lora, param_shapes
+from trainer.models import build, hf, hf_transformers, init_weights, kernels, lora, param_shapes, score
 from trainer.parallel import ParallelDims, parallelize
 
 
 def assemble(model_cfg, cfg, dims: ParallelDims, *, peft: bool = True, qat: bool = True,
-             frozen: bool = False) -> nn.Module:
+             frozen: bool = False, score_head: bool = False) -> nn.Module:
     """The model `model_cfg` (a `ModelConfig`) describes, ready on this rank under the run `cfg`'s strategy.
-    `peft`: add `cfg.peft`'s adapters; `qat`: fake-quantise as `cfg.train.qat` says; `frozen`: no gradients."""
+    `peft`: add `cfg.peft`'s adapters; `qat`: fake-quantise as `cfg.train.qat` says; `frozen`: no gradients;
+    `score_head`: a sequence-classification head instead of the LM head (`trainer.models.score`), read from the
+    directory when it holds one, else drawn from the run seed."""
     with torch.device("meta"):
         model = kernels.apply(build(model_cfg), cfg.kernels)
+        if score_head:
+            score.attach(model)
     if peft:
         model = lora.apply(model, cfg.peft)
     if qat and cfg.train.qat != "none":
@@ -27,7 +31,12 @@ def assemble(model_cfg, cfg, dims: ParallelDims, *, peft: bool = True, qat: bool
     shapes = param_shapes(model)
     model = parallelize(model, dims, cfg.strategy)
     if model_cfg.name == "hf":
-        (hf_transformers if model_cfg.impl == "transformers" else hf).load_weights(model, model_cfg.path)
+        if model_cfg.impl == "transformers":
+            hf_transformers.load_weights(model, model_cfg.path)
+        else:
+            fresh = hf.load_weights(model, model_cfg.path)
+            if fresh:
+                init_weights(model, shapes, cfg.train.seed, model_cfg.init_std, model_cfg.n_layers, only=fresh)
     else:
         init_weights(model, shapes, cfg.train.seed, model_cfg.init_std, model_cfg.n_layers)
     if peft and cfg.peft.name == "lora":

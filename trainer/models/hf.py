@@ -37,9 +37,12 @@ def family_of(model: nn.Module) -> families.Family:
     return families.BY_NAME[inner.family]
 
 
-def hf_name(name: str, family: families.Family | None = None) -> str:
+def hf_name(name: str, family: families.Family | None = None, head: str = "lm_head") -> str:
     """The checkpoint's name for our parameter `name` (such as `layers.0.attention.wq.weight`) in `family`'s
-    layout (Llama's by default); a piece of a fused tensor gives the fused tensor's name."""
+    layout (Llama's by default); a piece of a fused tensor gives the fused tensor's name. Our `output` is `head`
+    (`lm_head`, or a classifier's `score`: `trainer.models.score`)."""
+    if name.startswith("output."):
+        return f"{head}.{name.removeprefix('output.')}"
     return families.hf_name(family or families.BY_NAME["llama"], name)
 
 
@@ -48,11 +51,13 @@ def _inner(name: str) -> str:
     return name.split(".", 2)[2].rsplit(".", 1)[0] if name.startswith("layers.") else ""
 
 
-def hf_state(params: dict[str, torch.Tensor], family: families.Family) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (Hugging Face names, fused tensors joined) of our full parameters `params`."""
+def hf_state(params: dict[str, torch.Tensor], family: families.Family, head: str = "lm_head"
+             ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (Hugging Face names, fused tensors joined) of our full parameters `params`; our
+    `output` named `head` (see `hf_name`)."""
     out, pieces = {}, {}
     for name, p in params.items():
-        theirs = hf_name(name, family)
+        theirs = hf_name(name, family, head)
         if _inner(name) not in _fused_names(family):
             out[theirs] = p
         else:
@@ -120,20 +125,26 @@ def _refuse(path: str, found, name: str, shape) -> None:
                       f"describes needs shape {tuple(shape)}")
 
 
-def load_weights(model: nn.Module, path: str) -> None:
+def load_weights(model: nn.Module, path: str) -> list[str]:
     """Fill `model`'s parameters (sharded or not, on any device) from the safetensors files in `path`; every
-    rank calls this, and reads only its own slices."""
+    rank calls this, and reads only its own slices. Returns the names of those left as they were: a score head
+    (`trainer.models.score`) that a causal LM's directory does not hold."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
     family = family_of(inner)
     # LoRA adapters (`.lora_A.`, `.lora_B.`) are not in a pretrained directory; trainer.models.lora starts them.
+    head = "score" if getattr(inner, "score_head", False) else "lm_head"
     ours = {name.replace(WRAPPED, ""): p for name, p in inner.named_parameters() if ".lora_" not in name}
     fused = {n: p for n, p in ours.items() if _inner(n) in _fused_names(family)}
-    state = {hf_name(name, family): param for name, param in ours.items() if name not in fused}
+    state = {hf_name(name, family, head): param for name, param in ours.items() if name not in fused}
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
+    untouched = []
+    if head == "score" and "score.weight" not in saved:
+        del state["score.weight"]
+        untouched.append("output.weight")
     for name, param in state.items():
         if name not in saved or tuple(saved[name].size) != tuple(param.shape):
             _refuse(path, tuple(saved[name].size) if name in saved else "nothing", name, param.shape)
@@ -142,6 +153,7 @@ def load_weights(model: nn.Module, path: str) -> None:
         if fused:
             _load_fused(fused, family, path, saved)
     inner.init_buffers()
+    return untouched
 
 
 def from_hf(path: str) -> Transformer:

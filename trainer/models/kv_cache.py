@@ -4,7 +4,9 @@ Each step appends the new tokens' validity (`append`): the cache then holds the 
 tokens (count of real tokens before each, so a left-padded row starts at position 0 as an unpadded one does,
 as `transformers` numbers them) and their attention mask (causal, padding keys hidden). Each attention
 layer writes its keys and values into its own `LayerCache` slot, allocated on first use with the layer's
-local head count, so a tensor-parallel shard caches only its own heads.
+local head count, so a tensor-parallel shard caches only its own heads. Its tensors are allocated once, at the
+whole batch and `max_len`; rows that have ended leave (`keep`): the rows still running move to the front of the
+same tensors and the calls that follow read only them.
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ class LayerCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' keys and values (batch, kv_heads, new, head_dim); return all of them so far."""
-        start, end = self.owner.start, self.owner.length
+        start, end, rows = self.owner.start, self.owner.length, k.shape[0]
         if self.k is None:
             shape = (k.shape[0], k.shape[1], self.owner.max_len, k.shape[3])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        self.k[:rows, :, start:end] = k
+        self.v[:rows, :, start:end] = v
+        return self.k[:rows, :, :end], self.v[:rows, :, :end]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        if self.k is not None:
+            end = self.owner.length
+            self.k[: len(rows), :, :end] = self.k[rows, :, :end]
+            self.v[: len(rows), :, :end] = self.v[rows, :, :end]
 
 
 class KVCache:
@@ -63,3 +71,11 @@ class KVCache:
         # no real token ever sees a padding key, so what a padding position computes goes nowhere.
         mask = ((key <= query)[None] & seen[:, None, :]) | (key == query)[None]
         self.mask = mask[:, None]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the rows `rows` (indices into the rows held now, ascending), in that order, in place: the
+        next `append` takes `len(rows)` rows."""
+        self.valid[: len(rows), : self.length] = self.valid[rows, : self.length]
+        self.valid = self.valid[: len(rows)]
+        for layer in self.layers:
+            layer.keep(rows)

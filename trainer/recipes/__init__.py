@@ -1,7 +1,7 @@
-"""The recipes, `recipe=pretrain|sft|dpo|grpo|kd`: one object each (`trainer.recipes.base.Recipe`) that owns what
-a run's loss counts, its eval loss and, for dpo and grpo, its frozen reference, for kd its teacher. The section's
-schema and checks are in `trainer.config.recipe` (no torch there: the driver imports it); `build` makes a run's
-recipe object."""
+"""The recipes, `recipe=pretrain|sft|dpo|grpo|rloo|reward|kd`: one object each (`trainer.recipes.base.Recipe`)
+that owns what a run's loss counts, its eval loss and, for dpo, grpo and rloo, its frozen reference, for kd its
+teacher. The section's schema and checks are in `trainer.config.recipe` (no torch there: the driver imports it);
+`build` makes a run's recipe object."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ OBJECTS = {
     "sft": ("trainer.recipes.sft", "SFT"),
     "dpo": ("trainer.recipes.dpo", "DPO"),
     "grpo": ("trainer.recipes.grpo", "GRPO"),
+    "rloo": ("trainer.recipes.rloo", "RLOO"),
+    "reward": ("trainer.recipes.reward", "Reward"),
     "kd": ("trainer.recipes.kd", "KD"),
 }
 

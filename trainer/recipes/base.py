@@ -33,6 +33,9 @@ class Recipe(abc.ABC):
     def __init__(self, cfg, model: nn.Module, ctx: Context):
         self.cfg, self.model, self.ctx = cfg, model, ctx
         self.stats: dict[str, torch.Tensor] = {}  # summed over the steps since the last metrics line
+        # The loop's iterator over the train split: a recipe that reads ahead (recipe.generation.async) takes its
+        # batches from it, and asks the loop for none (`wants_batch`).
+        self.source = None
 
     @property
     def rows_per_step(self) -> int:

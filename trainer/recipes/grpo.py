@@ -30,31 +30,39 @@ log-probabilities come from the model's forward a chunk of tokens at a time (`tr
 
 `GRPO`, the recipe object: every `recipe.num_iterations` steps it samples `recipe.num_generations` completions
 of each of its rank's prompts from the policy (`trainer.generate`; each rank its own prompts, tensor-parallel
-peers the same ones with the same seed), scores them with the reward functions (`trainer.recipes.rewards`),
-and keeps them, with their advantages, the policy's log-probabilities at sampling (old) and the reference's,
-for the updates that follow. A training row is the prompt, then its completion, then padding, so that positions
+peers the same ones with the same seed), scores them with the reward functions (`trainer.recipes.rewards`) and
+the reward model of recipe.reward_model.path (`trainer.recipes.reward_model`; its weight last), and keeps them,
+with their advantages, the policy's log-probabilities at sampling (old) and the reference's, for the updates that
+follow. A training row is the prompt, then its completion, then padding, so that positions
 and attention are those of generation; the loss counts the completion's tokens, its end token included. The
 reference is the policy with its adapters off under peft=lora, else a frozen copy of the starting weights; none
 with recipe.beta=0. A resumed run starts a new generation batch at its first step. The eval loss is minus the
-mean weighted reward of completions sampled for the eval prompts (the same seed at every eval).
+mean weighted reward of completions sampled for the eval prompts (the same seed at every eval). Each metrics line
+holds the seconds of its generation batch's sampling (perf/generate_s), scoring (perf/score_s) and old and reference
+log-probabilities (perf/logps_s); the rest of the step is training.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from trainer.config import recipe as config_recipe
+from trainer.config.recipe import is_async
 from trainer.generate import generate
 from trainer.models import lora
 from trainer.models.assembly import assemble
 from trainer.recipes import rewards
+from trainer.recipes.async_rollouts import AsyncRollouts
 from trainer.recipes.base import Recipe
 from trainer.recipes.dpo import logps_fn
 from trainer.recipes.prompt_data import prompt_text
+from trainer.recipes.reward_model import RewardModel
 from trainer.recipes.sft import IGNORE
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -168,7 +176,9 @@ class GRPO(Recipe):
         r = cfg.recipe
         self.r, self.G = r, r.num_generations
         self.funcs = [(spec, rewards.load(spec)) for spec in r.reward_funcs]
-        self.weights = list(r.reward_weights) if r.reward_weights is not None else [1.0] * len(self.funcs)
+        self.reward_model = RewardModel(cfg, ctx) if r.reward_model.path else None
+        count = len(self.funcs) + (self.reward_model is not None)
+        self.weights = list(r.reward_weights) if r.reward_weights is not None else [1.0] * count
         self.text = prompt_text(cfg.model)
         self.reference = None
         if r.beta > 0:
@@ -179,6 +189,7 @@ class GRPO(Recipe):
         self.buffer: list | None = None  # the generation batch's micro-batches
         self.tokens_per_rank = None  # loss_type=dapo's normaliser of the generation batch
         self.logps_fn = logps_fn(cfg.kernels)
+        self.rollouts = AsyncRollouts(self) if is_async(r) else None  # it reads the batches itself, one ahead
         self.reward_stats: dict[str, torch.Tensor] = {}
 
     @property
@@ -189,10 +200,10 @@ class GRPO(Recipe):
         return math.ceil(step / self.r.num_iterations)
 
     def wants_batch(self, step: int) -> bool:
-        return self.buffer is None or step % self.r.num_iterations == 0
+        return self.rollouts is None and (self.buffer is None or step % self.r.num_iterations == 0)
 
     def micro_batches(self, batch: dict | None, accum: int) -> list:
-        if batch is not None:
+        if batch is not None or self.rollouts is not None:
             self.buffer = self._generation_batch(batch, accum)
             self.tokens_per_rank = dapo_tokens_per_rank([micro[2] for micro in self.buffer])
         self.add_stats(self.reward_stats)
@@ -214,7 +225,7 @@ class GRPO(Recipe):
         generator = torch.Generator(self.ctx.device).manual_seed(self.cfg.train.seed + 7919 * (self.dp_rank + 1))
         prompts, rows = self._prompts(batch)
         completions = self._sample(prompts, generator)
-        scores, _ = self._rewards(rows, completions)
+        scores, _ = self._rewards(rows, prompts, completions)
         return -scores.mean()
 
     def _prompts(self, batch: dict) -> tuple[list[list[int]], list[dict]]:
@@ -222,24 +233,41 @@ class GRPO(Recipe):
         prompts = [row[:n] for row, n in zip(batch["tokens"].tolist(), lengths, strict=True)]
         return prompts, [json.loads(r) for r in batch["rows"]]
 
-    def _sample(self, prompts: list[list[int]], generator: torch.Generator) -> list[list[int]]:
+    def _sample(self, prompts: list[list[int]], generator: torch.Generator, model=None, autocast=None
+                ) -> list[list[int]]:
         repeated = [p for p in prompts for _ in range(self.G)]
-        with self.ctx.autocast:
-            return generate(self.model, repeated, self.r.max_completion_length, eos=self.text.eos, pad=self.text.pad,
-                            temperature=self.r.temperature, top_k=self.r.top_k, top_p=self.r.top_p,
-                            generator=generator)
+        model = self.model if model is None else model
+        with self.ctx.autocast if autocast is None else autocast:
+            return generate(model, repeated, self.r.max_completion_length, eos=self.text.eos,
+                            pad=self.text.pad, temperature=self.r.temperature, top_k=self.r.top_k, top_p=self.r.top_p,
+                            generator=generator, min_p=self.r.min_p or 0.0)
 
-    def _rewards(self, rows: list[dict], completions: list[list[int]]) -> tuple[torch.Tensor, dict]:
-        """(the weighted reward of each completion, the mean and std of each function's)."""
+    @contextmanager
+    def timed(self, stats: dict, key: str):
+        """Adds the seconds the block takes (the device's work included) to `stats[key]`, as TRL's perf/ metrics."""
+        start = time.perf_counter()
+        yield
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        stats[key] = stats.get(key, 0.0) + time.perf_counter() - start
+
+    def _rewards(self, rows: list[dict], prompt_ids: list[list[int]], completions: list[list[int]]
+                 ) -> tuple[torch.Tensor, dict]:
+        """(the weighted reward of each completion, the mean and std of each function's and the reward model's);
+        `prompt_ids` are the prompts' tokens, each once."""
         texts = [self.text.decode(ids) for ids in completions]
         repeated = [row for row in rows for _ in range(self.G)]
         prompts = [row.get("prompt", row.get("messages")) for row in repeated]
         columns = {k: [row.get(k) for row in repeated] for k in rows[0] if k not in ("prompt", "messages")}
-        scores = torch.tensor([rewards.call(fn, spec, prompts, texts, columns) for spec, fn in self.funcs],
-                              dtype=torch.float32, device=self.ctx.device)  # (functions, completions)
+        found = [torch.tensor(rewards.call(fn, spec, prompts, texts, columns), dtype=torch.float32)
+                 for spec, fn in self.funcs]
+        names = [spec.rpartition(":")[2] for spec, _ in self.funcs]
+        if self.reward_model is not None:
+            found.append(self.reward_model([p for p in prompt_ids for _ in range(self.G)], completions).cpu())
+            names.append(self.reward_model.name)
+        scores = torch.stack(found).to(self.ctx.device)  # (functions, completions)
         stats = {}
-        for (spec, _), row in zip(self.funcs, scores, strict=True):
-            name = spec.rpartition(":")[2]
+        for name, row in zip(names, scores, strict=True):
             stats[f"rewards/{name}/mean"], stats[f"rewards/{name}/std"] = row.mean(), row.std()
         total = (scores * torch.tensor(self.weights, device=scores.device)[:, None]).sum(0)
         stats["reward"], stats["reward_std"] = total.mean(), total.std()
@@ -247,18 +275,35 @@ class GRPO(Recipe):
 
     @torch.no_grad()
     def _generation_batch(self, batch: dict, accum: int) -> list:
-        prompts, rows = self._prompts(batch)
-        self.model.eval()
-        completions = self._sample(prompts, self.generator)
-        self.model.train()
-        total, self.reward_stats = self._rewards(rows, completions)
+        times: dict[str, float] = {}
+        prompts, completions, total, reward_stats, old = self._generate_and_score(batch, times, accum)
         adv = self._advantages(total)
         tokens, target = self._rows([p for p in prompts for _ in range(self.G)], completions)
         mask = target != IGNORE
         parts = [tokens.chunk(accum), target.chunk(accum), mask.chunk(accum), adv.chunk(accum)]
-        old = self._logps(self.model, parts[0], parts[1]) if self.r.num_iterations > 1 else [None] * accum
-        ref = self._logps(self.reference, parts[0], parts[1]) if self.reference is not None else [None] * accum
+        with self.timed(times, "perf/logps_s"):
+            if old is None:
+                old = self._logps(self.model, parts[0], parts[1]) if self.r.num_iterations > 1 else [None] * accum
+            ref = self._logps(self.reference, parts[0], parts[1]) if self.reference is not None else [None] * accum
+        self.reward_stats = {**reward_stats, **{k: torch.tensor(v, device=self.ctx.device) for k, v in times.items()}}
         return list(zip(*parts, old, ref, strict=True))
+
+    def _generate_and_score(self, batch: dict | None, times: dict, accum: int) -> tuple:
+        """(prompts' tokens, completions, weighted rewards, reward statistics, the sampling policy's
+        log-probabilities by micro-batch or None) of a generation batch: `batch`'s, or under
+        recipe.generation.async the one sampled in the background; the seconds it takes go to `times`."""
+        old = None
+        if self.rollouts is not None:
+            prompts, rows, completions, old = self.rollouts.take(accum, times)
+        else:
+            prompts, rows = self._prompts(batch)
+            self.model.eval()
+            with self.timed(times, "perf/generate_s"):
+                completions = self._sample(prompts, self.generator)
+            self.model.train()
+        with self.timed(times, "perf/score_s"):
+            total, stats = self._rewards(rows, prompts, completions)
+        return prompts, completions, total, stats, old
 
     def _advantages(self, total: torch.Tensor) -> torch.Tensor:
         if self.r.scale_rewards != "batch":
