@@ -255,7 +255,7 @@ def test_kubernetes_backend_through_the_kubernetes_client(home, tmp_path, apiser
     assert trainer["command"] == ["torchrun", "--max-restarts=0", "/etc/trainjob/train_func.py"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 4)
     shipped = server.objects[("configmaps", "ml", f"{func}-config")]["data"]["train_func.py"]
-    assert "def greet(times):" in shipped and shipped.rstrip().endswith("greet(**{'times': 1})")
+    assert "def greet(times):" in shipped and shipped.rstrip().endswith("_run(greet, {'times': 1})")
 
     assert sorted(j.name for j in client.list_jobs()) == sorted([name, func])
     assert client.get_job(name).state == JobState.CREATED

@@ -60,9 +60,9 @@ def test_the_cache_token_is_never_printed_or_written(run_cli, tmp_path):
     assert dry.returncode == 0, dry.stderr
     assert TOKEN not in dry.stdout + dry.stderr
     assert "warning: data.cache.token goes in clear to grpc://cache-0:50051" in dry.stderr
-    docs = list(yaml.safe_load_all(dry.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "TrainJob"]
-    assert yaml.safe_load(docs[0]["data"]["config.yaml"])["data"]["cache"]["token"] == \
+    docs = {d["kind"]: d for d in yaml.safe_load_all(dry.stdout)}
+    assert sorted(docs) == ["ConfigMap", "Secret", "TrainJob", "TrainingRuntime"]  # the runtime: failure policies
+    assert yaml.safe_load(docs["ConfigMap"]["data"]["config.yaml"])["data"]["cache"]["token"] == \
         "${oc.env:TRAINJOB_CACHE_TOKEN}"
 
     # A sweep: checked whole before any job runs and refused naming the job, without the token; no sweep

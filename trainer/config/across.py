@@ -226,7 +226,7 @@ def _grpo(job) -> None:
 def _reward(job) -> None:
     """recipe=reward trains a score head on the whole model; only it starts from a classifier's directory."""
     m, name = job.model, job.recipe.name
-    if m.name == "hf" and m.path and os.path.isfile(os.path.join(m.path, "config.json")):
+    if m.name == "hf" and m.impl != "transformers" and m.path and os.path.isfile(os.path.join(m.path, "config.json")):
         from trainer.config import hf
 
         require(name == "reward" or not hf.is_classifier(hf.read_config(m.path)), "model.path", m.path,
@@ -234,6 +234,8 @@ def _reward(job) -> None:
                 "a reward model trains with recipe=reward, or scores with recipe.reward_model.path")
     if name != "reward":
         return
+    require(m.impl != "transformers", "model.impl", m.impl, "recipe=reward puts its score head on trainjob's own "
+            "decoder: a native family's directory (model.impl=native)")
     require(job.strategy.tp == 1, "strategy", job.strategy.name, "recipe=reward's score head has one output, "
             "which tensor parallelism cannot split over ranks: use strategy=ddp or fsdp2")
     require(job.peft.name == "none", "peft", job.peft.name, "recipe=reward trains a new score head, which "
@@ -325,7 +327,7 @@ def _peft(job) -> None:
         family = BY_NAME[job.model.family]
         targets = list(job.peft.target_modules)
         require(all(t in family.lora_targets for t in targets), "peft.target_modules", targets,
-                f"a {family.name} model (model.impl=native) has {', '.join(family.lora_targets)}")
+                f"a {family.name} model has {', '.join(family.lora_targets)} (model.impl=native)")
 
 
 def _trackers(job) -> None:

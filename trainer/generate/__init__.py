@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.generate import sampling
-from trainer.models import unwrap
+from trainer.models import chunked, unwrap
 from trainer.models.kv_cache import KVCache
 
 
@@ -108,10 +108,11 @@ def _tp_degree(model: nn.Module) -> int:
 def _last_logits(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """The logits of the last column, (batch, vocab); unsharded, only that column goes through the output layer
     (a prompt's whole logits would be the prefill's largest tensor)."""
-    if tokens.shape[1] > 1 and not isinstance(model.tok_embeddings.weight, DTensor):
+    own = hasattr(model, "tied_output")  # our decoder (model.impl=transformers runs its whole forward)
+    if own and tokens.shape[1] > 1 and not isinstance(model.tok_embeddings.weight, DTensor):
         h = model.hidden_states(tokens, cache=cache)[:, -1:]
         out = model.output(h) if model.output is not None else model.tied_output(h, model.tok_embeddings.weight)
-        return out[:, -1]
+        return chunked.capped(out[:, -1], model.final_softcap)
     logits = model(tokens, cache=cache)[:, -1]
     # Under tensor parallelism with loss parallelism the logits are split over the vocabulary.
     return logits.full_tensor() if isinstance(logits, DTensor) else logits

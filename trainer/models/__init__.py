@@ -105,8 +105,9 @@ def count_params(cfg) -> int:
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Parameter count of the full (unsharded) model."""
     seen, total = set(), 0
-    if exclude_embeddings:
-        seen = {id(p) for p in unwrap(model).tok_embeddings.parameters()}
+    embeddings = getattr(unwrap(model), "tok_embeddings", None)  # none on a later pipeline stage
+    if exclude_embeddings and embeddings is not None:
+        seen = {id(p) for p in embeddings.parameters()}
     for p in model.parameters():
         if id(p) in seen:
             continue

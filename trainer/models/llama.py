@@ -265,12 +265,12 @@ def _block(dim, n_heads, n_kv_heads, ffn_dim, eps, index: int, o: Options) -> Bl
 
 
 def _positions(seq: int, device: torch.device, documents: torch.Tensor | None, cache):
-    """(positions of the `seq` tokens, positions of the keys they attend to, the attention mask or None: causal)."""
+    """(positions of the `seq` tokens, positions of the keys they attend to, the attention mask or None: causal).
+    Plain rows give the slice 0..seq: the rotary tables are then read as views, with no index op."""
     if cache is not None:
         return cache.positions, cache.key_positions, cache.mask
     if documents is None:
-        positions = torch.arange(seq, device=device)
-        return positions, positions, None
+        return slice(0, seq), slice(0, seq), None
     index = torch.arange(seq, device=device).expand_as(documents)
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
@@ -280,8 +280,10 @@ def _positions(seq: int, device: torch.device, documents: torch.Tensor | None, c
     return positions, positions, mask
 
 
-def _window(mask: torch.Tensor | None, positions: torch.Tensor, keys: torch.Tensor, window: int):
+def _window(mask: torch.Tensor | None, positions, keys, window: int, device: torch.device):
     """The mask of a sliding-window layer: `mask` (None: causal) and a key at most window - 1 positions back."""
+    if isinstance(positions, slice):  # plain rows (`_positions`)
+        positions = keys = torch.arange(positions.stop, device=device)
     if mask is None and positions.dim() == 1 and positions.shape[0] <= window:
         return None  # the window holds every earlier token: plain causal attention
     near = (positions[..., :, None] - keys[..., None, :]) < window
@@ -355,7 +357,8 @@ class Transformer(nn.Module):
         tables = {False: (self.rope_cos[positions], self.rope_sin[positions])}
         tables[True] = (self.rope_local_cos[positions], self.rope_local_sin[positions]) \
             if o.rope_local_theta is not None else tables[False]
-        masks = {False: mask, True: _window(mask, positions, keys, o.sliding_window) if o.sliding_window else mask}
+        masks = {False: mask, True: _window(mask, positions, keys, o.sliding_window, tokens.device) if o.sliding_window
+                                 else mask}
         h = tokens if staged else self.tok_embeddings(tokens)
         if o.embedding_multiplier != 1.0 and not staged:  # in the model's dtype, as transformers scales Gemma's
             h = h * torch.tensor(o.embedding_multiplier, dtype=h.dtype)
