@@ -61,8 +61,9 @@ def causal_architecture(hf: dict) -> str:
     return hf["architectures"][0].replace("ForSequenceClassification", "ForCausalLM")
 
 
-def read_config(path: str | None, key: str = "model.path") -> dict:
-    """The model directory's config.json, after checking that trainjob can run the model it describes."""
+def read_json(path: str | None, key: str = "model.path") -> dict:
+    """The config.json of model directory `path`, whatever its architecture; refused in one line where there is
+    no such directory or its config.json does not read."""
     if not path:
         raise ConfigError(
             key,
@@ -80,14 +81,11 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
         raise ConfigError(key, path, f"its {file} cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(hf, dict):
         raise ConfigError(key, path, f"its {file} holds a JSON {type(hf).__name__}, not a model's config")
-    archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES + CLASSIFIERS:
-        raise ConfigError(
-            key,
-            path,
-            f"its architecture {', '.join(archs) or '(none given)'} is not supported; "
-            f"trainjob fine-tunes {', '.join(ARCHITECTURES)} (and their *ForSequenceClassification reward models)",
-        )
+    return hf
+
+
+def check_weights(path: str, key: str = "model.path") -> None:
+    """Refuse, in one line naming the file, a directory without safetensors weights or with one that is damaged."""
     weights = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not weights:
         raise ConfigError(
@@ -99,6 +97,20 @@ def read_config(path: str | None, key: str = "model.path") -> dict:
         problem = safetensors_damage(weights_file)
         if problem:
             raise ConfigError(key, path, f"its weights {weights_file} cannot be loaded: {problem}")
+
+
+def read_config(path: str | None, key: str = "model.path") -> dict:
+    """The model directory's config.json, after checking that trainjob can run the model it describes."""
+    hf = read_json(path, key)
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES + CLASSIFIERS:
+        raise ConfigError(
+            key,
+            path,
+            f"its architecture {', '.join(archs) or '(none given)'} is not supported; "
+            f"trainjob fine-tunes {', '.join(ARCHITECTURES)} (and their *ForSequenceClassification reward models)",
+        )
+    check_weights(path, key)
     act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ConfigError(key, path, f"config.json sets the activation {act!r}; trainjob has "

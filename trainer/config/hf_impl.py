@@ -36,31 +36,9 @@ _SETTINGS = {
 
 
 def _read(path: str | None, key: str) -> dict:
-    """config.json of directory `path` after the checks every impl shares (a directory with safetensors)."""
-    import glob
-    import json
-
-    if not path:
-        raise ConfigError(key, path, "model=hf needs a Hugging Face model directory (config.json and "
-                          "model.safetensors or its shards): model.path=/models/<name>")
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise ConfigError(key, path, "must be a Hugging Face model directory holding config.json")
-    weights = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not weights:
-        raise ConfigError(key, path, "holds no *.safetensors weights (save the model with "
-                          "save_pretrained(..., safe_serialization=True))")
-    for weights_file in weights:
-        problem = hf.safetensors_damage(weights_file)
-        if problem:
-            raise ConfigError(key, path, f"its weights {weights_file} cannot be loaded: {problem}")
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:  # cut short, not JSON, not UTF-8
-        raise ConfigError(key, path, f"its {file} cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(key, path, f"its {file} holds a JSON {type(config).__name__}, not a model's config")
+    """config.json of directory `path` after the checks every impl shares (a directory with intact safetensors)."""
+    config = hf.read_json(path, key)
+    hf.check_weights(path, key)
     return config
 
 
