@@ -21,7 +21,7 @@ import pytest
 from launchers.base import read_events, run_name
 from tests.conftest import TINY, compose_refused, read_summary
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow, pytest.mark.e2e]
 STEPS, BATCH = 60, 8
 ARGS = [*TINY, f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "train.checkpoint_every=1",
         "+runtime=torch-distributed", "runtime.nproc_per_node=1", "runtime.max_restarts=3",

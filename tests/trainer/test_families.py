@@ -114,6 +114,7 @@ def _preset_runs(family_dirs, root) -> list:
     ]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(900)  # eleven short runs: about a minute of CPU, more on a busy machine
 def test_each_family_trains_and_exports_to_what_transformers_loads(family_dirs, run_cli_batch, tmp_path):
     """`python -m trainer model=hf model.path=DIR` trains each family two steps (one interpreter forking a run per
