@@ -156,13 +156,19 @@ def load_weights(model: nn.Module, path: str) -> list[str]:
     return untouched
 
 
+def on_cpu(model: nn.Module, path: str, load) -> nn.Module:
+    """`model` (built on the meta device) made in fp32 on the CPU and filled by `load(model, path)`: a directory's
+    pretrained model in one process, whichever code (ours, or transformers') runs it."""
+    model.to_empty(device="cpu")
+    with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        load(model, path)
+    return model
+
+
 def from_hf(path: str) -> Transformer:
     """The pretrained model in Hugging Face directory `path`, in fp32 on the CPU; its forward gives logits
     of shape (batch, seq, vocab)."""
     with torch.device("meta"):
         model = build(path)
-    model.to_empty(device="cpu")
-    with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        load_weights(model, path)
-    return model
+    return on_cpu(model, path, load_weights)

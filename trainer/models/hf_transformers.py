@@ -255,14 +255,9 @@ def _load_converted(params: dict[str, torch.Tensor], path: str) -> None:
 
 def from_hf(path: str) -> TransformersModel:
     """The pretrained model in directory `path` through transformers, in fp32 on the CPU."""
-    import warnings
+    from trainer.models.hf import on_cpu
 
-    model = build(path)
-    model.to_empty(device="cpu")
-    with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        load_weights(model, path)
-    return model
+    return on_cpu(build(path), path, load_weights)
 
 
 def lora_targets(model: TransformersModel, names) -> list[nn.Linear]:
