@@ -108,6 +108,8 @@ def hf_name(family: Family, name: str) -> str:
     for theirs, ours in family.fused.items():
         if inner in ours:
             return f"{prefix}{theirs}.{leaf}"
+    if inner in _MLP:  # a dense layer among experts (Qwen3-MoE's mlp_only_layers, decoder_sparse_step)
+        return f"{prefix}{_MLP[inner]}.{leaf}"
     if family.moe and inner.startswith("feed_forward."):
         moe_prefix, experts = family.moe
         if inner == "feed_forward.gate":

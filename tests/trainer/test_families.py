@@ -273,6 +273,32 @@ def _respelled(src: str, dst: str, drop: tuple[str, ...], **changes) -> str:
     return dst
 
 
+def test_dense_layers_among_experts_load_and_export_under_their_own_names(tmp_path):
+    """Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step` make some layers dense MLPs (`mlp.gate_proj`, ...):
+    they load with transformers' logits, and our weights written back under the checkpoint's names give them."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from tests.trainer.hf_models import FAMILY_SHAPE, _perturbed
+    from trainer.models.hf import family_of, hf_state
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**{**FAMILY_SHAPE, **FAMILIES["qwen3_moe"][2], "num_hidden_layers": 4,
+                                            "mlp_only_layers": [0], "decoder_sparse_step": 2})
+    path = str(tmp_path / "mixed")
+    _perturbed(transformers.Qwen3MoeForCausalLM(config)).save_pretrained(path)
+    ours = from_hf(path).eval()
+    assert [type(b.feed_forward).__name__ for b in ours.layers.values()] == ["FeedForward", "MoE", "FeedForward",
+                                                                             "MoE"]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), _transformers_logits(path, TOKENS), rtol=0, atol=1e-4)
+        state = hf_state({n: p.clone() for n, p in ours.named_parameters()}, family_of(ours))
+    assert "model.layers.0.mlp.gate_proj.weight" in state and "model.layers.1.mlp.gate.weight" in state
+    save_file(state, f"{path}/model.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(_transformers_logits(path, TOKENS), ours(TOKENS), rtol=0, atol=1e-4)
+
+
 def test_transformers_4_spellings_of_config_json_read_the_same(family_dirs, tmp_path):
     """Gemma 3 as transformers 4 wrote it (rope_theta, rope_local_base_freq, sliding_window_pattern, a linear
     rope_scaling of its global layers) and Qwen3-MoE's num_experts: the same model keys, and transformers' logits."""
