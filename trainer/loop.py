@@ -105,7 +105,7 @@ class Trainer:
         shard = {"global_batch_size": self.recipe.rows_per_step, "seed": t.seed, "rank": dp_rank,
                  "world_size": dp_size}
         self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
-        self.eval_data = (None if trains_without_eval(cfg.data, corpus) else
+        self.eval_data = (None if trains_without_eval(cfg.data, corpus, self.recipe.rows_per_step) else
                           split_dataset(cfg.data, "eval", corpus, shuffle=False, loop=False, **shard))
         self.step = 0
         self.resumed_from: str | None = None

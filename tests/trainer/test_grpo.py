@@ -57,6 +57,24 @@ def test_the_mean_reward_rises_on_a_toy_task(prompts, run_cli, tmp_path):
     assert read_summary(str(run))["final_eval_loss"] == pytest.approx(-lines[-1]["reward"], abs=0.35)
 
 
+def test_an_eval_split_short_of_a_steps_prompts_under_the_default_share_trains_without_eval(run_cli, tmp_path):
+    """40 prompts at the default data.eval_percent: the eval split holds a row, fewer than the 2 prompts of a
+    step, so the run trains without eval and says so once; an explicit share that does the same is refused."""
+    rng = random.Random(0)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(["the", "cat", "sat", "on"]) for _ in range(4))})
+                            + "\n" for _ in range(40)))
+    args = [*[a for a in ARGS if not a.startswith(("data.eval_percent", "train.global_batch_size"))],
+            f"data.path={path}", f"recipe.reward_funcs=[{TOY}]", "train.global_batch_size=8", "train.max_steps=2"]
+    proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}", env=REWARDS_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "training without eval" in line]
+    assert len(said) == 1 and "eval split of data=prompts 1 row(s), too few for an eval step (2)" in said[0], said
+    assert [m.get("eval_loss") for m in read_metrics(str(tmp_path / "run"))] == [None, None]
+    refused = run_cli(*args, "data.eval_percent=2", f"hydra.run.dir={tmp_path / 'explicit'}", env=REWARDS_ON_PATH)
+    assert refused.returncode == 2 and "the eval split of data.path=" in refused.stderr, refused.stderr
+
+
 def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts, run_cli, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY},tests.trainer.grpo_rewards:length]",

@@ -285,7 +285,7 @@ def check_corpus(corpus: str, cfg) -> None:
         rows = info["rows"][split]
         if getattr(d.cache, endpoints_key) or rows >= batch:
             continue
-        if split == "eval" and rows == 0 and d.eval_percent is None:  # the default share of small data: no eval
+        if split == "eval" and d.eval_percent is None:  # the default share of small data, short of a batch: no eval
             log.warning(without_eval(d, rows, batch))
             continue
         fix = ("raise data.eval_percent" if split == "eval" else "lower data.eval_percent") + " or use more data"

@@ -20,12 +20,13 @@ def needs_corpus(data_cfg) -> bool:
     return not all(getattr(data_cfg.cache, key) for key in CACHE_KEYS.values())
 
 
-def trains_without_eval(data_cfg, corpus: str | None) -> bool:
-    """Whether the run has no eval: `data.eval_percent` unset left the local eval split no rows (small data;
-    the input checks said so in one line; an explicit share that does is refused there)."""
+def trains_without_eval(data_cfg, corpus: str | None, rows_per_step: int) -> bool:
+    """Whether the run has no eval: `data.eval_percent` unset left the local eval split fewer rows than a step
+    takes, `rows_per_step` (small data; the input checks said so in one line; an explicit share that does is
+    refused there)."""
     if data_cfg.cache.eval_endpoints or getattr(data_cfg, "eval_percent", None) is not None or corpus is None:
         return False
-    return eval_rows(corpus) == 0
+    return eval_rows(corpus) < rows_per_step
 
 
 def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedDataset:

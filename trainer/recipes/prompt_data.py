@@ -118,7 +118,7 @@ def check_corpus(corpus: str, cfg) -> None:
     per_step = cfg.train.global_batch_size // r.num_generations
     for split in ("train", "eval"):
         rows = info["rows"][split]
-        if rows == 0 and split == "eval" and d.eval_percent is None:
+        if rows < per_step and split == "eval" and d.eval_percent is None:
             log.warning(without_eval(d, rows, per_step))
         elif rows < per_step:
             raise ConfigError("train.global_batch_size", cfg.train.global_batch_size, f"a step takes "
