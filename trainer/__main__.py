@@ -146,8 +146,9 @@ def _driver_waits_here(launcher: dict) -> bool:
     return launcher["name"] in ("local", "docker") and bool(launcher.get("wait", True))
 
 
-def _user_error(run_dir: str, since: float) -> str | None:
-    """The report of user code that failed on a rank of this launch (the lowest rank's), or None."""
+def _rank_error(run_dir: str, since: float) -> str | None:
+    """The report a rank of this launch left as it failed (the lowest rank's): a refusal only a rank could see,
+    or user code that raised; None where no rank left one."""
     reports = []
     for path in glob.glob(os.path.join(glob.escape(RunDir.of(run_dir).logs), "rank-*.error")):
         with contextlib.suppress(OSError, ValueError):
@@ -252,12 +253,13 @@ def _app(cfg: DictConfig) -> float:
     finally:  # this process's hold on the run directory (a job that runs on holds its own copy)
         let_go(run.spec.run_dir)
     code = getattr(job, "exit_code", None)
-    # A rank's user code raised (that report once, for every rank that failed alike), or the other nodes never came.
-    report = (_user_error(run.spec.run_dir, started) or _rendezvous_timeout(run.spec, code)
+    # A rank refused the config or its user code raised (that report once, for every rank that failed alike), or
+    # the other nodes never came.
+    report = (_rank_error(run.spec.run_dir, started) or _rendezvous_timeout(run.spec, code)
               if state != launchers.JobState.COMPLETE else None)
     if report:
         print(report, file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(2 if code == 2 else 1)
     if state != launchers.JobState.COMPLETE:
         print(f"error: run {run.spec.run_dir} ({job.name}) ended {state.value}"
               f"{'' if code is None else f' with exit code {code}'}; see its logs: python -m launchers logs "

@@ -7,7 +7,7 @@ events.jsonl         one JSON object per event of the run: a resume, a re-format
 summary.json         the final metrics (rank 0)
 checkpoints/step-N/  DCP checkpoints
 logs/rank-R.log      each rank's log
-logs/rank-R.error    the report of user code that failed on rank R (the driver prints one rank's, once)
+logs/rank-R.error    what rank R refused or the report of its user code that failed (the driver prints one rank's, once)
 .lock                held (flock) by the driver that trains here, and by the job it launched; shared
                      by the nodes of a multi-node run, each of which also holds its own slot:
 .node-I.lock         held by the driver of node I of a multi-node run started here once per node
@@ -46,7 +46,7 @@ class RunDir:
         return os.path.join(self.logs, f"rank-{rank}.log")
 
     def error_report(self, rank: int) -> str:
-        """Where rank `rank` leaves the report of user code that failed (`UserCodeError.report`)."""
+        """Where rank `rank` leaves what it refused, or the report of user code that failed (`UserCodeError.report`)."""
         return os.path.join(self.logs, f"rank-{rank}.error")
 
 

@@ -154,10 +154,11 @@ def die_with_agent() -> None:
         os._exit(1)
 
 
-def report_user_error(error: UserCodeError, config_path: str) -> None:
-    """Leave the report of user code that failed in `<run_dir>/logs/rank-<R>.error`; print
-    it too, unless the driver waiting on this machine prints it (once, whichever ranks failed)."""
-    report, rank = error.report(), int(os.environ.get("RANK", "0"))
+def report_error(report: str, config_path: str) -> None:
+    """Leave `report` (a refusal this rank found, or the report of user code that failed) in
+    `<run_dir>/logs/rank-<R>.error`; print it too, unless the driver waiting on this machine prints it (once,
+    whichever ranks failed)."""
+    rank = int(os.environ.get("RANK", "0"))
     with contextlib.suppress(Exception):  # a run directory gone or full: the report is still printed below
         write_whole(RunDir.of(OmegaConf.load(config_path).run_dir).error_report(rank), report + "\n")
         if os.environ.get(DRIVER_REPORTS_ENV):
@@ -176,14 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         run(OmegaConf.load(argv[0]))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ConfigError as e:  # what only a rank can see (the model transformers builds, its devices)
+        report_error(f"error: {e}", argv[0])
         code = 2
     except preemption.Preempted as e:
         print(str(e), file=sys.stderr)
         code = preemption.EXIT_CODE
     except UserCodeError as e:
-        report_user_error(e, argv[0])
+        report_error(e.report(), argv[0])
         code = 1
     except OSError as e:
         if e.errno != errno.ENOSPC:

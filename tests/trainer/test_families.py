@@ -333,3 +333,20 @@ def test_what_a_family_cannot_take_is_refused_in_one_line(family_dirs, tmp_path,
                          partial_rotary_factor=0.75)  # as transformers 4 wrote Phi-4-mini
     with pytest.raises(Exception, match="partial_rotary_factor below 1"):
         settings(partial)
+
+
+@pytest.mark.slow
+def test_what_only_a_rank_finds_is_reported_once_by_the_driver_with_exit_2(family_dirs, run_cli, tmp_path):
+    """Weights that do not fit the shapes config.json gives are found by the ranks as they load them (the driver
+    reads no tensor): under torchrun the driver prints the lowest rank's one line, not "see its logs", and
+    exits 2 as the rank did."""
+    bad = _respelled(family_dirs["qwen3_moe"], str(tmp_path / "bad"), (), moe_intermediate_size=48)
+    proc = run_cli("model=hf", f"model.path={bad}", "+runtime=torch-distributed", "runtime.nproc_per_node=2",
+                   "train.max_steps=1", "data.seq_len=24", "train.global_batch_size=4",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: invalid config: model.path='{bad}': its weights hold (32, 64) for "
+                      "model.layers.0.mlp.experts.0.gate_proj.weight, the model its config.json describes needs "
+                      "shape (48, 64)"], proc.stderr[-3000:]
+    assert "see its logs" not in proc.stderr

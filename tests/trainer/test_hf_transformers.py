@@ -151,6 +151,16 @@ def test_tp_where_the_model_ships_no_plan_and_architectures_transformers_lacks_a
     assert "its architecture NoSuchForCausalLM is not a causal LM transformers" in err and err.count("\n") == 1
     err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={dirs['neox']}", "model.impl=native")
     assert "GPTNeoXForCausalLM is not supported" in err and "model.impl=transformers runs it" in err
+    # A plan, but an output layer tied to the embedding, which the plan splits by rows: refused by the driver.
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    for name in os.listdir(dirs["neox"]):
+        (tied / name).write_bytes((dirs["root"] / "gpt_neox" / name).read_bytes())
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={tied}", "strategy=tp", *DIST)
+    assert f"model.path={tied} ties its output layer to its embedding (tie_word_embeddings)" in err, err
+    assert err.count("\n") == 1
 
 
 def test_forced_on_a_llama_directory_it_trains_with_our_decoders_losses(dirs, cache_dir, tmp_path):

@@ -113,6 +113,9 @@ def _parallel(job, dims: Degrees) -> None:
         require(hf_impl.ships_tp_plan(m.path) is not False, "strategy", s.name,
                 f"strategy={s.name} splits layers by a tensor-parallel plan; model.impl=transformers takes the one "
                 f"its config class ships (base_model_tp_plan), and {m.path}'s has none: use strategy=ddp or fsdp2")
+        require(not m.tie_embeddings, "strategy", s.name,
+                f"model.path={m.path} ties its output layer to its embedding (tie_word_embeddings), which the "
+                "tensor-parallel plan of model.impl=transformers splits by rows: use strategy=ddp or fsdp2")
     if dims.tp > 1:
         for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim", *(("moe_ffn_dim",) if m.moe_ffn_dim else ())):
             require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
