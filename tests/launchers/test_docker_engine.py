@@ -168,8 +168,9 @@ def test_a_rank_whose_corpus_is_not_the_drivers_refuses_before_its_first_step(tm
     run_dir.mkdir()
     source = run_dir / "docs.parquet"  # in the run directory: the containers see it at the same path
     pq.write_table(pa.table({"text": [f"document {i}: " + "lorem ipsum dolor " * 12 for i in range(300)]}), source)
+    # launcher.wait=false: no driver waits on this launch, so the rank prints its refusal into its own log.
     run = compose_run(tmp_path, *TINY, *DOCKER, "runtime.nnodes=1", "data=parquet", f"data.path={source}",
-                      "data.eval_percent=20", f"data.cache_dir={cache}", "train.max_steps=2")
+                      "data.eval_percent=20", f"data.cache_dir={cache}", "train.max_steps=2", "launcher.wait=false")
     pinned = run.spec.config["data"]["fingerprint"]  # the key of the build the driver checked
     assert [d for d in os.listdir(cache / "corpus") if not d.startswith(".")] == [f"parquet-{pinned}"]
     shutil.rmtree(cache / "corpus")
@@ -183,6 +184,7 @@ def test_a_rank_whose_corpus_is_not_the_drivers_refuses_before_its_first_step(tm
     assert refusals[0].startswith(f"error: invalid config: data.fingerprint='{pinned}': the driver checked that "
                                   f"parquet corpus, and it is not in {cache / 'corpus'} here, where the source "
                                   "makes corpus ")
+    assert (run_dir / "logs" / "rank-0.error").read_text() == refusals[0] + "\n"  # what a waiting driver prints
     assert not os.path.exists(run_dir / "metrics.jsonl")  # no step ran
     assert not os.path.exists(cache / "corpus") or os.listdir(cache / "corpus") == []  # nothing built
     assert leftovers(job.name) == []

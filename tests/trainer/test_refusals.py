@@ -66,7 +66,7 @@ ROWS = {
     "no parquet files": (["data=parquet", "data.path=/nonexistent/dir/*.parquet"],
                          "data.path='/nonexistent/dir/*.parquet': no Parquet files there"),
     "global batch larger than the eval split": (
-        ["train.global_batch_size=65536"],
+        ["train.global_batch_size=65536", "data.eval_percent=2"],  # unset, a short eval split means no eval
         "train.global_batch_size=65536: the eval split holds "),
     "eval_percent that leaves no eval rows": (["data.eval_percent=0.001"],
                                               "data.eval_percent=0.001: leaves the eval split no rows"),
@@ -128,6 +128,7 @@ def test_a_worker_that_finds_bad_data_says_so_in_one_line_before_its_first_step(
     run = compose_run(tmp_path, *ONE_STEP)
     cfg = OmegaConf.load(run.spec.config_path)
     cfg.train.global_batch_size = 65536
+    cfg.data.eval_percent = 2  # unset, an eval split short of a step would mean a run without eval
     OmegaConf.save(cfg, run.spec.config_path)
     proc = subprocess.run([sys.executable, "-m", "trainer.worker", run.spec.config_path], cwd=tmp_path,
                           env={**os.environ, "TRAINJOB_CACHE": cache_dir}, capture_output=True, text=True,
