@@ -1,4 +1,5 @@
-"""The project's import graph, read from the source (nothing imported): no package holds a cycle.
+"""The project's import graph, read from the source (nothing imported): no package holds a cycle, at the
+grain of modules and at the grain of the folders that group them.
 
 An edge A -> B is an import of B anywhere in A (at the top or inside a function; not under `if
 TYPE_CHECKING:`), and importing B also runs each package `__init__` above B that is not above A, so
@@ -131,6 +132,36 @@ def test_no_package_holds_an_import_cycle(package):
 
 def test_the_whole_project_holds_no_import_cycle():
     assert cycles(_graph()) == []
+
+
+def _unit(module: str) -> str:
+    """The part of the layering `module` belongs to: its sub-package (`trainer.data` for trainer.data.chat),
+    or itself where it sits at a package's top (`trainer.loop`)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or _modules()[module].name == "__init__.py" else module
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, edges in _graph().items():
+        graph.setdefault(_unit(module), set()).update(_unit(t) for t in edges if _unit(t) != _unit(module))
+    return graph
+
+
+def test_the_folders_are_layers_no_two_import_each_other():
+    """Each folder (trainer.config, trainer.data, trainer.models, trainer.parallel, ...) stands on the ones below
+    it: no chain of imports leads from a folder back into itself; models/ never imports parallel/ (the one
+    assembly above both, `trainer.assembly`, joins them); and the data kinds import no recipe."""
+    graph = _unit_graph()
+    assert cycles(graph) == []
+    assert "trainer.parallel" not in graph["trainer.models"]
+    assert "trainer.recipes" not in graph["trainer.data"] and "trainer.recipes" not in graph["trainer.config"]
+
+
+def test_a_module_belongs_to_its_folder_and_a_top_level_module_to_itself():
+    assert _unit("trainer.data.chat") == _unit("trainer.data") == "trainer.data"
+    assert _unit("launchers.kubernetes.manifests") == "launchers.kubernetes"
+    assert _unit("trainer.loop") == "trainer.loop" and _unit("trainer") == "trainer"
 
 
 def test_the_driver_and_the_config_import_nothing_of_the_rank_side_nor_torch():

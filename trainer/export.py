@@ -109,7 +109,7 @@ def _classifier(config: dict, cfg: DictConfig) -> dict:
     """`config` (a causal LM's config.json) as a one-label *ForSequenceClassification's, padded as the run's
     preference rows were (the score is read at the last token that is not pad_token_id)."""
     from trainer.data.chat import padding_id
-    from trainer.models.hf_tokenizer import HFTokenizer
+    from trainer.data.hf_tokenizer import HFTokenizer
 
     family = config["architectures"][0].replace("ForCausalLM", "").replace("ForSequenceClassification", "")
     config["architectures"] = [f"{family}ForSequenceClassification"]

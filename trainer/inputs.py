@@ -79,9 +79,9 @@ def check(cfg: Config, dims: Degrees) -> Checked:
     build = (lambda: chat.prepare(cfg)) if chats else (lambda: prepare(cfg.data))
     check_rows = check_corpus
     if cfg.data.name == "prompts":  # GRPO's prompts
-        from trainer.recipes import prompt_data
+        from trainer.data import prompts
 
-        build, check_rows = (lambda: prompt_data.prepare(cfg)), prompt_data.check_corpus
+        build, check_rows = (lambda: prompts.prepare(cfg)), prompts.check_corpus
     corpus = build() if needs_corpus(cfg.data) else None
     if corpus is not None:
         check_rows(corpus, cfg)

@@ -1,5 +1,5 @@
-"""The training loop: micro-batches with gradient accumulation, clipping, optimizer and LR schedule,
-periodic eval, metrics, checkpoints, and the run's summary.
+"""The training loop: micro-batches with gradient accumulation, clipping, the step of the optimizer and its
+LR schedule (`trainer.optimizer`), periodic eval, metrics, checkpoints, and the run's summary.
 
 The data position is a count of global batches, so a resumed run (with any world size, as long as the
 global batch is the same) continues with exactly the rows that were not yet trained on.
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from datacache import StreamingDataset
 from launchers.paths import write_whole
-from trainer import checkpoint, models, parallel, preemption, recipes
+from trainer import checkpoint, models, optimizer, parallel, preemption, recipes
 from trainer.config import ConfigError, aten_ops, torch_dtype
 from trainer.config.optim import implementation
 from trainer.data.splits import split_dataset, trains_without_eval
@@ -31,26 +31,6 @@ from trainer.recipes.base import Context
 from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
-
-
-def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.optim.Optimizer:
-    """The optim section's optimizer over `model`'s trained parameters; `impl` (optim.impl, resolved):
-    torch.optim's foreach AdamW or ops.AdamW, which save and load the same state dict."""
-    # No weight decay on norms' gains (1-D parameters), as usual for transformers.
-    trained = [p for p in model.parameters() if p.requires_grad]  # not a frozen base (peft=lora)
-    decay = [p for p in trained if p.ndim >= 2]
-    no_decay = [p for p in trained if p.ndim < 2]
-    # An empty group (LoRA trains no 1-D parameter) is left out: a checkpoint's optimizer state is kept per
-    # parameter name, and torch.distributed.checkpoint cannot place a group without parameters.
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    if cfg.name == "adamw":
-        if impl == "triton":
-            import ops
-
-            return ops.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
 
 
 def aten_kernels(cfg):
@@ -64,38 +44,14 @@ def aten_kernels(cfg):
     return ops.use_kernels(*routing)
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to `min_ratio` at `total`."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# An optimizer's param-group key -> the config key that sets it.
-_OPTIM_KEYS = {"initial_lr": "optim.lr", "weight_decay": "optim.weight_decay", "betas": "optim.betas",
-               "eps": "optim.eps", "momentum": "optim.momentum"}
-
-
-def _plain(value):
-    """A setting comparable whatever the checkpoint stored it as (betas come back as a list or a tensor)."""
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    return tuple(_plain(v) for v in value) if isinstance(value, list | tuple) else value
-
-
-
-
 class Trainer:
     def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None):
         self.cfg, self.model, self.device = cfg, model, device
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp_rank, dp_size = dims.data_parallel_rank()
-        self.optimizer = build_optimizer(cfg.optim, model, implementation(cfg.optim, cfg.kernels.name))
-        o = cfg.optim
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, o.warmup_steps, t.max_steps, o.min_lr_ratio))
+        self.optimizer = optimizer.build_optimizer(cfg.optim, model, implementation(cfg.optim, cfg.kernels.name))
+        self.lr_schedule = optimizer.build_lr_schedule(cfg.optim, self.optimizer, t.max_steps)
         self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims)
                              else contextlib.nullcontext)
         bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
@@ -125,13 +81,13 @@ class Trainer:
 
     def _train_state(self) -> dict:
         epoch, step_in_epoch = self.train_data.plan.position(self.step)
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(),
+        return {"step": self.step, "scheduler": self.lr_schedule.state_dict(),
                 "data": {"epoch": epoch, "step_in_epoch": step_in_epoch,
                          "samples_seen": self.step * self.cfg.train.global_batch_size,
                          **checkpoint.data_order(self.cfg)}}
 
     def restore(self, path: str) -> None:
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        configured = optimizer.settings(self.optimizer)
         template = self._train_state()  # the data order is checked before (a checkpoint may predate it)
         template["data"] = {k: v for k, v in template["data"].items() if k not in checkpoint.data_order(self.cfg)}
         state = checkpoint.load(path, self.model, self.optimizer, template, self.device)
@@ -142,25 +98,9 @@ class Trainer:
                               f"the checkpoint {path} was trained with a global batch of {seen // self.step}; "
                               "resuming with another would repeat or skip rows: keep "
                               f"train.global_batch_size={seen // self.step}")
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._keep_configured(configured, path)
+        self.lr_schedule.load_state_dict(state["scheduler"])
+        optimizer.keep_configured(self.optimizer, self.lr_schedule, configured, path)
         self.resumed_from = path
-
-    def _keep_configured(self, configured: list[dict], path: str) -> None:
-        """Loading the optimizer brings back the settings it was saved with; the run's config wins instead,
-        so a resumed run with another optim.lr (or weight decay, betas, eps, momentum) trains with it, its
-        schedule continued from the step reached, and the log says what changed."""
-        for i, (group, mine) in enumerate(zip(self.optimizer.param_groups, configured, strict=True)):
-            for key, value in mine.items():
-                saved = group.get(key)
-                if key == "lr" or _plain(saved) == _plain(value):
-                    continue  # lr: the schedule's value at the step reached, set below
-                if key in _OPTIM_KEYS and i == 0:  # the groups differ only in weight decay, 0 for group 1
-                    log.warning("%s: the checkpoint %s was trained with %s; this run goes on with %s",
-                                _OPTIM_KEYS[key], path, _plain(saved), _plain(value))
-                group[key] = value
-            self.scheduler.base_lrs[i] = group["initial_lr"]
-            group["lr"] = group["initial_lr"] * self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
 
     def _train_step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clipping, the optimizer and the schedule: under the ATen kernels of kernels=triton
@@ -179,7 +119,7 @@ class Trainer:
         grad_norm = parallel.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf, self.pipeline)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.lr_schedule.step()
         return total, grad_norm
 
     @torch.no_grad()
@@ -236,7 +176,7 @@ class Trainer:
                     if self._eval_due():
                         with logger.paused():
                             evaluated = eval_loss = self.evaluate()
-                    logger.log(self.step, loss, grad_norm, self.scheduler.get_last_lr()[0], evaluated)
+                    logger.log(self.step, loss, grad_norm, self.lr_schedule.get_last_lr()[0], evaluated)
                     with logger.paused():
                         saved = self.checkpointer.step(self.step)
                     if self.step < t.max_steps and stop.requested():

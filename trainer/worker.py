@@ -29,9 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.base import DRIVER_REPORTS_ENV
 from launchers.paths import write_whole
 from trainer import checkpoint, config, inputs, loop, models, preemption
+from trainer.assembly import assemble
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
-from trainer.models.assembly import assemble
 from trainer.parallel import ParallelDims
 from trainer.run_dir import RunDir
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from tests.conftest import compose_refused, compose_run, examples
 from tests.trainer import real_models
 from trainer.data import chat
+from trainer.data.hf_tokenizer import HFTokenizer, TemplateMaskError
 from trainer.errors import ConfigError
-from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,9 +13,8 @@ import random
 import pytest
 
 from tests.conftest import REPO, TINY, compose_refused, read_metrics, read_summary
-from trainer import checkpoint
+from trainer import checkpoint, reward_funcs
 from trainer.config import ConfigError
-from trainer.recipes import rewards
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -142,15 +141,15 @@ def test_reward_functions_are_checked_as_they_load_and_as_they_return():
                           "tests.trainer.grpo_rewards:NOT_A_FUNCTION": "NOT_A_FUNCTION is a int, not a function",
                           "tests.trainer.grpo_rewards": "each must be package.module:function"}.items():
         with pytest.raises(ConfigError, match=message):
-            rewards.load(spec)
-    fn = rewards.load(TOY)
-    assert rewards.call(fn, TOY, ["p", "p"], ["ab", "A1"], {}) == [1.0, 0.0]
+            reward_funcs.load(spec)
+    fn = reward_funcs.load(TOY)
+    assert reward_funcs.call(fn, TOY, ["p", "p"], ["ab", "A1"], {}) == [1.0, 0.0]
     with pytest.raises(ConfigError, match="returned list .*one number per completion \\(3\\)"):
-        rewards.call(lambda prompts, completions: [1.0], "m:f", ["p"] * 3, ["a"] * 3, {})
+        reward_funcs.call(lambda prompts, completions: [1.0], "m:f", ["p"] * 3, ["a"] * 3, {})
     with pytest.raises(ConfigError, match="each reward must be a number"):
-        rewards.call(lambda prompts, completions: ["high"], "m:f", ["p"], ["a"], {})
+        reward_funcs.call(lambda prompts, completions: ["high"], "m:f", ["p"], ["a"], {})
     with pytest.raises(ConfigError, match="not finite"):
-        rewards.call(lambda prompts, completions: [float("nan")], "m:f", ["p"], ["a"], {})
+        reward_funcs.call(lambda prompts, completions: [float("nan")], "m:f", ["p"], ["a"], {})
     # A function without **kwargs gets only the columns it names.
-    length = rewards.load("tests.trainer.grpo_rewards:length")
-    assert rewards.call(length, "x", ["p"], ["abcd"], {"target": [4], "other": [1]}) == [1.0]
+    length = reward_funcs.load("tests.trainer.grpo_rewards:length")
+    assert reward_funcs.call(length, "x", ["p"], ["abcd"], {"target": [4], "other": [1]}) == [1.0]

@@ -24,7 +24,7 @@ import launchers
 from datacache.order import BatchPlan
 from tests.conftest import REPO, TINY, examples
 from trainer import config
-from trainer.loop import build_optimizer
+from trainer.optimizer import build_optimizer
 from trainer.preflight import check
 
 ONE_STEP = [*TINY, "train.max_steps=1", "train.eval_batches=1"]

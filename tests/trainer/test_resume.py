@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import TINY, read_metrics, read_summary
 from trainer.config import OptimConfig
-from trainer.loop import lr_factor
+from trainer.optimizer import lr_factor
 
 pytestmark = pytest.mark.slow
 

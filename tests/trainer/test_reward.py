@@ -71,7 +71,7 @@ def test_a_reward_model_learns_a_toy_preference_and_scores_in_transformers_and_g
     theirs = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
     ours = export.load_model(str(run / "checkpoints" / "step-8"), export.run_config(str(run / "checkpoints" /
                                                                                           "step-8"))).eval()
-    from trainer.models.hf_tokenizer import HFTokenizer
+    from trainer.data.hf_tokenizer import HFTokenizer
 
     tok = HFTokenizer(model)
     texts = [[{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": answer}]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tests.conftest import compose_refused, examples, read_metrics, read_summary
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 from trainer.data import chat
-from trainer.models.hf_tokenizer import HFTokenizer
+from trainer.data.hf_tokenizer import HFTokenizer
 from trainer.recipes import sft
 
 pytestmark = pytest.mark.timeout(240)

@@ -209,10 +209,10 @@ def _grpo(job) -> None:
     require(bool(r.reward_funcs) or bool(r.reward_model.path), "recipe.reward_funcs", list(r.reward_funcs),
             f"recipe={r.name} needs at least one reward function, as package.module:function, or "
             "recipe.reward_model.path")
-    from trainer.recipes import rewards  # imports the user's modules (they read the data's columns); no torch
+    from trainer import reward_funcs  # imports the user's modules (they read the data's columns); no torch
 
     for spec in r.reward_funcs:
-        rewards.load(spec)
+        reward_funcs.load(spec)
     require(t.global_batch_size % r.num_generations == 0, "recipe.num_generations", r.num_generations,
             f"must divide train.global_batch_size={t.global_batch_size} (which counts completions: "
             "num_generations of each prompt)")

@@ -4,7 +4,7 @@ cached corpus like `trainer.data`'s, and the dataset that reads them. A preferen
 conversation's row, then the rejected one's.
 
 Each conversation is rendered with the model directory's chat template and tokenizer
-(`trainer.models.hf_tokenizer`), cut to `data.seq_len + 1` tokens, and padded; `loss_mask` marks the tokens
+(`trainer.data.hf_tokenizer`), cut to `data.seq_len + 1` tokens, and padded; `loss_mask` marks the tokens
 `data.chat.mask` counts: every assistant turn (the template's `{% generation %}` blocks, or each turn found
 message by message on a stock template), the last one, or all. A conversation whose kept part has no counted
 token after its first is dropped (it would teach nothing), as is one with no assistant turn or no messages;
@@ -34,15 +34,16 @@ from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
 from trainer.config.data import eval_share
 from trainer.data.corpus import build_once, dropped_text
+from trainer.data.hf_tokenizer import HFTokenizer, TemplateMaskError
 from trainer.errors import ConfigError, UserCodeError
-from trainer.models.hf_tokenizer import HFTokenizer, TemplateMaskError
 
 log = logging.getLogger(__name__)
 ROWS_PER_SHARD = 8192
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
-def _files(path: str) -> list[str]:
+def source_files(path: str) -> list[str]:
+    """The files of `data.path`: a .jsonl (or .json) file, or Parquet files (a file, a directory or a glob)."""
     if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
         return [path]
     files = parquet_files(path)
@@ -56,9 +57,9 @@ def _files(path: str) -> list[str]:
     return files
 
 
-def _rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int, object]]:
+def source_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int, object]]:
     """(file, row number, row) of every row of the source."""
-    for file in _files(path):
+    for file in source_files(path):
         if file.endswith((".jsonl", ".json")):
             with open(file, "rb") as f:
                 for i, raw in enumerate(f):
@@ -98,7 +99,7 @@ def documents(name: str, path: str) -> Iterator[tuple[str, list[list[dict]]]]:
     """(document id, its conversations) of every row: one for data=chat (`messages`), two for data=preference
     (`prompt` followed by `chosen`, then by `rejected`). A row that is neither raises ConfigError."""
     root = None
-    for file, i, row in _rows(path, ("messages",) if name == "chat" else PREFERENCE_KEYS):
+    for file, i, row in source_rows(path, ("messages",) if name == "chat" else PREFERENCE_KEYS):
         root = root or os.path.dirname(os.path.abspath(file))
         doc = f"{os.path.relpath(os.path.abspath(file), root)}:{i}"
         row = row if isinstance(row, dict) else {}
@@ -170,14 +171,15 @@ def _length(tokens: np.ndarray, mask: np.ndarray, pad_id: int) -> int:
     return int(real[-1]) + 1 if len(real) else 0
 
 
-def _fingerprint(cfg, model_path: str) -> dict:
+def source_fingerprint(cfg, model_path: str) -> dict:
+    """What a built corpus was made from: the source files (path, size, time) and the tokenizer's digest."""
     digest = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         file = os.path.join(model_path, name)
         if os.path.isfile(file):
             with open(file, "rb") as f:
                 digest.update(f.read())
-    files = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in _files(cfg.path)]
+    files = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in source_files(cfg.path)]
     return {"files": files, "tokenizer": digest.hexdigest()}
 
 
@@ -242,7 +244,7 @@ def prepare(cfg) -> str:
         "name": d.name,
         "seq_len": d.seq_len,
         "eval_percent": eval_share(d),
-        "source": _fingerprint(d, model_path),
+        "source": source_fingerprint(d, model_path),
         "format": 2,
         "packing": bool(d.packing),
         "mask": d.chat.mask,

@@ -34,8 +34,8 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
     key = CACHE_KEYS[split]
     endpoints = list(getattr(data_cfg.cache, key))
     if not endpoints:
-        if data_cfg.name == "prompts":  # GRPO's prompts (trainer.recipes.prompt_data)
-            from trainer.recipes.prompt_data import PromptDataset
+        if data_cfg.name == "prompts":  # GRPO's prompts (trainer.data.prompts)
+            from trainer.data.prompts import PromptDataset
 
             return PromptDataset(os.path.join(corpus, split), **kw)
         dataset = ChatDataset if data_cfg.name in ("chat", "preference") else LocalDataset

@@ -20,9 +20,9 @@ import sys
 import torch
 
 from datacache.args import OneLineParser
+from trainer.data.text import Text
 from trainer.errors import ConfigError
 from trainer.generate import generate, sampling
-from trainer.generate.text import Text
 
 
 def _source(path: str):

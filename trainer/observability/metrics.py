@@ -19,11 +19,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from launchers.paths import write_whole
-from trainer.observability import progress, trackers
+from trainer.observability import trackers, trainer_status
 from trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
-# What rank 0 reports to a TrainJob's status.trainerStatus (trainer/progress.py), from its metrics lines.
+# What rank 0 reports to a TrainJob's status.trainerStatus (observability/trainer_status.py), from its lines.
 PROGRESS_METRICS = ("loss", "eval_loss", "tokens_per_s", "mfu", "lr", "grad_norm")
 
 # Dense peak FLOP/s per device for bf16 (fp32 inputs run on TF32 tensor cores at half of it).
@@ -147,7 +147,7 @@ class MetricsLogger:
             last = keep_metrics_until(RunDir.of(cfg.run_dir).metrics, first_step)
             note_restart(cfg.run_dir, first_step, last, self.world, cfg.runtime)
             self.trackers = trackers.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
-            self.reporter = progress.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
+            self.reporter = trainer_status.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
                         desc="train", unit="step", dynamic_ncols=True)
         self.started = self._since = time.perf_counter()

@@ -24,10 +24,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from trainer.assembly import assemble
 from trainer.config import model_ops
 from trainer.config import recipe as config_recipe
 from trainer.models import chunked, lora
-from trainer.models.assembly import assemble
 from trainer.recipes.base import Recipe, local
 from trainer.recipes.sft import IGNORE, shares, targets
 

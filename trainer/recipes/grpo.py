@@ -30,7 +30,7 @@ log-probabilities come from the model's forward a chunk of tokens at a time (`tr
 
 `GRPO`, the recipe object: every `recipe.num_iterations` steps it samples `recipe.num_generations` completions
 of each of its rank's prompts from the policy (`trainer.generate`; each rank its own prompts, tensor-parallel
-peers the same ones with the same seed), scores them with the reward functions (`trainer.recipes.rewards`) and
+peers the same ones with the same seed), scores them with the reward functions (`trainer.reward_funcs`) and
 the reward model of recipe.reward_model.path (`trainer.recipes.reward_model`; its weight last), and keeps them,
 with their advantages, the policy's log-probabilities at sampling (old) and the reference's, for the updates that
 follow. A training row is the prompt, then its completion, then padding, so that positions
@@ -52,16 +52,16 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from trainer import reward_funcs
+from trainer.assembly import assemble
 from trainer.config import recipe as config_recipe
 from trainer.config.recipe import is_async
+from trainer.data.prompts import prompt_text
 from trainer.generate import generate
 from trainer.models import lora
-from trainer.models.assembly import assemble
-from trainer.recipes import rewards
 from trainer.recipes.async_rollouts import AsyncRollouts
 from trainer.recipes.base import Recipe
 from trainer.recipes.dpo import logps_fn
-from trainer.recipes.prompt_data import prompt_text
 from trainer.recipes.reward_model import RewardModel
 from trainer.recipes.sft import IGNORE
 
@@ -175,7 +175,7 @@ class GRPO(Recipe):
         super().__init__(cfg, model, ctx)
         r = cfg.recipe
         self.r, self.G = r, r.num_generations
-        self.funcs = [(spec, rewards.load(spec)) for spec in r.reward_funcs]
+        self.funcs = [(spec, reward_funcs.load(spec)) for spec in r.reward_funcs]
         self.reward_model = RewardModel(cfg, ctx) if r.reward_model.path else None
         count = len(self.funcs) + (self.reward_model is not None)
         self.weights = list(r.reward_weights) if r.reward_weights is not None else [1.0] * count
@@ -259,7 +259,7 @@ class GRPO(Recipe):
         repeated = [row for row in rows for _ in range(self.G)]
         prompts = [row.get("prompt", row.get("messages")) for row in repeated]
         columns = {k: [row.get(k) for row in repeated] for k in rows[0] if k not in ("prompt", "messages")}
-        found = [torch.tensor(rewards.call(fn, spec, prompts, texts, columns), dtype=torch.float32)
+        found = [torch.tensor(reward_funcs.call(fn, spec, prompts, texts, columns), dtype=torch.float32)
                  for spec, fn in self.funcs]
         names = [spec.rpartition(":")[2] for spec, _ in self.funcs]
         if self.reward_model is not None:

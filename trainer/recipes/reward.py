@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.data.chat import padding_id
+from trainer.data.hf_tokenizer import HFTokenizer
 from trainer.models import score
-from trainer.models.hf_tokenizer import HFTokenizer
 from trainer.observability import metrics
 from trainer.recipes.base import Recipe
 

@@ -1,6 +1,6 @@
 """`recipe.reward_model.path`: a trained reward model (an exported recipe=reward run, or any one-label
 *ForSequenceClassification of a family trainjob loads, with the policy's tokenizer) scoring recipe=grpo's and
-rloo's completions beside the reward functions. It is placed like the policy (`trainer.models.assembly`), frozen,
+rloo's completions beside the reward functions. It is placed like the policy (`trainer.assembly`), frozen,
 and reads each completion after its prompt as the policy's token ids, right padded with its config's
 pad_token_id; its score is read at the last token that is not padding, as transformers reads it."""
 
@@ -12,8 +12,8 @@ import os
 
 import torch
 
+from trainer.assembly import assemble
 from trainer.models import score
-from trainer.models.assembly import assemble
 
 
 class RewardModel:

@@ -20,20 +20,20 @@ import torch
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
 from trainer.config.data import eval_share
-from trainer.data.chat import _files, _fingerprint, _rows
+from trainer.data.chat import source_files, source_fingerprint, source_rows
 from trainer.data.corpus import build_once, dropped_text, without_eval
+from trainer.data.text import Text
 from trainer.errors import ConfigError
-from trainer.generate.text import Text
 
 log = logging.getLogger(__name__)
 ROWS_PER_SHARD = 8192
 
 
-def _source_rows(path: str) -> Iterator[tuple[str, int, dict]]:
+def _prompt_rows(path: str) -> Iterator[tuple[str, int, dict]]:
     """(file, row number, row) of every row, all its columns."""
-    for file in _files(path):
+    for file in source_files(path):
         if file.endswith((".jsonl", ".json")):
-            yield from _rows(file, ())
+            yield from source_rows(file, ())
         else:
             yield from ((file, i, row) for i, row in enumerate(pq.read_table(file).to_pylist()))
 
@@ -61,8 +61,8 @@ def prepare(cfg) -> str:
     d = cfg.data
     text = prompt_text(cfg.model)
     settings = {"name": d.name, "seq_len": d.seq_len, "eval_percent": eval_share(d), "format": 1,
-                "source": _fingerprint(d, cfg.model.path) if cfg.model.name == "hf" else
-                {"files": [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in _files(d.path)],
+                "source": source_fingerprint(d, cfg.model.path) if cfg.model.name == "hf" else
+                {"files": [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in source_files(d.path)],
                  "tokenizer": "bytes"}}
 
     def write(tmp: str) -> dict:
@@ -70,7 +70,7 @@ def prepare(cfg) -> str:
         dropped: dict[str, int] = {}
         columns: set[str] = set()
         root = None
-        for file, i, row in _source_rows(d.path):
+        for file, i, row in _prompt_rows(d.path):
             prompt = _prompt(row, file, i, d.path)
             ids = text.encode(prompt)[-d.seq_len:]
             if not ids:
@@ -124,10 +124,10 @@ def check_corpus(corpus: str, cfg) -> None:
             raise ConfigError("train.global_batch_size", cfg.train.global_batch_size, f"a step takes "
                               f"{per_step} prompts (train.global_batch_size / recipe.num_generations); the {split} "
                               f"split of data.path={d.path} holds {rows} (data.eval_percent={eval_share(d):g})")
-    from trainer.recipes import rewards
+    from trainer import reward_funcs
 
     for spec in r.reward_funcs:
-        wanted = rewards.columns_needed(rewards.load(spec))
+        wanted = reward_funcs.columns_needed(reward_funcs.load(spec))
         missing = sorted((wanted or set()) - set(info["columns"]))
         if missing:
             raise ConfigError("recipe.reward_funcs", spec, f"takes {', '.join(missing)}, which the rows of "

@@ -19,7 +19,7 @@ import yaml
 
 from tests.conftest import TINY
 from tests.launchers import crds
-from trainer.observability import progress
+from trainer.observability import trainer_status
 
 
 def _trainer_status_schema() -> dict:
@@ -71,7 +71,7 @@ class StatusServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def env(self) -> dict[str, str]:
-        return {progress.URL_ENV: self.url, progress.CA_ENV: self.ca, progress.TOKEN_ENV: self.token}
+        return {trainer_status.URL_ENV: self.url, trainer_status.CA_ENV: self.ca, trainer_status.TOKEN_ENV: self.token}
 
     def close(self):
         self.httpd.shutdown()
@@ -87,8 +87,8 @@ def status_server(tmp_path):
 
 def test_reports_are_throttled_valid_and_end_with_the_last_state(status_server):
     interval = 1.0  # the real one is 5 s; the rule is the same
-    reporter = progress.ProgressReporter(status_server.url, status_server.ca, status_server.token, total_steps=100,
-                                         first_step=50, interval=interval)
+    reporter = trainer_status.ProgressReporter(status_server.url, status_server.ca, status_server.token,
+                                               total_steps=100, first_step=50, interval=interval)
     step, end = 50, time.monotonic() + 2.5
     while time.monotonic() < end:  # updates far more often than the interval, for 2.5 s however busy the CPU
         step = min(step + 1, 99)
@@ -105,13 +105,13 @@ def test_reports_are_throttled_valid_and_end_with_the_last_state(status_server):
     assert last["progressPercentage"] == 100 and last["estimatedRemainingSeconds"] == 0
     assert {m["name"]: m["value"] for m in last["metrics"]} == {"loss": "3", "tokens_per_s": "1234.5"}
     # Resumed at step 50: the time left comes from this attempt's own pace (steps since 50).
-    assert progress.status(60, 100, 10.0, {}, first=50)["estimatedRemainingSeconds"] == 40
+    assert trainer_status.status(60, 100, 10.0, {}, first=50)["estimatedRemainingSeconds"] == 40
 
 
 def test_a_slow_or_absent_endpoint_never_holds_training(tmp_path):
     slow = StatusServer(tmp_path, delay=3.0)
     try:
-        reporter = progress.ProgressReporter(slow.url, slow.ca, slow.token, total_steps=10)
+        reporter = trainer_status.ProgressReporter(slow.url, slow.ca, slow.token, total_steps=10)
         start = time.monotonic()
         for step in range(1, 11):
             reporter.update(step, {"loss": 1.0})
@@ -120,7 +120,7 @@ def test_a_slow_or_absent_endpoint_never_holds_training(tmp_path):
         assert time.monotonic() - start < 2.0
     finally:
         slow.close()
-    down = progress.ProgressReporter("https://127.0.0.1:1/status", None, None, total_steps=10)
+    down = trainer_status.ProgressReporter("https://127.0.0.1:1/status", None, None, total_steps=10)
     down.update(1, {"loss": 1.0})
     down.close()  # logs a warning, raises nothing
 

@@ -21,7 +21,7 @@ def config_eos(hf_dir: str) -> list[int]:
 
 
 def end_tokens(hf_dir: str, tokenizer) -> list[int]:
-    """The sorted end tokens of `hf_dir`, whose `trainer.models.hf_tokenizer.HFTokenizer` is `tokenizer`."""
+    """The sorted end tokens of `hf_dir`, whose `trainer.data.hf_tokenizer.HFTokenizer` is `tokenizer`."""
     eos = tokenizer.token_id("eos_token")
     return sorted(set(config_eos(hf_dir)) | ({eos} if eos is not None else set()))
 
@@ -39,8 +39,8 @@ class Text:
 
             self.eos, self.pad = [tokenizer.EOS], tokenizer.PAD
             return
+        from trainer.data.hf_tokenizer import HFTokenizer
         from trainer.errors import ConfigError
-        from trainer.models.hf_tokenizer import HFTokenizer
 
         if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
             raise ConfigError(source, hf_dir, "holds no tokenizer.json: generating needs the model's tokenizer")
