@@ -25,18 +25,16 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from trainer import checkpoint, config, models  # noqa: E402
+from trainer import checkpoint, models  # noqa: E402
+from trainer.config.compose import compose  # noqa: E402
 
 
 def model_config(name: str):
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"model={name}"]).model
+    return compose([f"model={name}"]).model
 
 
 def sync(device: torch.device) -> None:

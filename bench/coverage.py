@@ -180,14 +180,9 @@ def tracing_steps(trace: Trace, launches: collections.Counter):
 
 def compose(overrides: list[str]):
     """The config `python -m trainer <overrides>` composes."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from trainer.config.compose import compose as compose_config
 
-    from trainer import config
-
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        return hydra_compose("config", overrides=overrides)
+    return compose_config(overrides)
 
 
 def run_cli(overrides: list[str], run_dir: str) -> dict:

@@ -41,13 +41,9 @@ class Skipped(Exception):
 
 
 def _config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+    from trainer.config.compose import compose
 
-    from trainer import config
-
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
+    return compose(overrides)
 
 
 def _ours(cfg, kernels: str, device: torch.device):

@@ -26,14 +26,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 LOG_EVERY = 10  # the worker's default train.log_every
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from trainer import config, models  # noqa: E402
+from trainer import models  # noqa: E402
 from trainer.__main__ import prepare_run  # noqa: E402
+from trainer.config.compose import compose as compose_config  # noqa: E402
 from trainer.run_dir import RunDir  # noqa: E402
 
 
@@ -80,12 +80,6 @@ def median_step(marks: list[tuple[int, float]]) -> float:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def compose_config(overrides: list[str]):
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 def worker(overrides: list[str], steps: int, warmup: int, run_dir: str) -> float:

@@ -119,14 +119,10 @@ def ddp_reference(tmp_path_factory, cache_dir) -> str:
 
 def compose_run(tmp_path, *overrides: str):
     """A prepared `Run` (validated, resolved, saved under tmp_path/run) for `python -m trainer *overrides`."""
-    from hydra import compose, initialize_config_dir
-
-    from trainer import config
     from trainer.__main__ import prepare_run
+    from trainer.config.compose import compose
 
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
+    cfg = compose(overrides)
     cfg.run_dir = str(tmp_path / "run")
     return prepare_run(cfg)
 

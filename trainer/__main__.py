@@ -29,13 +29,13 @@ from datacache.server import TOKEN_ENV
 from launchers.base import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
 from launchers.paths import write_whole
 from trainer import config
+from trainer.config.compose import CONF_DIR, plain_group_overrides
 from trainer.errors import UserCodeError
 from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
 from trainer.run_dir import Claim, RunDir, claim, let_go, node_running, remove_if_new
 
 log = logging.getLogger("trainer")
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 _job_started = False
 
 config.register()
@@ -318,7 +318,7 @@ _FULL_ERROR_SET = False
 
 def main() -> None:
     global _FULL_ERROR_SET
-    sys.argv[1:] = hide_secrets(sys.argv[1:])
+    sys.argv[1:] = hide_secrets(plain_group_overrides(sys.argv[1:]))
     # Until the job starts, Hydra's errors (a bad override) come here rather than as its several lines.
     _FULL_ERROR_SET = FULL_ERROR_ENV not in os.environ
     if _FULL_ERROR_SET:

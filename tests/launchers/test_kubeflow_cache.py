@@ -10,14 +10,14 @@ import os
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from launchers import LauncherError
 from launchers import get as get_launcher
-from tests.conftest import REPO, compose_run
+from tests.conftest import compose_run
 from tests.launchers import crds
 from trainer import config
+from trainer.config.compose import compose
 
 KUBEFLOW = ["data.cache.backend=kubeflow", "data.cache.nodes=4", "data.cache.kubeflow.storage_uri=cache://shop/reviews",
             "data.cache.kubeflow.metadata_loc=s3a://bucket/reviews/metadata.json",
@@ -88,9 +88,7 @@ def test_a_gang_scheduler_that_derives_its_own_runtime_is_refused(tmp_path):
     (["data.cache.backend=ray"], "data.cache.backend='ray': must be one of trainjob, kubeflow"),
 ])
 def test_bad_kubeflow_cache_settings_are_refused(overrides, message):
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose(overrides)
     cfg.run_dir = "/nonexistent"
     with pytest.raises(config.ConfigError, match=message.replace("*", r"\*").replace("(", r"\(")):
         config.validate(cfg)

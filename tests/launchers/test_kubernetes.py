@@ -16,15 +16,15 @@ import socket
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
 from launchers.kubernetes.manifests import to_yaml
-from tests.conftest import REPO, compose_run
+from tests.conftest import compose_run
 from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
 from trainer import config
+from trainer.config.compose import compose
 
 SDK = os.path.join(os.path.dirname(crds.DEFAULT_DIR), "sdk-0.5.0-customtrainer-trainjob.json")
 
@@ -177,9 +177,7 @@ def test_dry_run_prints_yaml_for_kubectl_and_writes_nothing(run_cli, tmp_path):
     ],
 )
 def test_bad_launcher_configs_are_refused(overrides, message):
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose(overrides)
     cfg.run_dir = "/nonexistent"
     with pytest.raises(config.ConfigError, match=message.replace("*", r"\*").replace("(", r"\(")):
         config.validate(cfg)

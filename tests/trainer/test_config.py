@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
 from trainer import config
+from trainer.config.compose import compose, plain_group_overrides
 from trainer.config.hf_impl import fill_config
 
 CONF = os.path.join(REPO, "conf")
@@ -20,11 +20,20 @@ def _options(group: str) -> list[str]:
 
 
 def _compose(overrides: list[str]):
-    config.register()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=False)
+    cfg = compose(overrides)
     cfg.run_dir = "/nonexistent/run"
     return cfg
+
+
+def test_runtime_is_an_optional_group_chosen_plainly_or_with_a_plus_as_before():
+    """conf/config.yaml declares `runtime: null`: no runtime unless asked, `runtime=torch-distributed` as for
+    every group, and `+runtime=`, the spelling before, the same config."""
+    assert _compose([]).runtime is None
+    plain, plus = (_compose([f"{p}runtime=torch-distributed", "runtime.nproc_per_node=2"]) for p in ("", "+"))
+    assert plain.runtime.name == "torch-distributed" and plain.runtime.nproc_per_node == 2
+    assert OmegaConf.to_container(plain) == OmegaConf.to_container(plus)
+    assert plain_group_overrides(["+runtime=x", "+train.foo=1", "runtime.nnodes=2"]) == [
+        "runtime=x", "+train.foo=1", "runtime.nnodes=2"]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +48,7 @@ def hf_model(tmp_path_factory) -> str:
 def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, hf_model):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels=triton runs here only under the interpreter
     for option in _options(group):
-        prefix = "+" if group == "runtime" else ""
-        distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
+        distributed = ["runtime=torch-distributed", "runtime.nproc_per_node=2"]
         chat = ["model=hf", f"model.path={hf_model}", "data=chat", "recipe=sft", "data.path=/tmp/chats.jsonl"]
         pairs = ["model=hf", f"model.path={hf_model}", "data=preference", "recipe=dpo", "data.path=/tmp/pairs.jsonl"]
         prompts = ["data=prompts", "recipe=grpo", "data.path=/tmp/prompts.jsonl",
@@ -65,7 +73,7 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
                  }.get((group, option), [])
         if group == "scheduler" and option != "none":
             extra = ["launcher=kubernetes", *distributed]
-        cfg = _compose([f"{prefix}{group}={option}", *extra])
+        cfg = _compose([f"{group}={option}", *extra])
         if cfg.model.name == "hf":  # the driver reads the model.* keys from the directory's config.json
             fill_config(cfg.model)
         if group != "train":

@@ -4,29 +4,26 @@ the worker trains from typed dataclasses."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 
 import pytest
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
 from launchers.local import LocalLauncherConfig
-from tests.conftest import REPO, compose_run, examples
+from tests.conftest import compose_run, examples
 from trainer import config, models
+from trainer.config.compose import compose
 from trainer.parallel import ParallelDims, parallelize
 from trainer.run_dir import RunDir
 
 
 def _compose(*overrides: str):
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
+    cfg = compose(overrides)
     cfg.run_dir = "/nonexistent/run"
     return cfg
 

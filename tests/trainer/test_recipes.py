@@ -51,21 +51,18 @@ def test_the_recipes_defaults_are_trls_own_for_the_settings_trl_has():
     import dataclasses
 
     import trl
-    from hydra import compose, initialize_config_dir
 
-    from trainer import config
+    from trainer.config.compose import compose
 
-    config.register()
     shared = ("beta", "num_generations", "epsilon", "epsilon_high", "loss_type", "temperature", "top_p", "top_k",
               "min_p", "num_iterations", "scale_rewards", "importance_sampling_level", "normalize_advantages",
               "label_smoothing", "reward_weights")
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        for name, peer in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig), ("dpo", trl.DPOConfig)):
-            ours = compose("config", overrides=[f"recipe={name}"]).recipe
-            theirs = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
-                      for f in dataclasses.fields(peer)
-                      if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
-            if isinstance(theirs.get("loss_type"), list):  # DPOConfig's: a list of losses, ["sigmoid"]
-                theirs["loss_type"] = theirs["loss_type"][0]
-            differ = {k: (ours[k], theirs[k]) for k in shared if k in theirs and k in ours and ours[k] != theirs[k]}
-            assert not differ, f"recipe={name}: ours vs TRL {trl.__version__}: {differ}"
+    for name, peer in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig), ("dpo", trl.DPOConfig)):
+        ours = compose([f"recipe={name}"]).recipe
+        theirs = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                  for f in dataclasses.fields(peer)
+                  if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        if isinstance(theirs.get("loss_type"), list):  # DPOConfig's: a list of losses, ["sigmoid"]
+            theirs["loss_type"] = theirs["loss_type"][0]
+        differ = {k: (ours[k], theirs[k]) for k in shared if k in theirs and k in ours and ours[k] != theirs[k]}
+        assert not differ, f"recipe={name}: ours vs TRL {trl.__version__}: {differ}"

@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ import launchers
 from datacache.order import BatchPlan
 from tests.conftest import REPO, TINY, examples
 from trainer import config
+from trainer.config.compose import compose
 from trainer.optimizer import build_optimizer
 from trainer.preflight import check
 
@@ -195,9 +195,7 @@ def _text_data(parquet_dir) -> list[str]:
 def test_any_numbers_pass_the_checks_or_are_refused_in_one_line(overrides, parquet_dir, cache_dir, monkeypatch):
     """The driver's own check (the CLI's, without the process): accepted, or one ConfigError line."""
     monkeypatch.setenv("TRAINJOB_CACHE", cache_dir)
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, *_text_data(parquet_dir), *overrides])
+    cfg = compose([*TINY, *_text_data(parquet_dir), *overrides])
     cfg.run_dir = "/nonexistent/run"
     try:
         check(cfg)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import REPO, TINY, examples, read_metrics, read_summary
+from tests.conftest import TINY, examples, read_metrics, read_summary
 from trainer.config.train import TRACKER_MODULES
 from trainer.errors import ConfigError
 from trainer.observability import plots, trackers
@@ -177,13 +177,9 @@ def test_the_loss_axis_is_log_scaled_when_the_losses_span_more_than_a_factor_of_
 
 
 def _compose(*overrides: str):
-    from hydra import compose, initialize_config_dir
+    from trainer.config.compose import compose
 
-    from trainer import config
-
-    config.register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
+    cfg = compose(overrides)
     cfg.run_dir = "/tmp/unused"
     return cfg
 
