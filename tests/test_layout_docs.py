@@ -1,5 +1,6 @@
-"""The documents name the layout as it is: the README's table row of `trainer/` names every module of it,
-and docs/architecture.md names every folder of `trainer/` and `launchers/`."""
+"""The documents name the layout as it is: docs/architecture.md's table row of `trainer/` names every module of
+it, the document names every folder of `trainer/` and `launchers/`, and docs/reference.md is the reference
+the schema makes (`python -m trainer.config.reference`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _trainer_row() -> str:
-    rows = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `trainer/` |")]
+    text = (REPO / "docs" / "architecture.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `trainer/` |")]
     assert len(rows) == 1
     return rows[0]
 
 
-def test_the_readme_table_names_every_module_of_trainer():
+def test_the_architecture_table_names_every_module_of_trainer():
     row = _trainer_row()
     missing = sorted(str(p.relative_to(REPO / "trainer")) for p in (REPO / "trainer").rglob("*.py")
                      if p.name != "__init__.py" and f"`{p.name}`" not in row)
@@ -28,3 +30,14 @@ def test_the_architecture_document_names_every_folder():
     for package in ("trainer", "launchers"):
         folders = [p.name for p in (REPO / package).iterdir() if (p / "__init__.py").is_file()]
         assert [f for f in folders if f"{f}/" not in text] == [], package
+
+
+def test_the_config_reference_is_what_the_schema_makes():
+    from trainer.config import reference
+
+    page = reference.markdown()
+    assert (REPO / "docs" / "reference.md").read_text() == page, (
+        "docs/reference.md is stale: python -m trainer.config.reference > docs/reference.md")
+    for key in ("model.head_dim", "data.cache.endpoints", "launcher.namespace", "recipe.generation.async",
+                "runtime.nproc_per_node", "train.wandb.mode", "optim.warmup_steps"):
+        assert f"| `{key}` |" in page, key

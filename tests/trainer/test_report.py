@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
 @pytest.fixture(scope="module")
 def study(tmp_path_factory, cache_dir):
     """`python -m trainer -m hydra/sweeper=optuna ...`: 4 trials of 4 steps, searching optim.lr and
-    optim.warmup_steps as the README shows; (sweep directory, the sweep's stdout)."""
+    optim.warmup_steps as docs/tracking.md shows; (sweep directory, the sweep's stdout)."""
     tmp = tmp_path_factory.mktemp("optuna")
     sweep = tmp / "sweep"
     args = [

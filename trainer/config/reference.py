@@ -1,0 +1,129 @@
+"""The reference of every config key, made from the schema itself: for each section, the options of its group
+(`conf/<group>/*.yaml`) and a table of its keys (nested sections' keys dotted), with each key's type, the
+schema's default and the comment written beside its field. `python -m trainer.config.reference` prints it;
+docs/reference.md is that output, and a test holds the file to it, so the reference is never stale."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import io
+import os
+import sys
+import textwrap
+import tokenize
+import typing
+from functools import cache
+
+from omegaconf import MISSING
+
+from launchers import LAUNCHER_SCHEMAS
+from trainer.config.compose import CONF_DIR
+from trainer.config.schema import Config
+
+HEADER = """# Config reference
+
+Every key `python -m trainer` takes, section by section, made from the schema (`trainer/config/`,
+`launchers/`) by `python -m trainer.config.reference`; a test keeps this page equal to its output. A group's
+option (`conf/<group>/<option>.yaml`) may set other values than the schema's defaults shown here: `python -m
+trainer <group>=<option> --cfg job` prints what a composition holds. Back to the [README](../README.md).
+"""
+
+
+@cache
+def _comments(cls: type) -> dict[str, str]:
+    """Field name -> the comment written for it in `cls`'s source: the comment lines right above the field and
+    the one at the end of its line."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    inline = {t.start[0]: t.string.lstrip("#").strip()
+              for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    found = {}
+    for node in ast.parse(source).body[0].body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        above, row = [], node.lineno - 1
+        while row >= 1 and lines[row - 1].strip().startswith("#"):
+            above.insert(0, inline[row])
+            row -= 1
+        tail = [inline[node.lineno]] if node.lineno in inline and not lines[node.lineno - 1].strip().startswith("#") \
+            else []
+        found[node.target.id] = " — ".join(part for part in (" ".join(above), " ".join(tail)) if part)
+    return found
+
+
+@cache
+def _annotations(cls: type) -> dict[str, str]:
+    """Field name -> its annotation as written (`str | None`, `list[str]`)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    return {n.target.id: ast.unparse(n.annotation) for n in tree.body[0].body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _value(value) -> str:
+    if value is MISSING:
+        return "(set by the option)"
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, list | tuple):
+        return "`[" + ", ".join(str(v) for v in value) + "]`"
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _rows(cls: type, prefix: str) -> list[str]:
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        nested = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
+        if nested is not None:
+            rows += _rows(nested, f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        written = f.name in _annotations(cls)  # not so for a field named by a keyword (recipe.generation.async)
+        kind = _annotations(cls)[f.name] if written else getattr(hints[f.name], "__name__", str(hints[f.name]))
+        what = _comments(cls).get(f.name, "") if written else (cls.__doc__ or "").split(". ")[0]
+        what = " ".join(what.split())
+        rows.append(f"| `{prefix}{f.name}` | `{_cell(kind)}` | {_cell(_value(default))} | {_cell(what)} |")
+    return rows
+
+
+def _options(group: str) -> str:
+    folder = os.path.join(CONF_DIR, group)
+    names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def _table(title: str, cls: type, prefix: str, note: str = "") -> list[str]:
+    return [f"## {title}", "", *([note, ""] if note else []),
+            "| key | type | default | what it sets |", "|---|---|---|---|", *_rows(cls, prefix), ""]
+
+
+def markdown() -> str:
+    """The whole reference page."""
+    out = [HEADER]
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        if f.name == "launcher":
+            for name, schema in LAUNCHER_SCHEMAS.items():
+                out += _table(f"launcher={name}", schema, "launcher.",
+                              f"The keys of `launcher={name}` (options of the group: {_options('launcher')}).")
+            continue
+        kind = typing.get_args(hints[f.name]) or (hints[f.name],)
+        schema = next((k for k in kind if dataclasses.is_dataclass(k)), None)
+        if schema is None:
+            out += [f"## {f.name}", "", f"`{f.name}`: {_value(f.default)} (the run directory Hydra chose).", ""]
+            continue
+        options = _options(f.name)
+        out += _table(f.name, schema, f"{f.name}.", f"Options of the group: {options}." if options else "")
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())
