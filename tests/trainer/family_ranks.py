@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/trainer/test_families.py: for each strategy and each Hugging Face directory given,
+"""A torchrun worker for tests/trainer/models/test_families.py: for each strategy and each Hugging Face directory given,
 every rank loads the model placed as trainer.worker places it, takes the loss of the same batch (every rank the
 same rows, so the data split is not what is compared) and its gradients, and rank 0 writes, per strategy and
 model, the loss and each parameter's whole gradient next to one process's (`from_hf`) to OUT/results.json.

@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/trainer/test_generation.py: every rank loads a Hugging Face directory under a
+"""A torchrun worker for tests/trainer/generate/test_generation.py: every rank loads a Hugging Face directory under a
 strategy (`ddp`, `fsdp2` or `tp`, as trainer.worker places a model), generates greedily for the prompts
 `prompts(rank)` of its data-parallel group, and writes them and its completions to OUT/rank-<r>.json.
 

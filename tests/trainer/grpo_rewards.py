@@ -1,4 +1,4 @@
-"""Reward functions that tests/trainer/test_grpo.py names in `recipe.reward_funcs`: the toy task's, and ones a
+"""Reward functions that tests/trainer/recipes/test_grpo.py names in `recipe.reward_funcs`: the toy task's, and ones a
 run must refuse."""
 
 from __future__ import annotations

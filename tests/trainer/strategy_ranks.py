@@ -1,5 +1,5 @@
-"""A torchrun worker for tests/trainer/test_pipeline.py: every rank trains each run whose resolved config file it
-is given, one after another in one process group, as `trainer.worker` trains one; so a single torchrun start
+"""A torchrun worker for tests/trainer/parallel/test_pipeline.py: every rank trains each run whose resolved config
+file it is given, one after another in one process group, as `trainer.worker` trains one; so a single torchrun start
 serves several strategies (most of a small run's time is the start of its processes).
 
     torchrun --standalone --nproc-per-node N -m tests.trainer.strategy_ranks RUN_DIR/config.yaml ...

@@ -186,7 +186,7 @@ def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, tmp_path):
 
 
 def test_killing_the_driver_stops_torchrun_and_its_ranks(tmp_path, cache_dir):
-    from tests.trainer.test_strategies import _worker_pids
+    from tests.trainer.parallel.test_strategies import _worker_pids
 
     run_dir = tmp_path / "run"
     driver = subprocess.Popen([sys.executable, "-m", "trainer", *TINY, "train.max_steps=100000",

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, examples, read_metrics
-from tests.trainer.test_dpo import preference_setup  # noqa: F401 (a fixture)
-from tests.trainer.test_grpo import REWARDS_ON_PATH, TOY, prompts  # noqa: F401 (a fixture)
+from tests.trainer.recipes.test_dpo import preference_setup  # noqa: F401 (a fixture)
+from tests.trainer.recipes.test_grpo import REWARDS_ON_PATH, TOY, prompts  # noqa: F401 (a fixture)
 from trainer import export
 from trainer.models import score
 from trainer.recipes import reward

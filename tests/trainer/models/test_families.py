@@ -95,7 +95,7 @@ def _preset_runs(family_dirs, root) -> list:
     import json
     import random
 
-    from tests.trainer.test_sft import _chats
+    from tests.trainer.recipes.test_sft import _chats
 
     rng = random.Random(0)
     prompts, chats = root / "prompts.jsonl", root / "chats.jsonl"

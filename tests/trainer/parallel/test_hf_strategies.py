@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import read_metrics, read_summary
 from tests.trainer.hf_models import add_tokenizer, make_llama
-from tests.trainer.test_sft import _chats
+from tests.trainer.recipes.test_sft import _chats
 from trainer import export
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -2,7 +2,7 @@
 whole logits' (values and gradients, 1e-5 in float32) for any chunk size and mask; the model's loss (pretrain,
 sft under kernels=torch) is the whole logits' cross-entropy; under kernels=triton the chunks' log-softmax is the
 Triton cross-entropy. Under tensor parallelism (vocabulary-split logits) the recipes' runs equal one process's:
-tests/trainer/test_dpo.py (strategy=tp) and tests/trainer/test_strategies.py."""
+tests/trainer/recipes/test_dpo.py (strategy=tp) and tests/trainer/parallel/test_strategies.py."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, examples, read_metrics
-from tests.trainer.test_grpo import ARGS, REWARDS_ON_PATH, TOY, prompts  # noqa: F401 (a fixture)
+from tests.trainer.recipes.test_grpo import ARGS, REWARDS_ON_PATH, TOY, prompts  # noqa: F401 (a fixture)
 from trainer.recipes import rloo
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,9 +17,9 @@ import torch
 
 from tests.conftest import DIST, REFERENCE, REPO, TINY, cli, compose_refused, compose_run, read_metrics, read_summary
 from tests.trainer.hf_models import add_tokenizer, make_llama
-from tests.trainer.test_sft import ARGS as SFT_ARGS
-from tests.trainer.test_sft import _chats
-from tests.trainer.test_strategies import RTOL
+from tests.trainer.parallel.test_strategies import RTOL
+from tests.trainer.recipes.test_sft import ARGS as SFT_ARGS
+from tests.trainer.recipes.test_sft import _chats
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import cli, read_metrics
 from tests.trainer import real_models
-from tests.trainer.test_chat_templates import _generation_blocks
+from tests.trainer.data.test_chat_templates import _generation_blocks
 from trainer import export
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]

@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import DIST, cli, compose_refused, compose_run, read_metrics
 from tests.trainer.hf_models import SHAPE, _perturbed, add_tokenizer, make_llama
-from tests.trainer.test_sft import _chats
+from tests.trainer.recipes.test_sft import _chats
 from trainer import export
 from trainer.generate import generate
 from trainer.models import hf_transformers
