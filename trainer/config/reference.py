@@ -32,33 +32,24 @@ trainer <group>=<option> --cfg job` prints what a composition holds. Back to the
 
 
 @cache
-def _comments(cls: type) -> dict[str, str]:
-    """Field name -> the comment written for it in `cls`'s source: the comment lines right above the field and
-    the one at the end of its line."""
+def _written(cls: type) -> dict[str, tuple[str, str]]:
+    """Field name -> (its annotation as written, such as `str | None`; the comment written for it: the comment
+    lines right above the field, then the one at the end of its line), from `cls`'s source."""
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
-    inline = {t.start[0]: t.string.lstrip("#").strip()
-              for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
     found = {}
     for node in ast.parse(source).body[0].body:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
         above, row = [], node.lineno - 1
         while row >= 1 and lines[row - 1].strip().startswith("#"):
-            above.insert(0, inline[row])
+            above.insert(0, comments[row])
             row -= 1
-        tail = [inline[node.lineno]] if node.lineno in inline and not lines[node.lineno - 1].strip().startswith("#") \
-            else []
-        found[node.target.id] = " — ".join(part for part in (" ".join(above), " ".join(tail)) if part)
+        parts = (" ".join(above), comments.get(node.lineno, ""))
+        found[node.target.id] = (ast.unparse(node.annotation), " — ".join(p for p in parts if p))
     return found
-
-
-@cache
-def _annotations(cls: type) -> dict[str, str]:
-    """Field name -> its annotation as written (`str | None`, `list[str]`)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    return {n.target.id: ast.unparse(n.annotation) for n in tree.body[0].body
-            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 
 def _value(value) -> str:
@@ -86,9 +77,9 @@ def _rows(cls: type, prefix: str) -> list[str]:
             rows += _rows(nested, f"{prefix}{f.name}.")
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        written = f.name in _annotations(cls)  # not so for a field named by a keyword (recipe.generation.async)
-        kind = _annotations(cls)[f.name] if written else getattr(hints[f.name], "__name__", str(hints[f.name]))
-        what = _comments(cls).get(f.name, "") if written else (cls.__doc__ or "").split(". ")[0]
+        # A field named by a keyword (recipe.generation.async) is not written in the source.
+        kind, what = _written(cls).get(f.name) or (getattr(hints[f.name], "__name__", str(hints[f.name])),
+                                                    (cls.__doc__ or "").split(". ")[0])
         what = " ".join(what.split())
         rows.append(f"| `{prefix}{f.name}` | `{_cell(kind)}` | {_cell(_value(default))} | {_cell(what)} |")
     return rows
