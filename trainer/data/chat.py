@@ -171,15 +171,18 @@ def _length(tokens: np.ndarray, mask: np.ndarray, pad_id: int) -> int:
     return int(real[-1]) + 1 if len(real) else 0
 
 
-def source_fingerprint(cfg, model_path: str) -> dict:
-    """What a built corpus was made from: the source files (path, size, time) and the tokenizer's digest."""
+def source_fingerprint(cfg, model_path: str | None) -> dict:
+    """What a built corpus was made from: the source files (path, size, time) and the digest of the tokenizer
+    of the model directory `model_path` ("bytes" for None: a built-in preset's byte tokenizer)."""
+    files = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in source_files(cfg.path)]
+    if model_path is None:
+        return {"files": files, "tokenizer": "bytes"}
     digest = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         file = os.path.join(model_path, name)
         if os.path.isfile(file):
             with open(file, "rb") as f:
                 digest.update(f.read())
-    files = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in source_files(cfg.path)]
     return {"files": files, "tokenizer": digest.hexdigest()}
 
 

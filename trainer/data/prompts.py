@@ -61,9 +61,7 @@ def prepare(cfg) -> str:
     d = cfg.data
     text = prompt_text(cfg.model)
     settings = {"name": d.name, "seq_len": d.seq_len, "eval_percent": eval_share(d), "format": 1,
-                "source": source_fingerprint(d, cfg.model.path) if cfg.model.name == "hf" else
-                {"files": [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in source_files(d.path)],
-                 "tokenizer": "bytes"}}
+                "source": source_fingerprint(d, cfg.model.path if cfg.model.name == "hf" else None)}
 
     def write(tmp: str) -> dict:
         splits: dict[str, list] = {"train": [], "eval": []}
