@@ -134,7 +134,8 @@ class Degrees:
             object.__setattr__(self, rest[0], self.world_size // known)  # frozen: filled once, here
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         require(product == self.world_size, "strategy", given,
-                f"pp x dp_replicate x dp_shard x tp = {product} must equal the world size {self.world_size}")
+                f"pp x dp_replicate x dp_shard x tp = {product} must equal the world size {self.world_size} (or "
+                "give one of them as -1 for the rest of the world, e.g. strategy.dp_shard=-1 to shard it with FSDP2)")
 
     def degrees(self) -> dict[str, int]:
         return {n: getattr(self, n) for n in NAMES}
