@@ -13,5 +13,6 @@ COPY trainer trainer
 COPY launchers launchers
 COPY ops ops
 COPY datacache datacache
+COPY trainjob trainjob
 RUN pip install --no-cache-dir -e '.[tracking]'
 ENV PYTHONUNBUFFERED=1

@@ -24,7 +24,7 @@ import time
 
 from preemption import REPO, _agent, measure
 
-from trainer.observability.plots import read_metrics
+from trainjob.run_files import read_metrics
 
 
 def _until(procs: list[subprocess.Popen], ok, what: str, timeout: float = 300) -> None:

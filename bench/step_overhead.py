@@ -34,7 +34,7 @@ sys.path.insert(0, REPO)
 from trainer import models  # noqa: E402
 from trainer.__main__ import prepare_run  # noqa: E402
 from trainer.config.compose import compose as compose_config  # noqa: E402
-from trainer.run_dir import RunDir  # noqa: E402
+from trainjob.run_files import RunDir  # noqa: E402
 
 
 def hand_loop(cfg, steps: int, warmup: int) -> float:

@@ -4,15 +4,11 @@ Usable on its own: it never imports `trainer` or `launchers`. Its names load on 
 node (`python -m datacache`, `datacache.server`) never imports torch.
 """
 
-import importlib
+from trainjob import lazy
 
 _HOMES = {"BatchPlan": "datacache.order", "CacheServer": "datacache.server", "DataCacheError": "datacache.server",
           "LocalDataset": "datacache.local", "StreamingDataset": "datacache.dataset"}
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'datacache' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy.names(__name__, _HOMES)

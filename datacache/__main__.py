@@ -31,8 +31,9 @@ import sys
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from datacache.args import OneLineParser
-from datacache.server import TOKEN_ENV, CacheServer, DataCacheError
+from datacache.server import CacheServer, DataCacheError
+from trainjob.cli import OneLineParser
+from trainjob.env import CACHE_TOKEN_ENV
 
 
 def _options(token: str | None) -> flight.FlightCallOptions:
@@ -113,9 +114,10 @@ def _bytes(text: str) -> int:
 
 
 def _add_token(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token-file", default=None, help=f"a file holding the shared secret (else ${TOKEN_ENV})")
+    parser.add_argument("--token-file", default=None,
+                        help=f"a file holding the shared secret (else ${CACHE_TOKEN_ENV})")
     parser.add_argument("--token", default=None, help="the shared secret itself: visible to every user in `ps`; "
-                                                      f"prefer --token-file or ${TOKEN_ENV}")
+                                                      f"prefer --token-file or ${CACHE_TOKEN_ENV}")
 
 
 def _token(args, parser: argparse.ArgumentParser) -> str | None:
@@ -130,7 +132,7 @@ def _token(args, parser: argparse.ArgumentParser) -> str | None:
         if not token:
             parser.error(f"--token-file {args.token_file}: the file is empty")
         return token
-    return args.token or os.environ.get(TOKEN_ENV) or None
+    return args.token or os.environ.get(CACHE_TOKEN_ENV) or None
 
 
 def _parser() -> OneLineParser:

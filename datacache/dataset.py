@@ -57,7 +57,8 @@ from datacache.memory import keep_freed_buffers
 from datacache.order import BatchPlan
 from datacache.parquet import column_array
 from datacache.planned import PlannedDataset, plan_arguments
-from datacache.server import MAX_READERS, TOKEN_ENV, DataCacheError, encode_ticket
+from datacache.server import MAX_READERS, DataCacheError, encode_ticket
+from trainjob.env import CACHE_TOKEN_ENV
 
 # A call carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
 SPAN_STEPS, SPAN_RUNS = 1024, 65536
@@ -281,7 +282,7 @@ class StreamingDataset(PlannedDataset):
         if tls_root_cert:
             with open(tls_root_cert, "rb") as f:
                 tls_root = f.read()
-        token = (os.environ.get(TOKEN_ENV) or None) if token is None else token
+        token = (os.environ.get(CACHE_TOKEN_ENV) or None) if token is None else token
         heads = [e for e in endpoints if e.startswith(kubeflow.HEAD_SCHEME)]
         if heads and len(endpoints) > 1:
             raise ValueError(f"endpoints={list(endpoints)}: give a Kubeflow cache's head alone (its workers are "

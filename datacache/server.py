@@ -56,7 +56,6 @@ from datacache.sql import SqlError, query
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "TRAINJOB_CACHE_TOKEN"  # where `python -m datacache` and StreamingDataset find a token not given
 MAX_READERS = 64  # a client's read-ahead threads at most, each with a connection to every node
 
 # What one ticket may ask for: steps, and [start, stop) row ranges (16 bytes each: 16 MiB of ticket).

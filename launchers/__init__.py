@@ -12,21 +12,17 @@ a launcher of theirs is asked for.
 
 from __future__ import annotations
 
-import importlib
+from trainjob import lazy
 
 _HOMES = {
     **dict.fromkeys(("CacheNodes", "Job", "JobInfo", "JobState", "Launcher", "LauncherError", "LaunchSpec",
-                     "OptionError", "Torchrun", "node_range"), "launchers.base"),
+                     "OptionError", "Torchrun"), "launchers.base"),
     "Client": "launchers.client",
-    "InProcessLauncher": "launchers.local",
+    "InProcessLauncher": "launchers.local.backend",
     **dict.fromkeys(("LAUNCHER_SCHEMAS", "check", "get"), "launchers.options"),
-    "SchedulerConfig": "launchers.schedulers",
+    "SchedulerConfig": "launchers.kubernetes.schedulers",
 }
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'launchers' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy.names(__name__, _HOMES)

@@ -17,9 +17,9 @@ import dataclasses
 import json
 import sys
 
-from datacache.args import OneLineParser
 from launchers import JobInfo, JobState, LauncherError, OptionError
 from launchers.client import Client
+from trainjob.cli import OneLineParser
 
 COLUMNS = ("name", "state", "step", "loss", "eval_loss", "start_time", "end_time")
 

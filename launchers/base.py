@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import json
 import os
 import re
 import time
@@ -15,6 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+from trainjob.env import CACHE_ENDPOINTS_ENV, CACHE_EVAL_ENDPOINTS_ENV
+from trainjob.files import write_whole
+from trainjob.run_files import read_summary
 
 # Environment for every torchrun that a launcher starts. Sharing torchrun's rendezvous store with the
 # workers (the default) lets restarted workers read the failed attempt's addresses, so a restart after
@@ -59,8 +62,8 @@ class CacheNodes:
     """Data cache nodes to start beside the ranks (`data.cache.nodes`). Node i runs the interpreter with
     `command`, whose `{config}`, `{index}`, `{count}`, `{host}`, `{port}` and `{eval_port}` the launcher
     fills in; it serves its share of the training rows on `port` (and node 0 the eval rows on
-    `eval_port`) once `python -m datacache ready` answers there. The ranks find them through ENDPOINTS_ENV
-    and EVAL_ENDPOINTS_ENV, lists the run's config reads with `${oc.decode:${oc.env:...}}`."""
+    `eval_port`) once `python -m datacache ready` answers there. The ranks find them through
+    `trainjob.env`'s CACHE_ENDPOINTS_ENV and CACHE_EVAL_ENDPOINTS_ENV."""
 
     count: int
     command: list[str]
@@ -69,9 +72,6 @@ class CacheNodes:
     # Kubeflow Trainer's cache in their place (`data.cache.backend=kubeflow`, Kubernetes only): its dataset
     # initializer's settings (the data.cache.kubeflow section); `count` data nodes, no `command` run.
     kubeflow: dict[str, str] | None = None
-
-    ENDPOINTS_ENV = "TRAINJOB_CACHE_ENDPOINTS"
-    EVAL_ENDPOINTS_ENV = "TRAINJOB_CACHE_EVAL_ENDPOINTS"
 
     def argv(self, config: str, index: int, host: str, port: int, eval_port: int) -> list[str]:
         values = {
@@ -86,7 +86,7 @@ class CacheNodes:
 
     def env(self, train: list[str], eval_: list[str]) -> dict[str, str]:
         """The ranks' environment naming the nodes (lists in OmegaConf's syntax, for oc.decode)."""
-        return {self.ENDPOINTS_ENV: "[" + ",".join(train) + "]", self.EVAL_ENDPOINTS_ENV: "[" + ",".join(eval_) + "]"}
+        return {CACHE_ENDPOINTS_ENV: "[" + ",".join(train) + "]", CACHE_EVAL_ENDPOINTS_ENV: "[" + ",".join(eval_) + "]"}
 
 
 @dataclass(frozen=True)
@@ -103,19 +103,6 @@ class Torchrun:
     last_call_timeout: int = 5
     # Seconds a node waits at the rendezvous for the others before it ends (torchrun's join_timeout).
     rdzv_timeout: int = 600
-
-
-def node_range(nnodes: int | str) -> tuple[int, int]:
-    """`runtime.nnodes` as (fewest, most) nodes: `N` is a fixed size (N, N), `MIN:MAX` torchrun's elastic
-    range. Raises ValueError naming what is allowed."""
-    text = str(nnodes).strip()
-    parts = text.split(":")
-    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError("must be a node count N, or MIN:MAX (an elastic range, such as 1:4)")
-    low, high = int(parts[0]), int(parts[-1])
-    if low < 1 or high < low:
-        raise ValueError("needs 1 <= MIN <= MAX")
-    return low, high
 
 
 @dataclass(frozen=True)
@@ -170,22 +157,12 @@ MASK = "********"
 
 def write_private(path: str, text: str) -> None:
     """Write `path` readable by its owner only (0600), replacing it whole."""
-    from launchers.paths import write_whole
-
     write_whole(path, text, 0o600)
 
 
 # torchrun whose exit code is its failed rank's own: what a Kubernetes pod runs, for its podFailurePolicy, and a
 # local node, whose driver reads the code.
 TORCHRUN = ["-m", "launchers.torchrun"]
-# What that agent exits with when the rendezvous timed out waiting for the other nodes (runtime.rdzv_timeout).
-RDZV_TIMEOUT_EXIT = 3
-# Set in the ranks' environment where the driver waits for them on this machine's disk and reports their
-# failures itself: a rank whose user code failed leaves its report in <run_dir>/logs/rank-<R>.error and prints
-# nothing (every rank may fail alike), and the agent prints no summary of its own.
-DRIVER_REPORTS_ENV = "TRAINJOB_DRIVER_REPORTS"
-
-
 def pod_agent(spec: LaunchSpec) -> list[str]:
     """The agent that starts a pod's ranks: a trainer run's is `launchers.torchrun`, so that a refused config
     (exit 2) and a preemption (143) reach the pod's status; a function job's image need not hold trainjob,
@@ -230,66 +207,6 @@ def run_name(run_dir: str, max_len: int = 52) -> str:
     base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(run_dir).lower()).strip("-")
     suffix = hashlib.sha256(run_dir.encode()).hexdigest()[:8]
     return f"tj-{base}"[: max_len - len(suffix) - 1].rstrip("-") + "-" + suffix
-
-
-def read_summary(run_dir: str) -> dict[str, Any] | None:
-    """The run's summary.json; None when there is none, or none that reads as one (truncated by a full
-    disk or a kill: the run did not get to write it whole)."""
-    path = os.path.join(run_dir, "summary.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
-
-
-def _json_lines(path: str) -> Iterator[dict[str, Any]]:
-    """The JSON objects of the lines of `path`; a line being written, or not an object, is skipped."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict):
-                    yield record
-    except OSError:
-        return
-
-
-def read_events(run_dir: str) -> list[dict[str, Any]]:
-    """The run's events, oldest first: each resume, re-formation (`world_size_before`, `world_size_after`,
-    `resumed_from_step`) and preemption (`at_step`, `checkpoint`), with its `time`, from `events.jsonl`
-    (and from `metrics.jsonl`, where a run of an earlier version wrote them)."""
-    older = [{k: v for k, v in r.items() if k != "step"}
-             for r in _json_lines(os.path.join(run_dir, "metrics.jsonl")) if "event" in r]
-    return older + [r for r in _json_lines(os.path.join(run_dir, "events.jsonl")) if "event" in r]
-
-
-def read_progress(run_dir: str) -> dict[str, Any]:
-    """Step, last loss and last eval loss of the run in `run_dir`, from the files its rank 0 writes:
-    `metrics.jsonl` (one JSON object per logged step) while it trains, `summary.json` once it is done; and
-    the run's events (`read_events`: resumes, re-formations, preemptions)."""
-    found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
-    for record in _json_lines(os.path.join(run_dir, "metrics.jsonl")):
-        if "event" in record:
-            continue
-        found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
-        if record.get("eval_loss") is not None:
-            found["eval_loss"] = record["eval_loss"]
-    events = read_events(run_dir)
-    if events:
-        found["events"] = events
-    summary = read_summary(run_dir) if os.path.isdir(run_dir) else None
-    if summary:
-        found.update(
-            step=summary.get("steps", found["step"]),
-            loss=summary.get("final_train_loss", found["loss"]),
-            eval_loss=summary.get("final_eval_loss", found["eval_loss"]),
-        )
-    return found
 
 
 @dataclass

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from launchers.base import LauncherError
-from launchers.paths import directory_problem
+from trainjob.files import directory_problem
 
 HOME_ENV = "TRAINJOB_HOME"
 log = logging.getLogger("launchers")

@@ -16,7 +16,7 @@ import sys
 import time
 from datetime import timedelta
 
-from datacache.args import OneLineParser
+from trainjob.cli import OneLineParser
 
 POLL_S = 1.0
 

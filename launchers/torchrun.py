@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 
-from launchers.base import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
+from trainjob.env import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
 
 
 def exit_code(error: ChildFailedError) -> int:

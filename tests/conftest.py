@@ -13,7 +13,7 @@ import pytest
 import torch  # importing torch does not import triton
 from hypothesis import settings
 
-from trainer.run_dir import RunDir
+from trainjob.run_files import RunDir
 
 # Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors; it must be chosen before
 # triton is imported anywhere in the test session. Tests of what happens without it unset it themselves.

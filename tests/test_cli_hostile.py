@@ -47,7 +47,7 @@ def batch(module: str, runs: list[dict], timeout: float = 240) -> list[dict]:
 
 def assert_one_line(result: dict, code: int | None, *fragments: str) -> None:
     """Exit `code` (None: any non-zero), no traceback, and the error in one line holding every fragment
-    (argparse's errors too: every command's parser is datacache.args.OneLineParser)."""
+    (argparse's errors too: every command's parser is trainjob.cli.OneLineParser)."""
     err = result["stderr"].strip()
     assert "Traceback" not in err + result["stdout"], err[-3000:]
     assert result["returncode"] != 0 if code is None else result["returncode"] == code, (result["returncode"], err)

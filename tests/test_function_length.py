@@ -7,7 +7,7 @@ import ast
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-FOLDERS = ("trainer", "launchers", "datacache", "ops", "bench", "tests")
+FOLDERS = ("trainjob", "trainer", "launchers", "datacache", "ops", "bench", "tests")
 LIMIT = 60
 
 

@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("trainer", "launchers", "datacache", "ops", "bench")
+PACKAGES = ("trainjob", "trainer", "launchers", "datacache", "ops", "bench")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -175,3 +175,64 @@ def test_the_driver_and_the_config_import_nothing_of_the_rank_side_nor_torch():
     rank_side = ("torch", "ops", "trainer.worker", "trainer.loop", "trainer.inputs", "trainer.models",
                  "trainer.parallel", "trainer.data", "trainer.recipes", "trainer.observability")
     assert [m for m in loaded if m.startswith(rank_side)] == []
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for module, edges in _graph().items():
+        graph[module.split(".")[0]].update(t.split(".")[0] for t in edges if t.split(".")[0] != module.split(".")[0])
+    return graph
+
+
+def _closure(module: str) -> set[str]:
+    graph, seen, todo = _graph(), set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph.get(name, ()))
+    return seen
+
+
+# The driver's modules that join the trainer to the launchers: composing a config with the launchers' schemas,
+# checking it by their rules, documenting their keys, and launching the job.
+DRIVER_JOINS = {"trainer.__main__", "trainer.config.compose", "trainer.config.validate", "trainer.config.reference"}
+
+
+def test_the_packages_are_layers_trainjob_at_the_bottom_and_launchers_apart_from_the_trainer():
+    """At the grain of packages: trainjob (the bottom layer) imports none of the others; launchers and
+    datacache stand on it alone, never on the trainer; nothing imports the benches; no cycle."""
+    graph = _package_graph()
+    assert graph["trainjob"] == set()
+    assert graph["launchers"] <= {"trainjob"} and graph["datacache"] <= {"trainjob"}
+    assert "trainer" not in graph["launchers"] and "launchers" not in graph["datacache"]
+    assert all("bench" not in edges for edges in graph.values())
+    assert cycles(graph) == []
+
+
+def test_a_rank_imports_no_launcher_and_only_the_driver_joins_them():
+    """The rank side (everything `trainer.worker` imports, however far) holds no module of launchers; the
+    trainer modules that import launchers are the driver's joins, and a rank imports none of them."""
+    rank = _closure("trainer.worker")
+    assert sorted(m for m in rank if m.startswith("launchers")) == []
+    joins = {m for m, edges in _graph().items()
+             if m.startswith("trainer") and any(t.startswith("launchers") for t in edges)}
+    assert joins == DRIVER_JOINS
+    assert rank.isdisjoint(DRIVER_JOINS)
+
+
+def test_importing_a_rank_loads_no_launcher_and_the_driver_no_backend():
+    """What runs, not only what is written: `import trainer.worker` leaves no launcher module loaded, and the
+    driver (`trainer.__main__`) loads the launchers' schemas but no launcher's backend (nor Kubernetes' manifests)
+    until a run asks for that launcher."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, {0}; print(' '.join(sorted(m for m in sys.modules if m.startswith('launchers'))))")
+    rank = subprocess.run([sys.executable, "-c", probe.format("trainer.worker")], cwd=REPO, capture_output=True,
+                          text=True, check=True, timeout=120).stdout.split()
+    assert rank == []
+    driver = subprocess.run([sys.executable, "-c", probe.format("trainer.__main__")], cwd=REPO, capture_output=True,
+                            text=True, check=True, timeout=120).stdout.split()
+    assert "launchers.options" in driver  # the launchers' schemas, read to compose the config
+    assert not [m for m in driver if m.endswith((".backend", ".manifests"))], driver

@@ -25,20 +25,27 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import launchers
-from datacache.server import TOKEN_ENV
-from launchers.base import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
-from launchers.paths import write_whole
 from trainer import config
-from trainer.config.compose import CONF_DIR, plain_group_overrides
+from trainer.config.compose import CONF_DIR, plain_group_overrides, register
 from trainer.errors import UserCodeError
 from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
-from trainer.run_dir import Claim, RunDir, claim, let_go, node_running, remove_if_new
+from trainer.run_dir import Claim, claim, let_go, node_running, remove_if_new
+from trainjob.env import (
+    CACHE_ENDPOINTS_ENV,
+    CACHE_EVAL_ENDPOINTS_ENV,
+    CACHE_TOKEN_ENV,
+    DRIVER_REPORTS_ENV,
+    RDZV_TIMEOUT_EXIT,
+)
+from trainjob.files import write_whole
+from trainjob.nodes import node_range
+from trainjob.run_files import RunDir
 
 log = logging.getLogger("trainer")
 _job_started = False
 
-config.register()
+register()
 
 
 # Keys of the runtime section that differ by node by design (each node's own): not in config.yaml, so not in
@@ -185,7 +192,7 @@ def _nodes_started_here(resolved: dict) -> int:
     runtime = resolved.get("runtime")
     if runtime is None or resolved["launcher"]["name"] != "local":
         return 1
-    return launchers.node_range(runtime["nnodes"])[1]
+    return node_range(runtime["nnodes"])[1]
 
 
 def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheNodes | None]:
@@ -199,17 +206,17 @@ def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheN
     cache = saved["data"]["cache"]
     secrets = {}
     if cache.get("token"):
-        secrets[TOKEN_ENV] = str(cache["token"])
-        cache["token"] = f"${{oc.env:{TOKEN_ENV}}}"
+        secrets[CACHE_TOKEN_ENV] = str(cache["token"])
+        cache["token"] = f"${{oc.env:{CACHE_TOKEN_ENV}}}"
     nodes = None
     if cache.get("nodes"):
         kubeflow = cache["kubeflow"] if cache.get("backend") == "kubeflow" else None
         nodes = launchers.CacheNodes(count=int(cache["nodes"]), command=[
             "-m", "trainer.cache_node", "{config}", "--shard", "{index}/{count}", "--host", "{host}",
             "--port", "{port}", "--eval-port", "{eval_port}"], kubeflow=kubeflow)
-        cache["endpoints"] = f"${{oc.decode:${{oc.env:{nodes.ENDPOINTS_ENV}}}}}"
+        cache["endpoints"] = f"${{oc.decode:${{oc.env:{CACHE_ENDPOINTS_ENV}}}}}"
         if kubeflow is None:  # Kubeflow's cache holds one table: the eval rows come from the local corpus
-            cache["eval_endpoints"] = f"${{oc.decode:${{oc.env:{nodes.EVAL_ENDPOINTS_ENV}}}}}"
+            cache["eval_endpoints"] = f"${{oc.decode:${{oc.env:{CACHE_EVAL_ENDPOINTS_ENV}}}}}"
     return saved, secrets, nodes
 
 
@@ -296,8 +303,8 @@ def hide_secrets(argv: list[str]) -> list[str]:
             if override is not None and override.key_or_group == "data.cache.token" and not override.is_delete():
                 value = override.value()
                 if isinstance(value, str) and value and not value.startswith("${"):
-                    os.environ[TOKEN_ENV] = value
-                    arg = f"{override.get_key_element()}=${{oc.env:{TOKEN_ENV}}}"
+                    os.environ[CACHE_TOKEN_ENV] = value
+                    arg = f"{override.get_key_element()}=${{oc.env:{CACHE_TOKEN_ENV}}}"
         hidden.append(arg)
     return hidden
 

@@ -20,10 +20,11 @@ import threading
 
 from omegaconf import OmegaConf
 
-from datacache.args import OneLineParser
-from datacache.server import TOKEN_ENV, CacheServer, DataCacheError
+from datacache.server import CacheServer, DataCacheError
 from trainer.data.corpus import prepare
 from trainer.errors import ConfigError
+from trainjob.cli import OneLineParser
+from trainjob.env import CACHE_TOKEN_ENV
 
 
 def _peers(cfg, count: int) -> list[str] | None:
@@ -38,7 +39,7 @@ def _peers(cfg, count: int) -> list[str] | None:
 def _servers(cfg, args, index: int, count: int) -> list[CacheServer]:
     """The node's servers: shard `index` of `count` of the training rows, and with --eval-port the eval rows."""
     corpus = prepare(cfg.data)
-    token = os.environ.get(TOKEN_ENV) or None
+    token = os.environ.get(CACHE_TOKEN_ENV) or None
     peers = _peers(cfg, count)
     if peers:
         logging.info("peers (for Kubeflow clients, which may ask any node for the whole table): %s", ", ".join(peers))

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 # Frames of these folders are the framework's (trainjob's packages, the interpreter's library, site-packages:
 # torch, Hydra, ...); the others are the user's own code.
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_OURS = tuple(os.path.join(_PROJECT, p) + os.sep for p in ("trainer", "launchers", "datacache", "ops"))
+_OURS = tuple(os.path.join(_PROJECT, p) + os.sep for p in ("trainjob", "trainer", "launchers", "datacache", "ops"))
 _LIBRARY = tuple({os.path.dirname(os.__file__) + os.sep, sys.prefix + os.sep, sys.base_prefix + os.sep,
                   *(p + os.sep for p in site.getsitepackages() if p)})
 

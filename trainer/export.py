@@ -31,13 +31,13 @@ import warnings
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from datacache.args import OneLineParser
-from launchers.paths import directory_problem, nearest_existing
 from trainer import models
 from trainer.checkpoint import damage
 from trainer.config.hf_impl import choose
 from trainer.errors import ConfigError
 from trainer.models import hf, hf_transformers, lora, score
+from trainjob.cli import OneLineParser
+from trainjob.files import directory_problem, nearest_existing
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
 TOKENIZER_FILES = (

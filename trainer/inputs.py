@@ -19,7 +19,7 @@ from trainer.config import CACHE_KEYS, Config, ConfigError, Degrees
 from trainer.data import chat
 from trainer.data.corpus import check_corpus, prepare
 from trainer.data.splits import needs_corpus, split_dataset
-from trainer.run_dir import RunDir
+from trainjob.run_files import RunDir
 
 
 def resume_candidate(cfg: Config) -> str | None:

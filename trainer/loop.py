@@ -8,7 +8,6 @@ global batch is the same) continues with exactly the rows that were not yet trai
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -19,7 +18,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 
 from datacache import StreamingDataset
-from launchers.paths import write_whole
 from trainer import checkpoint, models, optimizer, parallel, preemption, recipes
 from trainer.config import ConfigError, aten_ops, torch_dtype
 from trainer.config.optim import implementation
@@ -28,7 +26,7 @@ from trainer.errors import UserCodeError
 from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims
 from trainer.recipes.base import Context
-from trainer.run_dir import RunDir
+from trainjob.run_files import RunDir, read_summary, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +198,8 @@ class Trainer:
         shared: kept as it is rather than rewritten with a run of no steps."""
         found = [None]
         if self.rank == 0 and self.step >= self.cfg.train.max_steps:
-            try:
-                with open(RunDir.of(self.cfg.run_dir).summary) as f:
-                    summary = json.load(f)
-            except (OSError, ValueError):
-                summary = None
-            if isinstance(summary, dict) and summary.get("steps") == self.step:
+            summary = read_summary(self.cfg.run_dir)
+            if summary is not None and summary.get("steps") == self.step:
                 found[0] = summary
         dist.broadcast_object_list(found, src=0)
         return found[0]
@@ -226,9 +220,7 @@ class Trainer:
             "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:
-            # A loss that was never measured (no step run) is null: strict JSON has no NaN.
-            write_whole(RunDir.of(self.cfg.run_dir).summary, json.dumps(
-                {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()}, indent=2))
+            write_summary(self.cfg.run_dir, summary)
             plots.save_loss_png(self.cfg.run_dir)
         log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
         return summary

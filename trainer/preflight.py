@@ -14,10 +14,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
-from launchers.paths import directory_problem
-from trainer.config import ConfigError, parallel_dims, validate
+from trainer.config import ConfigError, parallel_dims
 from trainer.config.hf_impl import fill_config
+from trainer.config.validate import validate
 from trainer.run_dir import note_before_making
+from trainjob.files import directory_problem
 
 if TYPE_CHECKING:
     from trainer import inputs

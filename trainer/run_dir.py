@@ -1,59 +1,17 @@
-"""Where a run's files live, under its run directory: the one place that names them; and `claim`, which
-makes a run directory this process's own before anything is written into it.
-
-config.yaml          the resolved config every rank ran
-metrics.jsonl        one JSON object per logged step (rank 0)
-events.jsonl         one JSON object per event of the run: a resume, a re-formation, a preemption (rank 0)
-summary.json         the final metrics (rank 0)
-checkpoints/step-N/  DCP checkpoints
-logs/rank-R.log      each rank's log
-logs/rank-R.error    what rank R refused or the report of its user code that failed (the driver prints one rank's, once)
-.lock                held (flock) by the driver that trains here, and by the job it launched; shared
-                     by the nodes of a multi-node run, each of which also holds its own slot:
-.node-I.lock         held by the driver of node I of a multi-node run started here once per node
+"""A run directory made this process's own before anything is written into it (`claim`, an flock held for as
+long as the run runs), and given up again when the run is refused. The files in it are named in
+`trainjob.run_files` (`RunDir`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import os
 
-from launchers.paths import nearest_existing
 from trainer.errors import ConfigError
-
-
-class RunDir:
-    """The paths of the files of the run whose directory is `root`; `RunDir.of(root)` builds them once per
-    process."""
-
-    @classmethod
-    def of(cls, root: str) -> RunDir:
-        return _paths(root)
-
-    def __init__(self, root: str):
-        self.root = root
-        self.config = os.path.join(root, "config.yaml")
-        self.metrics = os.path.join(root, "metrics.jsonl")
-        self.events = os.path.join(root, "events.jsonl")
-        self.summary = os.path.join(root, "summary.json")
-        self.checkpoints = os.path.join(root, "checkpoints")
-        self.logs = os.path.join(root, "logs")
-        self.lock = os.path.join(root, ".lock")
-
-    def rank_log(self, rank: int) -> str:
-        return os.path.join(self.logs, f"rank-{rank}.log")
-
-    def error_report(self, rank: int) -> str:
-        """Where rank `rank` leaves what it refused, or the report of user code that failed (`UserCodeError.report`)."""
-        return os.path.join(self.logs, f"rank-{rank}.error")
-
-
-@functools.cache
-def _paths(root: str) -> RunDir:
-    return RunDir(root)
-
+from trainjob.files import nearest_existing
+from trainjob.run_files import RunDir
 
 # The nearest ancestor of each directory Hydra is about to make that already exists (noted by the
 # Preflight callback before Hydra makes it): what a refused run may remove stops there.
@@ -106,7 +64,8 @@ class Claim:
         lock stays with its other nodes), then the directory if this process made it and nothing else is in
         it."""
         with contextlib.suppress(OSError):
-            os.remove(RunDir.of(self.run_dir).lock if self.node is None else node_slot(self.run_dir, self.node))
+            paths = RunDir.of(self.run_dir)
+            os.remove(paths.lock if self.node is None else paths.node_slot(self.node))
         self.close()
         remove_if_new(self.run_dir)
 
@@ -118,10 +77,6 @@ def let_go(run_dir: str) -> None:
     """Close this process's hold on `run_dir`, if it has one."""
     if run_dir in _held:
         _held[run_dir].close()
-
-
-def node_slot(run_dir: str, node: int) -> str:
-    return os.path.join(run_dir, f".node-{node}.lock")
 
 
 def _lock(path: str, mode: int) -> int | None:
@@ -154,7 +109,8 @@ def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1, node: int | 
     if not os.path.exists(run_dir):
         note_before_making(run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    path = RunDir.of(run_dir).lock
+    paths = RunDir.of(run_dir)
+    path = paths.lock
     fd = _lock(path, fcntl.LOCK_SH if nodes > 1 else fcntl.LOCK_EX)
     if fd is None:
         raise ConfigError(key, run_dir, f"an earlier attempt of this run is still running in this directory "
@@ -167,7 +123,7 @@ def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1, node: int | 
         return _held[run_dir]
     taken = []
     for candidate in range(nodes) if node is None else [node]:
-        slot = _lock(node_slot(run_dir, candidate), fcntl.LOCK_EX)
+        slot = _lock(paths.node_slot(candidate), fcntl.LOCK_EX)
         if slot is None:
             taken.append(candidate)
             continue
@@ -179,17 +135,17 @@ def claim(run_dir: str, key: str = "hydra.run.dir", nodes: int = 1, node: int | 
     os.close(fd)
     if node is not None:
         raise ConfigError("runtime.node_rank", node, f"node {node} of the run in {run_dir} is running already (pid "
-                          f"{_holder(node_slot(run_dir, node))}): give each node its own runtime.node_rank")
+                          f"{_holder(paths.node_slot(node))}): give each node its own runtime.node_rank")
     raise ConfigError("runtime.nnodes", nodes, f"all {nodes} nodes of the run in {run_dir} are running already "
-                      f"(pids {', '.join(_holder(node_slot(run_dir, n)) for n in taken)}): wait for one to end, "
+                      f"(pids {', '.join(_holder(paths.node_slot(n)) for n in taken)}): wait for one to end, "
                       "or give runtime.nnodes more nodes")
 
 
 def node_running(run_dir: str, node: int) -> bool:
     """Whether a process holds node `node`'s slot of the run in `run_dir`."""
-    if not os.path.exists(node_slot(run_dir, node)):
+    if not os.path.exists(RunDir.of(run_dir).node_slot(node)):
         return False
-    fd = _lock(node_slot(run_dir, node), fcntl.LOCK_SH)
+    fd = _lock(RunDir.of(run_dir).node_slot(node), fcntl.LOCK_SH)
     if fd is None:
         return True
     os.close(fd)
@@ -200,7 +156,7 @@ def _others(run_dir: str, node: int, nodes: int, before: bool = False) -> bool:
     """Whether a node after `node` holds its slot (one that claimed while an earlier node was gone); `before`:
     any other node (slots chosen by `runtime.node_rank`, in no order)."""
     for other in (n for n in range(0 if before else node + 1, nodes) if n != node):
-        fd = _lock(node_slot(run_dir, other), fcntl.LOCK_SH)
+        fd = _lock(RunDir.of(run_dir).node_slot(other), fcntl.LOCK_SH)
         if fd is None:
             return True
         os.close(fd)

@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from launchers.base import DRIVER_REPORTS_ENV
-from launchers.paths import write_whole
 from trainer import checkpoint, config, inputs, loop, models, preemption
 from trainer.assembly import assemble
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
 from trainer.parallel import ParallelDims
-from trainer.run_dir import RunDir
+from trainjob.env import DRIVER_REPORTS_ENV
+from trainjob.files import write_whole
+from trainjob.run_files import RunDir
 
 log = logging.getLogger("trainer")
 

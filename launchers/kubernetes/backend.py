@@ -7,7 +7,7 @@ TrainJob so that deleting the job deletes it; the run's secrets (the data cache 
 Secret, owned the same way, that the pods read through `secretKeyRef`. Data cache nodes
 (`data.cache.nodes`) are a StatefulSet behind a headless Service, owned the same way; the TrainJob is
 created once their pods are ready. Gang schedulers
-(`launchers.schedulers`) add labels, or a namespaced TrainingRuntime derived from the cluster's.
+(`launchers.kubernetes.schedulers`) add labels, or a namespaced TrainingRuntime derived from the cluster's.
 `launcher.dry_run=true` prints the manifests as multi-document YAML for `kubectl apply -f -` (secret
 values masked) and submits nothing. A submission that fails removes whatever it had created, and only a
 submitted job leaves `<run_dir>/manifests.yaml` (mode 0600, secret values masked).
@@ -21,7 +21,6 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
-from launchers import schedulers
 from launchers.base import (
     Job,
     JobInfo,
@@ -30,12 +29,13 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
-    read_progress,
     run_name,
     write_private,
 )
+from launchers.kubernetes import schedulers
 from launchers.kubernetes.manifests import GROUP, MANAGER, VERSION, cluster_runtime, manifests, to_yaml
 from launchers.kubernetes.options import KubernetesLauncherConfig, check
+from trainjob.run_files import read_progress
 
 __all__ = ["KubernetesLauncher", "KubernetesLauncherConfig", "check", "make"]
 

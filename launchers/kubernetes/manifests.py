@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
-from launchers import schedulers
 from launchers.base import MASK, TORCHRUN_ENV, LauncherError, LaunchSpec, pod_agent
+from launchers.kubernetes import schedulers
+from trainjob.env import CACHE_ENDPOINTS_ENV
 
 GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
 CONFIG_DIR = "/etc/trainjob"
@@ -272,7 +273,7 @@ def kubeflow_cache_endpoints(spec: LaunchSpec, name: str, namespace: str) -> dic
     """The ranks' environment naming Kubeflow's cache head, the Service its initializer makes for the job
     (`<job>-cache-service`), as a StreamingDataset endpoint."""
     head = f"kubeflow+grpc://{name}-cache-service.{namespace}.svc:{KUBEFLOW_CACHE_PORT}"
-    return {spec.cache_nodes.ENDPOINTS_ENV: f"[{head}]"}
+    return {CACHE_ENDPOINTS_ENV: f"[{head}]"}
 
 
 def cache_manifests(

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from launchers import Client, registry
-from launchers.base import LauncherError, read_progress, read_summary
-from launchers.local import LocalLauncher
+from launchers.base import LauncherError
+from launchers.local.backend import LocalLauncher
+from trainjob.run_files import read_progress, read_summary
 
 GOOD = registry.JobRecord(name="tj-good-0000aaaa", run_dir="/nowhere", command=["true"], exit_code=0, ended=2.0)
 

@@ -18,7 +18,7 @@ import pytest
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.docker import HOME, RDZV_PORT, cpu_shares, host_cpus, job_name
+from launchers.docker.backend import HOME, RDZV_PORT, cpu_shares, host_cpus, job_name
 from tests.conftest import compose_run
 
 

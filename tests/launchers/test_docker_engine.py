@@ -27,9 +27,9 @@ import pytest
 
 from launchers import Client, JobState, LauncherError
 from launchers import get as get_launcher
-from launchers.base import read_events
-from launchers.docker import RUN_LABEL, cpu_shares, host_cpus
+from launchers.docker.backend import RUN_LABEL, cpu_shares, host_cpus
 from tests.conftest import REFERENCE, TINY, compose_run, read_metrics, read_summary
+from trainjob.run_files import read_events
 
 IMAGE = os.environ.get("TRAINJOB_DOCKER_IMAGE") or "trainjob:test"
 NOBODY = 65534  # the invoking user of the test that runs the driver as another user

@@ -18,6 +18,7 @@ from tests.conftest import compose_run
 from tests.launchers import crds
 from trainer import config
 from trainer.config.compose import compose
+from trainer.config.validate import validate
 
 KUBEFLOW = ["data.cache.backend=kubeflow", "data.cache.nodes=4", "data.cache.kubeflow.storage_uri=cache://shop/reviews",
             "data.cache.kubeflow.metadata_loc=s3a://bucket/reviews/metadata.json",
@@ -91,4 +92,4 @@ def test_bad_kubeflow_cache_settings_are_refused(overrides, message):
     cfg = compose(overrides)
     cfg.run_dir = "/nonexistent"
     with pytest.raises(config.ConfigError, match=message.replace("*", r"\*").replace("(", r"\(")):
-        config.validate(cfg)
+        validate(cfg)

@@ -25,6 +25,7 @@ from tests.launchers import crds
 from tests.launchers.fake_apiserver import FakeApiServer
 from trainer import config
 from trainer.config.compose import compose
+from trainer.config.validate import validate
 
 SDK = os.path.join(os.path.dirname(crds.DEFAULT_DIR), "sdk-0.5.0-customtrainer-trainjob.json")
 
@@ -180,7 +181,7 @@ def test_bad_launcher_configs_are_refused(overrides, message):
     cfg = compose(overrides)
     cfg.run_dir = "/nonexistent"
     with pytest.raises(config.ConfigError, match=message.replace("*", r"\*").replace("(", r"\(")):
-        config.validate(cfg)
+        validate(cfg)
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ import time
 
 import pytest
 
-from launchers.base import read_events, run_name
+from launchers.base import run_name
 from tests.conftest import TINY, compose_refused, read_summary
+from trainjob.run_files import read_events
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow, pytest.mark.e2e]
 STEPS, BATCH = 60, 8

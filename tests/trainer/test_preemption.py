@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from launchers.base import read_events
 from tests.conftest import TINY, read_metrics, read_summary
+from trainjob.run_files import read_events
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 ARGS = [*TINY, "train.max_steps=40", "train.eval_every=20", "train.checkpoint_every=1000"]

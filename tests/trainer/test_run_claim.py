@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from tests.conftest import REPO, TINY, examples
 from trainer import checkpoint
 from trainer.errors import ConfigError
-from trainer.run_dir import RunDir, claim, note_before_making, remove_if_new
+from trainer.run_dir import claim, note_before_making, remove_if_new
+from trainjob.run_files import RunDir
 
 HOLD = ("import sys, time; from trainer.run_dir import claim; claim(sys.argv[1]); print('held', flush=True); "
         "time.sleep(600)")

@@ -1,12 +1,13 @@
-"""The config schema: one dataclass per config group, registered in Hydra's ConfigStore, and its checks.
-No torch here: the driver checks a config without it.
+"""The config schema: one dataclass per config group (registered in Hydra's ConfigStore by `compose.register`), and
+its checks. No torch here: the driver checks a config without it.
 
 The yaml files under `conf/` hold values only; types and defaults live here (Hydra rejects unknown keys
 and wrong types while composing). Each section is a module holding its dataclass and, in its `check()`,
 the rules on its own values: `model`, `data`, `strategy` (and `Degrees`, its degrees for a world size),
 `runtime`, `kernels`, `optim`, `train`, `recipe`, `peft`. The rules that span sections are in one place,
-`across.check`. `validate.validate()` runs them all and returns the typed `Config` (`schema`), which is what
-the worker trains from. Every rule raises `trainer.errors.ConfigError` (through the helpers of `checks`)
+`across.check`. `trainer.config.validate.validate()` (the driver's: it reads the launchers' schemas too)
+runs them all and returns the typed `Config` (`schema`); a rank types its config.yaml with `typed`.
+Every rule raises `trainer.errors.ConfigError` (through the helpers of `checks`)
 naming the key, the value and what is allowed. A new section is a module with a dataclass with a `check()`
 method, and a field of `Config`.
 """
@@ -17,9 +18,8 @@ from trainer.config.model import ModelConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.precision import torch_dtype
 from trainer.config.runtime import dp_size, node_counts, nproc_per_node, parallel_dims, world_size
-from trainer.config.schema import SCHEMAS, Config, numeric_keys, register, schemas, typed
+from trainer.config.schema import SCHEMAS, Config, numeric_keys, typed
 from trainer.config.strategy import Degrees, StrategyConfig, mesh_degrees
-from trainer.config.validate import validate
 from trainer.errors import ConfigError
 
 __all__ = [
@@ -44,10 +44,7 @@ __all__ = [
     "nproc_per_node",
     "numeric_keys",
     "parallel_dims",
-    "register",
-    "schemas",
     "torch_dtype",
     "typed",
-    "validate",
     "world_size",
 ]

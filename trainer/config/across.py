@@ -16,7 +16,7 @@ from trainer.config.strategy import MULTI_STAGE_SCHEDULES, Degrees
 from trainer.config.train import require_tracker_package
 from trainer.errors import ConfigError
 from trainer.families import BY_NAME
-from trainer.run_dir import RunDir
+from trainjob.run_files import RunDir
 
 
 def check(job) -> None:

@@ -1,15 +1,29 @@
-"""The config `python -m trainer <overrides>` composes, for code that composes one without the command (the
-tests, the benches): the schemas registered, `conf/` read, and the overrides read as the command reads them."""
+"""The config `python -m trainer <overrides>` composes: the schemas registered in Hydra's ConfigStore (the
+launchers' included: the driver's side), `conf/` read, and the overrides read as the command reads them; and
+`compose`, for code that composes one without the command (the tests, the benches)."""
 
 from __future__ import annotations
 
 import os
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
+
+from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
+from trainer.config.schema import Config
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 # The groups conf/config.yaml declares with a null default (none chosen unless asked).
 OPTIONAL_GROUPS = ("runtime",)
+
+
+def register() -> None:
+    """Put the schemas into Hydra's ConfigStore; `conf/config.yaml` starts its defaults with `schema`."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for name, schema in LAUNCHER_SCHEMAS.items():
+        cs.store(name=f"launcher_schema_{name}", node=schema)  # not a launcher option: no group
+    cs.store(name="scheduler_schema", node=SchedulerConfig)  # named by each conf/scheduler option
 
 
 def plain_group_overrides(overrides: list[str]) -> list[str]:
@@ -22,8 +36,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """The composed (not yet validated) config of `python -m trainer *overrides`."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-
-    from trainer.config.schema import register
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

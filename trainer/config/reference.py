@@ -18,7 +18,7 @@ from functools import cache
 
 from omegaconf import MISSING
 
-from launchers import LAUNCHER_SCHEMAS
+from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config.compose import CONF_DIR
 from trainer.config.schema import Config
 
@@ -105,6 +105,9 @@ def markdown() -> str:
             for name, schema in LAUNCHER_SCHEMAS.items():
                 out += _table(f"launcher={name}", schema, "launcher.",
                               f"The keys of `launcher={name}` (options of the group: {_options('launcher')}).")
+            continue
+        if f.name == "scheduler":
+            out += _table("scheduler", SchedulerConfig, "scheduler.", f"Options of the group: {_options('scheduler')}.")
             continue
         kind = typing.get_args(hints[f.name]) or (hints[f.name],)
         schema = next((k for k in kind if dataclasses.is_dataclass(k)), None)

@@ -8,10 +8,10 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from launchers.base import node_range
 from trainer.config.checks import one_of, positive, require
 from trainer.config.strategy import Degrees
 from trainer.errors import ConfigError
+from trainjob.nodes import node_range
 
 RUNTIMES = ("torch-distributed",)
 

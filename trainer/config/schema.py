@@ -1,18 +1,21 @@
-"""`Config`, the whole schema: one field per config group, each typed by its section's dataclass; its
-registration in Hydra's ConfigStore, and `typed`, a composed config as those dataclasses."""
+"""`Config`, the whole schema: one field per config group, each typed by its section's dataclass, and `typed`,
+a composed config as those dataclasses.
+
+The launcher's and the gang scheduler's schemas live in `launchers/` and only the driver reads them
+(`trainer.config.validate`): here those two sections are `Any`, and a rank keeps them as the nodes they were
+composed as, so that a rank imports no launcher."""
 
 from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, is_dataclass
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config.data import DataConfig
 from trainer.config.kernels import KernelsConfig
 from trainer.config.model import ModelConfig
@@ -30,9 +33,10 @@ class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     strategy: StrategyConfig = MISSING
-    # Each launcher option has its own schema (launchers.LAUNCHER_SCHEMAS), named in its yaml's defaults list.
+    # Each launcher option has its own schema (launchers.LAUNCHER_SCHEMAS), named in its yaml's defaults list;
+    # the gang scheduler's is launchers.SchedulerConfig.
     launcher: Any = MISSING
-    scheduler: SchedulerConfig = MISSING
+    scheduler: Any = MISSING
     kernels: KernelsConfig = MISSING
     optim: OptimConfig = MISSING
     train: TrainConfig = MISSING
@@ -42,9 +46,6 @@ class Config:
     run_dir: str = "${hydra:runtime.output_dir}"
 
 
-LAUNCHERS = tuple(LAUNCHER_SCHEMAS)
-
-
 def _kind(hint: Any) -> Any:
     """The one type a field holds (`X | None` gives X), or None for a union of several."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
@@ -52,16 +53,9 @@ def _kind(hint: Any) -> Any:
     return kinds[0] if len(kinds) == 1 else None
 
 
-# The schema of each section with one (all but the launcher, whose schema depends on its name).
+# The schema of each section with one here (all but the launcher and the scheduler, whose schemas the driver adds).
 SCHEMAS = {name: _kind(hint) for name, hint in typing.get_type_hints(Config).items() if is_dataclass(_kind(hint))}
-
-
-def register() -> None:
-    """Put the schemas into Hydra's ConfigStore; `conf/config.yaml` starts its defaults with `schema`."""
-    cs = ConfigStore.instance()
-    cs.store(name="schema", node=Config)
-    for name, schema in LAUNCHER_SCHEMAS.items():
-        cs.store(name=f"launcher_schema_{name}", node=schema)  # not a launcher option: no group
+OPTION_SECTIONS = ("launcher", "scheduler")
 
 
 def numeric_keys(schema: type, prefix: str) -> list[tuple[str, type]]:
@@ -76,21 +70,23 @@ def numeric_keys(schema: type, prefix: str) -> list[tuple[str, type]]:
     return keys
 
 
-def schemas(cfg: DictConfig) -> dict[str, type]:
-    """The schema of each section of `cfg`, the chosen launcher's included."""
-    chosen = dict(SCHEMAS)
-    if cfg.launcher.get("name") in LAUNCHER_SCHEMAS:
-        chosen["launcher"] = LAUNCHER_SCHEMAS[cfg.launcher.name]
-    return chosen
-
-
-def typed(cfg: DictConfig | dict) -> Config:
-    """`cfg` (composed, or a resolved config.yaml as loaded) as the typed `Config` of dataclasses, resolved."""
+def typed(cfg: DictConfig | dict, options: Mapping[str, type] | None = None) -> Config:
+    """`cfg` (composed, or a resolved config.yaml as loaded) as the typed `Config` of dataclasses, resolved.
+    `options`: the schemas of the launcher and scheduler sections (the driver's, from `launchers`); a section
+    without one stays a node (a DictConfig, resolved), read by its keys as a dataclass would be."""
     node = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    launcher = LAUNCHER_SCHEMAS.get(node.launcher.get("name"))
-    if launcher is not None:  # `launcher: Any` in the schema: type it by its name
-        node.launcher = OmegaConf.merge(OmegaConf.structured(launcher), node.launcher)
+    kept = {}
+    for name in OPTION_SECTIONS:
+        schema = (options or {}).get(name)
+        if schema is not None:
+            node[name] = OmegaConf.merge(OmegaConf.structured(schema), node[name])
+        elif not OmegaConf.is_missing(node, name):
+            kept[name] = OmegaConf.create(OmegaConf.to_container(node[name], resolve=True))
+            node[name] = None
     try:
-        return OmegaConf.to_object(node)
+        job = OmegaConf.to_object(node)
     except MissingMandatoryValue as e:
         raise ConfigError(e.full_key, "???", "must be set") from None
+    for name, section in kept.items():
+        setattr(job, name, section)
+    return job

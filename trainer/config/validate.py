@@ -1,5 +1,9 @@
 """`validate`, every check of a composed config in order: unknown keys, each section's own `check()`, the
-launcher's and scheduler's rules (`launchers.check`), then the rules across sections (`across.check`)."""
+launcher's and scheduler's rules (`launchers.check`), then the rules across sections (`across.check`).
+
+The driver's side of the config (with `trainer.config.compose`, which registers the schemas in Hydra's
+ConfigStore): the one place here that reads the launchers' schemas. A rank types its config.yaml with
+`schema.typed` alone and imports no launcher."""
 
 from __future__ import annotations
 
@@ -11,11 +15,20 @@ from typing import Any
 from omegaconf import DictConfig
 
 import launchers
+from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config import across
 from trainer.config.checks import one_of, require
 from trainer.config.runtime import node_counts
-from trainer.config.schema import LAUNCHERS, Config, schemas, typed
+from trainer.config.schema import SCHEMAS, Config, typed
 from trainer.errors import ConfigError
+
+
+def schemas(cfg: DictConfig) -> dict[str, type]:
+    """The schema of each section of `cfg`, the chosen launcher's and the gang scheduler's included."""
+    chosen = {**SCHEMAS, "scheduler": SchedulerConfig}
+    if cfg.launcher.get("name") in LAUNCHER_SCHEMAS:
+        chosen["launcher"] = LAUNCHER_SCHEMAS[cfg.launcher.name]
+    return chosen
 
 
 def _known_keys(cfg: DictConfig) -> None:
@@ -59,8 +72,8 @@ def validate(cfg: DictConfig) -> Config:
     """Check every rule that the types alone cannot; raise ConfigError on the first one broken. Returns the
     typed config."""
     _known_keys(cfg)
-    one_of("launcher.name", cfg.launcher.name, LAUNCHERS)
-    job = typed(cfg)
+    one_of("launcher.name", cfg.launcher.name, tuple(LAUNCHER_SCHEMAS))
+    job = typed(cfg, schemas(cfg))
     sections = {name: getattr(job, name) for name in schemas(cfg) if getattr(job, name) is not None}
     for name, section in sections.items():
         _finite(section, name)

@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from datacache.args import OneLineParser
 from trainer.data.text import Text
 from trainer.errors import ConfigError
 from trainer.generate import generate, sampling
+from trainjob.cli import OneLineParser
 
 
 def _source(path: str):

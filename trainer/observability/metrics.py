@@ -5,22 +5,19 @@ the metrics lines: when one is written, what it holds, and where it goes (metric
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import resource
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from launchers.paths import write_whole
 from trainer.observability import trackers, trainer_status
-from trainer.run_dir import RunDir
+from trainjob.run_files import keep_metrics_until, write_event
 
 log = logging.getLogger(__name__)
 # What rank 0 reports to a TrainJob's status.trainerStatus (observability/trainer_status.py), from its lines.
@@ -69,50 +66,6 @@ def mean_across_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def keep_metrics_until(path: str, step: int) -> dict | None:
-    """Drop the records after `step`, where this run goes on from: what followed was never kept (a
-    failed attempt, or a line abandoned by resuming from an earlier checkpoint). A line cut short (a
-    kill, a full disk) is dropped too, and said so. An event line (written there before events had a file
-    of their own) moves to `events.jsonl`. Returns the last step record kept."""
-    if not os.path.exists(path):
-        return None
-    kept, events, last, after, broken = [], [], None, 0, 0
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                broken += 1
-                continue
-            if isinstance(record, dict) and "event" in record:
-                events.append(json.dumps({k: v for k, v in record.items() if k != "step"}) + "\n")
-            elif not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                broken += 1
-            elif record["step"] <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-                last = record
-            else:
-                after += 1
-    if broken:
-        log.warning("%s: dropped %d unreadable line(s) (cut short by a kill or a full disk?)", path, broken)
-    if after:
-        log.info("%s: dropped %d record(s) after step %d, where this run goes on from", path, after, step)
-    if events:
-        with open(os.path.join(os.path.dirname(path), "events.jsonl"), "a") as f:
-            f.writelines(events)
-    write_whole(path, "".join(kept))
-    return last
-
-
-def write_event(run_dir: str, kind: str, **facts) -> None:
-    """Append an event of the run (`kind`: resume, reformation, preemption) to `events.jsonl`, with when it
-    happened. Events have a file of their own so that `metrics.jsonl` holds one record per logged step; an
-    event carries no `step` key (it names the step it is about: `resumed_from_step`, `at_step`)."""
-    event = {"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **facts}
-    with open(RunDir.of(run_dir).events, "a") as f:
-        f.write(json.dumps(event) + "\n")
-
-
 def note_restart(run_dir: str, step: int, last: dict | None, world: int, runtime) -> None:
     """When this start of the ranks goes on from step `step` of a run that logged before (`last`, its last
     step record), say so in `events.jsonl`: a `reformation` (torchrun re-formed the group: a node was lost
@@ -144,7 +97,7 @@ class MetricsLogger:
         self.trackers = self.reporter = None
         self.samples_per_step = train_cfg.global_batch_size
         if self.rank == 0:
-            last = keep_metrics_until(RunDir.of(cfg.run_dir).metrics, first_step)
+            last = keep_metrics_until(cfg.run_dir, first_step)
             note_restart(cfg.run_dir, first_step, last, self.world, cfg.runtime)
             self.trackers = trackers.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
             self.reporter = trainer_status.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks

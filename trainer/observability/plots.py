@@ -3,7 +3,6 @@ run from its own metrics.jsonl, and the sweep report's picture of many runs."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -13,28 +12,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 from omegaconf import OmegaConf
 
+from trainjob.run_files import read_metrics
+
 log = logging.getLogger(__name__)
 # The loss axis is log-scaled once the losses span more than this factor (a fall from ln(259) ~ 5.6 to
 # under 2.8): the early drop would otherwise flatten the rest of the curve.
 LOG_SCALE_SPAN = 2.0
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    """The run's metrics lines; a line cut short (a killed run) is skipped."""
-    records = []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return records
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            # A line of another kind, or an event (a re-formation, a resume) rather than a step's numbers.
-            if isinstance(record, dict) and isinstance(record.get("step", 0), int) and "event" not in record:
-                records.append(record)
-    return records
 
 
 def tokens_per_step(run_dir: str) -> int | None:

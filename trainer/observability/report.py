@@ -19,9 +19,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from datacache.args import OneLineParser
-from launchers.base import read_events
-from launchers.paths import directory_problem
+from trainjob.cli import OneLineParser
+from trainjob.files import directory_problem
+from trainjob.run_files import read_events
 
 log = logging.getLogger(__name__)
 # Keys that differ between any two runs without being a choice: where each run went.
@@ -162,7 +162,7 @@ def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]
 
 def collect(paths: list[str]) -> tuple[list[RunRow], list[tuple[str, list[dict]]]]:
     """The table's rows and the curves for every run under `paths` (each run once)."""
-    from trainer.observability.plots import read_metrics
+    from trainjob.run_files import read_metrics
 
     runs = list(dict.fromkeys(r for p in paths for r in find_runs(p)))
     configs = [flat_config(r) for r in runs]

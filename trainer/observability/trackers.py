@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from datacache.server import TOKEN_ENV
-from launchers.paths import write_whole
 from trainer.config.train import require_tracker_package
-from trainer.run_dir import RunDir
+from trainjob.env import CACHE_TOKEN_ENV
+from trainjob.files import write_whole
+from trainjob.run_files import RunDir
 
 STATE_FILE = "tracking.json"
 FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
@@ -70,7 +70,7 @@ def saved_config(cfg: Any) -> DictConfig:
         return OmegaConf.load(path)
     saved = OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg.copy()
     if OmegaConf.select(saved, "data.cache.token") is not None:
-        saved.data.cache.token = "${oc.env:" + TOKEN_ENV + "}"
+        saved.data.cache.token = "${oc.env:" + CACHE_TOKEN_ENV + "}"
     return saved
 
 

@@ -11,6 +11,7 @@ from tests.conftest import REPO
 from trainer import config
 from trainer.config.compose import compose, plain_group_overrides
 from trainer.config.hf_impl import fill_config
+from trainer.config.validate import validate
 
 CONF = os.path.join(REPO, "conf")
 
@@ -78,7 +79,7 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
             fill_config(cfg.model)
         if group != "train":
             assert OmegaConf.select(cfg, f"{group}.name") == option
-        config.validate(cfg)
+        validate(cfg)
 
 
 def test_runtime_is_not_in_the_defaults():
@@ -90,18 +91,18 @@ def test_world_size_follows_the_runtime():
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=3", "runtime.nnodes=2",
                     "runtime.rdzv_endpoint=node0:29400", "train.global_batch_size=12"])
     assert config.world_size(cfg) == 6
-    config.validate(cfg)
+    validate(cfg)
 
 
 def test_triton_kernels_need_a_gpu_or_the_interpreter_and_no_dtensors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(config.ConfigError, match="kernels='triton': needs a CUDA GPU, or TRITON_INTERPRET=1"):
-        config.validate(_compose(["kernels=triton"]))
+        validate(_compose(["kernels=triton"]))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    config.validate(_compose(["kernels=triton", "kernels.exclude=[fused_linear_cross_entropy]"]))
+    validate(_compose(["kernels=triton", "kernels.exclude=[fused_linear_cross_entropy]"]))
     with pytest.raises(config.ConfigError, match="strategy=tp hands the kernels DTensors"):
-        config.validate(_compose(["kernels=triton", "strategy=tp", "+runtime=torch-distributed"]))
-    config.validate(_compose(["kernels=triton", "kernels.include=[softmax,rms_norm]", "kernels.exclude=[mm.out]"]))
+        validate(_compose(["kernels=triton", "strategy=tp", "+runtime=torch-distributed"]))
+    validate(_compose(["kernels=triton", "kernels.include=[softmax,rms_norm]", "kernels.exclude=[mm.out]"]))
 
 
 def test_kernels_names_are_the_models_ops_and_the_aten_ops_in_one_line(monkeypatch):
@@ -109,7 +110,7 @@ def test_kernels_names_are_the_models_ops_and_the_aten_ops_in_one_line(monkeypat
     line listing both; ATen ops included with kernels.aten=false are refused; optim.impl=triton is AdamW's."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(config.ConfigError) as error:
-        config.validate(_compose(["kernels=triton", "kernels.exclude=[mm,matmul]"]))
+        validate(_compose(["kernels=triton", "kernels.exclude=[mm,matmul]"]))
     message = str(error.value)
     assert "\n" not in message and "kernels.exclude=['mm', 'matmul']: matmul unknown" in message
     assert "the model's ops are rms_norm, rotary_embedding" in message
@@ -117,16 +118,16 @@ def test_kernels_names_are_the_models_ops_and_the_aten_ops_in_one_line(monkeypat
     assert "mm.out" in message  # the overloads are listed too
     with pytest.raises(config.ConfigError,
                        match=r"kernels.include=\['mm'\]: mm: ATen ops, routed only with kernels.aten=true"):
-        config.validate(_compose(["kernels=triton", "kernels.aten=false", "kernels.include=[mm]"]))
+        validate(_compose(["kernels=triton", "kernels.aten=false", "kernels.include=[mm]"]))
     with pytest.raises(config.ConfigError,
                        match="optim.impl='triton': ops has AdamW only: optim=sgd takes optim.impl=torch"):
-        config.validate(_compose(["optim=sgd", "optim.impl=triton"]))
+        validate(_compose(["optim=sgd", "optim.impl=triton"]))
     with pytest.raises(config.ConfigError, match="optim.impl='cuda': must be one of torch, triton"):
-        config.validate(_compose(["optim.impl=cuda"]))
-    config.validate(_compose(["kernels=torch", "optim.impl=triton"]))
+        validate(_compose(["optim.impl=cuda"]))
+    validate(_compose(["kernels=torch", "optim.impl=triton"]))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(config.ConfigError, match="optim.impl='triton': needs a CUDA GPU, or TRITON_INTERPRET=1"):
-        config.validate(_compose(["optim.impl=triton"]))
+        validate(_compose(["optim.impl=triton"]))
 
 
 def test_optim_impl_follows_the_kernels_unless_given():
@@ -143,7 +144,7 @@ def test_optim_impl_follows_the_kernels_unless_given():
 def test_tensor_parallel_peers_share_batches():
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp",
                     "train.global_batch_size=6"])
-    config.validate(cfg)
+    validate(cfg)
     assert config.mesh_degrees(cfg.strategy, 4) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert config.dp_size(cfg) == 2
 
@@ -193,7 +194,7 @@ BAD = [
 @pytest.mark.parametrize(("overrides", "message"), BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_rule_names_key_value_and_what_is_allowed(overrides, message):
     with pytest.raises(config.ConfigError) as info:
-        config.validate(_compose(overrides))
+        validate(_compose(overrides))
     assert message in str(info.value)
 
 
@@ -252,7 +253,7 @@ def test_every_experiment_preset_composes_and_validates_given_its_paths(experime
                     "data.seq_len=64", *([f"recipe.teacher.path={hf_model}"] if "_kd" in experiment else []),
                     *(["recipe.max_completion_length=64"] if "_grpo" in experiment else [])])
     fill_config(cfg.model)
-    config.validate(cfg)
+    validate(cfg)
     assert cfg.model.name == "hf" and cfg.strategy.name == "fsdp2" and cfg.recipe.name in ("sft", "dpo", "grpo", "kd")
     with pytest.raises(config.ConfigError, match="model.path=None: model=hf needs a Hugging Face model directory"):
         fill_config(_compose([f"+experiment={experiment}"]).model)

@@ -11,15 +11,17 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
-from launchers.local import LocalLauncherConfig
+from launchers import SchedulerConfig
+from launchers.local.options import LocalLauncherConfig
 from tests.conftest import compose_run, examples
 from trainer import config, models
 from trainer.config.compose import compose
+from trainer.config.validate import validate
 from trainer.parallel import ParallelDims, parallelize
-from trainer.run_dir import RunDir
+from trainjob.run_files import RunDir
 
 
 def _compose(*overrides: str):
@@ -30,9 +32,9 @@ def _compose(*overrides: str):
 
 @pytest.mark.timeout(60)
 def test_fsdp2_tp_is_fsdp2_with_a_tensor_parallel_degree():
-    fsdp2 = asdict(config.validate(_compose("strategy=fsdp2")).strategy)
+    fsdp2 = asdict(validate(_compose("strategy=fsdp2")).strategy)
     dist2 = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
-    fsdp2_tp = asdict(config.validate(_compose("strategy=fsdp2_tp", *dist2)).strategy)
+    fsdp2_tp = asdict(validate(_compose("strategy=fsdp2_tp", *dist2)).strategy)
     assert {k: v for k, v in fsdp2_tp.items() if fsdp2[k] != v} == {"name": "fsdp2_tp", "tp": 2}
 
 
@@ -48,13 +50,13 @@ def test_a_new_combination_is_a_yaml_file(tmp_path):
         "+runtime=torch-distributed",
         "runtime.nproc_per_node=8",
     )
-    job = config.validate(cfg)
+    job = validate(cfg)
     assert job.strategy.name == "hsdp_tp"
     dims = config.parallel_dims(job)
     assert dims.degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
     assert dims.fsdp and not dims.ddp and dims.dp_size == 4
     with pytest.raises(config.ConfigError, match="strategy='hsdp_tp': strategy=hsdp_tp needs more than one process"):
-        config.validate(_compose(f"hydra.searchpath=[file://{tmp_path}]", "strategy=hsdp_tp"))
+        validate(_compose(f"hydra.searchpath=[file://{tmp_path}]", "strategy=hsdp_tp"))
 
 
 @pytest.mark.timeout(120)
@@ -94,9 +96,14 @@ def test_the_worker_reads_the_saved_config_as_dataclasses(tmp_path, cache_dir, m
     run = compose_run(tmp_path, "train.max_steps=1")
     assert run.spec.config_path == RunDir.of(run.spec.run_dir).config
     job = config.typed(OmegaConf.load(run.spec.config_path))
-    assert isinstance(job, config.Config) and isinstance(job.launcher, LocalLauncherConfig)
-    assert isinstance(job.data.cache, config.CacheConfig) and job.train.max_steps == 1
-    assert job.run_dir == run.spec.run_dir
+    assert isinstance(job, config.Config) and isinstance(job.data.cache, config.CacheConfig)
+    assert job.train.max_steps == 1 and job.run_dir == run.spec.run_dir
+    # The launcher's and scheduler's sections stay the nodes they were (a rank reads no launcher schema), with
+    # the values the driver's typed config holds.
+    assert isinstance(job.launcher, DictConfig) and isinstance(job.scheduler, DictConfig)
+    driver = validate(OmegaConf.load(run.spec.config_path))
+    assert isinstance(driver.launcher, LocalLauncherConfig) and isinstance(driver.scheduler, SchedulerConfig)
+    assert dict(job.launcher) == asdict(driver.launcher) and dict(job.scheduler) == asdict(driver.scheduler)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +114,7 @@ def one_rank_group():
 
 
 def _parallelized(preset: str, *overrides: str):
-    job = config.validate(_compose(f"strategy={preset}", "model.dim=64", "model.n_layers=2", *overrides))
+    job = validate(_compose(f"strategy={preset}", "model.dim=64", "model.n_layers=2", *overrides))
     dims = ParallelDims.from_config(job.strategy, config.world_size(job))
     dims.build_mesh("cpu")
     with torch.device("meta"):

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launchers.paths import directory_problem, write_whole
 from tests.conftest import examples
 from trainer.data import corpus as data
 from trainer.observability import report
+from trainjob.files import directory_problem, write_whole
 
 
 def _writer(calls: list):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import TINY, examples, read_metrics, read_summary
 from trainer.config.train import TRACKER_MODULES
+from trainer.config.validate import validate
 from trainer.errors import ConfigError
 from trainer.observability import plots, trackers
 
@@ -198,7 +199,6 @@ def test_an_unknown_tracker_is_refused_before_anything_starts(run_cli, tmp_path)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tracker", ["tensorboard", "mlflow", "wandb"])
 def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(tracker, monkeypatch):
-    from trainer import config
 
     cfg = _compose(f"train.trackers=[{tracker}]")
     real = importlib.util.find_spec
@@ -212,12 +212,11 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(tracker,
         match=rf"tracker {tracker} needs the {tracker} package, which is not "
         r"installed: pip install 'trainjob\[tracking\]'",
     ):
-        config.validate(cfg)
+        validate(cfg)
 
 
 @pytest.mark.timeout(60)
 def test_a_wandb_mode_that_does_not_exist_is_refused():
-    from trainer import config
 
     with pytest.raises(ConfigError, match=r"train.wandb.mode='cloud': must be one of online, offline, disabled"):
-        config.validate(_compose("train.wandb.mode=cloud"))
+        validate(_compose("train.wandb.mode=cloud"))

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,35 +31,14 @@ from launchers.base import (
     Launcher,
     LauncherError,
     LaunchSpec,
-    OptionError,
-    read_progress,
-    read_summary,
     run_name,
     store_apart,
     torchrun_args,
 )
+from trainjob.run_files import read_progress, read_summary
 
 READY_TIMEOUT = 600.0  # a node builds the corpus before it serves
 POLL_S = 0.2
-
-
-@dataclass
-class LocalLauncherConfig:
-    name: str = "local"
-    # true: wait for the run and end it with this process; false: start it, print its name and return
-    # (it runs on; `python -m launchers list|get|logs|wait|delete` find it).
-    wait: bool = True
-    dry_run: bool = False  # print the command (or that it runs in this process) and start nothing
-
-
-def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:
-    """The job registry must be writable (the job goes on record there); the rest about this machine is
-    what the data says (the trainer checks that)."""
-    problem = registry.home_problem()
-    if problem:
-        key, _, rest = problem.partition(": ")
-        name, _, value = key.partition("=")
-        raise OptionError(name if value else "TRAINJOB_HOME", value or registry.home(), rest)
 
 
 def job_name(spec: LaunchSpec) -> str:

@@ -1,0 +1,50 @@
+"""The docker launcher's options (`launcher=docker`): their schema and their checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from launchers.base import require
+
+
+@dataclass
+class DockerLauncherConfig:
+    name: str = "docker"
+    image: str = MISSING
+    network: str | None = None  # null: one per job, named after it
+    gpus_per_node: int = 0
+    cpus_per_node: int | None = None  # null: this host's CPUs split equally among the nodes
+    shm_size: str = "8g"
+    env: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    wait: bool = True
+
+
+def image_ok(image: Any) -> bool:
+    return bool(image) and not str(image).startswith("-") and not any(c.isspace() for c in str(image))
+
+
+def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:
+    """The options' rules, for a job of `nnodes` nodes under torchrun (None: no runtime) whose config keys
+    `paths` name the host paths mounted into the containers; raises OptionError."""
+    require(
+        image_ok(options["image"]),
+        "launcher.image",
+        options["image"],
+        "launcher=docker needs an image reference such as 'trainjob:latest' (no leading '-', no spaces)",
+    )
+    require(
+        nnodes is not None,
+        "runtime",
+        None,
+        "launcher=docker runs torchrun on every node: add +runtime=torch-distributed",
+    )
+    require(options["gpus_per_node"] >= 0, "launcher.gpus_per_node", options["gpus_per_node"], "must be >= 0")
+    cpus = options.get("cpus_per_node")
+    require(cpus is None or cpus >= 1, "launcher.cpus_per_node", cpus, "must be >= 1, or null for an equal share")
+    for key, path in paths.items():  # docker reads ':' in a --volume as its separator
+        require(":" not in path, key, path, "must not hold ':' with launcher=docker (docker's volume separator)")

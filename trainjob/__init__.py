@@ -1,0 +1,12 @@
+"""The bottom layer every side of trainjob stands on: the trainer (its driver and its ranks), the launchers and
+the data cache import these modules, and these import nothing of theirs (nor torch), so that neither side needs
+the other to read a run's files or a command line.
+
+files        writing a file whole or not at all; whether a directory can be made and written at a path
+cli          the one-line command-line parser every `python -m ...` command uses
+env          the environment-variable names and exit codes the processes of a run pass each other
+nodes        `runtime.nnodes` (N, or MIN:MAX) as the fewest and most nodes
+run_files    a run directory's files: their paths, and the readers and writers of metrics.jsonl,
+             events.jsonl and summary.json
+lazy         a package face whose names load on first use (launchers', datacache's)
+"""
