@@ -2,8 +2,8 @@
 its checks. No torch here: the driver checks a config without it.
 
 The yaml files under `conf/` hold values only; types and defaults live here (Hydra rejects unknown keys
-and wrong types while composing). Each section is a module holding its dataclass and, in its `check()`,
-the rules on its own values: `model`, `data`, `strategy` (and `Degrees`, its degrees for a world size),
+and wrong types while composing). Each section is a module holding its dataclass, the fields it declares
+positive (`POSITIVE`) and, in its `check()`, the other rules on its own values: `model`, `data`, `strategy` (and `Degrees`, its degrees for a world size),
 `runtime`, `kernels`, `optim`, `train`, `recipe`, `peft`. The rules that span sections are in one place,
 `across.check`. `trainer.config.validate.validate()` (the driver's: it reads the launchers' schemas too)
 runs them all and returns the typed `Config` (`schema`); a rank types its config.yaml with `typed`.

@@ -11,7 +11,7 @@ from trainer.config import hf_impl, runtime
 from trainer.config.checks import require
 from trainer.config.model import BYTE_VOCAB_SIZE
 from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, is_async
-from trainer.config.runtime import node_counts, nproc_per_node, world_size
+from trainer.config.runtime import node_counts, nproc_per_node
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES, Degrees
 from trainer.config.train import require_tracker_package
 from trainer.errors import ConfigError
@@ -20,15 +20,17 @@ from trainjob.run_files import RunDir
 
 
 def check(job) -> None:
-    """Raise ConfigError on the first rule across sections that `job` (the typed `Config`) breaks."""
-    _model_and_data(job)
-    _runtime(job)
-    world = world_size(job)
-    s = job.strategy
+    """Raise ConfigError on the first rule across sections that `job` (the typed `Config`) breaks. The job's
+    shape (its node counts, processes per node, this machine's GPUs) is read once, here, for every rule."""
+    counts, per_node = node_counts(job), nproc_per_node(job)
+    gpus = runtime.local_gpu_count() if job.launcher.name == "local" else 0
+    world, s = per_node * counts[-1], job.strategy
     require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
             f"process: add +runtime=torch-distributed (world size is {world})")
     dims = Degrees.of(s, world)
-    _parallel(job, dims)
+    _model_and_data(job)
+    _runtime(job, counts, per_node, gpus)
+    _parallel(job, dims, runnable=job.launcher.name != "local" or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
     _recipe(job)
     _grpo(job)
     _reward(job)
@@ -38,8 +40,8 @@ def check(job) -> None:
     _trackers(job)
     _batch_divides(job, dims)
     _pipeline(job, dims)
-    for nodes in node_counts(job)[:-1]:  # an elastic job runs at any of its sizes
-        _elastic_size(job, nodes)
+    for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
+        _elastic_size(job, nodes, per_node * nodes)
     t = job.train
     if t.resume == "never":
         ckpt = RunDir.of(job.run_dir).checkpoints
@@ -63,9 +65,9 @@ def _batch_divides(job, dims: Degrees, nodes: int | None = None) -> None:
                 f"prompts){at}")
 
 
-def _elastic_size(job, nodes: int) -> None:
-    """An elastic job's rules at `nodes` nodes: the same global batch must divide, the strategy must fit."""
-    world = nproc_per_node(job) * nodes
+def _elastic_size(job, nodes: int, world: int) -> None:
+    """An elastic job's rules at `nodes` nodes (`world` ranks): the same global batch must divide, the strategy
+    must fit."""
     try:
         dims = Degrees.of(job.strategy, world)
     except ConfigError as e:
@@ -88,10 +90,9 @@ def _model_and_data(job) -> None:
             f"{job.launcher.name}), or data.cache.backend=trainjob")
 
 
-def _runtime(job) -> None:
+def _runtime(job, counts: range, per_node: int, gpus: int) -> None:
     r = job.runtime
     if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
-        counts = node_counts(job)
         require(counts[-1] == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
                 r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 (an elastic range's: where "
                 "its rendezvous store serves)")
@@ -102,12 +103,12 @@ def _runtime(job) -> None:
         require(len(counts) == 1 or job.launcher.name != "kubernetes", "runtime.nnodes", r.nnodes,
                 "an elastic range runs on launcher=local or docker: a Kubeflow TrainJob has a fixed numNodes "
                 "(Trainer v2 has no elastic policy); give a node count, and runtime.max_restarts to restart")
-        gpus = runtime.local_gpu_count() if job.launcher.name == "local" else 0
-        require(gpus == 0 or nproc_per_node(job) <= gpus, "runtime.nproc_per_node", nproc_per_node(job),
+        require(gpus == 0 or per_node <= gpus, "runtime.nproc_per_node", per_node,
                 f"must be <= {gpus}, the GPUs on this machine (each rank takes one)")
 
 
-def _parallel(job, dims: Degrees) -> None:
+def _parallel(job, dims: Degrees, runnable: bool) -> None:
+    """`runnable`: the Triton kernels can run where the job does (a GPU, or the interpreter)."""
     m, s = job.model, job.strategy
     if dims.tp > 1 and m.impl == "transformers":
         require(hf_impl.ships_tp_plan(m.path) is not False, "strategy", s.name,
@@ -120,8 +121,6 @@ def _parallel(job, dims: Degrees) -> None:
         for key in ("n_heads", "n_kv_heads", "dim", "ffn_dim", *(("moe_ffn_dim",) if m.moe_ffn_dim else ())):
             require(getattr(m, key) % dims.tp == 0, f"model.{key}", getattr(m, key),
                     f"must be divisible by the tensor-parallel degree strategy.tp={dims.tp}")
-    runnable = (job.launcher.name != "local" or runtime.local_gpu_count() > 0
-                or os.environ.get("TRITON_INTERPRET") == "1")
     if job.optim.impl == "triton" and job.kernels.name != "triton":
         require(runnable, "optim.impl", "triton",
                 "needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernel on the CPU (slowly, for testing)")

@@ -1,4 +1,4 @@
-"""The three helpers the config's checks are written with; each raises `ConfigError` naming the key, the value
+"""The two helpers the config's checks are written with; each raises `ConfigError` naming the key, the value
 and what is allowed."""
 
 from __future__ import annotations
@@ -17,7 +17,3 @@ def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
     require(value in allowed, key, value, f"must be one of {', '.join(allowed)}")
 
 
-def positive(section: Any, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        require(value is not None and value > 0, f"{prefix}.{name}", value, "must be > 0")

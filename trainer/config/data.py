@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from omegaconf import MISSING
 
 from datacache.server import MAX_READERS
-from trainer.config.checks import one_of, positive, require
+from trainer.config.checks import one_of, require
 
 # The data.cache keys naming the cache nodes that hold each split.
 CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
@@ -115,6 +116,8 @@ class ChatConfig:
 
 @dataclass
 class DataConfig:
+    # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
+    POSITIVE: ClassVar[tuple[str, ...]] = ("seq_len",)
     name: str = MISSING
     # Parquet files (a path, directory or glob) for `data=parquet`; unused by `stdlib`.
     path: str | None = None
@@ -137,7 +140,6 @@ class DataConfig:
     def check(self) -> None:
         one_of("data.name", self.name, DATASETS)
         self.chat.check()
-        positive(self, "data", "seq_len")
         require(self.eval_percent is None or 0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent,
                 "must be in (0, 100)")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")

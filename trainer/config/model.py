@@ -5,10 +5,11 @@ Llama's, so the presets are Llama-style decoders."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, positive, require
+from trainer.config.checks import one_of, require
 from trainer.families import BY_NAME
 
 # The byte-level tokenizer's vocabulary (`trainer.data.tokenizer`): the 256 bytes, then BOS, EOS and PAD.
@@ -18,6 +19,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass
 class ModelConfig:
+    # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
+    POSITIVE: ClassVar[tuple[str, ...]] = (
+        "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
+        "init_std"
+    )
     name: str = MISSING
     # model=hf: a Hugging Face model directory; the keys below are then read from its config.json.
     path: str | None = None
@@ -63,8 +69,6 @@ class ModelConfig:
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
 
     def check(self) -> None:
-        positive(self, "model", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-                 "max_seq_len", "rope_theta", "norm_eps", "init_std")
         require(self.impl in (None, "native", "transformers"), "model.impl", self.impl,
                 "must be native or transformers (or unset: chosen from model=hf's config.json)")
         require(self.impl != "transformers" or self.name == "hf", "model.impl", self.impl,

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, positive, require
+from trainer.config.checks import one_of, require
 
 OPTIMIZERS = ("adamw", "sgd")
 IMPLS = ("torch", "triton")
@@ -16,6 +17,8 @@ IMPLS = ("torch", "triton")
 
 @dataclass
 class OptimConfig:
+    # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
+    POSITIVE: ClassVar[tuple[str, ...]] = ("lr", "eps")
     name: str = MISSING
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -31,7 +34,6 @@ class OptimConfig:
 
     def check(self) -> None:
         one_of("optim.name", self.name, OPTIMIZERS)
-        positive(self, "optim", "lr", "eps")
         require(self.momentum >= 0, "optim.momentum", self.momentum, "must be >= 0")
         require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")

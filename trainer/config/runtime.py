@@ -4,11 +4,11 @@ and the world size that follows from it and the launcher."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, positive, require
+from trainer.config.checks import one_of, require
 from trainer.config.strategy import Degrees
 from trainer.errors import ConfigError
 from trainjob.nodes import node_range
@@ -18,6 +18,8 @@ RUNTIMES = ("torch-distributed",)
 
 @dataclass
 class RuntimeConfig:
+    # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
+    POSITIVE: ClassVar[tuple[str, ...]] = ("last_call_timeout", "rdzv_timeout", "monitor_interval")
     name: str = MISSING
     # null: the GPU count on this machine, or 2 without GPUs.
     nproc_per_node: int | None = None
@@ -53,10 +55,7 @@ class RuntimeConfig:
                     "rank: leave runtime.node_rank unset")
             require(0 <= self.node_rank < most, "runtime.node_rank", self.node_rank,
                     f"must be in [0, runtime.nnodes={self.nnodes})")
-        positive(self, "runtime", "last_call_timeout")
-        positive(self, "runtime", "rdzv_timeout")
         require(self.max_restarts >= 0, "runtime.max_restarts", self.max_restarts, "must be >= 0")
-        positive(self, "runtime", "monitor_interval")
 
 
 def local_gpu_count() -> int:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, positive, require
+from trainer.config.checks import one_of, require
 from trainer.config.precision import AUTO, DTYPES
 from trainer.errors import ConfigError
 
@@ -24,6 +25,9 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b",)
 class StrategyConfig:
     """How the model is spread over the ranks: the degrees of the DeviceMesh and the options of what they
     apply (`trainer.parallel.parallelize`). The yaml files under conf/strategy are presets of these."""
+
+    # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
+    POSITIVE: ClassVar[tuple[str, ...]] = ("bucket_cap_mb",)
 
     name: str = MISSING  # the preset's name, as reported; what runs follows from the values below
     # Degrees of the DeviceMesh; one of them may be -1: the rest of the world. tp > 1: tensor parallelism.
@@ -61,7 +65,6 @@ class StrategyConfig:
         one_of("strategy.activation_checkpointing", self.activation_checkpointing, AC_MODES)
         one_of("strategy.param_dtype", self.param_dtype, (AUTO, *DTYPES))
         one_of("strategy.reduce_dtype", self.reduce_dtype, DTYPES)
-        positive(self, "strategy", "bucket_cap_mb")
         self._check_pipeline()
         if self.data_parallel == "ddp":
             for name in ("dp_shard", "tp"):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from trainer.config.checks import one_of, positive, require
+from trainer.config.checks import one_of, require
 from trainer.config.precision import AUTO, DTYPES
 
 TRACKERS = ("jsonl", "tensorboard", "mlflow", "wandb")
@@ -37,6 +38,11 @@ class WandbConfig:
 
 @dataclass
 class TrainConfig:
+    # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
+    POSITIVE: ClassVar[tuple[str, ...]] = (
+        "max_steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_every", "eval_batches",
+        "checkpoint_every", "keep_latest_k", "preemption_grace_s"
+    )
     seed: int = 0
     max_steps: int = 200
     global_batch_size: int = 16
@@ -70,15 +76,13 @@ class TrainConfig:
     def check(self) -> None:
         one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
         require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
-        positive(self, "train", "max_steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_every",
-                 "eval_batches", "checkpoint_every", "keep_latest_k", "preemption_grace_s")
         if self.resume not in ("auto", "never"):
             require(os.path.isfile(os.path.join(self.resume, ".metadata")), "train.resume", self.resume,
                     "must be auto, never, or a checkpoint directory (such as <run_dir>/checkpoints/step-100, "
                     "which holds a .metadata file)")
         one_of("train.qat", self.qat, QAT_SCHEMES)
         if self.qat != "none":
-            positive(self, "train", "qat_group_size")
+            require(self.qat_group_size > 0, "train.qat_group_size", self.qat_group_size, "must be > 0")
         self._check_trackers()
 
     def _check_trackers(self) -> None:

@@ -31,19 +31,21 @@ def schemas(cfg: DictConfig) -> dict[str, type]:
     return chosen
 
 
-def _known_keys(cfg: DictConfig) -> None:
+def _known_keys(cfg: DictConfig, chosen: dict[str, type]) -> None:
     # Hydra's `+key=value` appends keys even to a typed node; only the schema's fields are meaningful.
     top = {f.name for f in fields(Config)}
     for key in cfg:
-        require(key in top, str(key), cfg.get(key), f"unknown key; the top level has {', '.join(sorted(top))}")
-    for group, schema in schemas(cfg).items():
+        if key not in top:
+            raise ConfigError(str(key), cfg.get(key), f"unknown key; the top level has {', '.join(sorted(top))}")
+    for group, schema in chosen.items():
         node = cfg.get(group)
         if node is None:
             continue
         known = {f.name for f in fields(schema)}
         for key in node:
-            require(key in known, f"{group}.{key}", node.get(key),
-                    f"unknown key; {group} has {', '.join(sorted(known))}")
+            if key not in known:
+                raise ConfigError(f"{group}.{key}", node.get(key),
+                                  f"unknown key; {group} has {', '.join(sorted(known))}")
 
 
 def _finite(section: Any, prefix: str) -> None:
@@ -71,13 +73,17 @@ def _validate_launcher(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> Config:
     """Check every rule that the types alone cannot; raise ConfigError on the first one broken. Returns the
     typed config."""
-    _known_keys(cfg)
+    chosen = schemas(cfg)
+    _known_keys(cfg, chosen)
     one_of("launcher.name", cfg.launcher.name, tuple(LAUNCHER_SCHEMAS))
-    job = typed(cfg, schemas(cfg))
-    sections = {name: getattr(job, name) for name in schemas(cfg) if getattr(job, name) is not None}
+    job = typed(cfg, chosen)
+    sections = {name: getattr(job, name) for name in chosen if getattr(job, name) is not None}
     for name, section in sections.items():
         _finite(section, name)
-    for section in sections.values():
+    for name, section in sections.items():
+        for key in getattr(type(section), "POSITIVE", ()):  # the fields a section declares must be > 0
+            value = getattr(section, key)
+            require(value is not None and value > 0, f"{name}.{key}", value, "must be > 0")
         if hasattr(section, "check"):  # the launcher's and scheduler's rules live in launchers/
             section.check()
     _validate_launcher(cfg)

@@ -235,13 +235,14 @@ def prepare(cfg) -> str:
     built = os.path.join(os.path.expanduser(cfg.cache_dir), "corpus", f"{cfg.name}-{pinned}")
     if pinned and os.path.isfile(os.path.join(built, "corpus.json")):
         return built
-    settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": eval_share(cfg),
-                "source": _fingerprint(cfg), "format": 3}
+    share = eval_share(cfg)
+    settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": share, "source": _fingerprint(cfg),
+                "format": 3}
 
     def write(tmp: str) -> dict:
         splits: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
         for doc_id, ids in _documents(cfg):
-            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < eval_share(cfg) * 100
+            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < share * 100
             splits["eval" if in_eval else "train"].append(ids)
         counts = {name: _write_rows(docs, cfg.seq_len, os.path.join(tmp, name)) for name, docs in splits.items()}
         top = max((int(ids.max()) for docs in splits.values() for ids in docs if len(ids)), default=0)

@@ -81,8 +81,12 @@ def test_degrees_are_filled_to_the_world_or_refused_naming_the_key(degrees, worl
 
 @pytest.mark.timeout(30)
 def test_each_section_checks_its_own_fields():
+    # The fields a section declares positive are checked by validate(), before the section's own check().
+    assert {"lr", "eps"} <= set(config.OptimConfig.POSITIVE)
     with pytest.raises(config.ConfigError, match=r"optim.eps=-1.0: must be > 0"):
-        config.OptimConfig(name="adamw", eps=-1.0).check()
+        validate(_compose("optim.eps=-1"))
+    with pytest.raises(config.ConfigError, match=r"optim.momentum=-1.0: must be >= 0"):
+        config.OptimConfig(name="adamw", momentum=-1.0).check()
     with pytest.raises(config.ConfigError, match=r"strategy.tp=2: strategy=mine uses only strategy.dp_replicate"):
         config.StrategyConfig(name="mine", data_parallel="ddp", tp=2).check()
     config.StrategyConfig(name="mine", tp=2).check()  # fsdp composes with tp
