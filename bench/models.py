@@ -126,7 +126,7 @@ def measure(path: str, impl: str, shape: str, steps: int, warmup: int, overrides
     code, last, at_fork = run(["model=hf", f"model.path={path}", f"model.impl={impl}", f"data.seq_len={s['seq_len']}",
                       f"train.global_batch_size={s['batch']}", f"train.max_steps={steps}",
                       f"train.eval_every={steps * 10}", f"train.checkpoint_every={steps * 10}", "train.eval_batches=1",
-                      "train.progress=false", "train.log_every=1", "optim.warmup_steps=1", *overrides], run_dir)
+                      "train.progress=false", "train.log_every=1", "lr_schedule.warmup_steps=1", *overrides], run_dir)
     if code != 0:
         return {"note": f"exit {code}: {last[:90]}"}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--rtol", type=float, default=1e-6)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    common = ["model=debug", "data.seq_len=64", "train.global_batch_size=8", "optim.warmup_steps=4",
+    common = ["model=debug", "data.seq_len=64", "train.global_batch_size=8", "lr_schedule.warmup_steps=4",
               f"train.max_steps={args.steps}", f"train.eval_every={args.steps}", "train.eval_batches=2",
               f"train.checkpoint_every={args.steps * 10}", "train.log_every=1", "train.progress=false",
               "train.resume=never", *args.overrides]

@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # step, so that tests compare whole loss curves.
 TINY = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "data.seq_len=32", "train.global_batch_size=8", "optim.warmup_steps=2", "train.progress=false",
+    "data.seq_len=32", "train.global_batch_size=8", "lr_schedule.warmup_steps=2", "train.progress=false",
     "train.log_every=1",
 ]
 

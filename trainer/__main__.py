@@ -325,7 +325,11 @@ _FULL_ERROR_SET = False
 
 def main() -> None:
     global _FULL_ERROR_SET
-    sys.argv[1:] = hide_secrets(plain_group_overrides(sys.argv[1:]))
+    try:
+        sys.argv[1:] = hide_secrets(plain_group_overrides(sys.argv[1:]))
+    except config.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     # Until the job starts, Hydra's errors (a bad override) come here rather than as its several lines.
     _FULL_ERROR_SET = FULL_ERROR_ENV not in os.environ
     if _FULL_ERROR_SET:

@@ -49,7 +49,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp_rank, dp_size = dims.data_parallel_rank()
         self.optimizer = optimizer.build_optimizer(cfg.optim, model, implementation(cfg.optim, cfg.kernels.name))
-        self.lr_schedule = optimizer.build_lr_schedule(cfg.optim, self.optimizer, t.max_steps)
+        self.lr_schedule = optimizer.build_lr_schedule(cfg.lr_schedule, self.optimizer, t.max_steps)
         self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims)
                              else contextlib.nullcontext)
         bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16

@@ -1,6 +1,7 @@
-"""The optimizer and its learning-rate schedule, as the `optim` section sets them: the parameter groups
-(no weight decay on 1-D parameters), torch.optim's or ops' AdamW (or SGD), linear warmup then cosine decay,
-and the settings a resumed run takes from its config rather than from the checkpoint it loads."""
+"""The optimizer and its learning-rate schedule, as the `optim` and `lr_schedule` sections set them: the
+parameter groups (no weight decay on 1-D parameters), torch.optim's or ops' AdamW (or SGD), linear warmup then
+the schedule's decay, and the settings a resumed run takes from its config rather than from the checkpoint it
+loads."""
 
 from __future__ import annotations
 
@@ -36,19 +37,28 @@ def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.o
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to `min_ratio` at `total`."""
+# The share of the base rate left after the warmup, at `progress` (0 to 1) of the decay: TorchTitan's decay types.
+_DECAYS = {
+    "cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+    "linear": lambda progress: 1 - progress,
+    "sqrt": lambda progress: 1 - math.sqrt(progress),
+    "constant": lambda progress: 1.0,
+}
+
+
+def lr_factor(step: int, warmup: int, total: int, min_factor: float, decay: str = "cosine") -> float:
+    """Linear warmup to 1, then `decay` to `min_factor` at `total` (a constant schedule stays at 1)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return min_factor + (1 - min_factor) * _DECAYS[decay](progress)
 
 
 def build_lr_schedule(cfg, optimizer: torch.optim.Optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """The optim section's schedule over `optimizer`: `optim.warmup_steps` of linear warmup, then cosine decay
-    to `optim.min_lr_ratio` of `optim.lr` at `max_steps` (train.max_steps)."""
+    """The lr_schedule section's schedule over `optimizer`: `lr_schedule.warmup_steps` of linear warmup, then
+    its decay to `lr_schedule.min_lr_factor` of `optim.lr` at `max_steps` (train.max_steps)."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, max_steps, cfg.min_lr_factor, cfg.name))
 
 
 def settings(optimizer: torch.optim.Optimizer) -> list[dict]:

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tests.conftest import TINY, read_metrics, read_summary
-from trainer.config import OptimConfig
+from trainer.config.lr_schedule import LRScheduleConfig
 from trainer.optimizer import lr_factor
 
 pytestmark = pytest.mark.slow
@@ -65,9 +65,9 @@ def test_a_metrics_line_cut_short_is_dropped_and_the_run_goes_on(run_cli, tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     metrics = read_metrics(str(run_dir))
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert metrics[1]["lr"] == pytest.approx(3e-3 * lr_factor(2, 2, 2, OptimConfig.min_lr_ratio))
+    assert metrics[1]["lr"] == pytest.approx(3e-3 * lr_factor(2, 2, 2, LRScheduleConfig.min_lr_factor))
     assert [m["lr"] for m in metrics[2:]] == pytest.approx(
-        [0.01 * lr_factor(step, 2, 4, OptimConfig.min_lr_ratio) for step in (3, 4)]
+        [0.01 * lr_factor(step, 2, 4, LRScheduleConfig.min_lr_factor) for step in (3, 4)]
     )
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "dropped 1 unreadable line(s)" in log

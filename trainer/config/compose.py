@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config.schema import Config
+from trainer.errors import ConfigError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 # The groups conf/config.yaml declares with a null default (none chosen unless asked).
@@ -26,9 +27,19 @@ def register() -> None:
     cs.store(name="scheduler_schema", node=SchedulerConfig)  # named by each conf/scheduler option
 
 
+# Keys that moved to another section: an override of the old key is refused naming the new one.
+MOVED_KEYS = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_factor"}
+
+
 def plain_group_overrides(overrides: list[str]) -> list[str]:
     """`overrides` with `+runtime=...` read as `runtime=...`: the group is in the defaults list (null), so Hydra
-    takes the plain form and refuses the appending one, which was the spelling before and still works."""
+    takes the plain form and refuses the appending one, which was the spelling before and still works. An
+    override of a key that moved (`MOVED_KEYS`) raises ConfigError naming where it went."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key in MOVED_KEYS:
+            raise ConfigError(key, value, f"moved to {MOVED_KEYS[key]} (the lr_schedule group: "
+                              "lr_schedule=cosine|linear|sqrt|constant): give that key")
     return [o[1:] if o.startswith(tuple(f"+{g}=" for g in OPTIONAL_GROUPS)) else o for o in overrides]
 
 

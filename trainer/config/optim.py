@@ -1,5 +1,5 @@
-"""The `optim` section: the optimizer and its learning-rate schedule (`optim=adamw|sgd`), and whose AdamW
-steps (`optim.impl=torch|triton`: torch.optim.AdamW, or ops.AdamW's fused kernel)."""
+"""The `optim` section: the optimizer (`optim=adamw|sgd`; its learning-rate schedule is the `lr_schedule`
+section's), and whose AdamW steps (`optim.impl=torch|triton`: torch.optim.AdamW, or ops.AdamW's fused kernel)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ class OptimConfig:
     POSITIVE: ClassVar[tuple[str, ...]] = ("lr", "eps")
     name: str = MISSING
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -35,8 +33,6 @@ class OptimConfig:
     def check(self) -> None:
         one_of("optim.name", self.name, OPTIMIZERS)
         require(self.momentum >= 0, "optim.momentum", self.momentum, "must be >= 0")
-        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
         require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas),
                 "must be two numbers in [0, 1)")

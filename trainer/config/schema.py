@@ -18,6 +18,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from trainer.config.data import DataConfig
 from trainer.config.kernels import KernelsConfig
+from trainer.config.lr_schedule import LRScheduleConfig
 from trainer.config.model import ModelConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.peft import PeftConfig
@@ -39,6 +40,7 @@ class Config:
     scheduler: Any = MISSING
     kernels: KernelsConfig = MISSING
     optim: OptimConfig = MISSING
+    lr_schedule: LRScheduleConfig = MISSING
     train: TrainConfig = MISSING
     recipe: RecipeConfig = MISSING
     peft: PeftConfig = MISSING

@@ -103,7 +103,7 @@ def _preset_runs(family_dirs, root) -> list:
                                + "\n" for _ in range(32)))
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(32, seed=1)))
     small = ["train.max_steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false",
-             "train.log_every=1", "data.seq_len=32", "optim.warmup_steps=0", "strategy=ddp"]
+             "train.log_every=1", "data.seq_len=32", "lr_schedule.warmup_steps=0", "strategy=ddp"]
     return [
         (["+experiment=qwen3_0_6b_grpo", f"model.path={family_dirs['qwen3']}", f"data.path={prompts}", *small,
           "recipe.num_generations=4", "train.global_batch_size=8", "recipe.max_completion_length=8",

@@ -23,7 +23,7 @@ TOKENS = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(
 
 TRAIN = [
     "optim.lr=0.05",
-    "optim.warmup_steps=0",
+    "lr_schedule.warmup_steps=0",
     "train.max_steps=3",
     "train.eval_every=3",
     "train.checkpoint_every=3",

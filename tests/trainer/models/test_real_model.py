@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 SEQ = 48
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hi.", "What is the capital of France?", "Count to three."]
 ANSWERS = ["4.", "Blue.", "Hi!", "Paris.", "One, two, three."]
-TRAIN = ["train.global_batch_size=4", "train.progress=false", "train.log_every=1", "optim.warmup_steps=0",
+TRAIN = ["train.global_batch_size=4", "train.progress=false", "train.log_every=1", "lr_schedule.warmup_steps=0",
          f"data.seq_len={SEQ}", "data.eval_percent=20", "train.max_steps=3", "train.eval_every=3",
          "train.checkpoint_every=3", "peft=lora", "peft.rank=4", "peft.alpha=8", "peft.dropout=0.0",
          "peft.target_modules=[q_proj,v_proj]"]

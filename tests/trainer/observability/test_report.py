@@ -22,11 +22,11 @@ pytestmark = pytest.mark.slow  # each module trains (tiny runs) in subprocesses
 @pytest.fixture(scope="module")
 def study(tmp_path_factory, cache_dir):
     """`python -m trainer -m hydra/sweeper=optuna ...`: 4 trials of 4 steps, searching optim.lr and
-    optim.warmup_steps as docs/tracking.md shows; (sweep directory, the sweep's stdout)."""
+    lr_schedule.warmup_steps as docs/tracking.md shows; (sweep directory, the sweep's stdout)."""
     tmp = tmp_path_factory.mktemp("optuna")
     sweep = tmp / "sweep"
     args = [
-        *(o for o in TINY if not o.startswith("optim.warmup_steps=")),  # searched here
+        *(o for o in TINY if not o.startswith("lr_schedule.warmup_steps=")),  # searched here
         "train.max_steps=4",
         "train.eval_every=4",
         "train.eval_batches=1",
@@ -36,7 +36,7 @@ def study(tmp_path_factory, cache_dir):
         "hydra.sweeper.n_jobs=1",
         "hydra.sweeper.sampler.seed=0",
         "optim.lr=tag(log,interval(1e-4,1e-2))",
-        "optim.warmup_steps=range(0,4)",
+        "lr_schedule.warmup_steps=range(0,4)",
         f"hydra.sweep.dir={sweep}",
     ]
     env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
@@ -64,7 +64,7 @@ def test_the_optuna_study_minimises_the_final_eval_loss(study):
         optim = yaml.safe_load(f)["optim"]
     assert result["best_params"] == {
         "optim.lr": pytest.approx(optim["lr"]),
-        "optim.warmup_steps": optim["warmup_steps"],
+        "lr_schedule.warmup_steps": optim["warmup_steps"],
     }
     assert len({read_summary(r)["final_eval_loss"] for r in _runs(sweep)}) == 4  # four different points
 
@@ -82,7 +82,7 @@ def test_the_report_table_agrees_with_the_runs_summaries(study, tmp_path):
         summary = read_summary(run_dir)
         with open(os.path.join(run_dir, "config.yaml")) as f:
             optim = yaml.safe_load(f)["optim"]
-        assert row.overrides == {"optim.lr": str(optim["lr"]), "optim.warmup_steps": str(optim["warmup_steps"])}
+        assert row.overrides == {"optim.lr": str(optim["lr"]), "lr_schedule.warmup_steps": str(optim["warmup_steps"])}
         assert (row.steps, row.final_train_loss, row.final_eval_loss) == (
             4,
             summary["final_train_loss"],
@@ -94,7 +94,7 @@ def test_the_report_table_agrees_with_the_runs_summaries(study, tmp_path):
         assert f"{row.final_eval_loss:.4f}" in line and f"{row.final_train_loss:.4f}" in line
         # The sweep printed the same table when it ended.
         assert f"{row.final_eval_loss:.4f}" in stdout
-    assert "optim.warmup_steps" in out.getvalue() and "optim.lr" in out.getvalue()
+    assert "lr_schedule.warmup_steps" in out.getvalue() and "optim.lr" in out.getvalue()
 
 
 @pytest.mark.timeout(360)

@@ -58,7 +58,7 @@ def single(tmp_path_factory, cache_dir):
         "train.checkpoint_every=2",
         "train.progress=false",
         "train.log_every=1",
-        "optim.warmup_steps=1",
+        "lr_schedule.warmup_steps=1",
     ]
     run_dir = root / "single"
     proc = _run(args, run_dir, cache_dir)

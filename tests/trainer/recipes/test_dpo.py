@@ -87,7 +87,7 @@ ARGS = [
     "train.global_batch_size=4",
     "train.progress=false",
     "train.log_every=1",
-    "optim.warmup_steps=0",
+    "lr_schedule.warmup_steps=0",
     "optim.lr=1e-2",
 ]
 

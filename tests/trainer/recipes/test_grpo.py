@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 TOY = "tests.trainer.grpo_rewards:lowercase"
 REWARDS_ON_PATH = {"PYTHONPATH": REPO}  # where a user's reward module must be: importable by the ranks
 ARGS = [*[a for a in TINY if not a.startswith(("data.seq_len", "train.global_batch_size"))], "recipe=grpo",
-        "data=prompts", "data.seq_len=16", "data.eval_percent=20", "optim.warmup_steps=0", "optim.lr=1e-2",
+        "data=prompts", "data.seq_len=16", "data.eval_percent=20", "lr_schedule.warmup_steps=0", "optim.lr=1e-2",
         "recipe.num_generations=4", "train.global_batch_size=16", "recipe.max_completion_length=8",
         "recipe.beta=0.04"]  # a KL to the reference (TRL's default beta=0 holds none), so that `kl` is measured
 

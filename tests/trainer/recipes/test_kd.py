@@ -84,7 +84,7 @@ def models(tmp_path_factory):
 
 
 ARGS = ["recipe=kd", "data=chat", "data.seq_len=48", "data.eval_percent=20", "train.global_batch_size=4",
-        "train.progress=false", "train.log_every=1", "optim.warmup_steps=0", "optim.lr=1e-2",
+        "train.progress=false", "train.log_every=1", "lr_schedule.warmup_steps=0", "optim.lr=1e-2",
         "recipe.kd.chunk_tokens=16"]
 
 

@@ -59,7 +59,7 @@ def test_a_reward_model_learns_a_toy_preference_and_scores_in_transformers_and_g
     run = tmp_path / "run"
     proc = run_cli("model=hf", f"model.path={model}", "recipe=reward", "data=preference", f"data.path={pairs}",
                    "data.seq_len=40", "data.eval_percent=20", "train.global_batch_size=4", "train.progress=false",
-                   "train.log_every=1", "optim.warmup_steps=0", "optim.lr=3e-3", "train.max_steps=8",
+                   "train.log_every=1", "lr_schedule.warmup_steps=0", "optim.lr=3e-3", "train.max_steps=8",
                    "train.eval_every=8", "train.checkpoint_every=8", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))

@@ -54,7 +54,7 @@ ARGS = [
     "train.global_batch_size=4",
     "train.progress=false",
     "train.log_every=1",
-    "optim.warmup_steps=1",
+    "lr_schedule.warmup_steps=1",
 ]
 
 
