@@ -16,8 +16,7 @@ import torch
 
 from trainer import checkpoint, models
 from trainer.config import CACHE_KEYS, Config, ConfigError, Degrees
-from trainer.data import chat
-from trainer.data.corpus import check_corpus, prepare
+from trainer.data.kinds import KINDS
 from trainer.data.splits import needs_corpus, split_dataset
 from trainjob.run_files import RunDir
 
@@ -75,16 +74,10 @@ def check(cfg: Config, dims: Degrees) -> Checked:
     """Build or find the corpus and check everything the job will read before its first step: the corpus
     (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError."""
     check_memory(cfg, dims)
-    chats = cfg.data.name in ("chat", "preference")
-    build = (lambda: chat.prepare(cfg)) if chats else (lambda: prepare(cfg.data))
-    check_rows = check_corpus
-    if cfg.data.name == "prompts":  # GRPO's prompts
-        from trainer.data import prompts
-
-        build, check_rows = (lambda: prompts.prepare(cfg)), prompts.check_corpus
-    corpus = build() if needs_corpus(cfg.data) else None
+    kind = KINDS[cfg.data.name]
+    corpus = kind.prepare(cfg) if needs_corpus(cfg.data) else None
     if corpus is not None:
-        check_rows(corpus, cfg)
+        kind.check(corpus, cfg)
     for split, key in CACHE_KEYS.items():
         if getattr(cfg.data.cache, key):
             split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,

@@ -1,7 +1,9 @@
-"""Training data: a text source becomes fixed-length token rows in Parquet (built once, cached), then loaders.
+"""A corpus: a source's documents become fixed-length token rows in Parquet, built once and cached; and the
+checks of a built corpus. `build_once` is every data kind's build (the chat and prompt kinds' too).
 
-Sources: `stdlib`, the Python standard library's own source files (real text on every machine), and
-`parquet`, a user's files with a text column or a token-id list column. Each document is tokenized,
+The text sources, each a module of its own (`SOURCES`): `trainer.data.stdlib`, the Python standard library's own
+source files (real text on every machine), and `trainer.data.parquet`, a user's files with a text column or a
+token-id list column. Each document is tokenized,
 ends with EOS, and goes to the eval split when a hash of its id says so (so no document straddles the
 splits); each split's token stream is cut into rows of `seq_len + 1` tokens (inputs and shifted targets)
 that overlap by one token. The result lives in `<cache_dir>/corpus/<name>-<key>/{train,eval}/*.parquet`,
@@ -14,125 +16,28 @@ uint16 rows) raises ConfigError naming the key; `check_corpus` says whether a bu
 from __future__ import annotations
 
 import fcntl
-import functools
 import glob
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
-import sysconfig
 import tempfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from datacache.parquet import parquet_files
 from trainer.config import CACHE_KEYS, ConfigError
 from trainer.config.data import eval_share
-from trainer.data import tokenizer
+from trainer.data import parquet, stdlib
 
 log = logging.getLogger(__name__)
+# The text sources a corpus is built from, by `data.name`: each gives its fingerprint and its documents.
+SOURCES = {"stdlib": stdlib, "parquet": parquet}
 ROWS_PER_SHARD = 8192
-MAX_TOKEN_ID = np.iinfo(np.uint16).max  # rows store uint16 ids
-
-
-@functools.cache  # the driver and an in-process worker each fingerprint the corpus; the walk takes ~0.5 s
-def _stdlib_files() -> tuple[str, ...]:
-    root = sysconfig.get_paths()["stdlib"]
-    files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-    return tuple(sorted(f for f in files if "site-packages" not in f.split(os.sep)))
-
-
-def _fingerprint(cfg) -> dict:
-    if cfg.name == "stdlib":
-        files = _stdlib_files()
-        return {"python": sys.version.split()[0], "files": len(files),
-                "bytes": sum(os.path.getsize(f) for f in files)}
-    files = parquet_files(cfg.path)
-    if not files:
-        raise ConfigError("data.path", cfg.path, "no Parquet files there: give a .parquet file, a directory "
-                          "holding some, or a glob")
-    return {"files": [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files],
-            "text_column": cfg.text_column, "tokens_column": cfg.tokens_column}
-
-
-def _documents(cfg) -> Iterator[tuple[str, np.ndarray]]:
-    """(document id, token ids ending in EOS) for every document of the source, in a fixed order."""
-    if cfg.name == "stdlib":
-        root = sysconfig.get_paths()["stdlib"]
-        for path in _stdlib_files():
-            with open(path, "rb") as f:
-                yield os.path.relpath(path, root), tokenizer.encode(f.read())
-        return
-    key, column = ("data.tokens_column", cfg.tokens_column) if cfg.tokens_column else ("data.text_column",
-                                                                                        cfg.text_column)
-    files = parquet_files(cfg.path)
-    # Document ids relative to the files' common folder: the same files elsewhere split the same way
-    # (an absolute path made the train/eval split depend on where the data happened to lie).
-    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in files]) if files else ""
-    for path in files:
-        doc = os.path.relpath(os.path.abspath(path), root)
-        try:
-            pf = pq.ParquetFile(path)
-        except (OSError, pa.ArrowException) as e:
-            raise ConfigError("data.path", cfg.path, f"{path} is not a readable Parquet file ({e})") from None
-        if column not in pf.schema_arrow.names:
-            raise ConfigError(key, column, f"{path} has no such column; it has {', '.join(pf.schema_arrow.names)}")
-        _check_column_type(key, column, pf.schema_arrow.field(column).type, path)
-        row = 0
-        for batch in _batches(pf, column, cfg.path, path):
-            if cfg.tokens_column:
-                _check_token_ids(batch.column(0), column, path)
-            for value in batch.column(0).to_pylist():
-                if value is not None:
-                    ids = (np.append(np.asarray(value, dtype=np.uint16), tokenizer.EOS) if cfg.tokens_column
-                           else tokenizer.encode(value))
-                    yield f"{doc}:{row}", ids
-                row += 1
-
-
-def _batches(pf: pq.ParquetFile, column: str, source: str, path: str) -> Iterator[pa.RecordBatch]:
-    """The column's record batches; a page that cannot be decoded (corrupt, cut short) is a ConfigError
-    naming the file."""
-    batches = pf.iter_batches(columns=[column])
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (OSError, pa.ArrowException) as e:
-            raise ConfigError("data.path", source, f"{path} cannot be read: {str(e).splitlines()[0]}") from None
-        yield batch
-
-
-def _check_column_type(key: str, column: str, kind: pa.DataType, path: str) -> None:
-    if key == "data.text_column":
-        ok, wanted = pa.types.is_string(kind) or pa.types.is_large_string(kind), "text (string)"
-    else:
-        ok = ((pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
-              and pa.types.is_integer(kind.value_type))
-        wanted = "lists of integer token ids"
-    if not ok:
-        other = "data.tokens_column for token ids" if key == "data.text_column" else "data.text_column for text"
-        raise ConfigError(key, column, f"{path} holds {kind} there, not {wanted}: name another column, or "
-                          f"use {other}")
-
-
-def _check_token_ids(lists: pa.Array, column: str, path: str) -> None:
-    flat = pc.list_flatten(lists)
-    if flat.null_count:
-        raise ConfigError("data.tokens_column", column, f"{path} holds a null token id: every id must be a number")
-    ids = pc.min_max(flat)
-    low, high = ids["min"].as_py(), ids["max"].as_py()
-    if low is not None and (low < 0 or high > MAX_TOKEN_ID):
-        raise ConfigError("data.tokens_column", column, f"{path} holds token id {low if low < 0 else high}: "
-                          f"ids must be in [0, {MAX_TOKEN_ID}]")
 
 
 def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:
@@ -235,13 +140,14 @@ def prepare(cfg) -> str:
     built = os.path.join(os.path.expanduser(cfg.cache_dir), "corpus", f"{cfg.name}-{pinned}")
     if pinned and os.path.isfile(os.path.join(built, "corpus.json")):
         return built
+    source = SOURCES[cfg.name]
     share = eval_share(cfg)
-    settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": share, "source": _fingerprint(cfg),
+    settings = {"name": cfg.name, "seq_len": cfg.seq_len, "eval_percent": share, "source": source.fingerprint(cfg),
                 "format": 3}
 
     def write(tmp: str) -> dict:
         splits: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
-        for doc_id, ids in _documents(cfg):
+        for doc_id, ids in source.documents(cfg):
             in_eval = zlib.crc32(doc_id.encode()) % 10_000 < share * 100
             splits["eval" if in_eval else "train"].append(ids)
         counts = {name: _write_rows(docs, cfg.seq_len, os.path.join(tmp, name)) for name, docs in splits.items()}

@@ -7,11 +7,11 @@ import os
 
 import pyarrow as pa
 
-from datacache import DataCacheError, LocalDataset, StreamingDataset
+from datacache import DataCacheError, StreamingDataset
 from datacache.planned import PlannedDataset
 from trainer.config import CACHE_KEYS
-from trainer.data.chat import ChatDataset
 from trainer.data.corpus import eval_rows
+from trainer.data.kinds import KINDS
 from trainer.errors import ConfigError
 
 
@@ -34,12 +34,7 @@ def split_dataset(data_cfg, split: str, corpus: str | None, **kw) -> PlannedData
     key = CACHE_KEYS[split]
     endpoints = list(getattr(data_cfg.cache, key))
     if not endpoints:
-        if data_cfg.name == "prompts":  # GRPO's prompts (trainer.data.prompts)
-            from trainer.data.prompts import PromptDataset
-
-            return PromptDataset(os.path.join(corpus, split), **kw)
-        dataset = ChatDataset if data_cfg.name in ("chat", "preference") else LocalDataset
-        return dataset(os.path.join(corpus, split), **kw)
+        return KINDS[data_cfg.name].dataset(os.path.join(corpus, split), **kw)
     try:
         data = StreamingDataset(endpoints, token=data_cfg.cache.token, prefetch=data_cfg.cache.prefetch,
                                 readers=data_cfg.cache.readers, tls_root_cert=data_cfg.cache.tls_root_cert, **kw)
