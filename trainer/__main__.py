@@ -75,12 +75,15 @@ def _save_config(resolved: dict, run_dir: str, running: bool = False) -> str:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A checked run: what to start (`spec`), and the launcher and scheduler options that say where."""
+    """A checked run: what to start (`spec`), the launcher and scheduler options that say where, and the
+    driver's typed config (`job`), which a run in this process trains from rather than typing its config
+    again."""
 
     spec: launchers.LaunchSpec
     launcher: dict
     scheduler: dict
     checked: Any = None  # what the input checks found here (`trainer.inputs.Checked`), None where they did not run
+    job: config.Config | None = None
 
 
     def launcher_for(self) -> launchers.Launcher:
@@ -89,7 +92,9 @@ class Prepared:
         if self.launcher["name"] == "local" and self.spec.torchrun is None and self.launcher.get("wait", True):
             from trainer import worker
 
-            return launchers.InProcessLauncher(lambda: worker.run(OmegaConf.create(self.spec.config), self.checked))
+            # Cache nodes started beside it name their endpoints only once up: the saved config reads them then.
+            job = self.job if self.spec.cache_nodes is None else OmegaConf.create(self.spec.config)
+            return launchers.InProcessLauncher(lambda: worker.run(job, self.checked))
         return launchers.get(self.launcher, self.scheduler)
 
 
@@ -109,7 +114,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     a refused run leaves nothing, and a second driver into a running run's directory changes nothing."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
-        checked = check(cfg)
+        job, checked = check(cfg)
     except config.ConfigError as e:
         _refuse(e, run_dir)
     except UserCodeError as e:  # a chat template that raised while the corpus was built: exit 1, nothing left
@@ -145,7 +150,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
         cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fds=lock_fds,
         stop_grace_s=int(saved["train"]["preemption_grace_s"]),
         env={DRIVER_REPORTS_ENV: "1"} if _driver_waits_here(resolved["launcher"]) else {})
-    return Prepared(spec, resolved["launcher"], resolved["scheduler"], checked)
+    return Prepared(spec, resolved["launcher"], resolved["scheduler"], checked, job)
 
 
 def _driver_waits_here(launcher: dict) -> bool:

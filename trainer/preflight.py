@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
-from trainer.config import ConfigError, parallel_dims
+from trainer.config import Config, ConfigError, parallel_dims
 from trainer.config.hf_impl import fill_config
 from trainer.config.validate import validate
 from trainer.run_dir import note_before_making
@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
-def check(cfg: DictConfig) -> inputs.Checked | None:
+def check(cfg: DictConfig) -> tuple[Config, inputs.Checked | None]:
     """Resolve `cfg` in place and check it: the rules, then (where the ranks run on this machine) what the
     data, the checkpoint and the cache nodes say. Raises ConfigError; writes nothing but the corpus cache.
-    Returns what the input checks found, or None where they did not run here."""
+    Returns the typed config (built once, here) and what the input checks found, or None where they did not
+    run here."""
     run_dir = os.path.abspath(cfg.run_dir)
     _resolve(cfg)
     cfg.run_dir = run_dir
@@ -49,13 +50,13 @@ def check(cfg: DictConfig) -> inputs.Checked | None:
 
         checked = inputs.check(job, parallel_dims(job))
         if checked.corpus is not None:  # pinned: every rank reads this build, wherever it runs
-            cfg.data.fingerprint = corpus_key(checked.corpus)
+            cfg.data.fingerprint = job.data.fingerprint = corpus_key(checked.corpus)
     c = job.data.cache  # a warning only once the config passed: a refusal stays one line
     plain = [e for e in [*c.endpoints, *c.eval_endpoints] if not str(e).startswith("grpc+tls://")]
     if c.token and plain:
         print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
               "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
-    return checked
+    return job, checked
 
 
 def _unresolvable(node: Any, prefix: str = "") -> str | None:

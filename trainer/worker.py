@@ -97,10 +97,11 @@ def resume_path(cfg: Config) -> str | None:
     return choice[0]
 
 
-def run(cfg: DictConfig, checked: inputs.Checked | None = None) -> dict:
-    """Train the job `cfg` (a resolved config, as saved) describes, as this rank; return the summary (the same
-    on every rank). `checked`: the inputs were checked in this process already (by the driver)."""
-    cfg = config.typed(cfg)
+def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict:
+    """Train the job `cfg` (a resolved config, as saved; or the driver's typed config, in its process) describes,
+    as this rank; return the summary (the same on every rank). `checked`: the inputs were checked in this
+    process already (by the driver)."""
+    cfg = cfg if isinstance(cfg, Config) else config.typed(cfg)
     env = init_distributed()
     handler = setup_logging(cfg.run_dir, env.rank)
     try:

@@ -61,10 +61,10 @@ def test_the_optuna_study_minimises_the_final_eval_loss(study):
     assert result["best_value"] == pytest.approx(min(losses))
     best = _runs(sweep)[losses.index(min(losses))]
     with open(os.path.join(best, "config.yaml")) as f:
-        optim = yaml.safe_load(f)["optim"]
+        saved = yaml.safe_load(f)
     assert result["best_params"] == {
-        "optim.lr": pytest.approx(optim["lr"]),
-        "lr_schedule.warmup_steps": optim["warmup_steps"],
+        "optim.lr": pytest.approx(saved["optim"]["lr"]),
+        "lr_schedule.warmup_steps": saved["lr_schedule"]["warmup_steps"],
     }
     assert len({read_summary(r)["final_eval_loss"] for r in _runs(sweep)}) == 4  # four different points
 
@@ -81,8 +81,9 @@ def test_the_report_table_agrees_with_the_runs_summaries(study, tmp_path):
     for row, run_dir in zip(rows, _runs(sweep), strict=True):
         summary = read_summary(run_dir)
         with open(os.path.join(run_dir, "config.yaml")) as f:
-            optim = yaml.safe_load(f)["optim"]
-        assert row.overrides == {"optim.lr": str(optim["lr"]), "lr_schedule.warmup_steps": str(optim["warmup_steps"])}
+            saved = yaml.safe_load(f)
+        assert row.overrides == {"optim.lr": str(saved["optim"]["lr"]),
+                                 "lr_schedule.warmup_steps": str(saved["lr_schedule"]["warmup_steps"])}
         assert (row.steps, row.final_train_loss, row.final_eval_loss) == (
             4,
             summary["final_train_loss"],
