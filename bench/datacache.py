@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import itertools
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -70,6 +69,7 @@ sys.path.insert(0, REPO)
 from datacache import LocalDataset, StreamingDataset  # noqa: E402
 from datacache.memory import keep_freed_buffers  # noqa: E402
 from datacache.parquet import token_matrix  # noqa: E402
+from trainjob.run_files import read_metrics  # noqa: E402
 
 
 def _process_cpu(pid: int) -> float | None:
@@ -296,8 +296,7 @@ def _job_tokens_per_s(tmp: str, name: str, steps: int, overrides: list[str]) -> 
                            f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"the job {' '.join(overrides)} failed:\n{proc.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rates = [m["tokens_per_s"] for m in map(json.loads, f) if "tokens_per_s" in m]
+    rates = [m["tokens_per_s"] for m in read_metrics(run_dir) if "tokens_per_s" in m]
     if len(rates) < 2:
         raise SystemExit(f"--job-steps {steps} gives fewer than two metrics lines")
     return statistics.median(rates[1:])

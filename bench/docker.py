@@ -22,6 +22,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from trainjob.run_files import RunDir  # noqa: E402
+
 MODES = {
     "local torchrun": ["+runtime=torch-distributed", "runtime.nproc_per_node=2"],
     "docker": ["launcher=docker", "+runtime=torch-distributed", "runtime.nnodes=2"],
@@ -32,7 +35,7 @@ def run(mode: str, args, cache: str, run_dir: str) -> dict:
     overrides = [*MODES[mode], *([f"launcher.image={args.image}"] if mode == "docker" else []),
                  f"train.max_steps={args.steps}", "train.log_every=1", "train.eval_every=100000",
                  "train.checkpoint_every=100000", "train.progress=false", f"hydra.run.dir={run_dir}", *args.overrides]
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = RunDir.of(run_dir).metrics
     env = {**os.environ, "TRAINJOB_CACHE": cache, "PYTHONPATH": REPO}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *overrides], cwd=REPO, env=env,

@@ -14,10 +14,12 @@ or cuBLAS's (`triton-cublas`, kernels.exclude=[mm,addmm,bmm]).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainjob.run_files import read_metrics
 
 DTYPES = ("bf16", "fp32", "fp16")
 ATTENTION = "scaled_dot_product_attention"
@@ -90,8 +92,7 @@ def targets(ops: list[OpRow], e2e: dict[tuple[str, str], float]) -> list[tuple[s
 def run_line(run_dir: str, model: str, kernels: str) -> str:
     """The report's end-to-end line of one `python -m trainer` run: tokens/s and MFU, the means over the
     second half of its logged steps (compiled and warmed up), from the run's metrics.jsonl."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [row for row in map(json.loads, filter(str.strip, f)) if "tokens_per_s" in row]
+    rows = [row for row in read_metrics(run_dir) if "tokens_per_s" in row]
     if not rows:
         return f"{model:<8}{kernels:<8}{'failed':>12}  (no step logged tokens/s in {run_dir})"
     steady = rows[len(rows) // 2:]

@@ -19,7 +19,6 @@ transformers lacks is skipped likewise.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # before bench/, whose datacache.py would shadow the package
+from trainjob.run_files import RunDir, read_metrics  # noqa: E402
 
 # The shapes: transformers' config keys (shared by every family), then the run's batch.
 SHAPES = {
@@ -129,9 +129,8 @@ def measure(path: str, impl: str, shape: str, steps: int, warmup: int, overrides
                       "train.progress=false", "train.log_every=1", "lr_schedule.warmup_steps=1", *overrides], run_dir)
     if code != 0:
         return {"note": f"exit {code}: {last[:90]}"}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f if '"tokens_per_s"' in line]
-    with open(os.path.join(run_dir, "logs", "rank-0.log")) as f:
+    lines = [m for m in read_metrics(run_dir) if "tokens_per_s" in m]
+    with open(RunDir.of(run_dir).rank_log(0)) as f:
         cuda = "device cuda" in f.read()
     peak = max(line["peak_memory_gb"] for line in lines)
     return {"tokens_per_s": statistics.median(line["tokens_per_s"] for line in lines[warmup:] or lines),

@@ -11,7 +11,6 @@ sequence and batch, so that the 4-process rows fit a 2-core machine; overrides c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from trainjob.run_files import read_metrics, read_summary  # noqa: E402
+
 TWO = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
 FOUR = ["+runtime=torch-distributed", "runtime.nproc_per_node=4"]
 VARIANTS = {
@@ -36,10 +38,8 @@ def run(args: list[str], run_dir: str) -> tuple[list[dict], dict, float]:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{args}: {proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        metrics = [r for r in map(json.loads, f) if "loss" in r]
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        return metrics, json.load(f), time.perf_counter() - start
+    metrics = [r for r in read_metrics(run_dir) if "loss" in r]
+    return metrics, read_summary(run_dir), time.perf_counter() - start
 
 
 def worst(ours: list[dict], ref: list[dict], key: str) -> float:

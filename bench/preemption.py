@@ -21,14 +21,12 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from trainjob.run_files import read_metrics  # noqa: E402
 
 
 def _lines(run_dir: str) -> int:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        return sum(1 for line in f if line.strip())
+    return len(read_metrics(run_dir))
 
 
 def _agent(run_dir: str) -> int:

@@ -36,6 +36,7 @@ sys.path.insert(0, REPO)
 from tests.trainer.hf_models import add_tokenizer  # noqa: E402
 from trainer.generate import generate, left_padded  # noqa: E402
 from trainer.models import from_hf  # noqa: E402
+from trainjob.run_files import read_metrics  # noqa: E402
 
 SHAPE = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
@@ -122,8 +123,7 @@ def grpo_split(path: str, steps: int, overlap: bool) -> dict:
             cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=1800)
         if proc.returncode:
             raise SystemExit(proc.stderr[-3000:])
-        with open(os.path.join(run, "metrics.jsonl")) as f:
-            lines = [json.loads(line) for line in f if '"loss"' in line][1:]  # the first step warms up
+        lines = [m for m in read_metrics(run) if "loss" in m][1:]  # the first step warms up
     keys = ("step_time", "generate", "rollout_wait", "score", "logps")
     out = {k: sum(m.get(f"perf/{k}_s", m.get(f"{k}_s", 0.0)) for m in lines) / len(lines) for k in keys}
     exposed = out["rollout_wait"] if overlap else out["generate"]  # the generation the step waited for

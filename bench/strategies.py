@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import subprocess
@@ -21,6 +20,9 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from trainjob.run_files import read_metrics, read_summary  # noqa: E402
+
 STRATEGIES = sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(REPO, "conf", "strategy")))
 
 
@@ -29,10 +31,8 @@ def measure(name: str, args: list[str], run_dir: str, warmup: int) -> dict:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         return {"name": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        elapsed = [json.loads(line)["elapsed_s"] for line in f]
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
+    elapsed = [m["elapsed_s"] for m in read_metrics(run_dir)]
+    summary = read_summary(run_dir)
     step = statistics.median([b - a for a, b in itertools.pairwise(elapsed)][warmup:])
     return {"name": name, "world": summary["world_size"], "step_s": step,
             "tokens_per_s": summary["tokens"] / summary["steps"] / step,

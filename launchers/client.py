@@ -32,8 +32,9 @@ from omegaconf import MISSING
 
 from launchers.base import JobInfo, JobState, LauncherError, LaunchSpec, OptionError, Torchrun
 from launchers.options import LAUNCHER_SCHEMAS, get
+from trainjob.run_files import RunDir
 
-FUNC_FILE = "train_func.py"
+FUNC_FILE = os.path.basename(RunDir.of("").func_script)  # the name it is shipped under
 
 # Every rank of a function job keeps its output in <run_dir>/logs/rank-<RANK>.log as well (where the
 # script's folder is writable: not in a pod, whose console is its log).
@@ -220,7 +221,7 @@ class Client:
                 datetime.now().strftime("%H-%M-%S-") + func.__name__.replace("_", "-"),
             )
         run_dir = os.path.abspath(run_dir)
-        path = os.path.join(run_dir, FUNC_FILE)
+        path = RunDir.of(run_dir).func_script
         if os.path.exists(path):
             raise ValueError(f"run_dir={run_dir!r} already holds a {FUNC_FILE}: choose another run directory")
         os.makedirs(run_dir, exist_ok=True)

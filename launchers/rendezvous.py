@@ -10,20 +10,20 @@ stopped (a Docker job removes its container with the job).
 from __future__ import annotations
 
 import fcntl
-import glob
 import os
 import sys
 import time
 from datetime import timedelta
 
 from trainjob.cli import OneLineParser
+from trainjob.run_files import RunDir
 
 POLL_S = 1.0
 
 
 def nodes_alive(run_dir: str) -> bool:
     """Whether a node of the run in `run_dir` still holds its slot (the kernel drops a dead process's locks)."""
-    for path in glob.glob(os.path.join(run_dir, ".node-*.lock")):
+    for path in RunDir.of(run_dir).node_slots():
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import glob
 import logging
 import math
 import os
@@ -66,9 +65,9 @@ def _save_config(resolved: dict, run_dir: str, running: bool = False) -> str:
             raise config.ConfigError("hydra.run.dir", run_dir, f"another node of this run trains from {path}, "
                                      "a different config: start every node with the same command")
         n = 1
-        while os.path.exists(os.path.join(run_dir, f"config.{n}.yaml")):
+        while os.path.exists(RunDir.of(run_dir).earlier_config(n)):
             n += 1
-        os.rename(path, os.path.join(run_dir, f"config.{n}.yaml"))
+        os.rename(path, RunDir.of(run_dir).earlier_config(n))
     write_whole(path, text)
     return path
 
@@ -162,10 +161,9 @@ def _rank_error(run_dir: str, since: float) -> str | None:
     """The report a rank of this launch left as it failed (the lowest rank's): a refusal only a rank could see,
     or user code that raised; None where no rank left one."""
     reports = []
-    for path in glob.glob(os.path.join(glob.escape(RunDir.of(run_dir).logs), "rank-*.error")):
-        with contextlib.suppress(OSError, ValueError):
+    for rank, path in RunDir.of(run_dir).error_reports().items():
+        with contextlib.suppress(OSError):
             if os.path.getmtime(path) >= since:
-                rank = int(os.path.basename(path)[len("rank-"):-len(".error")])
                 with open(path, encoding="utf-8", errors="replace") as f:
                     reports.append((rank, f.read().rstrip("\n")))
     return min(reports)[1] if reports else None

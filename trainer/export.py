@@ -38,6 +38,7 @@ from trainer.errors import ConfigError
 from trainer.models import hf, hf_transformers, lora, score
 from trainjob.cli import OneLineParser
 from trainjob.files import directory_problem, nearest_existing
+from trainjob.run_files import RunDir
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
 TOKENIZER_FILES = (
@@ -58,7 +59,7 @@ def run_config(checkpoint: str) -> DictConfig:
             checkpoint,
             "must be a checkpoint directory such as <run_dir>/checkpoints/step-100 (it holds a .metadata file)",
         )
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
+    path = RunDir.of(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))).config
     if not os.path.isfile(path):
         raise ConfigError(
             "CHECKPOINT",

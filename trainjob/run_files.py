@@ -1,13 +1,20 @@
 """A run directory's files: the one place that names them, and their readers and writers (the ranks write
 them, the driver, the launchers, `python -m trainer.report` and the benches read them).
 
-config.yaml          the resolved config every rank ran
+config.yaml          the resolved config every rank ran (an earlier, different one: config.<n>.yaml)
 metrics.jsonl        one JSON object per logged step (rank 0)
 events.jsonl         one JSON object per event of the run: a resume, a re-formation, a preemption (rank 0)
 summary.json         the final metrics (rank 0)
+loss.png             train and eval loss against step, drawn from metrics.jsonl when the run ends
+tb/, mlruns/         TensorBoard's events, MLflow's file store (train.trackers; W&B writes wandb/ itself)
+tracking.json        the MLflow and W&B run ids a resumed run goes on with
+train_func.py        a function job's script (`launchers.Client.train(func=...)`)
+manifests.yaml       what a Kubernetes run submitted
 checkpoints/step-N/  DCP checkpoints
 logs/rank-R.log      each rank's log
 logs/rank-R.error    what rank R refused or the report of its user code that failed (the driver prints one rank's, once)
+logs/cache-node-I.log, logs/rendezvous.log
+                     the log of cache node I, of the rendezvous store (local runs that start them)
 .lock                held (flock) by the driver that trains here, and by the job it launched; shared
                      by the nodes of a multi-node run, each of which also holds its own slot:
 .node-I.lock         held by the driver of node I of a multi-node run started here once per node
@@ -18,6 +25,7 @@ Readers take what a kill or a full disk left: a line cut short is skipped, a sum
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import logging
 import math
@@ -45,9 +53,19 @@ class RunDir:
         self.metrics = os.path.join(root, "metrics.jsonl")
         self.events = os.path.join(root, "events.jsonl")
         self.summary = os.path.join(root, "summary.json")
+        self.loss_png = os.path.join(root, "loss.png")
+        self.tensorboard = os.path.join(root, "tb")
+        self.mlruns = os.path.join(root, "mlruns")
+        self.tracking = os.path.join(root, "tracking.json")
+        self.func_script = os.path.join(root, "train_func.py")
+        self.manifests = os.path.join(root, "manifests.yaml")
         self.checkpoints = os.path.join(root, "checkpoints")
         self.logs = os.path.join(root, "logs")
         self.lock = os.path.join(root, ".lock")
+
+    def earlier_config(self, n: int) -> str:
+        """Where the n-th earlier config.yaml of the directory is kept when a different one is saved."""
+        return os.path.join(self.root, f"config.{n}.yaml")
 
     def rank_log(self, rank: int) -> str:
         return os.path.join(self.logs, f"rank-{rank}.log")
@@ -56,9 +74,33 @@ class RunDir:
         """Where rank `rank` leaves what it refused, or the report of user code that failed."""
         return os.path.join(self.logs, f"rank-{rank}.error")
 
+    def cache_node_log(self, node: int) -> str:
+        return os.path.join(self.logs, f"cache-node-{node}.log")
+
+    @property
+    def rendezvous_log(self) -> str:
+        return os.path.join(self.logs, "rendezvous.log")
+
+    def error_reports(self) -> dict[int, str]:
+        """Rank -> the path of the report it left (`error_report`), for every rank that left one."""
+        found = {}
+        for path in glob.glob(os.path.join(glob.escape(self.logs), "rank-*.error")):
+            rank = os.path.basename(path)[len("rank-"):-len(".error")]
+            if rank.isdigit():
+                found[int(rank)] = path
+        return found
+
     def node_slot(self, node: int) -> str:
         """The lock file node `node` of a multi-node run started here once per node holds."""
         return os.path.join(self.root, f".node-{node}.lock")
+
+    def node_slots(self) -> list[str]:
+        """The node slots (`node_slot`) that exist."""
+        return glob.glob(os.path.join(glob.escape(self.root), ".node-*.lock"))
+
+    def is_run(self) -> bool:
+        """Whether the directory holds a run: its config.yaml, and its metrics lines or its summary."""
+        return os.path.isfile(self.config) and (os.path.isfile(self.metrics) or os.path.isfile(self.summary))
 
 
 @functools.cache

@@ -35,7 +35,7 @@ from launchers.base import (
 from launchers.kubernetes import schedulers
 from launchers.kubernetes.manifests import GROUP, MANAGER, VERSION, cluster_runtime, manifests, to_yaml
 from launchers.kubernetes.options import KubernetesLauncherConfig, check
-from trainjob.run_files import read_progress
+from trainjob.run_files import RunDir, read_progress
 
 __all__ = ["KubernetesLauncher", "KubernetesLauncherConfig", "check", "make"]
 
@@ -430,7 +430,7 @@ class KubernetesLauncher(Launcher):
             for m in reversed(created):
                 _delete(api, m, namespace)
             raise
-        write_private(os.path.join(spec.run_dir, "manifests.yaml"), to_yaml(self.manifests(spec, runtime_spec)))
+        write_private(RunDir.of(spec.run_dir).manifests, to_yaml(self.manifests(spec, runtime_spec)))
         return self._job(name)
 
     def list_jobs(self) -> list[Job]:

@@ -14,6 +14,7 @@ import yaml
 from launchers.base import MASK, TORCHRUN_ENV, LauncherError, LaunchSpec, pod_agent
 from launchers.kubernetes import schedulers
 from trainjob.env import CACHE_ENDPOINTS_ENV
+from trainjob.run_files import RunDir
 
 GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
 CONFIG_DIR = "/etc/trainjob"
@@ -88,7 +89,8 @@ def pod_files(spec: LaunchSpec, lc: Mapping[str, Any], name: str) -> dict[str, s
         moved = {"run_dir": f"{lc['run_root'].rstrip('/')}/{name}", "cache_dir": lc["cache_dir"]}
         for role, key in spec.path_keys.items():
             _set(config, key, moved[role])
-        files[os.path.basename(spec.config_path or "config.yaml")] = yaml.safe_dump(config, sort_keys=False)
+        name = os.path.basename(spec.config_path or RunDir.of(spec.run_dir).config)
+        files[name] = yaml.safe_dump(config, sort_keys=False)
     return files
 
 

@@ -35,7 +35,7 @@ from launchers.base import (
     store_apart,
     torchrun_args,
 )
-from trainjob.run_files import read_progress, read_summary
+from trainjob.run_files import RunDir, read_progress, read_summary
 
 READY_TIMEOUT = 600.0  # a node builds the corpus before it serves
 POLL_S = 0.2
@@ -52,7 +52,7 @@ def start_rendezvous_store(spec: LaunchSpec) -> None:
     """The rendezvous store of an elastic job, or of nodes started one by one, in a session of its own so that
     it outlives this node: it ends when no node of the run is left (`launchers.rendezvous`); when another
     node's store already serves, this one finds the port taken and leaves."""
-    log_path = os.path.join(spec.run_dir, "logs", "rendezvous.log")
+    log_path = RunDir.of(spec.run_dir).rendezvous_log
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "ab") as log:
         subprocess.Popen(
@@ -89,7 +89,7 @@ def rank_logs(
 ) -> Iterator[str]:
     """Lines of rank `rank`'s log (`<run_dir>/logs/rank-<r>.log`, which every rank writes); when there is
     none once the job has ended, rank 0 reads the job's `console` (what its processes printed)."""
-    path = os.path.join(run_dir, "logs", f"rank-{rank}.log")
+    path = RunDir.of(run_dir).rank_log(rank)
     yield from _read_log(path, follow, finished)
     if not os.path.exists(path) and rank == 0 and console:
         yield from _read_log(console, False, finished)
@@ -118,7 +118,7 @@ class CacheNodeProcesses:
     def __init__(self, spec: LaunchSpec):
         nodes = spec.cache_nodes
         self.procs: list[subprocess.Popen] = []
-        self.logs = [os.path.join(spec.run_dir, "logs", f"cache-node-{i}.log") for i in range(nodes.count)]
+        self.logs = [RunDir.of(spec.run_dir).cache_node_log(i) for i in range(nodes.count)]
         os.makedirs(os.path.dirname(self.logs[0]), exist_ok=True)
         ports = [(_free_port(), _free_port()) for _ in range(nodes.count)]
         train = [f"grpc://127.0.0.1:{port}" for port, _ in ports]

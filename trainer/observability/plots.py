@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 from omegaconf import OmegaConf
 
-from trainjob.run_files import read_metrics
+from trainjob.run_files import RunDir, read_metrics
 
 log = logging.getLogger(__name__)
 # The loss axis is log-scaled once the losses span more than this factor (a fall from ln(259) ~ 5.6 to
@@ -22,7 +22,7 @@ LOG_SCALE_SPAN = 2.0
 
 def tokens_per_step(run_dir: str) -> int | None:
     """Tokens one step trains on (global batch x sequence length), from the run's config.yaml."""
-    path = os.path.join(run_dir, "config.yaml")
+    path = RunDir.of(run_dir).config
     if not os.path.exists(path):
         return None
     try:
@@ -110,7 +110,7 @@ def save_loss_png(run_dir: str) -> str | None:
     try:
         title = "/".join(os.path.normpath(run_dir).split(os.sep)[-2:])
         fig = loss_figure(read_metrics(run_dir), tokens_per_step(run_dir), title=title)
-        return save(fig, os.path.join(run_dir, "loss.png"))
+        return save(fig, RunDir.of(run_dir).loss_png)
     except (OSError, ValueError) as e:
         log.warning("could not draw %s/loss.png: %s", run_dir, e)
         return None

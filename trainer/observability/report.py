@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainjob.cli import OneLineParser
 from trainjob.files import directory_problem
-from trainjob.run_files import read_events
+from trainjob.run_files import RunDir, read_events
 
 log = logging.getLogger(__name__)
 # Keys that differ between any two runs without being a choice: where each run went.
@@ -46,9 +46,7 @@ class RunRow:
 
 
 def is_run(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.yaml")) and (
-        os.path.isfile(os.path.join(path, "metrics.jsonl")) or os.path.isfile(os.path.join(path, "summary.json"))
-    )
+    return RunDir.of(path).is_run()
 
 
 def _natural(name: str) -> list:
@@ -83,7 +81,7 @@ def flat_config(run_dir: str) -> dict[str, str]:
     naming the file when it is not a config (empty, not YAML, not a mapping)."""
     from trainer.observability.trackers import flat_params
 
-    path = os.path.join(run_dir, "config.yaml")
+    path = RunDir.of(run_dir).config
     try:
         cfg = OmegaConf.load(path)
     except Exception as e:  # YAML and OmegaConf raise many kinds: one line naming the file
@@ -105,7 +103,7 @@ def differing(configs: list[dict[str, str]]) -> list[str]:
 def _summary(run_dir: str) -> dict[str, Any]:
     """The run's summary.json; {} when there is none, and, with a warning naming it, when it is not whole
     (the row then comes from the metrics lines, as for a run still going)."""
-    path = os.path.join(run_dir, "summary.json")
+    path = RunDir.of(run_dir).summary
     if not os.path.isfile(path):
         return {}
     try:

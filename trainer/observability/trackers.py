@@ -29,7 +29,6 @@ from trainjob.env import CACHE_TOKEN_ENV
 from trainjob.files import write_whole
 from trainjob.run_files import RunDir
 
-STATE_FILE = "tracking.json"
 FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
 
 # TensorBoard tags of the metrics lines' keys: one section per kind of number.
@@ -97,7 +96,7 @@ def config_text(cfg: Any) -> str:
 
 
 def _read_state(run_dir: str) -> dict:
-    path = os.path.join(run_dir, STATE_FILE)
+    path = RunDir.of(run_dir).tracking
     if not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -106,7 +105,7 @@ def _read_state(run_dir: str) -> dict:
 
 def _write_state(run_dir: str, **entries: Any) -> None:
     state = {**_read_state(run_dir), **entries}
-    write_whole(os.path.join(run_dir, STATE_FILE), json.dumps(state, indent=2))
+    write_whole(RunDir.of(run_dir).tracking, json.dumps(state, indent=2))
 
 
 class JsonlTracker:
@@ -128,7 +127,7 @@ class TensorBoardTracker:
     def __init__(self, cfg: DictConfig, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(os.path.join(cfg.run_dir, "tb"), purge_step=start_step + 1)
+        self._writer = SummaryWriter(RunDir.of(cfg.run_dir).tensorboard, purge_step=start_step + 1)
         self._writer.add_text("config", config_text(cfg), global_step=start_step)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -149,7 +148,7 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         m = cfg.train.mlflow
-        uri = m.tracking_uri or pathlib.Path(cfg.run_dir, "mlruns").resolve().as_uri()
+        uri = m.tracking_uri or pathlib.Path(RunDir.of(cfg.run_dir).mlruns).resolve().as_uri()
         if uri.startswith("file:"):  # MLflow 3 keeps the file store (maintenance mode) behind this opt-in
             os.environ.setdefault(FILE_STORE_ENV, "true")
         self.client = MlflowClient(tracking_uri=uri)
