@@ -41,3 +41,21 @@ def test_the_config_reference_is_what_the_schema_makes():
     for key in ("model.head_dim", "data.cache.endpoints", "launcher.namespace", "recipe.generation.async",
                 "runtime.nproc_per_node", "train.wandb.mode", "lr_schedule.warmup_steps"):
         assert f"| `{key}` |" in page, key
+
+
+def test_conf_names_the_module_that_reads_each_group():
+    """A newcomer reading conf/config.yaml finds, beside each group of the defaults list, the module whose schema
+    reads it; every group folder is in that list, and every module named there exists."""
+    import re
+
+    lines = (REPO / "conf" / "config.yaml").read_text().split("defaults:")[1].split("\n\n")[0].splitlines()
+    entries = {}
+    for line in lines:
+        match = re.match(r"\s+- (\w+)(?::\s*\S+)?\s+# ([^\s:]+)", line)
+        if match:
+            entries[match.group(1)] = match.group(2)
+    groups = {p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "experiment"}
+    assert groups <= set(entries), sorted(groups - set(entries))
+    for group, module in entries.items():
+        path = REPO / module.replace("<name>", "local")
+        assert path.exists(), (group, module)

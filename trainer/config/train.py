@@ -36,6 +36,7 @@ class WandbConfig:
     mode: str | None = None
     run_name: str | None = None  # null: as for MLflow
 
+
 @dataclass
 class TrainConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
