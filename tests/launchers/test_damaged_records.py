@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from launchers import Client, registry
 from launchers.base import LauncherError
 from launchers.local.backend import LocalLauncher
-from trainjob.run_files import read_progress, read_summary
+from trainjob.run_files import read_progress
 
 GOOD = registry.JobRecord(name="tj-good-0000aaaa", run_dir="/nowhere", command=["true"], exit_code=0, ended=2.0)
 
@@ -104,17 +104,6 @@ def test_a_registry_where_a_file_is_is_one_line_naming_the_variable(tmp_path, mo
     with pytest.raises(LauncherError, match=r"^TRAINJOB_HOME=.*a-file: is a file"):
         GOOD.save()
     assert (tmp_path / "a-file").read_text() == "x"
-
-
-@settings(max_examples=25)
-@given(cut=st.integers(0, 60), junk=st.lists(st.sampled_from(["[1]", "7", '"s"', "null", '{"step": 2, "lo'])))
-def test_a_cut_summary_or_metrics_lines_of_another_kind_read_as_missing(tmp_path_factory, cut, junk):
-    run = tmp_path_factory.mktemp("run")
-    summary = json.dumps({"steps": 3, "final_train_loss": 1.5, "final_eval_loss": 1.25})
-    (run / "metrics.jsonl").write_text("\n".join([json.dumps({"step": 1, "loss": 2.0}), *junk]) + "\n")
-    (run / "summary.json").write_text(summary[:cut])
-    assert read_summary(str(run)) is None
-    assert read_progress(str(run)) == {"step": 1, "loss": 2.0, "eval_loss": None}
 
 
 def test_the_client_refuses_what_cannot_run_as_a_job(tmp_path):

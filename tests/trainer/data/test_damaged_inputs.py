@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from tests.conftest import examples
 from trainer.data import corpus as data
 from trainer.observability import report
-from trainjob.files import directory_problem, write_whole
 
 
 def _writer(calls: list):
@@ -121,39 +120,3 @@ def test_report_output_that_cannot_be_written_is_refused_before_anything(one_run
     assert sorted(p.name for p in one_run.parent.iterdir()) == ["run", "taken.png"]
     assert not list(one_run.parent.rglob("*.tmp"))
 
-
-LAYOUT = st.lists(st.sampled_from(["d", "f"]), min_size=1, max_size=4)
-
-
-@settings(max_examples=examples(30), suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(layout=LAYOUT, below=st.integers(0, 2))
-def test_a_path_is_refused_exactly_when_a_file_is_in_its_way_and_nothing_is_made(tmp_path_factory, layout,
-                                                                                 below):
-    root = tmp_path_factory.mktemp("layout")
-    path = root
-    for i, kind in enumerate(layout):  # folders, and from the first "f" on, a file in the way
-        path = path / f"p{i}"
-        if kind == "f":
-            path.write_text("x")
-            break
-        path.mkdir()
-    target = path.joinpath(*[f"new{i}" for i in range(below)])
-    before = sorted(root.rglob("*"))
-    problem = directory_problem(str(target))
-    assert sorted(root.rglob("*")) == before
-    if "f" not in layout:
-        assert problem is None
-    elif below == 0:
-        assert problem == "is a file"
-    else:
-        assert problem == f"is inside {path}, which is a file"
-
-
-def test_write_whole_leaves_the_old_file_and_no_temporary_when_it_fails(tmp_path):
-    target = tmp_path / "summary.json"
-    target.write_text("old")
-
-    with pytest.raises(TypeError):
-        write_whole(str(target), 123)  # a write that fails midway: not text
-    assert target.read_text() == "old"
-    assert os.listdir(tmp_path) == ["summary.json"]
