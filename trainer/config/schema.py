@@ -82,7 +82,7 @@ def typed(cfg: DictConfig | dict, options: Mapping[str, type] | None = None) -> 
         schema = (options or {}).get(name)
         if schema is not None:
             node[name] = OmegaConf.merge(OmegaConf.structured(schema), node[name])
-        elif not OmegaConf.is_missing(node, name):
+        elif not OmegaConf.is_missing(node, name) and OmegaConf.is_config(node[name]):
             kept[name] = OmegaConf.create(OmegaConf.to_container(node[name], resolve=True))
             node[name] = None
     try:
