@@ -39,7 +39,7 @@ def test_the_config_reference_is_what_the_schema_makes():
     assert (REPO / "docs" / "reference.md").read_text() == page, (
         "docs/reference.md is stale: python -m trainer.config.reference > docs/reference.md")
     for key in ("model.head_dim", "data.cache.endpoints", "launcher.namespace", "recipe.generation.async",
-                "runtime.nproc_per_node", "train.wandb.mode", "lr_schedule.warmup_steps"):
+                "runtime.nproc_per_node", "tracker.wandb.mode", "lr_schedule.warmup_steps"):
         assert f"| `{key}` |" in page, key
 
 

@@ -6,7 +6,7 @@ metrics.jsonl        one JSON object per logged step (rank 0)
 events.jsonl         one JSON object per event of the run: a resume, a re-formation, a preemption (rank 0)
 summary.json         the final metrics (rank 0)
 loss.png             train and eval loss against step, drawn from metrics.jsonl when the run ends
-tb/, mlruns/         TensorBoard's events, MLflow's file store (train.trackers; W&B writes wandb/ itself)
+tb/, mlruns/         TensorBoard's events, MLflow's file store (tracker.report_to; W&B writes wandb/ itself)
 tracking.json        the MLflow and W&B run ids a resumed run goes on with
 train_func.py        a function job's script (`launchers.Client.train(func=...)`)
 manifests.yaml       what a Kubernetes run submitted

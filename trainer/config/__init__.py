@@ -4,11 +4,12 @@ checks. No torch here: the driver checks a config without it.
 The yaml files under `conf/` hold values only; types and defaults live here (Hydra rejects unknown keys and wrong
 types while composing). Each section is a module holding its dataclass, the fields it declares positive (`POSITIVE`)
 and, in its `check()`, the other rules on its own values: `model`, `data`, `strategy` (and `Degrees`, its degrees
-for a world size), `runtime`, `kernels`, `optim`, `lr_schedule`, `train`, `recipe`, `peft`. The rules that span
-sections are in one place, `across.check`. `trainer.config.validate.validate()` (the driver's: it reads the
-launchers' schemas too) runs them all and returns the typed `Config` (`schema`); a rank types its config.yaml with
-`typed`. Every rule raises `trainer.errors.ConfigError` (through the helpers of `checks`) naming the key, the value
-and what is allowed. A new section is a module with a dataclass with a `check()` method, and a field of `Config`.
+for a world size), `runtime`, `kernels`, `optim`, `lr_schedule`, `train`, `tracker`, `recipe`, `peft`. The rules
+that span sections are in one place, `across.check`. `trainer.config.validate.validate()` (the driver's: it reads
+the launchers' schemas too) runs them all and returns the typed `Config` (`schema`); a rank types its config.yaml
+with `typed`. Every rule raises `trainer.errors.ConfigError` (through the helpers of `checks`) naming the key, the
+value and what is allowed. A new section is a module with a dataclass with a `check()` method, and a field of
+`Config`.
 """
 
 from trainer.config.data import CACHE_KEYS, CacheConfig, DataConfig

@@ -13,7 +13,7 @@ from trainer.config.model import BYTE_VOCAB_SIZE
 from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, is_async
 from trainer.config.runtime import node_counts, nproc_per_node
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES, Degrees
-from trainer.config.train import require_tracker_package
+from trainer.config.tracker import require_tracker_package
 from trainer.errors import ConfigError
 from trainer.families import BY_NAME
 from trainjob.run_files import RunDir
@@ -335,5 +335,5 @@ def _peft(job) -> None:
 def _trackers(job) -> None:
     """Where the ranks run on this machine, a tracker's package must be installed here."""
     if job.launcher.name == "local":
-        for name in job.train.trackers:
-            require_tracker_package(name, list(job.train.trackers))
+        for name in job.tracker.report_to:
+            require_tracker_package(name, list(job.tracker.report_to))

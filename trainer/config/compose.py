@@ -28,7 +28,8 @@ def register() -> None:
 
 
 # Keys that moved to another section: an override of the old key is refused naming the new one.
-MOVED_KEYS = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_factor"}
+MOVED_KEYS = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_factor",
+              "train.trackers": "tracker.report_to", "train.mlflow": "tracker.mlflow", "train.wandb": "tracker.wandb"}
 
 
 def plain_group_overrides(overrides: list[str]) -> list[str]:
@@ -37,9 +38,10 @@ def plain_group_overrides(overrides: list[str]) -> list[str]:
     override of a key that moved (`MOVED_KEYS`) raises ConfigError naming where it went."""
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
-        if key in MOVED_KEYS:
-            raise ConfigError(key, value, f"moved to {MOVED_KEYS[key]} (the lr_schedule group: "
-                              "lr_schedule=cosine|linear|sqrt|constant): give that key")
+        old = next((k for k in MOVED_KEYS if key == k or key.startswith(k + ".")), None)
+        if old is not None:
+            new = MOVED_KEYS[old] + key[len(old):]
+            raise ConfigError(key, value, f"moved to {new} (the {new.split('.')[0]} group): give that key")
     return [o[1:] if o.startswith(tuple(f"+{g}=" for g in OPTIONAL_GROUPS)) else o for o in overrides]
 
 

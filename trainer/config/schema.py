@@ -25,6 +25,7 @@ from trainer.config.peft import PeftConfig
 from trainer.config.recipe import RecipeConfig
 from trainer.config.runtime import RuntimeConfig
 from trainer.config.strategy import StrategyConfig
+from trainer.config.tracker import TrackerConfig
 from trainer.config.train import TrainConfig
 from trainer.errors import ConfigError
 
@@ -42,6 +43,7 @@ class Config:
     optim: OptimConfig = MISSING
     lr_schedule: LRScheduleConfig = MISSING
     train: TrainConfig = MISSING
+    tracker: TrackerConfig = MISSING
     recipe: RecipeConfig = MISSING
     peft: PeftConfig = MISSING
     runtime: RuntimeConfig | None = None

@@ -1,6 +1,6 @@
 """Training metrics: FLOPs per token and MFU (TorchTitan's formula), memory, and `MetricsLogger`, which owns
 the metrics lines: when one is written, what it holds, and where it goes (metrics.jsonl and the trackers of
-`train.trackers`, the TrainJob's progress report, the progress bar)."""
+`tracker.report_to`, the TrainJob's progress report, the progress bar)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class MetricsLogger:
         if self.rank == 0:
             last = keep_metrics_until(cfg.run_dir, first_step)
             note_restart(cfg.run_dir, first_step, last, self.world, cfg.runtime)
-            self.trackers = trackers.open_trackers(cfg, first_step)  # metrics.jsonl and train.trackers
+            self.trackers = trackers.open_trackers(cfg, first_step)  # metrics.jsonl and tracker.report_to
             self.reporter = trainer_status.ProgressReporter.from_env(self.last, first_step)  # on a TrainJob that asks
         self.bar = tqdm(total=self.last, initial=first_step, disable=self.rank != 0 or not train_cfg.progress,
                         desc="train", unit="step", dynamic_ncols=True)

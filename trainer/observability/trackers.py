@@ -1,8 +1,8 @@
-"""Experiment trackers: where rank 0 sends each metrics line (`train.trackers`).
+"""Experiment trackers: where rank 0 sends each metrics line (`tracker.report_to`).
 
 `jsonl` (`<run_dir>/metrics.jsonl`) is always on; `tensorboard` writes event files under `<run_dir>/tb/`,
-`mlflow` logs to `train.mlflow.tracking_uri` (default: a file store in `<run_dir>/mlruns`), `wandb` logs
-offline under `<run_dir>/wandb/` unless `train.wandb.mode` or WANDB_MODE says otherwise. Every tracker
+`mlflow` logs to `tracker.mlflow.tracking_uri` (default: a file store in `<run_dir>/mlruns`), `wandb` logs
+offline under `<run_dir>/wandb/` unless `tracker.wandb.mode` or WANDB_MODE says otherwise. Every tracker
 takes the same lines through one interface (`log`, `close`); `open_trackers` opens those the config names.
 
 A resumed run continues the same curves: TensorBoard purges the events after the step resumed from
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config.train import require_tracker_package
+from trainer.config.tracker import require_tracker_package
 from trainjob.env import CACHE_TOKEN_ENV
 from trainjob.files import write_whole
 from trainjob.run_files import RunDir
@@ -147,7 +147,7 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        m = cfg.train.mlflow
+        m = cfg.tracker.mlflow
         uri = m.tracking_uri or pathlib.Path(RunDir.of(cfg.run_dir).mlruns).resolve().as_uri()
         if uri.startswith("file:"):  # MLflow 3 keeps the file store (maintenance mode) behind this opt-in
             os.environ.setdefault(FILE_STORE_ENV, "true")
@@ -188,7 +188,7 @@ class WandbTracker:
     def __init__(self, cfg: DictConfig, start_step: int):
         import wandb
 
-        w = cfg.train.wandb
+        w = cfg.tracker.wandb
         state = _read_state(cfg.run_dir).get("wandb", {})
         run_id = state.get("run_id") or uuid.uuid4().hex[:8]
         self.run = wandb.init(
@@ -230,9 +230,9 @@ class Trackers:
 
 
 def open_trackers(cfg: DictConfig, start_step: int) -> Trackers:
-    """Open `metrics.jsonl` and the trackers `train.trackers` names, for a run going on from `start_step`
+    """Open `metrics.jsonl` and the trackers `tracker.report_to` names, for a run going on from `start_step`
     (0: a fresh one). Rank 0 only. A missing package is a ConfigError (the worker's one line, exit 2)."""
-    chosen = list(dict.fromkeys(cfg.train.trackers))
+    chosen = list(dict.fromkeys(cfg.tracker.report_to))
     opened: list[Tracker] = [JsonlTracker(cfg.run_dir)]
     try:
         for name in chosen:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY, examples, read_metrics, read_summary
-from trainer.config.train import TRACKER_MODULES
+from trainer.config.tracker import TRACKER_MODULES
 from trainer.config.validate import validate
 from trainer.errors import ConfigError
 from trainer.observability import plots, trackers
@@ -28,7 +28,7 @@ ARGS = [
     "train.max_steps=6",
     "train.eval_every=3",
     "train.checkpoint_every=3",
-    "train.trackers=[jsonl,tensorboard,mlflow,wandb]",
+    "tracker.report_to=[jsonl,tensorboard,mlflow,wandb]",
 ]
 
 
@@ -118,7 +118,7 @@ def test_the_mlflow_file_store_holds_the_config_as_params_and_the_metrics(resume
     assert run.info.run_name == "/".join(run_dir.split(os.sep)[-2:])
     params = run.data.params
     assert params["model.dim"] == "64" and params["train.global_batch_size"] == "8"
-    assert json.loads(params["train.trackers"]) == ["jsonl", "tensorboard", "mlflow", "wandb"]
+    assert json.loads(params["tracker.report_to"]) == ["jsonl", "tensorboard", "mlflow", "wandb"]
     records, summary = read_metrics(run_dir), read_summary(run_dir)
     assert run.data.metrics["loss"] == pytest.approx(summary["final_train_loss"])
     assert run.data.metrics["eval_loss"] == pytest.approx(summary["final_eval_loss"])
@@ -187,10 +187,10 @@ def _compose(*overrides: str):
 
 @pytest.mark.timeout(60)
 def test_an_unknown_tracker_is_refused_before_anything_starts(run_cli, tmp_path):
-    proc = run_cli(*TINY, "train.trackers=[jsonl,neptune]", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_cli(*TINY, "tracker.report_to=[jsonl,neptune]", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: invalid config: train.trackers=['jsonl', 'neptune']: unknown tracker 'neptune': trackers are "
+        "error: invalid config: tracker.report_to=['jsonl', 'neptune']: unknown tracker 'neptune': trackers are "
         "jsonl, tensorboard, mlflow, wandb"
     )
     assert not (tmp_path / "run").exists()
@@ -200,7 +200,7 @@ def test_an_unknown_tracker_is_refused_before_anything_starts(run_cli, tmp_path)
 @pytest.mark.parametrize("tracker", ["tensorboard", "mlflow", "wandb"])
 def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(tracker, monkeypatch):
 
-    cfg = _compose(f"train.trackers=[{tracker}]")
+    cfg = _compose(f"tracker.report_to=[{tracker}]")
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
@@ -218,5 +218,5 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(tracker,
 @pytest.mark.timeout(60)
 def test_a_wandb_mode_that_does_not_exist_is_refused():
 
-    with pytest.raises(ConfigError, match=r"train.wandb.mode='cloud': must be one of online, offline, disabled"):
-        validate(_compose("train.wandb.mode=cloud"))
+    with pytest.raises(ConfigError, match=r"tracker.wandb.mode='cloud': must be one of online, offline, disabled"):
+        validate(_compose("tracker.wandb.mode=cloud"))
