@@ -1,6 +1,6 @@
 # The image that every node of a `launcher=docker` or `launcher=kubernetes` run starts: PyTorch with CUDA
 # (the image Kubeflow Trainer's torch-distributed runtime uses) plus trainjob, with the experiment trackers'
-# packages (`train.trackers`), which rank 0 imports where it runs.
+# packages (`tracker.report_to`), which rank 0 imports where it runs.
 #   docker build -t <registry>/trainjob:<tag> .
 # BASE picks another base with python, pip and torch on PATH: CI builds the image its real-engine tests run on
 # a base it makes itself (.ci/docker-image: `--build-arg BASE=trainjob-base:bookworm`).
