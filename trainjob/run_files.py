@@ -206,9 +206,7 @@ def read_progress(run_dir: str) -> dict[str, Any]:
     `metrics.jsonl` while it trains, `summary.json` once it is done; and the run's events (`read_events`:
     resumes, re-formations, preemptions)."""
     found: dict[str, Any] = {"step": None, "loss": None, "eval_loss": None}
-    for record in json_lines(RunDir.of(run_dir).metrics):
-        if "event" in record:
-            continue
+    for record in read_metrics(run_dir):
         found["step"], found["loss"] = record.get("step", found["step"]), record.get("loss", found["loss"])
         if record.get("eval_loss") is not None:
             found["eval_loss"] = record["eval_loss"]
