@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 
 from trainer import checkpoint, models  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402

@@ -16,8 +16,10 @@ import os
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 PACKAGES = tuple(os.path.join(REPO, p) + os.sep for p in ("trainjob", "trainer", "launchers", "datacache", "ops"))
 
 

@@ -63,8 +63,10 @@ import pyarrow.flight as flight
 import pyarrow.parquet as pq
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 
 from datacache import LocalDataset, StreamingDataset  # noqa: E402
 from datacache.memory import keep_freed_buffers  # noqa: E402

@@ -23,6 +23,11 @@ import sys
 import threading
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
+
 SHAPES = {
     # Llama 3 8B and Llama 3.2 1B (tied embeddings), as their config.json describe them.
     "8b": {

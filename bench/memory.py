@@ -31,6 +31,11 @@ import subprocess
 import sys
 import tempfile
 
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
+
 VOCAB = 151_936
 PROMPT = 64  # grpo's prompt tokens
 GENERATIONS = 4
@@ -171,7 +176,6 @@ def _trl(case: str, length: int, path: str) -> tuple[float, float]:
 
 
 def child(spec: dict) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
 
     torch.set_num_threads(2)

@@ -24,8 +24,10 @@ import statistics
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # before bench/, whose datacache.py would shadow the package
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 from trainjob.run_files import RunDir, read_metrics  # noqa: E402
 
 # The shapes: transformers' config keys (shared by every family), then the run's batch.

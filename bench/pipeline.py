@@ -17,8 +17,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 from trainjob.run_files import read_metrics, read_summary  # noqa: E402
 
 TWO = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]

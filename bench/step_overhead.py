@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 LOG_EVERY = 10  # the worker's default train.log_every
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+# The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
+# installed packages', which transformers and pytest import.
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 
 from trainer import models  # noqa: E402
 from trainer.__main__ import prepare_run  # noqa: E402

@@ -4,18 +4,14 @@ print them (their own header and row formats, kept in bench/kernels.py and bench
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench_script import load
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_gpu_report", REPO / "bench" / "gpu_report.py")
-gpu_report = sys.modules["bench_gpu_report"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_report)
-sys.path.insert(0, str(REPO / "bench"))
-import e2e  # noqa: E402  (bench/e2e.py)
-import kernels  # noqa: E402  (bench/kernels.py)
+gpu_report, e2e, kernels = load("gpu_report"), load("e2e"), load("kernels")
 
 nan = float("nan")
 # A report as bench/gpu_check.sh writes it: the scripts' own header and rows, with made-up numbers.

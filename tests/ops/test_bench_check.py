@@ -22,20 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_script import load
 from tests.ops.conftest import DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    """bench/<name>.py by its path, as bench_<name> (bench/ is no package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    module = sys.modules[f"bench_{name}"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("kernels")
+bench = load("kernels")
 
 # Liger's rotary kernel (which runs under the interpreter) and the routed elementwise ops; the rest are
 # slow interpreted at these shapes (4096-wide rows) and have their own tests.
@@ -91,7 +84,7 @@ def test_check_calls_a_kernel_wrong_when_it_strays_further_than_eager():
 def test_a_trainer_runs_metrics_become_the_reports_end_to_end_line(tmp_path):
     """bench/gpu_check.sh turns each `python -m trainer` run into one line (bench/gpu_report.py --run);
     the report's reader takes its tokens/s back, and a run that logged nothing reads as not measured."""
-    gpu_report = _load("gpu_report")
+    gpu_report = load("gpu_report")
     rows = [{"step": i + 1, "loss": 5.0, "tokens_per_s": tok, "mfu": mfu}
             for i, (tok, mfu) in enumerate([(100, 0.1), (200, 0.2), (300, 0.3), (500, 0.5)])]
     run = tmp_path / "1b-triton"

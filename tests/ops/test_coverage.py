@@ -6,17 +6,14 @@ none under kernels=torch; and what `kernels.*` routes is what the loop runs unde
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench_script import load
+
 REPO = Path(__file__).resolve().parents[2]
-# bench/coverage.py by its path: the name `coverage` is coverage.py's, which pytest plugins import.
-_spec = importlib.util.spec_from_file_location("bench_coverage", REPO / "bench" / "coverage.py")
-coverage = sys.modules["bench_coverage"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(coverage)
+coverage = load("coverage")
 
 ONE_LAYER = ["model=debug", "model.n_layers=1"]
 # Ops the step must call, in ours (a trace that lost them would pass the 100% below vacuously): the
