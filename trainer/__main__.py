@@ -113,7 +113,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     a refused run leaves nothing, and a second driver into a running run's directory changes nothing."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
-        job, checked = check(cfg)
+        job, shape, checked = check(cfg)
     except config.ConfigError as e:
         _refuse(e, run_dir)
     except UserCodeError as e:  # a chat template that raised while the corpus was built: exit 1, nothing left
@@ -140,11 +140,11 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     torchrun = None
     if runtime is not None:
         torchrun = launchers.Torchrun(**{f.name: runtime[f.name] for f in fields(launchers.Torchrun)})
-    counts = config.node_counts(cfg)
+    counts = shape.counts
     spec = launchers.LaunchSpec(
         run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=counts[-1],
         min_nodes=counts[0] if len(counts) > 1 else None, node=node,
-        nproc_per_node=config.nproc_per_node(cfg), torchrun=torchrun, secrets=secrets, config=saved,
+        nproc_per_node=shape.per_node, torchrun=torchrun, secrets=secrets, config=saved,
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
         cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fds=lock_fds,
         stop_grace_s=int(saved["train"]["preemption_grace_s"]),

@@ -73,6 +73,7 @@ class Checked:
 def check(cfg: Config, dims: Degrees) -> Checked:
     """Build or find the corpus and check everything the job will read before its first step: the corpus
     (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError."""
+    start = resume_candidate(cfg)
     check_memory(cfg, dims)
     kind = KINDS[cfg.data.name]
     corpus = kind.prepare(cfg) if needs_corpus(cfg.data) else None
@@ -82,7 +83,6 @@ def check(cfg: Config, dims: Degrees) -> Checked:
         if getattr(cfg.data.cache, key):
             split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
                           rank=0, world_size=dims.dp_size, loop=False)
-    start = resume_candidate(cfg)
     if start is not None:
         if not checkpoint.is_checkpoint(start):
             raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "

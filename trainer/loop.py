@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader
 from datacache import StreamingDataset
 from trainer import checkpoint, models, optimizer, parallel, preemption, recipes
 from trainer.config import ConfigError, aten_ops, torch_dtype
-from trainer.config.optim import implementation
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
 from trainer.observability import metrics, plots
@@ -48,7 +47,7 @@ class Trainer:
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp_rank, dp_size = dims.data_parallel_rank()
-        self.optimizer = optimizer.build_optimizer(cfg.optim, model, implementation(cfg.optim, cfg.kernels.name))
+        self.optimizer = optimizer.build_optimizer(cfg.optim, model, cfg.kernels.name)
         self.lr_schedule = optimizer.build_lr_schedule(cfg.lr_schedule, self.optimizer, t.max_steps)
         self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims)
                              else contextlib.nullcontext)

@@ -17,9 +17,17 @@ _OPTIM_KEYS = {"initial_lr": "optim.lr", "weight_decay": "optim.weight_decay", "
                "eps": "optim.eps", "momentum": "optim.momentum"}
 
 
-def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.optim.Optimizer:
-    """The optim section's optimizer over `model`'s trained parameters; `impl` (optim.impl, resolved):
-    torch.optim's foreach AdamW or ops.AdamW, which save and load the same state dict."""
+def implementation(optim, kernels: str) -> str:
+    """The optim section's `impl`, or its default under `kernels=<kernels>`: triton for AdamW under
+    kernels=triton, else torch."""
+    if optim.impl is not None:
+        return optim.impl
+    return "triton" if kernels == "triton" and optim.name == "adamw" else "torch"
+
+
+def build_optimizer(cfg, model: torch.nn.Module, kernels: str = "torch") -> torch.optim.Optimizer:
+    """The optim section's optimizer over `model`'s trained parameters, under `kernels=<kernels>`: torch.optim's
+    foreach AdamW or ops.AdamW (`implementation`), which save and load the same state dict."""
     # No weight decay on norms' gains (1-D parameters), as usual for transformers.
     trained = [p for p in model.parameters() if p.requires_grad]  # not a frozen base (peft=lora)
     decay = [p for p in trained if p.ndim >= 2]
@@ -29,7 +37,7 @@ def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.o
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if cfg.name == "adamw":
-        if impl == "triton":
+        if implementation(cfg, kernels) == "triton":
             import ops
 
             return ops.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)

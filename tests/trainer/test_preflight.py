@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TINY, compose_refused, compose_run
-from trainer.preflight import _check_directory
+from trainer.callbacks import _check_directory
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -9,25 +9,22 @@ import os
 
 from trainer.config import hf_impl, runtime
 from trainer.config.checks import require
+from trainer.config.degrees import Degrees
 from trainer.config.model import BYTE_VOCAB_SIZE
 from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, is_async
-from trainer.config.runtime import node_counts, nproc_per_node
-from trainer.config.strategy import MULTI_STAGE_SCHEDULES, Degrees
+from trainer.config.runtime import JobShape
+from trainer.config.strategy import MULTI_STAGE_SCHEDULES
 from trainer.config.tracker import require_tracker_package
 from trainer.errors import ConfigError
 from trainer.families import BY_NAME
 from trainjob.run_files import RunDir
 
 
-def check(job) -> None:
-    """Raise ConfigError on the first rule across sections that `job` (the typed `Config`) breaks. The job's
-    shape (its node counts, processes per node, this machine's GPUs) is read once, here, for every rule."""
-    counts, per_node = node_counts(job), nproc_per_node(job)
+def check(job, shape: JobShape) -> None:
+    """Raise ConfigError on the first rule across sections that `job` (the typed `Config`) breaks. `shape`: the
+    job's node counts, processes per node and degrees (`runtime.job_shape`), read once for every rule."""
+    counts, per_node, dims = shape.counts, shape.per_node, shape.dims
     gpus = runtime.local_gpu_count() if job.launcher.name == "local" else 0
-    world, s = per_node * counts[-1], job.strategy
-    require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
-            f"process: add +runtime=torch-distributed (world size is {world})")
-    dims = Degrees.of(s, world)
     _model_and_data(job)
     _runtime(job, counts, per_node, gpus)
     _parallel(job, dims, runnable=job.launcher.name != "local" or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")

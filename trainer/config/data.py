@@ -18,17 +18,6 @@ FLIGHT_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://", "kubeflow+grpc://")  
 
 
 CACHE_BACKENDS = ("trainjob", "kubeflow")
-# data.eval_percent unset: this share of the documents is held out, and a split too small for one global batch
-# means a run without eval (said in one line) rather than a refusal, as TRL trains without an eval set.
-DEFAULT_EVAL_PERCENT = 2.0
-
-
-def eval_share(data) -> float:
-    """The percent of documents the eval split holds: `data.eval_percent`, or DEFAULT_EVAL_PERCENT unset."""
-    value = getattr(data, "eval_percent", None)
-    return DEFAULT_EVAL_PERCENT if value is None else float(value)
-
-
 @dataclass
 class KubeflowCacheConfig:
     # data.cache.backend=kubeflow: what Kubeflow Trainer's dataset initializer (its CacheDatasetInitializer)

@@ -55,14 +55,6 @@ class KernelsConfig:
                 require(False, "kernels", "triton", "needs the triton package: pip install triton")
 
 
-def model_ops(cfg) -> list[str]:
-    """The model's functions (TRITON_OPS) that the kernels section `cfg` points at ops/: none under
-    kernels=torch, else `include` (null: all) less `exclude`."""
-    if cfg.name != "triton":
-        return []
-    return [op for op in (cfg.include or TRITON_OPS) if op in TRITON_OPS and op not in (cfg.exclude or [])]
-
-
 def aten_ops(cfg) -> tuple[list[str] | None, list[str]] | None:
     """`ops.enable()`'s (include, exclude) for the kernels section `cfg` (include None: every ATen op), or
     None when no ATen op is routed (kernels=torch, kernels.aten=false, or an include of model ops only)."""

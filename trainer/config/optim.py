@@ -44,11 +44,3 @@ class OptimConfig:
                 f"ops has AdamW only: optim={self.name} takes optim.impl=torch")
         require(self.impl != "triton" or importlib.util.find_spec("triton") is not None, "optim.impl", self.impl,
                 "needs the triton package: pip install triton")
-
-
-def implementation(optim, kernels: str) -> str:
-    """The optim section's `impl`, or its default under `kernels=<kernels>`: triton for AdamW under
-    kernels=triton, else torch."""
-    if optim.impl is not None:
-        return optim.impl
-    return "triton" if kernels == "triton" and optim.name == "adamw" else "torch"

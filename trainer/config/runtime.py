@@ -1,5 +1,5 @@
-"""The `runtime` section (`+runtime=torch-distributed`): how many processes on how many nodes torchrun starts,
-and the world size that follows from it and the launcher."""
+"""The `runtime` section (`runtime=torch-distributed`): how many processes on how many nodes torchrun starts,
+and the job's shape that follows from it, the launcher and the strategy (`job_shape`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from omegaconf import MISSING
 
 from trainer.config.checks import one_of, require
-from trainer.config.strategy import Degrees
+from trainer.config.degrees import Degrees
 from trainer.errors import ConfigError
 from trainjob.nodes import node_range
 
@@ -92,17 +92,25 @@ def node_counts(cfg: Any) -> range:
     return range(fewest, most + 1)
 
 
-def world_size(cfg: Any) -> int:
-    """The job's world size (an elastic job's largest)."""
-    return nproc_per_node(cfg) * node_counts(cfg)[-1]
+@dataclass(frozen=True)
+class JobShape:
+    """The job's shape, read once from its config (`job_shape`): the node counts it may run at (an elastic
+    range's every count), its processes per node, and its degrees at the largest world."""
+
+    counts: range
+    per_node: int
+    dims: Degrees
+
+    @property
+    def world(self) -> int:
+        """The world size (an elastic job's largest)."""
+        return self.per_node * self.counts[-1]
 
 
-def parallel_dims(cfg: Any, world: int | None = None) -> Degrees:
-    """The checked and filled degrees of `cfg` for `world` ranks (default: the config's world size);
-    `trainer.parallel.ParallelDims` builds the mesh of them on the rank side."""
-    return Degrees.of(cfg.strategy, world_size(cfg) if world is None else world)
-
-
-def dp_size(cfg: Any) -> int:
-    """How many ranks see different data: the data-parallel degrees (tensor-parallel peers share batches)."""
-    return parallel_dims(cfg).dp_size
+def job_shape(cfg: Any) -> JobShape:
+    """The shape of the job `cfg`; raises ConfigError where its strategy cannot lay out its world."""
+    counts, per_node = node_counts(cfg), nproc_per_node(cfg)
+    world, s = per_node * counts[-1], cfg.strategy
+    require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
+            f"process: add runtime=torch-distributed (world size is {world})")
+    return JobShape(counts, per_node, Degrees.of(s, world))

@@ -1,5 +1,5 @@
-"""`Config`, the whole schema: one field per config group, each typed by its section's dataclass, and `typed`,
-a composed config as those dataclasses.
+"""`Config`, the whole schema: one field per config group, each typed by its section's dataclass; `typed`, a
+composed config as those dataclasses; `finite`, the check that their numbers are numbers a run can take.
 
 The launcher's and the gang scheduler's schemas live in `launchers/` and only the driver reads them
 (`trainer.config.validate`): here those two sections are `Any`, and a rank keeps them as the nodes they were
@@ -7,15 +7,17 @@ composed as, so that a rank imports no launcher."""
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from trainer.config.checks import require
 from trainer.config.data import DataConfig
 from trainer.config.kernels import KernelsConfig
 from trainer.config.lr_schedule import LRScheduleConfig
@@ -94,3 +96,17 @@ def typed(cfg: DictConfig | dict, options: Mapping[str, type] | None = None) -> 
     for name, section in kept.items():
         setattr(job, name, section)
     return job
+
+
+def finite(sections: Mapping[str, Any]) -> None:
+    """Raise ConfigError on a number of the typed `sections` (name -> dataclass) that is not finite, or an
+    integer beyond 64 bits."""
+    for prefix, section in sections.items():
+        for f in fields(section):
+            value, key = getattr(section, f.name), f"{prefix}.{f.name}"
+            if is_dataclass(value):
+                finite({key: value})
+            elif isinstance(value, float):
+                require(math.isfinite(value), key, value, "must be a finite number")
+            elif isinstance(value, int) and not isinstance(value, bool):
+                require(-(2**63) <= value < 2**63, key, value, "must be within a 64-bit integer")

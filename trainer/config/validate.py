@@ -1,5 +1,6 @@
-"""`validate`, every check of a composed config in order: unknown keys, each section's own `check()`, the
-launcher's and scheduler's rules (`launchers.check`), then the rules across sections (`across.check`).
+"""`validate`, every check of a composed config in order: unknown keys, finite numbers, each section's own
+`check()`, the job's shape (`runtime.job_shape`), the launcher's and scheduler's rules (`launchers.check`), then
+the rules across sections (`across.check`).
 
 The driver's side of the config (with `trainer.config.compose`, which registers the schemas in Hydra's
 ConfigStore): the one place here that reads the launchers' schemas. A rank types its config.yaml with
@@ -7,10 +8,9 @@ ConfigStore): the one place here that reads the launchers' schemas. A rank types
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import fields, is_dataclass
-from typing import Any
+from dataclasses import fields
+from typing import NamedTuple
 
 from omegaconf import DictConfig
 
@@ -18,8 +18,8 @@ import launchers
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config import across
 from trainer.config.checks import one_of, require
-from trainer.config.runtime import node_counts
-from trainer.config.schema import SCHEMAS, Config, typed
+from trainer.config.runtime import JobShape, job_shape
+from trainer.config.schema import SCHEMAS, Config, finite, typed
 from trainer.errors import ConfigError
 
 
@@ -48,44 +48,35 @@ def _known_keys(cfg: DictConfig, chosen: dict[str, type]) -> None:
                                   f"unknown key; {group} has {', '.join(sorted(known))}")
 
 
-def _finite(section: Any, prefix: str) -> None:
-    for f in fields(section):
-        value = getattr(section, f.name)
-        if is_dataclass(value):
-            _finite(value, f"{prefix}.{f.name}")
-        elif isinstance(value, float):
-            require(math.isfinite(value), f"{prefix}.{f.name}", value, "must be a finite number")
-        elif isinstance(value, int) and not isinstance(value, bool):
-            require(-(2**63) <= value < 2**63, f"{prefix}.{f.name}", value, "must be within a 64-bit integer")
+class Validated(NamedTuple):
+    """A config that passed every check: the typed `Config`, and its shape (node counts, processes per node,
+    degrees), read once."""
+
+    job: Config
+    shape: JobShape
 
 
-def _validate_launcher(cfg: DictConfig) -> None:
-    """The launcher's and the scheduler's own rules (`launchers.check`), reported as config errors."""
-    nnodes = node_counts(cfg)[-1] if cfg.get("runtime") is not None else None
-    paths = {"hydra.run.dir": os.path.abspath(os.path.expanduser(str(cfg.run_dir))),
-             "data.cache_dir": os.path.abspath(os.path.expanduser(str(cfg.data.cache_dir)))}
-    try:
-        launchers.check(cfg.launcher, cfg.scheduler, nnodes, paths)
-    except launchers.OptionError as e:
-        raise ConfigError(e.key, e.value, e.allowed) from None
-
-
-def validate(cfg: DictConfig) -> Config:
-    """Check every rule that the types alone cannot; raise ConfigError on the first one broken. Returns the
-    typed config."""
+def validate(cfg: DictConfig) -> Validated:
+    """Check every rule that the types alone cannot; raise ConfigError on the first one broken."""
     chosen = schemas(cfg)
     _known_keys(cfg, chosen)
     one_of("launcher.name", cfg.launcher.name, tuple(LAUNCHER_SCHEMAS))
     job = typed(cfg, chosen)
     sections = {name: getattr(job, name) for name in chosen if getattr(job, name) is not None}
-    for name, section in sections.items():
-        _finite(section, name)
+    finite(sections)
     for name, section in sections.items():
         for key in getattr(type(section), "POSITIVE", ()):  # the fields a section declares must be > 0
             value = getattr(section, key)
             require(value is not None and value > 0, f"{name}.{key}", value, "must be > 0")
         if hasattr(section, "check"):  # the launcher's and scheduler's rules live in launchers/
             section.check()
-    _validate_launcher(cfg)
-    across.check(job)
-    return job
+    shape = job_shape(job)
+    # The launcher's and the scheduler's own rules (`launchers.check`), reported as config errors.
+    paths = {"hydra.run.dir": os.path.abspath(os.path.expanduser(str(cfg.run_dir))),
+             "data.cache_dir": os.path.abspath(os.path.expanduser(str(cfg.data.cache_dir)))}
+    try:
+        launchers.check(cfg.launcher, cfg.scheduler, shape.counts[-1] if job.runtime is not None else None, paths)
+    except launchers.OptionError as e:
+        raise ConfigError(e.key, e.value, e.allowed) from None
+    across.check(job, shape)
+    return Validated(job, shape)

@@ -32,8 +32,7 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
-from trainer.config.data import eval_share
-from trainer.data.corpus import build_once, dropped_text
+from trainer.data.corpus import build_once, dropped_text, eval_share
 from trainer.data.hf_tokenizer import HFTokenizer, TemplateMaskError
 from trainer.errors import ConfigError, UserCodeError
 

@@ -31,13 +31,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainer.config import CACHE_KEYS, ConfigError
-from trainer.config.data import eval_share
 from trainer.data import parquet, stdlib
 
 log = logging.getLogger(__name__)
 # The text sources a corpus is built from, by `data.name`: each gives its fingerprint and its documents.
 SOURCES = {"stdlib": stdlib, "parquet": parquet}
 ROWS_PER_SHARD = 8192
+
+# data.eval_percent unset: this share of the documents is held out, and a split too small for one global batch
+# means a run without eval (said in one line) rather than a refusal, as TRL trains without an eval set.
+DEFAULT_EVAL_PERCENT = 2.0
+
+
+def eval_share(data) -> float:
+    """The percent of documents the eval split holds: `data.eval_percent`, or DEFAULT_EVAL_PERCENT unset."""
+    value = getattr(data, "eval_percent", None)
+    return DEFAULT_EVAL_PERCENT if value is None else float(value)
 
 
 def _write_rows(stream: list[np.ndarray], seq_len: int, out_dir: str) -> int:

@@ -19,9 +19,8 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
-from trainer.config.data import eval_share
 from trainer.data.chat import source_files, source_fingerprint, source_rows
-from trainer.data.corpus import build_once, dropped_text, without_eval
+from trainer.data.corpus import build_once, dropped_text, eval_share, without_eval
 from trainer.data.text import Text
 from trainer.errors import ConfigError
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.config import model_ops
+from trainer.config import TRITON_OPS
 from trainer.models import hf_transformers
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
@@ -45,6 +45,14 @@ def gelu_tanh_and_mul(x, y):
     import ops
 
     return ops.gelu_and_mul(x, y, approximate="tanh")
+
+
+def model_ops(cfg) -> list[str]:
+    """The model's functions (TRITON_OPS) that the kernels section `cfg` points at ops/: none under
+    kernels=torch, else `include` (null: all) less `exclude`."""
+    if cfg.name != "triton":
+        return []
+    return [op for op in (cfg.include or TRITON_OPS) if op in TRITON_OPS and op not in (cfg.exclude or [])]
 
 
 def apply(model: nn.Module, cfg) -> nn.Module:

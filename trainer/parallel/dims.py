@@ -1,4 +1,4 @@
-"""`ParallelDims`: the parallel degrees (`trainer.config.strategy.Degrees`, checked and filled there, without
+"""`ParallelDims`: the parallel degrees (`trainer.config.degrees.Degrees`, checked and filled there, without
 torch) and the DeviceMesh they describe, built once per rank (as TorchTitan's `distributed/parallel_dims.py`).
 
 The mesh always has the four named dimensions `pp`, `dp_replicate`, `dp_shard` and `tp` (some of size 1).
@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.config.strategy import NAMES, Degrees, StrategyConfig
+from trainer.config.degrees import NAMES, Degrees
+from trainer.config.strategy import StrategyConfig
 
 
 @dataclass(frozen=True)

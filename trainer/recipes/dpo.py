@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from trainer.assembly import assemble
-from trainer.config import model_ops
 from trainer.config import recipe as config_recipe
 from trainer.models import chunked, lora
+from trainer.models.kernels import model_ops
 from trainer.recipes.base import Recipe, local
 from trainer.recipes.sft import IGNORE, shares, targets
 

@@ -87,11 +87,11 @@ def test_runtime_is_not_in_the_defaults():
 
 
 def test_world_size_follows_the_runtime():
-    assert config.world_size(_compose([])) == 1
+    assert config.job_shape(_compose([])).world == 1
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=3", "runtime.nnodes=2",
                     "runtime.rdzv_endpoint=node0:29400", "train.global_batch_size=12"])
-    assert config.world_size(cfg) == 6
-    validate(cfg)
+    assert config.job_shape(cfg).world == 6
+    assert validate(cfg).shape == config.job_shape(cfg)
 
 
 def test_triton_kernels_need_a_gpu_or_the_interpreter_and_no_dtensors(monkeypatch):
@@ -131,7 +131,7 @@ def test_kernels_names_are_the_models_ops_and_the_aten_ops_in_one_line(monkeypat
 
 
 def test_optim_impl_follows_the_kernels_unless_given():
-    from trainer.config.optim import implementation
+    from trainer.optimizer import implementation
 
     for overrides, impl in ((["kernels=triton"], "triton"), (["kernels=torch"], "torch"),
                             (["kernels=triton", "optim=sgd"], "torch"),
@@ -144,9 +144,9 @@ def test_optim_impl_follows_the_kernels_unless_given():
 def test_tensor_parallel_peers_share_batches():
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp",
                     "train.global_batch_size=6"])
-    validate(cfg)
+    shape = validate(cfg).shape
     assert config.mesh_degrees(cfg.strategy, 4) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    assert config.dp_size(cfg) == 2
+    assert shape.dims.dp_size == 2
 
 
 BAD = [
@@ -163,7 +163,7 @@ BAD = [
      "runtime.rdzv_endpoint=None: must be host:port of node 0 when runtime.nnodes > 1"),
     (["train.mixed_precision=fp8"], "train.mixed_precision='fp8': must be one of auto, fp32, bf16"),
     (["data=parquet"], "data.path=None: data=parquet needs the Parquet files"),
-    (["strategy=tp"], "strategy='tp': strategy=tp needs more than one process: add +runtime=torch-distributed"),
+    (["strategy=tp"], "strategy='tp': strategy=tp needs more than one process: add runtime=torch-distributed"),
     (["strategy=fsdp2_tp"], "strategy='fsdp2_tp': strategy=fsdp2_tp needs more than one process"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2", "strategy.dp_replicate=3"],
      "strategy.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4"),

@@ -32,9 +32,9 @@ def _compose(*overrides: str):
 
 @pytest.mark.timeout(60)
 def test_fsdp2_tp_is_fsdp2_with_a_tensor_parallel_degree():
-    fsdp2 = asdict(validate(_compose("strategy=fsdp2")).strategy)
+    fsdp2 = asdict(validate(_compose("strategy=fsdp2")).job.strategy)
     dist2 = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
-    fsdp2_tp = asdict(validate(_compose("strategy=fsdp2_tp", *dist2)).strategy)
+    fsdp2_tp = asdict(validate(_compose("strategy=fsdp2_tp", *dist2)).job.strategy)
     assert {k: v for k, v in fsdp2_tp.items() if fsdp2[k] != v} == {"name": "fsdp2_tp", "tp": 2}
 
 
@@ -50,9 +50,9 @@ def test_a_new_combination_is_a_yaml_file(tmp_path):
         "+runtime=torch-distributed",
         "runtime.nproc_per_node=8",
     )
-    job = validate(cfg)
-    assert job.strategy.name == "hsdp_tp"
-    dims = config.parallel_dims(job)
+    job, shape = validate(cfg)
+    assert job.strategy.name == "hsdp_tp" and shape.world == 8 and shape.counts == range(1, 2)
+    dims = shape.dims
     assert dims.degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
     assert dims.fsdp and not dims.ddp and dims.dp_size == 4
     with pytest.raises(config.ConfigError, match="strategy='hsdp_tp': strategy=hsdp_tp needs more than one process"):
@@ -105,7 +105,7 @@ def test_the_worker_reads_the_saved_config_as_dataclasses(tmp_path, cache_dir, m
     # The launcher's and scheduler's sections stay the nodes they were (a rank reads no launcher schema), with
     # the values the driver's typed config holds.
     assert isinstance(job.launcher, DictConfig) and isinstance(job.scheduler, DictConfig)
-    driver = validate(OmegaConf.load(run.spec.config_path))
+    driver = validate(OmegaConf.load(run.spec.config_path)).job
     assert isinstance(driver.launcher, LocalLauncherConfig) and isinstance(driver.scheduler, SchedulerConfig)
     assert dict(job.launcher) == asdict(driver.launcher) and dict(job.scheduler) == asdict(driver.scheduler)
 
@@ -118,8 +118,8 @@ def one_rank_group():
 
 
 def _parallelized(preset: str, *overrides: str):
-    job = validate(_compose(f"strategy={preset}", "model.dim=64", "model.n_layers=2", *overrides))
-    dims = ParallelDims.from_config(job.strategy, config.world_size(job))
+    job, shape = validate(_compose(f"strategy={preset}", "model.dim=64", "model.n_layers=2", *overrides))
+    dims = ParallelDims.from_config(job.strategy, shape.world)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = models.build(job.model)
