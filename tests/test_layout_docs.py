@@ -59,3 +59,17 @@ def test_conf_names_the_module_that_reads_each_group():
     for group, module in entries.items():
         path = REPO / module.replace("<name>", "local")
         assert path.exists(), (group, module)
+
+
+def test_train_default_shows_every_key_of_the_train_section_at_the_schemas_default():
+    """conf/train/default.yaml holds the loop's values for a newcomer to read; they are TrainConfig's defaults
+    (the schema), key for key, so that the file never says other than what a run takes."""
+    import dataclasses
+
+    import yaml
+
+    from trainer.config.train import TrainConfig
+
+    shown = yaml.safe_load((REPO / "conf" / "train" / "default.yaml").read_text())
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert shown == defaults
