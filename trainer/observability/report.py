@@ -8,7 +8,6 @@ A `-m` sweep writes the same into its sweep directory when it ends: `SweepReport
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -21,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainjob.cli import OneLineParser
 from trainjob.files import directory_problem
-from trainjob.run_files import RunDir, read_events
+from trainjob.run_files import RunDir, read_events, read_summary
 
 log = logging.getLogger(__name__)
 # Keys that differ between any two runs without being a choice: where each run went.
@@ -103,19 +102,11 @@ def differing(configs: list[dict[str, str]]) -> list[str]:
 def _summary(run_dir: str) -> dict[str, Any]:
     """The run's summary.json; {} when there is none, and, with a warning naming it, when it is not whole
     (the row then comes from the metrics lines, as for a run still going)."""
-    path = RunDir.of(run_dir).summary
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError) as e:
-        summary = e
-    if not isinstance(summary, dict):
-        why = summary if isinstance(summary, Exception) else f"a JSON {type(summary).__name__}"
-        print(f"warning: {path} is not a run's summary ({why}); its row comes from metrics.jsonl", file=sys.stderr)
-        return {}
-    return summary
+    summary, path = read_summary(run_dir), RunDir.of(run_dir).summary
+    if summary is None and os.path.isfile(path):
+        print(f"warning: {path} is not a run's summary (cut short, or not a JSON object); its row comes from "
+              "metrics.jsonl", file=sys.stderr)
+    return summary or {}
 
 
 def events_text(run_dir: str) -> str:
