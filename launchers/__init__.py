@@ -16,10 +16,10 @@ from trainjob import lazy
 
 _HOMES = {
     **dict.fromkeys(("CacheNodes", "Job", "JobInfo", "JobState", "Launcher", "LauncherError", "LaunchSpec",
-                     "OptionError", "Torchrun"), "launchers.base"),
+                     "OptionError", "RuntimeSpec"), "launchers.base"),
     "Client": "launchers.client",
     "InProcessLauncher": "launchers.local.backend",
-    **dict.fromkeys(("LAUNCHER_SCHEMAS", "check", "get"), "launchers.options"),
+    **dict.fromkeys(("LAUNCHER_SCHEMAS", "check", "get", "offers"), "launchers.options"),
     "SchedulerConfig": "launchers.kubernetes.schedulers",
 }
 

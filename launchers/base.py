@@ -1,5 +1,6 @@
 """The launcher interface (`render(spec)`, `launch(spec) -> Job`, `list_jobs()`, `job(name)`), the launch
-spec every launcher receives, and the one place that builds the torchrun options every launcher uses.
+spec every launcher receives, and `node_command`: the one way a launcher asks the spec's runtime how a node's
+ranks start (the runtime builds it: `trainjob.runtimes`).
 """
 
 from __future__ import annotations
@@ -11,36 +12,21 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from trainjob import runtimes
 from trainjob.env import CACHE_ENDPOINTS_ENV, CACHE_EVAL_ENDPOINTS_ENV
 from trainjob.files import write_whole
+from trainjob.options import OptionError as OptionError
+from trainjob.options import require as require
 from trainjob.run_files import read_summary
-
-# Environment for every torchrun that a launcher starts. Sharing torchrun's rendezvous store with the
-# workers (the default) lets restarted workers read the failed attempt's addresses, so a restart after
-# a dead rank fails to connect (pytorch/pytorch#135712); a fresh store per attempt avoids it.
-TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+from trainjob.runtimes import Nodes
 
 
 class LauncherError(RuntimeError):
     """A launcher could not do what was asked; the message says what and why."""
-
-
-class OptionError(ValueError):
-    """A launcher or scheduler option that cannot run; the message names the key, the value and what is
-    allowed (the trainer reports it as its own config error)."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"invalid config: {key}={value!r}: {allowed}")
-
-
-def require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise OptionError(key, value, allowed)
 
 
 class JobState(str, enum.Enum):
@@ -90,19 +76,20 @@ class CacheNodes:
 
 
 @dataclass(frozen=True)
-class Torchrun:
-    """torchrun's rendezvous and restart options (the `runtime` group, less the node and process counts)."""
+class RuntimeSpec:
+    """The runtime that starts the ranks (`trainjob.runtimes`, by name) and its options (the run's `runtime`
+    section, as a mapping); `of` fills in the runtime's defaults."""
 
-    name: str = "torch-distributed"
-    max_restarts: int = 0
-    monitor_interval: float = 1.0
-    rdzv_backend: str = "c10d"
-    rdzv_endpoint: str | None = None
-    rdzv_id: str = "trainjob"
-    # Elastic runs: seconds the rendezvous waits for more nodes once it has its minimum.
-    last_call_timeout: int = 5
-    # Seconds a node waits at the rendezvous for the others before it ends (torchrun's join_timeout).
-    rdzv_timeout: int = 600
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, name: str = "torch-distributed", options: dict[str, Any] | None = None) -> RuntimeSpec:
+        return cls(name, {**asdict(runtimes.get(name).schema()), **(options or {})})
+
+    @property
+    def unit(self) -> runtimes.Runtime:
+        return runtimes.get(self.name)
 
 
 @dataclass(frozen=True)
@@ -128,7 +115,7 @@ class LaunchSpec:
     command: list[str]
     nnodes: int = 1
     nproc_per_node: int = 1
-    torchrun: Torchrun | None = None
+    runtime: RuntimeSpec | None = None
     env: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
     config: dict[str, Any] | None = None
@@ -160,44 +147,20 @@ def write_private(path: str, text: str) -> None:
     write_whole(path, text, 0o600)
 
 
-# torchrun whose exit code is its failed rank's own: what a Kubernetes pod runs, for its podFailurePolicy, and a
-# local node, whose driver reads the code.
-TORCHRUN = ["-m", "launchers.torchrun"]
-def pod_agent(spec: LaunchSpec) -> list[str]:
-    """The agent that starts a pod's ranks: a trainer run's is `launchers.torchrun`, so that a refused config
-    (exit 2) and a preemption (143) reach the pod's status; a function job's image need not hold trainjob,
-    and starts plain torchrun."""
-    return ["python", *TORCHRUN] if spec.command[:2] == ["-m", "trainer.worker"] else ["torchrun"]
-
-# An elastic job's rendezvous, and a fixed-size one's whose nodes start on their own (the local launcher): its
-# store is hosted outside the nodes (`launchers.rendezvous`), so that losing any node leaves it; a node that
-# stops sending heartbeats for 5 s is gone.
-ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"
-
-
 def store_apart(spec: LaunchSpec) -> bool:
     """Whether the job's rendezvous store is hosted apart from its nodes: elastic, or nodes started one by one."""
     return spec.elastic or spec.node is not None
 
 
-def torchrun_args(spec: LaunchSpec, endpoint: str | None = None) -> list[str]:
-    """torchrun's options for `spec`. One node without an endpoint uses --standalone; else a c10d
-    rendezvous at `endpoint` (default: the spec's rdzv_endpoint), which every node joins; an elastic job
-    gives the node range and a store that lives apart from its nodes, as does one whose nodes start one by one;
-    a node waits `rdzv_timeout` seconds at the rendezvous for the others."""
-    t = spec.torchrun
-    args = [
-        f"--nproc-per-node={spec.nproc_per_node}",
-        f"--nnodes={spec.min_nodes}:{spec.nnodes}" if spec.elastic else f"--nnodes={spec.nnodes}",
-        f"--max-restarts={t.max_restarts}",
-        f"--monitor-interval={t.monitor_interval}",
-    ]
-    endpoint = endpoint or t.rdzv_endpoint
-    if spec.nnodes == 1 and not endpoint:
-        return [*args, "--standalone"]
-    args += [f"--rdzv-backend={t.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t.rdzv_id}"]
-    conf = ELASTIC_RDZV_CONF.format(last_call=t.last_call_timeout) + "," if store_apart(spec) else ""
-    return [*args, f"--rdzv-conf={conf}join_timeout={t.rdzv_timeout}"]
+def node_command(spec: LaunchSpec, python: str, endpoint: str | None = None, hosts: tuple[str, ...] = (),
+                 hostfile: str | None = None, env_names: tuple[str, ...] = ()) -> list[str]:
+    """The command that starts one node's ranks of `spec` (or, under a runtime that reaches every node from one
+    launcher, all of them), as its runtime builds it: `python` runs the ranks, `endpoint` is where they meet,
+    `hosts` (written to `hostfile`) are the nodes a launcher reaches, `env_names` the variables it passes on."""
+    nodes = Nodes(command=list(spec.command), python=python, nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
+                  min_nodes=spec.min_nodes, endpoint=endpoint, store_apart=store_apart(spec), hosts=hosts,
+                  hostfile=hostfile, env_names=env_names)
+    return spec.runtime.unit.node_command(spec.runtime.options, nodes)
 
 
 def run_name(run_dir: str, max_len: int = 52) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from launchers.base import JobInfo, JobState, LauncherError, LaunchSpec, OptionError, Torchrun
+from launchers.base import JobInfo, JobState, LauncherError, LaunchSpec, OptionError, RuntimeSpec
 from launchers.options import LAUNCHER_SCHEMAS, get
 from trainjob.run_files import RunDir
 
@@ -232,7 +232,7 @@ class Client:
             command=[path],
             nnodes=num_nodes,
             nproc_per_node=nproc_per_node,
-            torchrun=Torchrun(),
+            runtime=RuntimeSpec.of(),
             env={"PYTHONUNBUFFERED": "1"},
             files={FUNC_FILE: script},
         )

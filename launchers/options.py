@@ -13,6 +13,7 @@ from launchers.docker.options import DockerLauncherConfig
 from launchers.kubernetes import schedulers
 from launchers.kubernetes.options import KubernetesLauncherConfig
 from launchers.local.options import LocalLauncherConfig
+from trainjob.runtimes import Offers
 
 _NAMES = ("local", "docker", "kubernetes")
 
@@ -37,6 +38,11 @@ def check(
     process, no torchrun) whose config keys `paths` hold host paths; raises OptionError."""
     _module(options["name"], "options").check(options, nnodes, paths)
     schedulers.check(scheduler, options["name"])
+
+
+def offers(options: Mapping[str, Any]) -> Offers:
+    """What the launcher an option node names offers the runtime and the trainer (`trainjob.runtimes.Offers`)."""
+    return _module(options["name"], "options").offers(options)
 
 
 def get(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> Launcher:

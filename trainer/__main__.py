@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import hydra
@@ -83,12 +83,13 @@ class Prepared:
     scheduler: dict
     checked: Any = None  # what the input checks found here (`trainer.inputs.Checked`), None where they did not run
     job: config.Config | None = None
+    offers: Any = None  # what the launcher offers (`trainjob.runtimes.Offers`)
 
 
     def launcher_for(self) -> launchers.Launcher:
         """The launcher to start it: this process for the local launcher without a runtime (the worker
         called here, its summary kept, its inputs checked once: here, before), else the configured one."""
-        if self.launcher["name"] == "local" and self.spec.torchrun is None and self.launcher.get("wait", True):
+        if self.offers.in_process and self.spec.runtime is None:
             from trainer import worker
 
             # Cache nodes started beside it name their endpoints only once up: the saved config reads them then.
@@ -129,7 +130,7 @@ def prepare_run(cfg: DictConfig) -> Prepared:
     else:
         claimed = None
         try:
-            claimed = claim(run_dir, nodes=_nodes_started_here(resolved), node=_node_rank(resolved))
+            claimed = claim(run_dir, nodes=_nodes_started_here(resolved, shape), node=_node_rank(resolved))
             path = _save_config(saved, run_dir, running=claimed.others)
         except config.ConfigError as e:
             _refuse(e, run_dir, claimed)
@@ -137,24 +138,22 @@ def prepare_run(cfg: DictConfig) -> Prepared:
             _refuse(f"hydra.run.dir={run_dir}: {e.strerror or e} ({e.filename or run_dir})", run_dir, claimed)
         lock_fds, node = claimed.fds, claimed.node
     runtime = resolved.get("runtime")
-    torchrun = None
-    if runtime is not None:
-        torchrun = launchers.Torchrun(**{f.name: runtime[f.name] for f in fields(launchers.Torchrun)})
     counts = shape.counts
     spec = launchers.LaunchSpec(
         run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=counts[-1],
+        runtime=None if runtime is None else launchers.RuntimeSpec(runtime["name"], runtime),
         min_nodes=counts[0] if len(counts) > 1 else None, node=node,
-        nproc_per_node=shape.per_node, torchrun=torchrun, secrets=secrets, config=saved,
+        nproc_per_node=shape.per_node, secrets=secrets, config=saved,
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},
         cache_dir=os.path.expanduser(saved["data"]["cache_dir"]), cache_nodes=cache_nodes, hold_fds=lock_fds,
         stop_grace_s=int(saved["train"]["preemption_grace_s"]),
-        env={DRIVER_REPORTS_ENV: "1"} if _driver_waits_here(resolved["launcher"]) else {})
-    return Prepared(spec, resolved["launcher"], resolved["scheduler"], checked, job)
+        env={DRIVER_REPORTS_ENV: "1"} if _driver_waits_here(resolved["launcher"], shape) else {})
+    return Prepared(spec, resolved["launcher"], resolved["scheduler"], checked, job, shape.offers)
 
 
-def _driver_waits_here(launcher: dict) -> bool:
-    """Whether this driver waits for the ranks and reads their run directory (local, or Docker's mount)."""
-    return launcher["name"] in ("local", "docker") and bool(launcher.get("wait", True))
+def _driver_waits_here(launcher: dict, shape: config.JobShape) -> bool:
+    """Whether this driver waits for the ranks and reads their run directory (this machine's, or mounted)."""
+    return shape.offers.reads_disk_here and bool(launcher.get("wait", True))
 
 
 def _rank_error(run_dir: str, since: float) -> str | None:
@@ -176,10 +175,10 @@ def _rendezvous_timeout(spec: launchers.LaunchSpec, code: int | None) -> str | N
         return None
     joined = [n for n in range(spec.nnodes) if n == spec.node or node_running(spec.run_dir, n)]
     missing = [n for n in range(spec.nnodes) if n not in joined]
-    t = spec.torchrun
+    t = spec.runtime.options
     wanted = f"{spec.min_nodes} to {spec.nnodes}" if spec.elastic else str(spec.nnodes)
-    return (f"error: runtime.rdzv_timeout={t.rdzv_timeout}: the rendezvous at {t.rdzv_endpoint} waited "
-            f"{t.rdzv_timeout} s for {wanted} nodes: {len(joined)} joined (node {', '.join(map(str, joined))}), "
+    return (f"error: runtime.rdzv_timeout={t['rdzv_timeout']}: the rendezvous at {t['rdzv_endpoint']} waited "
+            f"{t['rdzv_timeout']} s for {wanted} nodes: {len(joined)} joined (node {', '.join(map(str, joined))}), "
             f"node {', '.join(map(str, missing))} never did (refused, or not started: start each node with the same "
             "command)")
 
@@ -189,11 +188,11 @@ def _node_rank(resolved: dict) -> int | None:
     return None if runtime is None else runtime.get("node_rank")
 
 
-def _nodes_started_here(resolved: dict) -> int:
+def _nodes_started_here(resolved: dict, shape: config.JobShape) -> int:
     """How many nodes of this run may start on this machine on their own: a local multi-node run is the
     same command once per node, each in the same run directory; every other run is one driver."""
     runtime = resolved.get("runtime")
-    if runtime is None or resolved["launcher"]["name"] != "local":
+    if runtime is None or not shape.offers.nodes_started_here:
         return 1
     return node_range(runtime["nnodes"])[1]
 
@@ -205,7 +204,8 @@ def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheN
     saved = copy.deepcopy(resolved)
     if saved.get("runtime"):  # per-node settings: every node of a run saves and compares the same file
         for key in PER_NODE_KEYS:
-            saved["runtime"][key] = None
+            if key in saved["runtime"]:
+                saved["runtime"][key] = None
     cache = saved["data"]["cache"]
     secrets = {}
     if cache.get("token"):

@@ -33,7 +33,7 @@ def check(cfg: DictConfig) -> tuple[Config, JobShape, inputs.Checked | None]:
     job, shape = validate(cfg)
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
-    if job.launcher.name == "local" or (job.launcher.name == "docker" and not job.launcher.dry_run):
+    if shape.offers.reads_disk_here:
         from trainer import inputs
         from trainer.data.corpus import corpus_key
 

@@ -1,9 +1,9 @@
 """The rank entry point: `python -m trainer.worker <run_dir>/config.yaml`.
 
 Every rank, wherever it runs, rebuilds the same job from the same resolved config file: process group
-from the environment (torchrun or the Kubeflow `PET_*` variables through torchrun; a one-rank group when
-there is none), mesh, model on the meta device, strategy, initialisation, data, and then the loop. No
-Hydra here: the file is already resolved.
+from the environment its runtime sets (torchrun's, or the Kubeflow `PET_*` variables through torchrun;
+mpirun's OMPI_COMM_WORLD_*: `trainjob.runtimes`; a one-rank group when there is none), mesh, model on the
+meta device, strategy, initialisation, data, and then the loop. No Hydra here: the file is already resolved.
 
 What only the data, the checkpoints or the cache nodes can tell (`trainer.inputs.check`: too few rows for
 a global batch, token ids beyond the vocabulary, a checkpoint of another model, nodes that do not answer)
@@ -31,6 +31,7 @@ from trainer.assembly import assemble
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
 from trainer.parallel import ParallelDims
+from trainjob import runtimes
 from trainjob.env import DRIVER_REPORTS_ENV
 from trainjob.files import write_whole
 from trainjob.run_files import RunDir
@@ -46,8 +47,11 @@ class DistEnv:
     device: torch.device
 
 
-def init_distributed() -> DistEnv:
-    """Join the process group that torchrun describes, or form a one-rank group in this process."""
+def init_distributed(runtime: str | None = None) -> DistEnv:
+    """Join the process group that the ranks' `runtime` describes in their environment (its variables read as
+    torch.distributed's: `trainjob.runtimes`), or form a one-rank group in this process."""
+    if runtime is not None:
+        os.environ.update(runtimes.get(runtime).rank_env(os.environ))
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank)
@@ -102,7 +106,7 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
     as this rank; return the summary (the same on every rank). `checked`: the inputs were checked in this
     process already (by the driver)."""
     cfg = cfg if isinstance(cfg, Config) else config.typed(cfg)
-    env = init_distributed()
+    env = init_distributed(cfg.runtime.name if cfg.runtime is not None else None)
     handler = setup_logging(cfg.run_dir, env.rank)
     try:
         summary = _train(cfg, env, checked)

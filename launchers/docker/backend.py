@@ -29,7 +29,6 @@ from datetime import datetime
 from typing import Any
 
 from launchers.base import (
-    TORCHRUN_ENV,
     Job,
     JobInfo,
     JobState,
@@ -37,8 +36,8 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
+    node_command,
     run_name,
-    torchrun_args,
 )
 from launchers.docker.options import image_ok
 from trainjob.run_files import read_progress
@@ -262,13 +261,13 @@ class DockerLauncher(Launcher):
         then one detached container per node."""
         lc = self.options
         _check_spec(spec, str(lc.get("image") or ""))
-        if spec.torchrun is None:
-            raise LauncherError("launcher=docker runs torchrun on every node: add +runtime=torch-distributed")
+        if spec.runtime is None:
+            raise LauncherError("launcher=docker runs a runtime on every node: add runtime=torch-distributed")
         name = job_name(spec)
         network = lc.get("network") or name
         env = {
             "PYTHONUNBUFFERED": "1",
-            **TORCHRUN_ENV,
+            **spec.runtime.unit.agent_env(spec.runtime.options),
             **spec.env,
             **{str(k): str(v) for k, v in (lc.get("env") or {}).items()},
         }
@@ -310,7 +309,7 @@ class DockerLauncher(Launcher):
             cmd[at:at] = ["--cpuset-cpus", ",".join(map(str, shares[node]))]
             if lc.get("gpus_per_node"):
                 cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
-            cmds.append([*cmd, lc["image"], "torchrun", *torchrun_args(spec, endpoint=endpoint), *spec.command])
+            cmds.append([*cmd, lc["image"], *node_command(spec, "python", endpoint=endpoint)])
         return cmds
 
     def render(self, spec: LaunchSpec) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from launchers.base import require
+from trainjob.runtimes import Offers
 
 
 @dataclass
@@ -26,6 +27,11 @@ class DockerLauncherConfig:
 
 def image_ok(image: Any) -> bool:
     return bool(image) and not str(image).startswith("-") and not any(c.isspace() for c in str(image))
+
+
+def offers(options: Mapping[str, Any]) -> Offers:
+    """Containers on this host: the GPUs each is given, this machine's disk mounted (not read by a dry run)."""
+    return Offers(gpus_per_node=int(options["gpus_per_node"]), reads_disk_here=not options.get("dry_run"))
 
 
 def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:

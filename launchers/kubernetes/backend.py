@@ -378,7 +378,7 @@ class KubernetesLauncher(Launcher):
         """The manifests as multi-document YAML for `kubectl apply -f -`, secret values masked, under comment
         lines saying which failure policies apply."""
         manifests = self.manifests(spec)  # refuses what cannot run first
-        restarts = None if cluster_runtime(spec, self.options) is None else spec.torchrun.max_restarts
+        restarts = None if cluster_runtime(spec, self.options) is None else spec.runtime.options.get("max_restarts", 0)
         return "".join(f"# {line}\n" for line in schedulers.policies_text(restarts)) + to_yaml(manifests)
 
     def _job(self, name: str) -> KubernetesJob:

@@ -11,10 +11,11 @@ from typing import Any
 
 import yaml
 
-from launchers.base import MASK, TORCHRUN_ENV, LauncherError, LaunchSpec, pod_agent
+from launchers.base import MASK, LauncherError, LaunchSpec
 from launchers.kubernetes import schedulers
 from trainjob.env import CACHE_ENDPOINTS_ENV
 from trainjob.run_files import RunDir
+from trainjob.runtimes import Nodes
 
 GROUP, VERSION = schedulers.GROUP, schedulers.VERSION
 CONFIG_DIR = "/etc/trainjob"
@@ -115,8 +116,8 @@ def manifests(
     `runtime_spec` is the cluster runtime's spec, from which a gang scheduler's runtime is derived; None
     uses Kubeflow Trainer's stock torch-distributed spec. Secret values are masked unless `reveal`.
     """
-    if spec.torchrun is None:
-        raise LauncherError("launcher=kubernetes runs torchrun on every node: add +runtime=torch-distributed")
+    if spec.runtime is None:
+        raise LauncherError("launcher=kubernetes runs a runtime on every node: add runtime=torch-distributed")
     namespace = lc["namespace"]
     labels = {**MANAGED_BY, RUN_LABEL: name}
     kubeflow_cache = spec.cache_nodes.kubeflow if spec.cache_nodes else None
@@ -144,7 +145,7 @@ def manifests(
     secret_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(spec.secrets)]
     env = {
         "PYTHONUNBUFFERED": "1",
-        **TORCHRUN_ENV,
+        **spec.runtime.unit.agent_env(spec.runtime.options),
         **spec.env,
         **{str(k): str(v) for k, v in (lc.get("env") or {}).items()},
     }
@@ -180,7 +181,7 @@ def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any],
         return {"kind": "ClusterTrainingRuntime", "name": lc.get("runtime_ref") or KUBEFLOW_CACHE_RUNTIME}
     runtime = schedulers.derived_runtime(
         sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", lc["namespace"],
-        labels, spec.torchrun.max_restarts,
+        labels, spec.runtime.options.get("max_restarts", 0),
     )
     out.append(runtime)
     return {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
@@ -191,7 +192,7 @@ def cluster_runtime(spec: LaunchSpec, lc: Mapping[str, Any]) -> str | None:
     runtime itself."""
     if spec.cache_nodes and spec.cache_nodes.kubeflow is not None:
         return None
-    return lc.get("runtime_ref") or spec.torchrun.name
+    return lc.get("runtime_ref") or spec.runtime.unit.runtime_ref
 
 
 def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env: dict[str, str],
@@ -201,7 +202,7 @@ def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env
         "image": lc["image"],
         # Restarts are the JobSet's (the derived runtime's failurePolicy), each pod resuming from the claim; on
         # Kubeflow's cache runtime runtime.max_restarts is refused (0), so torchrun in a pod restarts nothing.
-        "command": [*pod_agent(spec), "--max-restarts=0", *pod_command(spec)],
+        "command": spec.runtime.unit.kubeflow_command(spec.runtime.options, Nodes(pod_command(spec))),
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,

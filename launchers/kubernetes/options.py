@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from launchers.base import require
+from trainjob.runtimes import Offers
 
 
 @dataclass
@@ -59,6 +60,13 @@ class KubernetesLauncherConfig:
 
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 RFC1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def offers(options: Mapping[str, Any]) -> Offers:
+    """Pods on a cluster: the GPUs each node requests, a fixed node count (a TrainJob's numNodes), failed
+    nodes restarted by the JobSet, Kubeflow Trainer's data cache."""
+    return Offers(gpus_per_node=int(options["resources_per_node"]["gpu"]), elastic=False, restarts_nodes=True,
+                  kubeflow_cache=True)
 
 
 def check(lc: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:

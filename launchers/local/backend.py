@@ -1,6 +1,6 @@
 """The local launcher: jobs on this machine. `InProcessLauncher` calls a given callable in this process
 (world size 1) and keeps the summary it returns; `LocalLauncher` starts the command as real processes
-(under torchrun when the spec asks for it), each job under a supervisor (`launchers.supervise`) and on
+(under the spec's runtime: torchrun, mpirun), each job under a supervisor (`launchers.supervise`) and on
 record in the job registry (`launchers.registry`), so that any process can list, follow, wait for and
 delete it. With `launcher.wait=true` (the command line's default) the job dies with the process that
 started it; with `wait=false` (the Client's) it runs on after that process ends. A run's data cache nodes
@@ -23,17 +23,15 @@ from typing import Any
 
 from launchers import registry
 from launchers.base import (
-    TORCHRUN,
-    TORCHRUN_ENV,
     Job,
     JobInfo,
     JobState,
     Launcher,
     LauncherError,
     LaunchSpec,
+    node_command,
     run_name,
     store_apart,
-    torchrun_args,
 )
 from trainjob.run_files import RunDir, read_progress, read_summary
 
@@ -56,7 +54,8 @@ def start_rendezvous_store(spec: LaunchSpec) -> None:
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "ab") as log:
         subprocess.Popen(
-            [sys.executable, "-m", "launchers.rendezvous", spec.torchrun.rdzv_endpoint, "--run-dir", spec.run_dir],
+            [sys.executable, "-m", "launchers.rendezvous", spec.runtime.options["rdzv_endpoint"], "--run-dir",
+             spec.run_dir],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
 
@@ -390,12 +389,9 @@ class LocalLauncher(Launcher):
         self.wait = bool(options.get("wait", True))
 
     def command(self, spec: LaunchSpec) -> list[str]:
-        if spec.torchrun is None:
+        if spec.runtime is None:
             return [sys.executable, *spec.command]
-        # A trainer run's agent passes its failed rank's exit code on (2 refused, 143 preempted), and ends a
-        # rendezvous that timed out with RDZV_TIMEOUT_EXIT (`launchers.torchrun`); a function job's is torchrun's.
-        agent = TORCHRUN if spec.command[:2] == ["-m", "trainer.worker"] else ["-m", "torch.distributed.run"]
-        return [sys.executable, *agent, *torchrun_args(spec), *spec.command]
+        return node_command(spec, sys.executable)
 
     def render(self, spec: LaunchSpec) -> str:
         return shlex.join(self.command(spec)) + "\n"
@@ -414,7 +410,7 @@ class LocalLauncher(Launcher):
                 start_rendezvous_store(spec)
             env = {
                 **os.environ,
-                **(TORCHRUN_ENV if spec.torchrun else {}),
+                **(spec.runtime.unit.agent_env(spec.runtime.options) if spec.runtime else {}),
                 **spec.env,
                 **spec.secrets,
                 **(nodes.env if nodes else {}),

@@ -8,6 +8,7 @@ from typing import Any
 
 from launchers import registry
 from launchers.base import OptionError
+from trainjob.runtimes import Offers
 
 
 @dataclass
@@ -17,6 +18,13 @@ class LocalLauncherConfig:
     # (it runs on; `python -m launchers list|get|logs|wait|delete` find it).
     wait: bool = True
     dry_run: bool = False  # print the command (or that it runs in this process) and start nothing
+
+
+def offers(options: Mapping[str, Any]) -> Offers:
+    """This machine: its GPUs, its disk, its packages; a job without a runtime in the driver's own process (when
+    the driver waits for it); a multi-node run started once per node."""
+    return Offers(runs_here=True, gpus_per_node=None, reads_disk_here=True,
+                  in_process=bool(options.get("wait", True)), nodes_started_here=True)
 
 
 def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:

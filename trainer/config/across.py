@@ -23,18 +23,18 @@ from trainjob.run_files import RunDir
 def check(job, shape: JobShape) -> None:
     """Raise ConfigError on the first rule across sections that `job` (the typed `Config`) breaks. `shape`: the
     job's node counts, processes per node and degrees (`runtime.job_shape`), read once for every rule."""
-    counts, per_node, dims = shape.counts, shape.per_node, shape.dims
-    gpus = runtime.local_gpu_count() if job.launcher.name == "local" else 0
-    _model_and_data(job)
-    _runtime(job, counts, per_node, gpus)
-    _parallel(job, dims, runnable=job.launcher.name != "local" or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
+    counts, per_node, dims, offers = shape.counts, shape.per_node, shape.dims, shape.offers
+    gpus = runtime.local_gpu_count() if offers.gpus_per_node is None else 0
+    _model_and_data(job, offers)
+    _runtime(job, shape, gpus)
+    _parallel(job, dims, runnable=not offers.runs_here or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
     _recipe(job)
     _grpo(job)
     _reward(job)
     _kd(job)
     _peft(job)
     _qat(job)
-    _trackers(job)
+    _trackers(job, offers)
     _batch_divides(job, dims)
     _pipeline(job, dims)
     for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
@@ -74,7 +74,7 @@ def _elastic_size(job, nodes: int, world: int) -> None:
     _pipeline(job, dims, f" at {nodes} node(s) of runtime.nnodes={job.runtime.nnodes}")
 
 
-def _model_and_data(job) -> None:
+def _model_and_data(job, offers) -> None:
     m = job.model
     # Chat and preference data are tokenized by the model directory's tokenizer, the rest byte by byte.
     own_tokenizer = job.data.name in ("chat", "preference") or (job.data.name == "prompts" and m.name == "hf")
@@ -82,26 +82,29 @@ def _model_and_data(job) -> None:
             m.vocab_size, f"must be >= {BYTE_VOCAB_SIZE}, the byte-level tokenizer's vocabulary")
     require(job.data.seq_len <= m.max_seq_len, "data.seq_len", job.data.seq_len,
             f"must be <= model.max_seq_len={m.max_seq_len}")
-    require(job.data.cache.backend != "kubeflow" or job.launcher.name == "kubernetes", "data.cache.backend",
+    require(job.data.cache.backend != "kubeflow" or offers.kubeflow_cache, "data.cache.backend",
             job.data.cache.backend, f"Kubeflow Trainer's cache runs on Kubernetes: give launcher=kubernetes (not "
             f"{job.launcher.name}), or data.cache.backend=trainjob")
 
 
-def _runtime(job, counts: range, per_node: int, gpus: int) -> None:
-    r = job.runtime
-    if r is not None:  # remote launchers know node 0's address (Kubeflow injects it; Docker names the container)
-        require(counts[-1] == 1 or bool(r.rdzv_endpoint) or job.launcher.name != "local", "runtime.rdzv_endpoint",
-                r.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 (an elastic range's: where "
-                "its rendezvous store serves)")
-        require(r.max_restarts == 0 or job.launcher.name != "kubernetes" or job.data.cache.backend != "kubeflow",
-                "runtime.max_restarts", r.max_restarts, "data.cache.backend=kubeflow runs on the cluster's cache "
-                "runtime, which carries no failure policy of trainjob's (restarts would be its own, not the JobSet's "
-                "that runtime.max_restarts sets elsewhere): give 0, or data.cache.backend=trainjob")
-        require(len(counts) == 1 or job.launcher.name != "kubernetes", "runtime.nnodes", r.nnodes,
-                "an elastic range runs on launcher=local or docker: a Kubeflow TrainJob has a fixed numNodes "
-                "(Trainer v2 has no elastic policy); give a node count, and runtime.max_restarts to restart")
-        require(gpus == 0 or per_node <= gpus, "runtime.nproc_per_node", per_node,
-                f"must be <= {gpus}, the GPUs on this machine (each rank takes one)")
+def _runtime(job, shape: JobShape, gpus: int) -> None:
+    r, counts, offers = job.runtime, shape.counts, shape.offers
+    if r is None:
+        return
+    if offers.runs_here:  # what the runtime's agent needs on this machine (mpirun, ...)
+        missing = runtime.unit(r).missing()
+        require(missing is None, "runtime", r.name, missing or "")
+    restarts = getattr(r, "max_restarts", 0)
+    require(restarts == 0 or not offers.kubeflow_cache or job.data.cache.backend != "kubeflow",
+            "runtime.max_restarts", restarts, "data.cache.backend=kubeflow runs on the cluster's cache "
+            "runtime, which carries no failure policy of trainjob's (restarts would be its own, not the JobSet's "
+            "that runtime.max_restarts sets elsewhere): give 0, or data.cache.backend=trainjob")
+    require(len(counts) == 1 or offers.elastic, "runtime.nnodes", r.nnodes,
+            f"an elastic range runs on launcher=local or docker: launcher={job.launcher.name} runs a fixed number of "
+            "nodes (a Kubeflow TrainJob's numNodes: Trainer v2 has no elastic policy); give a node count, and "
+            "runtime.max_restarts to restart")
+    require(gpus == 0 or shape.per_node <= gpus, "runtime.nproc_per_node", shape.per_node,
+            f"must be <= {gpus}, the GPUs on this machine (each rank takes one)")
 
 
 def _parallel(job, dims: Degrees, runnable: bool) -> None:
@@ -329,8 +332,8 @@ def _peft(job) -> None:
                 f"a {family.name} model has {', '.join(family.lora_targets)} (model.impl=native)")
 
 
-def _trackers(job) -> None:
+def _trackers(job, offers) -> None:
     """Where the ranks run on this machine, a tracker's package must be installed here."""
-    if job.launcher.name == "local":
+    if offers.runs_here:
         for name in job.tracker.report_to:
             require_tracker_package(name, list(job.tracker.report_to))

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config.schema import Config
 from trainer.errors import ConfigError
+from trainjob import runtimes
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 # The groups conf/config.yaml declares with a null default (none chosen unless asked).
@@ -25,6 +26,8 @@ def register() -> None:
     for name, schema in LAUNCHER_SCHEMAS.items():
         cs.store(name=f"launcher_schema_{name}", node=schema)  # not a launcher option: no group
     cs.store(name="scheduler_schema", node=SchedulerConfig)  # named by each conf/scheduler option
+    for name, schema in runtimes.schemas().items():
+        cs.store(name=f"runtime_schema_{name}", node=schema)  # named by conf/runtime/<name>.yaml
 
 
 # Keys that moved to another section: an override of the old key is refused naming the new one.

@@ -21,6 +21,7 @@ from omegaconf import MISSING
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config.compose import CONF_DIR
 from trainer.config.schema import Config
+from trainjob import runtimes
 
 HEADER = """# Config reference
 
@@ -105,6 +106,12 @@ def markdown() -> str:
             for name, schema in LAUNCHER_SCHEMAS.items():
                 out += _table(f"launcher={name}", schema, "launcher.",
                               f"The keys of `launcher={name}` (options of the group: {_options('launcher')}).")
+            continue
+        if f.name == "runtime":
+            for name, schema in runtimes.schemas().items():
+                out += _table(f"runtime={name}", schema, "runtime.",
+                              f"The keys of `runtime={name}` (options of the group: {_options('runtime')}; none "
+                              "chosen: this process alone).")
             continue
         if f.name == "scheduler":
             out += _table("scheduler", SchedulerConfig, "scheduler.", f"Options of the group: {_options('scheduler')}.")

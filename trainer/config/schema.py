@@ -25,11 +25,12 @@ from trainer.config.model import ModelConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.peft import PeftConfig
 from trainer.config.recipe import RecipeConfig
-from trainer.config.runtime import RuntimeConfig
 from trainer.config.strategy import StrategyConfig
 from trainer.config.tracker import TrackerConfig
 from trainer.config.train import TrainConfig
 from trainer.errors import ConfigError
+from trainjob import runtimes
+from trainjob.options import OptionError
 
 
 @dataclass
@@ -48,7 +49,9 @@ class Config:
     tracker: TrackerConfig = MISSING
     recipe: RecipeConfig = MISSING
     peft: PeftConfig = MISSING
-    runtime: RuntimeConfig | None = None
+    # Each runtime has its own schema (trainjob.runtimes: one module per runtime), chosen by runtime.name; null:
+    # this process alone.
+    runtime: Any = None
     run_dir: str = "${hydra:runtime.output_dir}"
 
 
@@ -81,6 +84,12 @@ def typed(cfg: DictConfig | dict, options: Mapping[str, type] | None = None) -> 
     `options`: the schemas of the launcher and scheduler sections (the driver's, from `launchers`); a section
     without one stays a node (a DictConfig, resolved), read by its keys as a dataclass would be."""
     node = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    if OmegaConf.is_config(node.runtime):  # every side reads the runtimes' schemas (trainjob, no launcher)
+        try:
+            schema = runtimes.get(node.runtime.get("name")).schema
+        except OptionError as e:
+            raise ConfigError(e.key, e.value, e.allowed) from None
+        node.runtime = OmegaConf.merge(OmegaConf.structured(schema), node.runtime)
     kept = {}
     for name in OPTION_SECTIONS:
         schema = (options or {}).get(name)

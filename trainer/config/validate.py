@@ -1,6 +1,6 @@
 """`validate`, every check of a composed config in order: unknown keys, finite numbers, each section's own
-`check()`, the job's shape (`runtime.job_shape`), the launcher's and scheduler's rules (`launchers.check`), then
-the rules across sections (`across.check`).
+`check()`, the job's shape (`runtime.job_shape`: the runtime's rules, under what the launcher offers), the
+launcher's and scheduler's rules (`launchers.check`), then the rules across sections (`across.check`).
 
 The driver's side of the config (with `trainer.config.compose`, which registers the schemas in Hydra's
 ConfigStore): the one place here that reads the launchers' schemas. A rank types its config.yaml with
@@ -21,6 +21,7 @@ from trainer.config.checks import one_of, require
 from trainer.config.runtime import JobShape, job_shape
 from trainer.config.schema import SCHEMAS, Config, finite, typed
 from trainer.errors import ConfigError
+from trainjob import runtimes
 
 
 def schemas(cfg: DictConfig) -> dict[str, type]:
@@ -28,6 +29,8 @@ def schemas(cfg: DictConfig) -> dict[str, type]:
     chosen = {**SCHEMAS, "scheduler": SchedulerConfig}
     if cfg.launcher.get("name") in LAUNCHER_SCHEMAS:
         chosen["launcher"] = LAUNCHER_SCHEMAS[cfg.launcher.name]
+    if cfg.get("runtime") is not None and cfg.runtime.get("name") in runtimes.NAMES:
+        chosen["runtime"] = runtimes.get(cfg.runtime.name).schema
     return chosen
 
 
@@ -70,7 +73,7 @@ def validate(cfg: DictConfig) -> Validated:
             require(value is not None and value > 0, f"{name}.{key}", value, "must be > 0")
         if hasattr(section, "check"):  # the launcher's and scheduler's rules live in launchers/
             section.check()
-    shape = job_shape(job)
+    shape = job_shape(job, launchers.offers(cfg.launcher))
     # The launcher's and the scheduler's own rules (`launchers.check`), reported as config errors.
     paths = {"hydra.run.dir": os.path.abspath(os.path.expanduser(str(cfg.run_dir))),
              "data.cache_dir": os.path.abspath(os.path.expanduser(str(cfg.data.cache_dir)))}

@@ -7,6 +7,7 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
+import launchers
 from tests.conftest import REPO
 from trainer import config
 from trainer.config.compose import compose, plain_group_overrides
@@ -87,11 +88,12 @@ def test_runtime_is_not_in_the_defaults():
 
 
 def test_world_size_follows_the_runtime():
-    assert config.job_shape(_compose([])).world == 1
+    local = launchers.offers({"name": "local"})
+    assert config.job_shape(_compose([]), local).world == 1
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=3", "runtime.nnodes=2",
                     "runtime.rdzv_endpoint=node0:29400", "train.global_batch_size=12"])
-    assert config.job_shape(cfg).world == 6
-    assert validate(cfg).shape == config.job_shape(cfg)
+    assert config.job_shape(cfg, local).world == 6
+    assert validate(cfg).shape == config.job_shape(cfg, local)
 
 
 def test_triton_kernels_need_a_gpu_or_the_interpreter_and_no_dtensors(monkeypatch):

@@ -1,0 +1,128 @@
+"""What a runtime is: `Runtime`, the one unit that says how a job's ranks start on its nodes and find each
+other. Each runtime is one module of `trainjob/runtimes/` holding its subclass and the schema of its keys
+(`conf/runtime/<name>.yaml` holds their values). A runtime declares
+
+- its keys, with their defaults and their own checks (`schema`, `check`), and the rules it sets on the job's
+  shape and on the launcher it runs under (`check_job`, given what the launcher `Offers`);
+- how one node's processes start (`node_command`: the agent's command line, `agent_env`: its environment)
+  and the environment contract its ranks read (`rank_env`: its variables as torch.distributed's env://
+  names, so that a rank joins the process group the same way under every runtime);
+- what it can do (`elastic`, `restarts`, `function_jobs`, `strategies`, `hosts_over_ssh`);
+- the Kubeflow Trainer runtime it maps to (`runtime_ref`, `framework`, `ml_policy`).
+
+Nothing here imports torch or the rest of the project: the driver, the launchers and the ranks all read it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+# The interpreter's arguments of a trainer rank: its agent passes the rank's own exit code on.
+TRAINER_WORKER = ["-m", "trainer.worker"]
+
+
+@dataclass(frozen=True)
+class Offers:
+    """What a launcher offers the runtime and the trainer, as data (each launcher's `offers(options)`):
+
+    `runs_here`: its ranks run on this machine (its GPUs, its installed packages, its processes);
+    `gpus_per_node`: GPUs a node gets (None: this machine's);
+    `reads_disk_here`: its ranks read and write this machine's disk (the data cache, the run directory), so
+    the inputs are checked here and the driver reads the run's files;
+    `in_process`: it can run a job without a runtime in the driver's own process;
+    `elastic`: it can run an elastic node range;
+    `restarts_nodes`: it restarts a failed node itself (not the runtime's agent);
+    `kubeflow_cache`: Kubeflow Trainer's data cache runs there;
+    `nodes_started_here`: a multi-node run is started once per node on this machine."""
+
+    runs_here: bool = False
+    gpus_per_node: int | None = 0
+    reads_disk_here: bool = False
+    in_process: bool = False
+    elastic: bool = True
+    restarts_nodes: bool = False
+    kubeflow_cache: bool = False
+    nodes_started_here: bool = False
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """A job's layout as one node's agent starts it: `command` (the interpreter's arguments every rank
+    runs, such as `-m trainer.worker <config>`) run by `python`, `nproc_per_node` processes on each of
+    `nnodes` nodes (`min_nodes`: an elastic range's fewest); `endpoint` is where the ranks meet (host:port of
+    node 0, or of a store apart from the nodes, `store_apart`); `hosts` the nodes' host names and `hostfile`
+    where they are written, where the runtime starts every node's ranks from one launcher (MPI)."""
+
+    command: list[str]
+    python: str = "python"
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    min_nodes: int | None = None
+    endpoint: str | None = None
+    store_apart: bool = False
+    hosts: tuple[str, ...] = ()
+    hostfile: str | None = None
+    # The environment variables the ranks of every node get from the agent's environment (for a runtime that
+    # starts remote ranks from one launcher: they do not inherit it).
+    env_names: tuple[str, ...] = ()
+
+    @property
+    def trainer_run(self) -> bool:
+        return self.command[:2] == TRAINER_WORKER
+
+
+class Runtime(ABC):
+    """A runtime (see the module's docstring); subclasses set the class attributes and the methods that
+    differ."""
+
+    name: ClassVar[str]
+    schema: ClassVar[type]
+    # Kubeflow Trainer: the ClusterTrainingRuntime it maps to, and that runtime's framework label.
+    runtime_ref: ClassVar[str]
+    framework: ClassVar[str]
+    elastic: ClassVar[bool] = False
+    restarts: ClassVar[bool] = False  # its agent restarts failed ranks (runtime.max_restarts)
+    function_jobs: ClassVar[bool] = False  # it runs a user function (Client.train(func=...))
+    # The strategies it runs (None: every strategy but those another runtime owns); `owns`: strategies only
+    # it runs.
+    strategies: ClassVar[tuple[str, ...] | None] = None
+    owns: ClassVar[tuple[str, ...]] = ()
+    hosts_over_ssh: ClassVar[bool] = False  # one launcher starts every node's ranks over SSH (MPI)
+
+    @abstractmethod
+    def check(self, options: Any) -> None:
+        """The rules on the runtime's own keys (a typed `schema`); raises trainjob.options.OptionError."""
+
+    @abstractmethod
+    def check_job(self, options: Any, counts: range, offers: Offers) -> None:
+        """The rules on the job's node counts `counts` under a launcher that `offers`; raises OptionError."""
+
+    def missing(self) -> str | None:
+        """What this machine lacks to start the runtime's ranks (a line saying how to install it), or None."""
+        return None
+
+    @abstractmethod
+    def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        """The command line one node's agent runs to start its ranks (or, where `hosts_over_ssh`, the
+        launcher's command that starts every node's)."""
+
+    @abstractmethod
+    def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        """The command of a Kubeflow TrainJob's trainer (`spec.trainer.command`) on this runtime, whose plugin
+        sets the nodes' environment (`nodes.python` runs the ranks; no endpoint or host: Kubeflow's)."""
+
+    def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        """Environment for the agent `node_command` starts."""
+        return {}
+
+    def rank_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The rank's place in the job from the runtime's own variables, as torch.distributed's env:// names
+        (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); {} where the environment names none."""
+        return {}
+
+    def ml_policy(self, options: Mapping[str, Any], nnodes: int, nproc_per_node: int) -> dict[str, Any]:
+        """The TrainingRuntime's `mlPolicy` for a job of `nnodes` nodes of `nproc_per_node` processes."""
+        return {"numNodes": nnodes}

@@ -1,0 +1,147 @@
+"""`runtime=mpi`: OpenMPI's `mpirun` starts every rank of the job from one launcher (Kubeflow Trainer's MPI
+plugin, `mlPolicy.mpi`; the `deepspeed-distributed` runtime is its best-known user). On one machine mpirun
+forks the ranks itself; across nodes it reaches them over SSH (port 2222, a hostfile with `slots=<processes
+per node>` per host, as Kubeflow writes it). Each rank reads OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE and
+OMPI_COMM_WORLD_LOCAL_RANK and joins torch.distributed at MASTER_ADDR:MASTER_PORT, which the launcher sets.
+
+MPI jobs are fixed-size: no elastic range, no restarts (a failed rank ends the job with its exit code; the
+same command resumes from the newest checkpoint)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from trainjob.options import require
+from trainjob.runtimes.base import Nodes, Offers, Runtime
+from trainjob.runtimes.torch_distributed import check_counts
+
+# Kubeflow Trainer's port for every runtime's coordinator (its ContainerTrainerPort), and its MPI sshd's.
+MASTER_PORT = 29500
+SSH_PORT = 2222
+INSTALL = "apt-get install -y openmpi-bin"
+# ssh to a node's sshd (Kubeflow's MPI runtimes listen on 2222), whose host key is the job's own.
+RSH_ARGS = f"-p {SSH_PORT} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectionAttempts=10"
+# Where Kubeflow's MPI plugin mounts the hostfile, and the variable that names it.
+KUBEFLOW_HOSTFILE = "/etc/mpi/hostfile"
+HOSTFILE_ENV = "OMPI_MCA_orte_default_hostfile"
+# What the ranks read, from OpenMPI's environment, as torch.distributed's names.
+CONTRACT = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+            "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_WORLD_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"}
+# mpirun refuses to run as root unless told; containers and CI run as root.
+AGENT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+@dataclass
+class MPIConfig:
+    name: str = "mpi"
+    # null: the GPU count on this machine, or 2 without GPUs (Kubeflow's numProcPerNode: the hostfile's slots).
+    nproc_per_node: int | None = None
+    # A node count: MPI jobs are fixed-size.
+    nnodes: Any = 1
+    # Kubeflow's mlPolicy.mpi: OpenMPI is the one implementation its MPI plugin supports.
+    mpi_implementation: str = "OpenMPI"
+    # Where every node's SSH key pair is mounted (mlPolicy.mpi.sshAuthMountPath).
+    ssh_auth_mount_path: str = "/root/.ssh"
+    # The launcher is an MPI host too, node 0 (mlPolicy.mpi.runLauncherAsNode).
+    run_launcher_as_node: bool = True
+    # The rendezvous port of rank 0's host; null: a free port on one machine, 29500 across nodes.
+    master_port: int | None = None
+
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MPI(Runtime):
+    name = "mpi"
+    schema = MPIConfig
+    runtime_ref = "deepspeed-distributed"  # the ClusterTrainingRuntime Kubeflow ships with mlPolicy.mpi
+    framework = "mpi"
+    hosts_over_ssh = True
+
+    def check(self, options: MPIConfig) -> None:
+        require(":" not in str(options.nnodes), "runtime.nnodes", options.nnodes,
+                f"runtime={self.name} jobs are fixed-size (mpirun starts a fixed set of ranks): give a node count N")
+        check_counts(options)
+        require(options.mpi_implementation == "OpenMPI", "runtime.mpi_implementation", options.mpi_implementation,
+                "must be OpenMPI (the one implementation Kubeflow Trainer's MPI plugin supports)")
+        require(options.master_port is None or 0 < options.master_port < 65536, "runtime.master_port",
+                options.master_port, "must be a TCP port in [1, 65535], or null")
+
+    def check_job(self, options: MPIConfig, counts: range, offers: Offers) -> None:
+        require(counts[-1] == 1 or not offers.nodes_started_here, "runtime.nnodes", options.nnodes,
+                f"runtime={self.name} starts every node's ranks from one launcher over SSH: several nodes run "
+                "with launcher=docker or launcher=kubernetes")
+
+    def missing(self) -> str | None:
+        if shutil.which("mpirun"):
+            return None
+        return (f"runtime={self.name} needs OpenMPI's mpirun, which is not on PATH: install the Debian package "
+                f"openmpi-bin ({INSTALL}, as root)")
+
+    def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        across = bool(nodes.hosts)
+        cmd = ["mpirun", "-np", str(nodes.nnodes * nodes.nproc_per_node), "--bind-to", "none"]
+        if across:
+            cmd += ["--hostfile", nodes.hostfile, "--mca", "plm_rsh_args", RSH_ARGS]
+        else:
+            cmd += ["--oversubscribe"]  # one machine: its slots are its cores, which the ranks share
+        master = nodes.hosts[0] if across else "127.0.0.1"
+        port = options.get("master_port") or (MASTER_PORT if across else free_port())
+        return [*cmd, *_exports(nodes, {"MASTER_ADDR": master, "MASTER_PORT": str(port)}), nodes.python,
+                *nodes.command]
+
+    def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        # Kubeflow's MPI plugin mounts the hostfile (OMPI_MCA_orte_default_hostfile) and sets the slots; the ranks
+        # meet at its first host (`rank_env`), on the runtime's master_port.
+        port = str(options.get("master_port") or MASTER_PORT)
+        return ["mpirun", "--bind-to", "none", *_exports(nodes, {"MASTER_PORT": port}), nodes.python, *nodes.command]
+
+    def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        return dict(AGENT_ENV)
+
+    def rank_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        if CONTRACT["RANK"] not in environ:
+            return {}
+        env = {name: environ[ompi] for name, ompi in CONTRACT.items() if ompi in environ}
+        if "MASTER_ADDR" not in environ:  # under Kubeflow: rank 0 runs on the hostfile's first host
+            env["MASTER_ADDR"] = first_host(environ.get(HOSTFILE_ENV, KUBEFLOW_HOSTFILE))
+        env.setdefault("MASTER_PORT", environ.get("MASTER_PORT", str(MASTER_PORT)))
+        return env
+
+    def ml_policy(self, options: Mapping[str, Any], nnodes: int, nproc_per_node: int) -> dict[str, Any]:
+        return {"numNodes": nnodes, "mpi": {
+            "numProcPerNode": nproc_per_node, "mpiImplementation": options["mpi_implementation"],
+            "sshAuthMountPath": options["ssh_auth_mount_path"], "runLauncherAsNode": options["run_launcher_as_node"]}}
+
+
+def _exports(nodes: Nodes, values: dict[str, str]) -> list[str]:
+    """mpirun's -x options: `values`, torchrun's one thread a rank where a node runs several (a rank's own
+    threads would otherwise oversubscribe the cores), and the agent's variables the ranks need (remote ranks do
+    not inherit its environment)."""
+    if nodes.nproc_per_node > 1 and "OMP_NUM_THREADS" not in nodes.env_names:
+        values = {**values, "OMP_NUM_THREADS": "1"}
+    return [arg for key, value in values.items() for arg in ("-x", f"{key}={value}")] + [
+        arg for key in nodes.env_names for arg in ("-x", key)]
+
+
+def first_host(path: str) -> str:
+    """The first host an OpenMPI hostfile names."""
+    with open(path) as f:
+        return next(line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#"))
+
+
+def hostfile(hosts: list[str], slots: int) -> str:
+    """An OpenMPI hostfile as Kubeflow writes it: one `<host> slots=<processes per node>` line per host."""
+    return "".join(f"{h} slots={slots}\n" for h in hosts)
+
+
+RUNTIME = MPI()

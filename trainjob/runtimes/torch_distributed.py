@@ -1,0 +1,129 @@
+"""`runtime=torch-distributed`: torchrun starts each node's ranks (Kubeflow Trainer's `torch-distributed`
+runtime, `mlPolicy.torch`). A trainer run's agent is `launchers.torchrun`, whose exit code is its failed rank's
+own; a function job's is plain torchrun. The ranks read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT as they are."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from trainjob.nodes import node_range
+from trainjob.options import OptionError, require
+from trainjob.runtimes.base import Nodes, Offers, Runtime
+
+# Sharing torchrun's rendezvous store with the workers (the default) lets restarted workers read the failed
+# attempt's addresses, so a restart after a dead rank fails to connect (pytorch/pytorch#135712); a fresh store
+# per attempt avoids it.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+# An elastic job's rendezvous, and a fixed-size one's whose nodes start on their own (the local launcher): its
+# store is hosted outside the nodes (`launchers.rendezvous`), so that losing any node leaves it; a node that
+# stops sending heartbeats for 5 s is gone.
+ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"
+
+
+@dataclass
+class TorchDistributedConfig:
+    # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
+    POSITIVE: ClassVar[tuple[str, ...]] = ("last_call_timeout", "rdzv_timeout", "monitor_interval")
+    name: str = "torch-distributed"
+    # null: the GPU count on this machine, or 2 without GPUs.
+    nproc_per_node: int | None = None
+    # N nodes, or MIN:MAX for an elastic job (torchrun's elastic rendezvous: it goes on when nodes are lost, down
+    # to MIN, and takes nodes that join, up to MAX).
+    nnodes: Any = 1
+    # This node's rank in a fixed-size run started once per node (torchrun's --node-rank); null: the first free
+    # node slot of the run directory. A per-node setting: it is not saved in config.yaml.
+    node_rank: int | None = None
+    max_restarts: int = 0
+    rdzv_backend: str = "c10d"
+    # host:port of node 0; null on one node lets torchrun pick a free local port (--standalone).
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "trainjob"
+    monitor_interval: float = 1.0
+    # Elastic jobs: seconds the rendezvous waits for more nodes once MIN have joined.
+    last_call_timeout: int = 5
+    # Seconds a node waits at the rendezvous for the others (torchrun's join_timeout) before it ends, saying
+    # how many nodes joined and which never did.
+    rdzv_timeout: int = 600
+
+
+def check_counts(options: Any) -> int:
+    """runtime.nproc_per_node and runtime.nnodes (N or MIN:MAX) as every runtime reads them; the most nodes."""
+    require(options.nproc_per_node is None or options.nproc_per_node > 0, "runtime.nproc_per_node",
+            options.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
+    try:
+        return node_range(options.nnodes)[1]
+    except ValueError as e:
+        raise OptionError("runtime.nnodes", options.nnodes, str(e)) from None
+
+
+class TorchDistributed(Runtime):
+    name = "torch-distributed"
+    schema = TorchDistributedConfig
+    runtime_ref = "torch-distributed"
+    framework = "torch"
+    elastic = True
+    restarts = True
+    function_jobs = True
+
+    def check(self, options: TorchDistributedConfig) -> None:
+        most = check_counts(options)
+        if options.node_rank is not None:
+            require(":" not in str(options.nnodes), "runtime.node_rank", options.node_rank,
+                    f"runtime.nnodes={options.nnodes} is an elastic range, whose rendezvous assigns each node its "
+                    "rank: leave runtime.node_rank unset")
+            require(0 <= options.node_rank < most, "runtime.node_rank", options.node_rank,
+                    f"must be in [0, runtime.nnodes={options.nnodes})")
+        require(options.max_restarts >= 0, "runtime.max_restarts", options.max_restarts, "must be >= 0")
+
+    def check_job(self, options: TorchDistributedConfig, counts: range, offers: Offers) -> None:
+        # Remote launchers know node 0's address (Kubeflow injects it; Docker names the container).
+        require(counts[-1] == 1 or bool(options.rdzv_endpoint) or not offers.nodes_started_here,
+                "runtime.rdzv_endpoint", options.rdzv_endpoint, "must be host:port of node 0 when runtime.nnodes > 1 "
+                "(an elastic range's: where its rendezvous store serves)")
+
+    def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        # A trainer run's agent passes its failed rank's exit code on (2 refused, 143 preempted), and ends a
+        # rendezvous that timed out with RDZV_TIMEOUT_EXIT (`launchers.torchrun`); a function job's is torchrun's.
+        agent = ["-m", "launchers.torchrun"] if nodes.trainer_run else ["-m", "torch.distributed.run"]
+        return [nodes.python, *agent, *torchrun_args(options, nodes), *nodes.command]
+
+    def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        # Kubeflow's torch plugin sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and the master's address, which
+        # torchrun reads. A trainer run's agent passes its rank's exit code on, so that a refused config (2) and a
+        # preemption (143) reach the pod's status; a function job's image need not hold trainjob: plain torchrun.
+        # Restarts are the JobSet's (the runtime's failure policy): torchrun in a pod restarts nothing.
+        agent = [nodes.python, "-m", "launchers.torchrun"] if nodes.trainer_run else ["torchrun"]
+        return [*agent, "--max-restarts=0", *nodes.command]
+
+    def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        return dict(AGENT_ENV)
+
+    def ml_policy(self, options: Mapping[str, Any], nnodes: int, nproc_per_node: int) -> dict[str, Any]:
+        return {"numNodes": nnodes, "torch": {"numProcPerNode": nproc_per_node}}
+
+
+def torchrun_args(options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+    """torchrun's options. One node without an endpoint uses --standalone; else a c10d rendezvous at the
+    endpoint (default: runtime.rdzv_endpoint), which every node joins; an elastic job gives the node range and
+    a store that lives apart from its nodes, as does one whose nodes start one by one; a node waits
+    `rdzv_timeout` seconds at the rendezvous for the others."""
+    t = options
+    args = [
+        f"--nproc-per-node={nodes.nproc_per_node}",
+        f"--nnodes={nodes.min_nodes}:{nodes.nnodes}" if nodes.min_nodes is not None else f"--nnodes={nodes.nnodes}",
+        f"--max-restarts={t['max_restarts']}",
+        f"--monitor-interval={t['monitor_interval']}",
+    ]
+    endpoint = nodes.endpoint or t["rdzv_endpoint"]
+    if nodes.nnodes == 1 and not endpoint:
+        return [*args, "--standalone"]
+    args += [f"--rdzv-backend={t['rdzv_backend']}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t['rdzv_id']}"]
+    conf = ELASTIC_RDZV_CONF.format(last_call=t["last_call_timeout"]) + "," if nodes.store_apart else ""
+    return [*args, f"--rdzv-conf={conf}join_timeout={t['rdzv_timeout']}"]
+
+
+RUNTIME = TorchDistributed()
