@@ -1,0 +1,109 @@
+"""The runtime units (`trainjob.runtimes`), read without starting anything: the command each builds for a node,
+the environment contract its ranks read, the Kubeflow mlPolicy it maps to, and the rules on its keys. The runs
+themselves are tests/trainer/test_mpi.py's (real mpirun and torchrun processes)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from trainjob import runtimes
+from trainjob.options import OptionError
+from trainjob.runtimes import mpi, torch_distributed
+from trainjob.runtimes.base import Nodes, Offers
+
+WORKER = ["-m", "trainer.worker", "/runs/a/config.yaml"]
+
+
+def _options(name: str, **values) -> dict:
+    from dataclasses import asdict
+
+    return {**asdict(runtimes.get(name).schema()), **values}
+
+
+def test_every_runtime_is_one_module_whose_name_is_its_runtime_and_whose_yaml_exists():
+    from tests.conftest import REPO
+
+    conf = pathlib.Path(REPO) / "conf" / "runtime"
+    assert sorted(p.stem for p in conf.glob("*.yaml")) == sorted(runtimes.NAMES)
+    for name in runtimes.NAMES:
+        unit = runtimes.get(name)
+        assert unit.name == name and unit.schema().name == name
+        assert (conf / f"{name}.yaml").read_text().count(f"runtime_schema_{name}@_here_") == 1
+    with pytest.raises(OptionError, match="runtime.name='jax': must be one of torch-distributed, mpi"):
+        runtimes.get("jax")
+
+
+def test_torchrun_on_one_node_is_standalone_and_several_meet_at_the_endpoint():
+    unit = runtimes.get("torch-distributed")
+    one = unit.node_command(_options("torch-distributed"), Nodes(WORKER, python="py", nproc_per_node=2))
+    assert one == ["py", "-m", "launchers.torchrun", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=0",
+                   "--monitor-interval=1.0", "--standalone", *WORKER]
+    elastic = unit.node_command(_options("torch-distributed"), Nodes(
+        ["script.py"], nnodes=4, min_nodes=2, endpoint="store:29400", store_apart=True))
+    assert elastic[:3] == ["python", "-m", "torch.distributed.run"] and "--nnodes=2:4" in elastic
+    assert "--rdzv-endpoint=store:29400" in elastic and any("is_host=false" in a for a in elastic)
+    assert unit.agent_env({}) == torch_distributed.AGENT_ENV
+    assert unit.rank_env({"RANK": "1"}) == {}  # torchrun's variables are torch.distributed's own
+
+
+def test_mpirun_on_one_machine_forks_every_rank_and_gives_them_the_rendezvous():
+    unit = runtimes.get("mpi")
+    cmd = unit.node_command(_options("mpi", master_port=29511), Nodes(WORKER, python="py", nproc_per_node=3))
+    assert cmd[:6] == ["mpirun", "-np", "3", "--bind-to", "none", "--oversubscribe"]
+    assert cmd[-4:] == ["py", *WORKER]
+    exports = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
+    assert exports == ["MASTER_ADDR=127.0.0.1", "MASTER_PORT=29511", "OMP_NUM_THREADS=1"]
+    assert unit.agent_env({})["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+
+
+def test_mpirun_across_nodes_reads_a_hostfile_and_reaches_sshd_on_2222_passing_the_environment_on():
+    unit = runtimes.get("mpi")
+    nodes = Nodes(WORKER, nnodes=2, nproc_per_node=2, hosts=("job-node-0", "job-node-1"), hostfile="/etc/mpi/hostfile",
+                  env_names=("TRAINJOB_CACHE",))
+    cmd = unit.node_command(_options("mpi"), nodes)
+    assert cmd[:3] == ["mpirun", "-np", "4"] and cmd[cmd.index("--hostfile") + 1] == "/etc/mpi/hostfile"
+    assert "-p 2222" in cmd[cmd.index("plm_rsh_args") + 1]
+    exports = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
+    assert exports == ["MASTER_ADDR=job-node-0", "MASTER_PORT=29500", "OMP_NUM_THREADS=1", "TRAINJOB_CACHE"]
+    assert mpi.hostfile(["job-node-0", "job-node-1"], 2) == "job-node-0 slots=2\njob-node-1 slots=2\n"
+
+
+def test_an_mpi_rank_reads_openmpis_variables_as_torch_distributeds(tmp_path):
+    unit = runtimes.get("mpi")
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"}
+    assert unit.rank_env(env) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                  "MASTER_PORT": "29600"}
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# Kubeflow's\njob-node-0-0.job slots=2\njob-launcher-0-0.job slots=2\n")
+    kubeflow = {k: v for k, v in env.items() if not k.startswith("MASTER")}
+    got = unit.rank_env({**kubeflow, "OMPI_MCA_orte_default_hostfile": str(hostfile)})
+    assert got["MASTER_ADDR"] == "job-node-0-0.job" and got["MASTER_PORT"] == "29500"
+    assert unit.rank_env({"RANK": "0"}) == {}  # not started by mpirun
+
+
+def test_each_runtime_maps_to_kubeflows_mlpolicy():
+    assert runtimes.get("torch-distributed").ml_policy(_options("torch-distributed"), 2, 4) == {
+        "numNodes": 2, "torch": {"numProcPerNode": 4}}
+    assert runtimes.get("mpi").ml_policy(_options("mpi"), 2, 4) == {"numNodes": 2, "mpi": {
+        "numProcPerNode": 4, "mpiImplementation": "OpenMPI", "sshAuthMountPath": "/root/.ssh",
+        "runLauncherAsNode": True}}
+
+
+def test_mpi_jobs_are_fixed_size_and_several_nodes_need_a_launcher_that_reaches_them():
+    unit = runtimes.get("mpi")
+    with pytest.raises(OptionError, match=r"runtime.nnodes='1:4': runtime=mpi jobs are fixed-size"):
+        unit.check(mpi.MPIConfig(nnodes="1:4"))
+    with pytest.raises(OptionError, match="runtime.mpi_implementation='MPICH': must be OpenMPI"):
+        unit.check(mpi.MPIConfig(mpi_implementation="MPICH"))
+    with pytest.raises(OptionError, match="runtime.nnodes=2: runtime=mpi starts every node's ranks from one launcher"):
+        unit.check_job(mpi.MPIConfig(nnodes=2), range(2, 3), Offers(nodes_started_here=True))
+    unit.check_job(mpi.MPIConfig(nnodes=2), range(2, 3), Offers())
+
+
+def test_a_missing_mpirun_is_named_with_the_debian_package_that_holds_it(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert runtimes.get("mpi").missing() == ("runtime=mpi needs OpenMPI's mpirun, which is not on PATH: install the "
+                                             "Debian package openmpi-bin (apt-get install -y openmpi-bin, as root)")
