@@ -179,10 +179,21 @@ def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any],
                 f"data.cache.backend=trainjob"
             )
         return {"kind": "ClusterTrainingRuntime", "name": lc.get("runtime_ref") or KUBEFLOW_CACHE_RUNTIME}
+    unit, options = spec.runtime.unit, spec.runtime.options
+    # The job's own settings of the runtime's mlPolicy where they go beyond the torch plugin's (which reads the
+    # TrainJob's numNodes and numProcPerNode): MPI's hostfile slots, implementation and SSH key path.
+    policy = {k: v for k, v in unit.ml_policy(options, spec.nnodes, spec.nproc_per_node).items()
+              if k not in ("numNodes", "torch")}
+    base = runtime_spec or (schedulers.builtin_mpi_runtime(lc["image"]) if unit.hosts_over_ssh
+                            else schedulers.builtin_torch_runtime(lc["image"]))
     runtime = schedulers.derived_runtime(
-        sc, runtime_spec or schedulers.builtin_torch_runtime(lc["image"]), f"{name}-runtime", lc["namespace"],
-        labels, spec.runtime.options.get("max_restarts", 0),
-    )
+        sc, base, f"{name}-runtime", lc["namespace"], labels, options.get("max_restarts", 0),
+        framework=unit.framework, ml_policy=policy)
+    if unit.hosts_over_ssh:  # every node's ranks run our image (the TrainJob's image is the launcher's alone)
+        for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
+            for container in job["template"]["spec"]["template"]["spec"]["containers"]:
+                if container["name"] == "node":
+                    container["image"] = lc["image"]
     out.append(runtime)
     return {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
 
@@ -197,12 +208,15 @@ def cluster_runtime(spec: LaunchSpec, lc: Mapping[str, Any]) -> str | None:
 
 def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env: dict[str, str],
              secret_env: list[dict[str, Any]]) -> dict[str, Any]:
-    """The TrainJob's `trainer`: torchrun on every node, with the run's environment and resources."""
+    """The TrainJob's `trainer`: the runtime's agent (torchrun on every node, mpirun from the launcher), with the
+    run's environment and resources."""
     trainer: dict[str, Any] = {
         "image": lc["image"],
         # Restarts are the JobSet's (the derived runtime's failurePolicy), each pod resuming from the claim; on
         # Kubeflow's cache runtime runtime.max_restarts is refused (0), so torchrun in a pod restarts nothing.
-        "command": spec.runtime.unit.kubeflow_command(spec.runtime.options, Nodes(pod_command(spec))),
+        "command": spec.runtime.unit.kubeflow_command(
+            spec.runtime.options, Nodes(pod_command(spec), nproc_per_node=spec.nproc_per_node,
+                                        env_names=(*env, *sorted(spec.secrets)))),
         "numNodes": spec.nnodes,
         "numProcPerNode": spec.nproc_per_node,
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,
@@ -227,10 +241,12 @@ def _job_spec(spec: LaunchSpec, lc: Mapping[str, Any], ref: dict[str, str], trai
                         "spec": {
                             "replicatedJobs": [
                                 {
-                                    "name": "node",
+                                    "name": job,
                                     "template": {"spec": {"template": {"spec": _pod_patch(lc, config_map,
                                                                                          spec.stop_grace_s)}}},
                                 }
+                                # Under MPI the ranks run on the nodes and the launcher alike: both read the files.
+                                for job in (("node", "launcher") if spec.runtime.unit.hosts_over_ssh else ("node",))
                             ]
                         }
                     }

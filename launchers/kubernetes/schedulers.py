@@ -57,6 +57,9 @@ def check(sc: Mapping[str, Any], launcher: str) -> None:
     require(timeout is None or timeout > 0, "scheduler.schedule_timeout_seconds", timeout, "must be > 0, or null")
 
 
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+
+
 def builtin_torch_runtime(image: str) -> dict[str, Any]:
     """The spec of Kubeflow Trainer's `torch-distributed` ClusterTrainingRuntime, for when the cluster's
     own cannot be read (a dry run)."""
@@ -68,13 +71,35 @@ def builtin_torch_runtime(image: str) -> dict[str, Any]:
                     {
                         "name": "node",
                         "template": {
-                            "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+                            "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
                             "spec": {"template": {"spec": {"containers": [{"name": "node", "image": image}]}}},
                         },
                     }
                 ]
             }
         },
+    }
+
+
+def builtin_mpi_runtime(image: str, ssh_port: int = 2222) -> dict[str, Any]:
+    """The spec of Kubeflow Trainer's `deepspeed-distributed` ClusterTrainingRuntime (its MPI runtime), for when
+    the cluster's own cannot be read (a dry run): `node` pods run sshd on 2222, the `launcher` pod (the trainer)
+    runs mpirun once the nodes are ready; the launcher is a host too."""
+    node = {"name": "node", "image": image, "command": ["/usr/sbin/sshd"], "args": ["-De", "-p", str(ssh_port)],
+            "readinessProbe": {"tcpSocket": {"port": ssh_port}, "initialDelaySeconds": 5}}
+    return {
+        "mlPolicy": {"numNodes": 1, "mpi": {"numProcPerNode": 1, "mpiImplementation": "OpenMPI",
+                                            "sshAuthMountPath": "/root/.ssh", "runLauncherAsNode": True}},
+        "template": {"spec": {
+            "network": {"publishNotReadyAddresses": True},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["launcher"]},
+            "replicatedJobs": [
+                {"name": "node", "template": {"spec": {"template": {"spec": {"containers": [node]}}}}},
+                {"name": "launcher", "dependsOn": [{"name": "node", "status": "Ready"}], "template": {
+                    "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
+                    "spec": {"template": {"spec": {"containers": [{"name": "node", "image": image}]}}}}},
+            ],
+        }},
     }
 
 
@@ -108,15 +133,19 @@ def add_failure_policies(spec: dict[str, Any], max_restarts: int, container: str
     - a pod evicted or preempted (condition DisruptionTarget) is replaced without counting as a failure;
     - any other failure restarts the JobSet up to `max_restarts` times (`runtime.max_restarts`), the run
       resuming from its newest checkpoint on the shared claim;
-    - the node Job succeeds when node 0 succeeds (its index 0), and the JobSet when that Job does."""
+    - the trainer's Job succeeds when its pod 0 succeeds (its index 0), and the JobSet when that Job does.
+    The trainer's Job is the one Kubeflow labels as the trainer (`node` under torch, MPI's `launcher`)."""
     template = spec["template"]["spec"]
-    nodes = [job for job in template["replicatedJobs"] if job["name"] == "node"]
+    labelled = [job for job in template["replicatedJobs"]
+                if job["template"].get("metadata", {}).get("labels", {}).get(ANCESTOR_LABEL) == "trainer"]
+    nodes = labelled or [job for job in template["replicatedJobs"] if job["name"] == "node"]
+    names = [job["name"] for job in nodes]
     template["failurePolicy"] = {
         "maxRestarts": max_restarts,
         "rules": [{"name": "RefusedConfig", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
-                   "targetReplicatedJobs": ["node"]}],
+                   "targetReplicatedJobs": names}],
     }
-    template["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["node"]}
+    template["successPolicy"] = {"operator": "All", "targetReplicatedJobs": names}
     for job in nodes:
         job_spec = job["template"].setdefault("spec", {})
         job_spec["completionMode"] = "Indexed"  # what successPolicy's indexes need (JobSet's default too)
@@ -132,11 +161,15 @@ def add_failure_policies(spec: dict[str, Any], max_restarts: int, container: str
 
 def derived_runtime(
     scheduler: dict[str, Any], base_spec: dict[str, Any], name: str, namespace: str, labels: dict[str, str],
-    max_restarts: int = 0,
+    max_restarts: int = 0, framework: str = "torch", ml_policy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A namespaced TrainingRuntime: `base_spec` (the cluster runtime's spec) plus the gang policy and the
-    failure policies (`add_failure_policies`)."""
+    failure policies (`add_failure_policies`), labelled with the runtime's `framework`; `ml_policy` (the
+    job's runtime's own settings, such as mlPolicy.mpi's) merged over the base's."""
     spec = copy.deepcopy(base_spec)
+    for key, value in (ml_policy or {}).items():
+        policy = spec.setdefault("mlPolicy", {})
+        policy[key] = {**policy.get(key, {}), **value} if isinstance(value, dict) else value
     add_failure_policies(spec, max_restarts)
     kind = scheduler["name"]
     if kind == "volcano":
@@ -157,7 +190,7 @@ def derived_runtime(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": {**labels, "trainer.kubeflow.org/framework": "torch"},
+            "labels": {**labels, "trainer.kubeflow.org/framework": framework},
         },
         "spec": spec,
     }

@@ -103,7 +103,8 @@ class MPI(Runtime):
         # Kubeflow's MPI plugin mounts the hostfile (OMPI_MCA_orte_default_hostfile) and sets the slots; the ranks
         # meet at its first host (`rank_env`), on the runtime's master_port.
         port = str(options.get("master_port") or MASTER_PORT)
-        return ["mpirun", "--bind-to", "none", *_exports(nodes, {"MASTER_PORT": port}), nodes.python, *nodes.command]
+        return ["mpirun", "--bind-to", "none", "--mca", "plm_rsh_args", RSH_ARGS,
+                *_exports(nodes, {"MASTER_PORT": port}), nodes.python, *nodes.command]
 
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         return dict(AGENT_ENV)

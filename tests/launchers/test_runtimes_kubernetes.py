@@ -1,0 +1,82 @@
+"""`launcher=kubernetes runtime=mpi`: the TrainingRuntime derived from Kubeflow's MPI runtime (the shipped
+`deepspeed-distributed` ClusterTrainingRuntime, read from ../shared/reference as the cluster would serve it, or
+the built-in copy of a dry run) carries mlPolicy.mpi and the framework label, the TrainJob runs mpirun from the
+launcher, and every manifest validates against the v2.3.0 CRDs. No API server runs here: the manifests are what
+is checked, against the real schemas."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import yaml
+
+from launchers import get as get_launcher
+from tests.conftest import compose_run
+from tests.launchers import crds
+
+RUNTIMES = os.path.join(os.path.dirname(crds.DEFAULT_DIR), "runtimes")
+MPI = ["launcher=kubernetes", "runtime=mpi", "runtime.nproc_per_node=4", "runtime.nnodes=2",
+       "launcher.run_claim=runs", "launcher.resources_per_node.cpu=4"]
+
+
+def _manifests(tmp_path, *overrides, cluster_runtime=None):
+    run = compose_run(tmp_path, *MPI, *overrides)
+    return run, get_launcher(run.launcher, run.scheduler).manifests(run.spec, cluster_runtime)
+
+
+def _shipped(name: str) -> dict:
+    with open(os.path.join(RUNTIMES, f"{name.replace('-', '_')}.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def test_an_mpi_job_derives_its_runtime_from_kubeflows_mpi_runtime_and_validates(tmp_path):
+    shipped = _shipped("deepspeed-distributed")
+    for base in (shipped["spec"], None):  # the cluster's runtime as served, or the dry run's built-in copy
+        _, manifests = _manifests(tmp_path, "scheduler=kueue", cluster_runtime=base)
+        assert [m["kind"] for m in manifests] == ["TrainingRuntime", "ConfigMap", "TrainJob"]
+        for m in manifests:
+            if m["kind"] != "ConfigMap":
+                crds.validate(m)
+        runtime, trainjob = manifests[0], manifests[-1]
+        assert runtime["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "mpi"
+        assert runtime["spec"]["mlPolicy"]["mpi"] == {"numProcPerNode": 4, "mpiImplementation": "OpenMPI",
+                                                      "sshAuthMountPath": "/root/.ssh", "runLauncherAsNode": True}
+        jobs = {j["name"]: j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+        assert set(jobs) == {"node", "launcher"}
+        # Every host runs the run's image; the job succeeds, and a refusal (exit 2) fails it, with the launcher.
+        for job in jobs.values():
+            assert job["template"]["spec"]["template"]["spec"]["containers"][0]["image"] == "trainjob:latest"
+        assert runtime["spec"]["template"]["spec"]["successPolicy"]["targetReplicatedJobs"] == ["launcher"]
+        assert "podFailurePolicy" in jobs["launcher"]["template"]["spec"]
+        assert trainjob["spec"]["runtimeRef"] == {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
+        trainer = trainjob["spec"]["trainer"]
+        assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 4
+        assert trainer["command"][0] == "mpirun" and trainer["command"][-3:] == [
+            "-m", "trainer.worker", "/etc/trainjob/config.yaml"]
+        assert "-p 2222" in trainer["command"][trainer["command"].index("plm_rsh_args") + 1]
+        patched = [j["name"] for j in trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+            "replicatedJobs"]]
+        assert patched == ["node", "launcher"]  # both read the config and the run directory
+        assert not {e["name"] for e in trainer["env"]} & {"OMPI_MCA_orte_default_hostfile", "OMPI_MCA_plm_rsh_args"}
+
+
+def test_the_runtime_ref_names_the_shipped_cluster_runtime(tmp_path):
+    from launchers.kubernetes.manifests import cluster_runtime
+
+    run, _ = _manifests(tmp_path)
+    assert cluster_runtime(run.spec, run.launcher) == _shipped("deepspeed-distributed")["metadata"]["name"]
+    torch = compose_run(tmp_path / "torch", "launcher=kubernetes", "runtime=torch-distributed")
+    assert cluster_runtime(torch.spec, torch.launcher) == _shipped("torch-distributed")["metadata"]["name"]
+
+
+def test_dry_run_prints_the_mpi_trainjob(tmp_path, cache_dir):
+    proc = subprocess.run([sys.executable, "-m", "trainer", *MPI, "launcher.dry_run=true",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "TRAINJOB_CACHE": cache_dir}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert [d["kind"] for d in docs] == ["TrainingRuntime", "ConfigMap", "TrainJob"]
+    assert docs[0]["spec"]["mlPolicy"]["mpi"]["numProcPerNode"] == 4
+    assert not (tmp_path / "run").exists()
