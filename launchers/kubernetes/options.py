@@ -64,9 +64,9 @@ RFC1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 def offers(options: Mapping[str, Any]) -> Offers:
     """Pods on a cluster: the GPUs each node requests, a fixed node count (a TrainJob's numNodes), failed
-    nodes restarted by the JobSet, Kubeflow Trainer's data cache."""
+    nodes restarted by the JobSet, Kubeflow Trainer's data cache, MPI's launcher and SSH hosts."""
     return Offers(gpus_per_node=int(options["resources_per_node"]["gpu"]), elastic=False, restarts_nodes=True,
-                  kubeflow_cache=True)
+                  kubeflow_cache=True, ssh_hosts=True)
 
 
 def check(lc: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:

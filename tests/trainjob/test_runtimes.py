@@ -99,8 +99,11 @@ def test_mpi_jobs_are_fixed_size_and_several_nodes_need_a_launcher_that_reaches_
     with pytest.raises(OptionError, match="runtime.mpi_implementation='MPICH': must be OpenMPI"):
         unit.check(mpi.MPIConfig(mpi_implementation="MPICH"))
     with pytest.raises(OptionError, match="runtime.nnodes=2: runtime=mpi starts every node's ranks from one launcher"):
-        unit.check_job(mpi.MPIConfig(nnodes=2), range(2, 3), Offers(nodes_started_here=True))
-    unit.check_job(mpi.MPIConfig(nnodes=2), range(2, 3), Offers())
+        unit.check_job(mpi.MPIConfig(nnodes=2), range(2, 3), Offers(runs_here=True))
+    with pytest.raises(OptionError, match="runtime='mpi': .* which this launcher does not lay out"):
+        unit.check_job(mpi.MPIConfig(), range(1, 2), Offers())
+    unit.check_job(mpi.MPIConfig(), range(1, 2), Offers(runs_here=True))
+    unit.check_job(mpi.MPIConfig(nnodes=2), range(2, 3), Offers(ssh_hosts=True))
 
 
 def test_a_missing_mpirun_is_named_with_the_debian_package_that_holds_it(monkeypatch):

@@ -36,7 +36,9 @@ class Offers:
     `elastic`: it can run an elastic node range;
     `restarts_nodes`: it restarts a failed node itself (not the runtime's agent);
     `kubeflow_cache`: Kubeflow Trainer's data cache runs there;
-    `nodes_started_here`: a multi-node run is started once per node on this machine."""
+    `nodes_started_here`: a multi-node run is started once per node on this machine;
+    `ssh_hosts`: it lays out a job as one launcher and hosts it reaches over SSH (what an MPI job needs:
+    Kubeflow's MPI plugin writes the hostfile and the job's keys)."""
 
     runs_here: bool = False
     gpus_per_node: int | None = 0
@@ -46,6 +48,7 @@ class Offers:
     restarts_nodes: bool = False
     kubeflow_cache: bool = False
     nodes_started_here: bool = False
+    ssh_hosts: bool = False
 
 
 @dataclass(frozen=True)

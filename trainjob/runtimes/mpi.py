@@ -77,9 +77,15 @@ class MPI(Runtime):
                 options.master_port, "must be a TCP port in [1, 65535], or null")
 
     def check_job(self, options: MPIConfig, counts: range, offers: Offers) -> None:
-        require(counts[-1] == 1 or not offers.nodes_started_here, "runtime.nnodes", options.nnodes,
-                f"runtime={self.name} starts every node's ranks from one launcher over SSH: several nodes run "
-                "with launcher=docker or launcher=kubernetes")
+        # On this machine mpirun forks one node's ranks; more nodes, or nodes elsewhere, need a launcher that lays
+        # out MPI's launcher and SSH hosts (Kubeflow's MPI plugin).
+        over_ssh = f"runtime={self.name} starts every node's ranks from one launcher over SSH"
+        if offers.runs_here:
+            require(counts[-1] == 1 or offers.ssh_hosts, "runtime.nnodes", options.nnodes,
+                    f"{over_ssh}: on this machine it runs one node; several nodes run with launcher=kubernetes")
+        require(offers.runs_here or offers.ssh_hosts, "runtime", self.name,
+                f"{over_ssh}, which this launcher does not lay out: run it on this machine (launcher=local) or "
+                "with launcher=kubernetes")
 
     def missing(self) -> str | None:
         if shutil.which("mpirun"):
