@@ -6,6 +6,12 @@
 # a base it makes itself (.ci/docker-image: `--build-arg BASE=trainjob-base:bookworm`).
 ARG BASE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 FROM ${BASE}
+# runtime=mpi (Kubeflow's MPI runtimes) starts the ranks with mpirun from the launcher pod over SSH to sshd on
+# every node: `--build-arg MPI=1` adds OpenMPI and sshd (its host keys made by the package; Kubeflow mounts the
+# job's own key pair); the torch-distributed image holds neither.
+ARG MPI=0
+RUN if [ "$MPI" = 1 ]; then apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        openssh-server openmpi-bin && rm -rf /var/lib/apt/lists/* && mkdir -p /run/sshd; fi
 WORKDIR /opt/trainjob
 COPY pyproject.toml README.md ./
 COPY conf conf
