@@ -26,6 +26,7 @@ from trainer import config
 from trainer.config.compose import compose
 from trainer.optimizer import build_optimizer
 from trainer.preflight import check
+from trainjob import runtimes
 
 ONE_STEP = [*TINY, "train.max_steps=1", "train.eval_batches=1"]
 
@@ -144,8 +145,11 @@ def test_a_worker_that_finds_bad_data_says_so_in_one_line_before_its_first_step(
 def _numeric_keys() -> list[tuple[str, type, list[str]]]:
     """(key, type, overrides that make the key's section part of the config) for every number in the schema."""
     distributed = ["+runtime=torch-distributed", "runtime.nproc_per_node=2"]
-    keys = [(key, kind, distributed if group == "runtime" else [])
-            for group, schema in config.SCHEMAS.items() for key, kind in config.numeric_keys(schema, group)]
+    keys = [(key, kind, []) for group, schema in config.SCHEMAS.items()
+            for key, kind in config.numeric_keys(schema, group)]
+    for name, schema in runtimes.schemas().items():  # each runtime's own keys
+        keys += [(key, kind, [f"runtime={name}", "runtime.nproc_per_node=2"])
+                 for key, kind in config.numeric_keys(schema, "runtime")]
     for name, schema in launchers.LAUNCHER_SCHEMAS.items():
         extra = [f"launcher={name}", "launcher.image=img", *distributed]
         keys += [(key, kind, extra) for key, kind in config.numeric_keys(schema, "launcher")]
