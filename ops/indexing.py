@@ -70,10 +70,7 @@ def _arange(out_ptr, n, start, step, BLOCK: tl.constexpr):
 def _random(out_ptr, n, seed, a, b, NORMAL: tl.constexpr, BLOCK: tl.constexpr):
     """Uniform in [a, b), or normal with mean a and standard deviation b."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if NORMAL:
-        v = a + b * tl.randn(seed, offs)
-    else:
-        v = a + (b - a) * tl.rand(seed, offs)
+    v = a + b * tl.randn(seed, offs) if NORMAL else a + (b - a) * tl.rand(seed, offs)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=offs < n)
 
 
@@ -316,7 +313,7 @@ def _nll_parts(self, target, weight, ignore_index):
 
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
     classes = self.dim() - 1 if self.dim() > 1 else 0
-    valid, safe, w = _nll_parts(self, target, weight, ignore_index)
+    _valid, safe, w = _nll_parts(self, target, weight, ignore_index)
     picked = take(self, classes, safe.unsqueeze(classes), True).squeeze(classes) if self.dim() > 1 else \
         take(self, 0, safe.reshape(1), False).reshape(())
     losses = pw.OPS["neg"](pw.mul(picked, w.to(self.dtype)))
@@ -329,7 +326,7 @@ def nll_loss_forward(self, target, weight, reduction, ignore_index):
 
 def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
     classes = self.dim() - 1 if self.dim() > 1 else 0
-    valid, safe, w = _nll_parts(self, target, weight, ignore_index)
+    _valid, safe, w = _nll_parts(self, target, weight, ignore_index)
     g = pw.mul(pw.OPS["neg"](w.to(torch.float32)), grad_output.float())
     if reduction == 1:
         g = pw.div(g, total_weight.float())

@@ -268,8 +268,8 @@ def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, ou
 # On CPU, `rms_norm` is decomposed by PyTorch before any backend (into pow, mean, rsqrt, mul: all routed);
 # on CUDA it reaches `_fused_rms_norm`.
 ATEN = [
-    ("layer_norm", "native_layer_norm", _native_layer_norm),
-    ("layer_norm", "native_layer_norm_backward", _native_layer_norm_backward),
-    ("rms_norm", "_fused_rms_norm", _fused_rms_norm),
-    ("rms_norm", "_fused_rms_norm_backward", _fused_rms_norm_backward),
+    ("native_layer_norm", "native_layer_norm", _native_layer_norm),
+    ("native_layer_norm", "native_layer_norm_backward", _native_layer_norm_backward),
+    ("_fused_rms_norm", "_fused_rms_norm", _fused_rms_norm),
+    ("_fused_rms_norm", "_fused_rms_norm_backward", _fused_rms_norm_backward),
 ]

@@ -81,17 +81,11 @@ def _row_arg(x_ptr, y_ptr, i_ptr, n_rows, n_cols, neutral, MAX: tl.constexpr, CO
         cols = start + tl.arange(0, BLOCK)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0).to(COMPUTE)
-        if MAX:
-            better = (x > acc) | ((x != x) & (acc == acc))
-        else:
-            better = (x < acc) | ((x != x) & (acc == acc))
+        better = (x > acc) | (x != x) & (acc == acc) if MAX else (x < acc) | (x != x) & (acc == acc)
         better = better & mask
         acc = tl.where(better, x, acc)
         where = tl.where(better, cols[None, :].to(tl.int64), where)
-    if MAX:
-        m = _nan_aware(acc, tl.max(acc, axis=1))
-    else:
-        m = _nan_aware(acc, tl.min(acc, axis=1))
+    m = _nan_aware(acc, tl.max(acc, axis=1)) if MAX else _nan_aware(acc, tl.min(acc, axis=1))
     hit = (acc == m[:, None]) | ((acc != acc) & (m != m)[:, None])
     index = tl.min(tl.where(hit, where, n_cols), axis=1)
     tl.store(y_ptr + rows, m.to(y_ptr.dtype.element_ty), mask=row_mask)
