@@ -2,7 +2,7 @@
 `_put`: write or add along one dimension at given positions), `_arange` and `_random` (Philox uniform and
 normal numbers, seeded from PyTorch's seed and a counter), and ops composed of these and of the generated
 pointwise kernels: index_select, gather, scatter, scatter_add, index_add, index_put, cat, flip, repeat,
-tril/triu, arange, full/zeros/ones, uniform_, normal_, multinomial, masked_select, nonzero, native_dropout,
+tril/triu, arange, full/zeros/ones, uniform_, normal_, bernoulli_, multinomial, masked_select, nonzero, native_dropout,
 mse_loss and nll_loss (forward and backward).
 
 Tensors are read as (outer, dim, inner) contiguous views, so a non-contiguous input is copied once (by the
@@ -383,6 +383,8 @@ ATEN = [
     ("uniform_", "uniform_", lambda self, from_=0.0, to=1.0, *, generator=None: random_(self, from_, to, False)),
     ("normal_", "normal_", lambda self, mean=0.0, std=1.0, *, generator=None: random_(self, mean, std, True)),
     ("multinomial", "multinomial", multinomial),
+    ("bernoulli_", "bernoulli_.float", lambda self, p=0.5, *, generator=None: pw.OPS["lt"](
+        random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0, False), p, out=self)),
     ("dropout", "native_dropout", native_dropout),
     ("dropout", "native_dropout_backward", lambda grad_output, mask, scale: pw.OPS["dropout_backward"](
         grad_output, mask, scale).to(grad_output.dtype)),

@@ -71,6 +71,8 @@ def _source(kinds: str, outputs: int, rank: int) -> str:
     lines.append(f"    {results} = FN({', '.join(args)})")
     for j in range(outputs):
         address = " + ".join(f"i{d} * ostride{j}_{d}" for d in range(rank))
+        # A test's bool result reaches a float output through fp32 (the interpreter cannot cast int1 to bf16).
+        lines.append(f"    r{j} = r{j}.to(tl.float32) if r{j}.dtype == tl.int1 else r{j}")
         lines.append(f"    tl.store(out{j} + {address}, r{j}.to(out{j}.dtype.element_ty), mask=mask)")
     return "\n".join(lines) + "\n"
 

@@ -848,6 +848,7 @@ def _rows() -> list[tuple[str, str, object]]:
         if name in ("hypot", "heaviside", "logical_and", "logical_or", "logical_xor"):
             rows.append((name, f"{name}_", _binary_(name)))
     rows += [("copysign", "copysign.Tensor", _binary("copysign")), ("copysign", "copysign.Scalar", _binary("copysign")),
+             ("copysign", "copysign_.Tensor", _binary_("copysign")), ("xlogy", "xlogy_.Tensor", _binary_("xlogy")),
              ("xlogy", "xlogy.Tensor", _binary("xlogy")), ("xlogy", "xlogy.Scalar_Other", _binary("xlogy")),
              ("bitwise_left_shift", "bitwise_left_shift.Tensor", _binary("left_shift")),
              ("bitwise_right_shift", "bitwise_right_shift.Tensor", _binary("right_shift")),
