@@ -734,7 +734,7 @@ def _finite(dtype: torch.dtype, nan, posinf, neginf):
             info.min if neginf is None else neginf)
 
 
-def _nan_to_num(self, nan=None, posinf=None, neginf=None, out=None):
+def _aten_nan_to_num(self, nan=None, posinf=None, neginf=None, out=None):
     if not self.is_floating_point():
         return self.clone() if out is None else out.copy_(self)
     return OPS["nan_to_num"](self, *_finite(self.dtype, nan, posinf, neginf), out=out)
@@ -754,16 +754,16 @@ def _fill_(self, value):
     return OPS["fill"](self, value, out=self)
 
 
-def _elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
+def _aten_elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
     body = OPS["elu_backward_result" if is_result else "elu_backward"]
     return body(grad_output, self_or_result, alpha, scale, input_scale).to(grad_output.dtype)
 
 
-def _leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
+def _aten_leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
     return OPS["leaky_relu_backward"](grad_output, self, negative_slope).to(grad_output.dtype)
 
 
-def _logit(self, eps=None, out=None):
+def _aten_logit(self, eps=None, out=None):
     return OPS["logit"](self, -1.0 if eps is None else eps, out=out)
 
 
@@ -882,8 +882,8 @@ def _rows_with_options() -> list[tuple[str, str, object]]:
         ("clamp_max", "clamp_max", lambda self, max: clamp(self, None, max)),
         ("clamp_max", "clamp_max.Tensor", lambda self, max: clamp(self, None, max)),
         ("clamp_max", "clamp_max_", lambda self, max: clamp(self, None, max, out=self)),
-        ("nan_to_num", "nan_to_num", _nan_to_num),
-        ("nan_to_num", "nan_to_num_", lambda self, nan=None, posinf=None, neginf=None: _nan_to_num(
+        ("nan_to_num", "nan_to_num", _aten_nan_to_num),
+        ("nan_to_num", "nan_to_num_", lambda self, nan=None, posinf=None, neginf=None: _aten_nan_to_num(
             self, nan, posinf, neginf, out=self)),
         ("fill", "fill.Scalar", lambda self, value: _fill_(torch.empty_like(self), value)),
         ("fill", "fill_.Scalar", _fill_), ("fill", "fill_.Tensor", _fill_),
@@ -896,11 +896,11 @@ def _rows_with_options() -> list[tuple[str, str, object]]:
         ("leaky_relu", "leaky_relu", lambda self, negative_slope=0.01: op["leaky_relu"](self, negative_slope)),
         ("leaky_relu", "leaky_relu_", lambda self, negative_slope=0.01: op["leaky_relu"](self, negative_slope,
                                                                                         out=self)),
-        ("leaky_relu", "leaky_relu_backward", _leaky_relu_backward),
+        ("leaky_relu", "leaky_relu_backward", _aten_leaky_relu_backward),
         ("elu", "elu", lambda self, alpha=1, scale=1, input_scale=1: op["elu"](self, alpha, scale, input_scale)),
         ("elu", "elu_", lambda self, alpha=1, scale=1, input_scale=1: op["elu"](self, alpha, scale, input_scale,
                                                                                out=self)),
-        ("elu", "elu_backward", _elu_backward),
+        ("elu", "elu_backward", _aten_elu_backward),
         ("softplus", "softplus", lambda self, beta=1, threshold=20: op["softplus"](self, beta, threshold)),
         ("softplus", "softplus_backward", _grad("softplus_backward")),
         ("hardsigmoid", "hardsigmoid_backward", _grad("hardsigmoid_backward")),
@@ -911,7 +911,7 @@ def _rows_with_options() -> list[tuple[str, str, object]]:
         ("threshold", "threshold_backward", _grad("threshold_backward")),
         ("sigmoid", "sigmoid_backward", _grad("sigmoid_backward")),
         ("tanh", "tanh_backward", _grad("tanh_backward")),
-        ("logit", "logit", _logit), ("logit", "logit_", lambda self, eps=None: _logit(self, eps, out=self)),
+        ("logit", "logit", _aten_logit), ("logit", "logit_", lambda self, eps=None: _aten_logit(self, eps, out=self)),
         ("logit", "logit_backward", lambda grad_output, self, eps=None: op["logit_backward"](
             grad_output, self, -1.0 if eps is None else eps).to(grad_output.dtype)),
     ]
