@@ -239,14 +239,11 @@ def main() -> None:
     parser.add_argument("--compile-dtypes", default="bf16",
                         help="dtypes whose rows also time torch.compile (compiling costs ~10 s an op)")
     parser.add_argument("--peers", default="liger,gems", help="which of liger, gems to time beside ours")
-    parser.add_argument("--aten", action="store_true",
-                        help="instead: every routed ATen op of one or two tensors (python -m ops list), forward, "
-                             "ours against eager and FlagGems, at --tokens x 4096")
+    parser.add_argument("--aten", action="store_true", help="instead: the ATen table's ops (see aten_table)")
     args = parser.parse_args()
     if args.aten:
-        aten_table(args.tokens, [DTYPES[d] for d in args.dtypes.split(",") if d in DTYPES], set(args.ops.split(","))
-                   - {""}, "gems" in args.peers)
-        return
+        return aten_table(args.tokens, [DTYPES[d] for d in args.dtypes.split(",")], {*args.ops.split(",")} - {""},
+                          "gems" in args.peers)
     unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
         parser.error(f"--dtypes: unknown {', '.join(unknown)}; choose from {', '.join(DTYPES)}")
@@ -332,8 +329,9 @@ def aten_cases(tokens: int, dtype: torch.dtype, device: str):
 
 
 def aten_table(tokens: int, dtypes: list[torch.dtype], chosen: set[str], gems: bool) -> None:
-    """Forward time of each routed ATen op: ours (ops.use_kernels(include=[op])), eager and FlagGems. Without a
-    GPU it prints the rows with the time columns not measured."""
+    """Forward time of each routed ATen op of one or two tensors, or reducing/scanning the last dimension, at
+    --tokens x 4096: ours (ops.use_kernels(include=[op])), eager and FlagGems. Without a GPU it prints the rows
+    with the time columns not measured."""
     import ops
 
     cuda = torch.cuda.is_available()
