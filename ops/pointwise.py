@@ -155,7 +155,7 @@ def _launch(fn, args, compute: torch.dtype, dtype: torch.dtype, outputs: int, ou
     device = next((t.device for t in tensors if t.dim() > 0), tensors[0].device)
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
     if out is not None:
-        _check_out(out, shape, fn.__name__)
+        _check_out(out, shape, fn.__name__.lstrip("_"))
     outs = [out] if out is not None else [torch.empty(shape, dtype=dtype, device=device) for _ in range(outputs)]
     n = outs[0].numel()
     if n:
