@@ -48,11 +48,16 @@ def test_packed_rows_run_in_our_attention_and_match_torch(monkeypatch):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_other_masks_reach_the_op_which_refuses_them():
-    q = torch.zeros(1, 2, 4, 64, device=DEVICE)
-    decode = torch.ones(1, 1, 1, 4, dtype=torch.bool, device=DEVICE)  # one new query over four cached keys
+def test_generations_padding_mask_is_pytorchs_attention_and_other_masks_reach_the_op():
+    """A decode step's boolean mask (one new query over the cache, padding masked) runs in PyTorch's attention,
+    so that generation (GRPO's rollout) runs under kernels=triton; a float mask reaches the op, which
+    refuses it."""
+    q = torch.randn(1, 2, 4, 64, device=DEVICE)
+    decode = torch.tensor([[[[False, True, True, True]]]], device=DEVICE)  # the first key is padding
+    torch.testing.assert_close(kernels.attention(q[:, :, :1], q, q, attn_mask=decode),
+                               torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], q, q, attn_mask=decode))
     with pytest.raises(ValueError, match="give document ids, an integer tensor"):
-        kernels.attention(q[:, :, :1], q, q, attn_mask=decode)
+        kernels.attention(q[:, :, :1], q, q, attn_mask=torch.zeros(1, 1, 1, 4, device=DEVICE))
 
 
 def test_rotary_embedding_takes_a_table_per_row():

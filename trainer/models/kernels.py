@@ -27,8 +27,9 @@ def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=Fal
     (batch, 1, seq, seq) mask, causal within each document (`Transformer.hidden_states`): query i then
     sees keys start..i of its document, so i + 1 - (its visible keys) is where that document starts, a
     number that is the same for every token of the document and differs between documents: the
-    document ids the kernel takes, with causal attention. Any other mask goes to the op, which says what
-    it takes."""
+    document ids the kernel takes, with causal attention. A boolean mask of another shape (generation's
+    padding mask over the cache, one or a few queries) is PyTorch's attention; any other mask goes to
+    the op, which says what it takes."""
     import ops
 
     if (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
@@ -37,6 +38,10 @@ def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=Fal
         starts = torch.arange(1, seq + 1, device=attn_mask.device) - attn_mask[:, 0].sum(-1)
         return ops.scaled_dot_product_attention(query, key, value, attn_mask=starts, is_causal=True,
                                                 enable_gqa=enable_gqa, scale=scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                                                is_causal=is_causal, enable_gqa=enable_gqa,
+                                                                scale=scale)
     return ops.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                                             enable_gqa=enable_gqa, scale=scale)
 
