@@ -49,7 +49,8 @@ WHY = {
     "view": "a new view of the same memory: moves no data",
     "allocation": "new memory, empty or filled with a constant: the allocator's and a memset's work",
     "copy": "a copy or dtype cast the step needs anyway (autocast's casts, .item(), detach)",
-    "metadata": "sizes, strides and profiler marks: no tensor data",
+    "metadata": "sizes, strides, dtypes and profiler marks: no tensor data",
+    "collective": "communication between ranks (NCCL's or gloo's), no kernel of ours would replace",
 }
 EXCLUDED = {
     "allocation": {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "scalar_tensor",
@@ -57,7 +58,10 @@ EXCLUDED = {
                    "zero_"},
     "copy": {"copy_", "_to_copy", "clone", "detach", "_local_scalar_dense", "lift_fresh", "lift_fresh_copy"},
     "metadata": {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
-                 "_has_compatible_shallow_copy_type", "_record_function_enter_new", "_record_function_exit"},
+                 "_has_compatible_shallow_copy_type", "_record_function_enter_new", "_record_function_exit",
+                 "promote_types"},
+    "collective": {"allreduce_", "allgather_", "_allgather_base_", "broadcast_", "reduce_scatter_",
+                   "_reduce_scatter_base_", "allgather_into_tensor_coalesced_", "barrier"},
 }
 VIEWS = {"view", "_unsafe_view", "alias", "as_strided", "t", "expand", "unsqueeze"}
 KERNELS = ("torch", "triton")

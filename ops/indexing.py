@@ -3,7 +3,7 @@
 normal numbers, seeded from PyTorch's seed and a counter), and ops composed of these and of the generated
 pointwise kernels: index_select, gather, scatter, scatter_add, index_add, index_put, cat, flip, repeat,
 tril/triu, arange, full/zeros/ones, uniform_, normal_, bernoulli_, multinomial, masked_select, nonzero, native_dropout,
-mse_loss and nll_loss (forward and backward).
+mse_loss and nll_loss (forward and backward), index (`x[i]`), isin, masked_scatter, exponential_.
 
 Tensors are read as (outer, dim, inner) contiguous views, so a non-contiguous input is copied once (by the
 routed copy kernel). `masked_select` and `nonzero` size their output from a count (`.item()`, one sync,
@@ -283,6 +283,58 @@ def index_put(self, indices, values, accumulate=False, out=None):
     return result if out is None else out.copy_(result)
 
 
+def index(self, indices):
+    """`x[i, j, ...]` with integer (or one boolean) index tensors on the leading dimensions: a take through the
+    linear index; any other pattern (an index after a skipped dimension) is PyTorch's `index.Tensor_out`."""
+    if len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool:
+        mask = indices[0]
+        if mask.shape != self.shape[:mask.dim()]:
+            return _index_fallback(self, indices)
+        indices = [nonzero(mask)[:, d] for d in range(mask.dim())]
+    if not indices or any(i is None or i.dtype == torch.bool for i in indices):
+        return _index_fallback(self, indices)
+    lead = self.shape[:len(indices)]
+    shape = torch.broadcast_shapes(*(i.shape for i in indices))
+    linear = torch.zeros((), dtype=torch.int64, device=self.device)
+    for i, size in zip(indices, lead, strict=True):
+        linear = pw.add(pw.mul(linear, size), pw.OPS["remainder"](i.expand(shape), size))
+    rest = self.shape[len(indices):]
+    flat = self.reshape(-1, *rest)
+    return take(flat, 0, linear.reshape(-1), per_element=False).view(*shape, *rest)
+
+
+def _index_fallback(self, indices):
+    out = torch.empty(0, dtype=self.dtype, device=self.device)
+    return torch.ops.aten.index.Tensor_out(self, indices, out=out)
+
+
+def isin(elements, test_elements, *, assume_unique=False, invert=False):
+    """`torch.isin`: each element against every test element (elements x tests comparisons, then any)."""
+    tests = test_elements.reshape(-1)
+    hit = reductions.all_any(pw.OPS["eq"](elements.unsqueeze(-1), tests), -1, False, True) if tests.numel() else \
+        torch.zeros(elements.shape, dtype=torch.bool, device=elements.device)
+    return pw.OPS["logical_not"](hit) if invert else hit
+
+
+def masked_scatter(self, mask, source):
+    """`Tensor.masked_scatter`: the masked positions take source's elements in order (positions from the scan)."""
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    flat_mask = mask.expand(shape).reshape(-1)
+    position = pw.sub(scans.scan(flat_mask, 0, False), 1)
+    safe = pw.where(flat_mask, position, 0)
+    picked = take(source.reshape(-1), 0, safe, per_element=False) if source.numel() else safe.to(self.dtype)
+    return pw.where(flat_mask, picked, self.expand(shape).reshape(-1)).view(shape)
+
+
+def masked_scatter_backward(grad_output, mask, sizes):
+    """The gradient of masked_scatter's source: the masked gradient in order, zeros after."""
+    selected = masked_select(grad_output, mask)
+    out = _full([math.prod(sizes)], 0, dtype=grad_output.dtype, device=grad_output.device)
+    if selected.numel():
+        pw.OPS["copy"](selected, out=out[:selected.numel()])
+    return out.view(sizes)
+
+
 def native_dropout(input, p, train):
     if not train or p == 0:
         return pw.OPS["copy"](input), torch.ones_like(input, dtype=torch.bool)
@@ -383,6 +435,15 @@ ATEN = [
     ("uniform_", "uniform_", lambda self, from_=0.0, to=1.0, *, generator=None: random_(self, from_, to, False)),
     ("normal_", "normal_", lambda self, mean=0.0, std=1.0, *, generator=None: random_(self, mean, std, True)),
     ("multinomial", "multinomial", multinomial),
+    ("exponential_", "exponential_", lambda self, lambd=1.0, *, generator=None: pw.OPS["div"](
+        pw.OPS["neg"](pw.OPS["log1p"](pw.OPS["neg"](random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0,
+                                                              False)))), lambd, out=self)),
+    ("index", "index.Tensor", index),
+    ("isin", "isin.Tensor_Tensor", isin),
+    ("masked_scatter", "masked_scatter", masked_scatter),
+    ("masked_scatter", "masked_scatter_", lambda self, mask, source: pw.OPS["copy"](
+        masked_scatter(self, mask, source), out=self)),
+    ("masked_scatter", "masked_scatter_backward", masked_scatter_backward),
     ("bernoulli_", "bernoulli_.float", lambda self, p=0.5, *, generator=None: pw.OPS["lt"](
         random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0, False), p, out=self)),
     ("dropout", "native_dropout", native_dropout),

@@ -814,6 +814,11 @@ def _rows() -> list[tuple[str, str, object]]:
              "bitwise_not", "logical_not", "isnan", "isinf", "isposinf", "isneginf", "signbit", "hardsigmoid",
              "hardswish", "mish")
     for name in unary:
+        if name == "bitwise_not":  # on bools the logical not (the int64 it computes in would give ~1 = -2)
+            rows += [(name, name, lambda self: OPS["logical_not" if self.dtype == torch.bool else "bitwise_not"](
+                self)), (name, f"{name}_", lambda self: _into_self(
+                    OPS["logical_not" if self.dtype == torch.bool else "bitwise_not"], self))]
+            continue
         rows.append((name, name, _unary(name)))
         if name not in ("isnan", "isinf", "isposinf", "isneginf", "signbit"):
             rows.append((name, f"{name}_", _unary_(name)))

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import ops
 from tests.ops.conftest import DEVICE
 from trainer.models import kernels
 from trainer.models.llama import Transformer
@@ -49,13 +50,15 @@ def test_packed_rows_run_in_our_attention_and_match_torch(monkeypatch):
 
 
 def test_generations_padding_mask_is_pytorchs_attention_and_other_masks_reach_the_op():
-    """A decode step's boolean mask (one new query over the cache, padding masked) runs in PyTorch's attention,
-    so that generation (GRPO's rollout) runs under kernels=triton; a float mask reaches the op, which
-    refuses it."""
-    q = torch.randn(1, 2, 4, 64, device=DEVICE)
+    """A decode step's boolean mask (one new query over the cache, padding masked) runs in routed ATen ops, so
+    that generation (GRPO's rollout) runs under kernels=triton, grouped K/V heads included; a float mask
+    reaches the op, which refuses it."""
+    q, kv = torch.randn(1, 4, 4, 64, device=DEVICE), torch.randn(1, 2, 4, 64, device=DEVICE)
     decode = torch.tensor([[[[False, True, True, True]]]], device=DEVICE)  # the first key is padding
-    torch.testing.assert_close(kernels.attention(q[:, :, :1], q, q, attn_mask=decode),
-                               torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], q, q, attn_mask=decode))
+    with ops.use_kernels():
+        got = kernels.attention(q[:, :, :1], kv, kv, attn_mask=decode, enable_gqa=True)
+    torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, :1], kv, kv, attn_mask=decode, enable_gqa=True))
     with pytest.raises(ValueError, match="give document ids, an integer tensor"):
         kernels.attention(q[:, :, :1], q, q, attn_mask=torch.zeros(1, 1, 1, 4, device=DEVICE))
 

@@ -265,3 +265,10 @@ def test_factories_and_foreach_ops_match_torch():
                      ("_foreach_addcmul", lambda a, b: torch._foreach_addcmul(a, a, b, 0.3)),
                      ("_foreach_sqrt", lambda a, b: torch._foreach_sqrt([t.abs() for t in a]))):
         close(routed(name, fn, xs, ys), fn(xs, ys), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.uint8], ids=["bool", "int32", "uint8"])
+def test_bitwise_not_and_logical_ops_keep_bools_bools(dtype):
+    x = make("odd", dtype) if dtype != torch.uint8 else make("odd", torch.int32).abs().to(torch.uint8)
+    close(routed("bitwise_not", torch.bitwise_not, x), torch.bitwise_not(x), dtype)
+    close(routed("bitwise_and", torch.bitwise_and, x, x.flip(0)), torch.bitwise_and(x, x.flip(0)), dtype)
