@@ -36,8 +36,8 @@ class KernelsConfig:
             unknown = [op for op in names if op not in TRITON_OPS + aten]
             require(not unknown, f"kernels.{key}", names,
                     f"{', '.join(unknown)} unknown: the model's ops are {', '.join(TRITON_OPS)}; the ATen ops "
-                    f"(kernels.aten=true) are {', '.join(ATEN_OPS)}, or an ATen overload of one: "
-                    f"{', '.join(ATEN_OVERLOADS)}")
+                    f"(kernels.aten=true) are the {len(ATEN_OPS)} that `python -m ops list` prints (add, mm, "
+                    f"softmax, ...), or an ATen overload of one (add.Tensor, mm.out, ...)")
         included_aten = [op for op in self.include or [] if op in aten]
         require(self.aten or not included_aten, "kernels.include", list(self.include or []),
                 f"{', '.join(included_aten)}: ATen ops, routed only with kernels.aten=true")
