@@ -49,7 +49,8 @@ WHY = {
     "view": "a new view of the same memory: moves no data",
     "allocation": "new memory, empty or filled with a constant: the allocator's and a memset's work",
     "copy": "a copy or dtype cast the step needs anyway (autocast's casts, .item(), detach)",
-    "metadata": "sizes, strides and profiler marks: no tensor data",
+    "metadata": "sizes, strides, dtypes and profiler marks: no tensor data",
+    "collective": "communication between ranks (NCCL's or gloo's), no kernel of ours would replace",
 }
 EXCLUDED = {
     "allocation": {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "scalar_tensor",
@@ -57,11 +58,23 @@ EXCLUDED = {
                    "zero_"},
     "copy": {"copy_", "_to_copy", "clone", "detach", "_local_scalar_dense", "lift_fresh", "lift_fresh_copy"},
     "metadata": {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
-                 "_has_compatible_shallow_copy_type", "_record_function_enter_new", "_record_function_exit"},
+                 "_has_compatible_shallow_copy_type", "_record_function_enter_new", "_record_function_exit",
+                 "promote_types"},
+    "collective": {"allreduce_", "allgather_", "_allgather_base_", "broadcast_", "reduce_scatter_",
+                   "_reduce_scatter_base_", "allgather_into_tensor_coalesced_", "barrier"},
 }
 VIEWS = {"view", "_unsafe_view", "alias", "as_strided", "t", "expand", "unsqueeze"}
-FAMILIES = ("debug", "hf")
 KERNELS = ("torch", "triton")
+RECIPES = ("pretrain", "sft", "dpo", "grpo", "kd")
+IMPLS = ("native", "transformers")
+
+
+def families() -> tuple[str, ...]:
+    """debug (model=debug), hf (a tiny Qwen2 or Llama directory) and each family of trainer/families.py as a
+    tiny random Hugging Face directory (tests/trainer/hf_models.py)."""
+    from tests.trainer.hf_models import FAMILIES as TINY
+
+    return ("debug", "hf", *TINY)
 
 
 @dataclasses.dataclass
@@ -82,6 +95,7 @@ class Coverage:
     launches: collections.Counter
     reasons: dict[str, str]  # computing op -> why it ran in PyTorch
     summary: dict
+    rollout: dict[str, Row] = dataclasses.field(default_factory=dict)  # GRPO's generation and scoring
 
 
 def _nbytes(values) -> int:
@@ -118,6 +132,8 @@ class Trace(TorchDispatchMode):
 
         self.calls = calls
         self.rows: dict[str, Row] = {}
+        self.rollout: dict[str, Row] = {}  # the calls made while GRPO generates and scores (its rollout)
+        self.generating = 0
         self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -126,11 +142,12 @@ class Trace(TorchDispatchMode):
         name = _name(func)
         before = self.calls[name]
         out = func(*args, **(kwargs or {}))
-        row = self.rows.setdefault(name, Row(name, kind=_kind(func)))
-        row.calls += 1
-        row.ours += self.calls[name] > before
-        if row.kind != "view":
-            row.bytes += _nbytes(args) + _nbytes((kwargs or {}).values()) + _nbytes([out])
+        for rows in (self.rows, self.rollout) if self.generating else (self.rows,):
+            row = rows.setdefault(name, Row(name, kind=_kind(func)))
+            row.calls += 1
+            row.ours += self.calls[name] > before
+            if row.kind != "view":
+                row.bytes += _nbytes(args) + _nbytes((kwargs or {}).values()) + _nbytes([out])
         return out
 
 
@@ -166,18 +183,26 @@ def _counting_launches(trace: Trace, launches: collections.Counter):
 def tracing_steps(trace: Trace, launches: collections.Counter):
     """Trace every training step the loop runs inside the block (`Trainer._train_step`, as the CLI calls it)."""
     from trainer import loop
+    from trainer.recipes.grpo import GRPO
 
-    step = loop.Trainer._train_step
+    step, rollout = loop.Trainer._train_step, GRPO._generate_and_score
 
     def traced(self, batch):
         with trace, _counting_launches(trace, launches):
             return step(self, batch)
 
-    loop.Trainer._train_step = traced
+    def generating(self, *args, **kwargs):
+        trace.generating += 1
+        try:
+            return rollout(self, *args, **kwargs)
+        finally:
+            trace.generating -= 1
+
+    loop.Trainer._train_step, GRPO._generate_and_score = traced, generating
     try:
         yield
     finally:
-        loop.Trainer._train_step = step
+        loop.Trainer._train_step, GRPO._generate_and_score = step, rollout
 
 
 def compose(overrides: list[str]):
@@ -239,7 +264,7 @@ def trace_run(overrides: list[str], label: str = "", seq: int = 16, batch: int =
         run_cli([*sizes, *overrides], os.path.join(run_dir, "run"))
     kernels = compose([*sizes, *overrides]).kernels
     reasons = {r.op: _reason(r, kernels) for r in trace.rows.values() if not r.kind and r.ours < r.calls}
-    return Coverage(label or " ".join(overrides), trace.rows, launches, reasons, summary(trace.rows))
+    return Coverage(label or " ".join(overrides), trace.rows, launches, reasons, summary(trace.rows), trace.rollout)
 
 
 def table(cov: Coverage) -> str:
@@ -270,17 +295,63 @@ def table(cov: Coverage) -> str:
 
 
 def family_overrides(family: str, hf: str, root: str) -> list[str]:
-    """The overrides of one model family: model=debug, or a tiny Hugging Face directory written under `root`."""
+    """The overrides of one model family: model=debug, or a tiny Hugging Face directory (with a tokenizer)
+    written under `root`."""
     if family == "debug":
         return ["model=debug"]
-    from tests.trainer.hf_models import make_llama, make_qwen2
+    from tests.trainer.hf_models import add_tokenizer, make_family, make_llama, make_qwen2
 
-    return ["model=hf", f"model.path={(make_qwen2 if hf == 'qwen2' else make_llama)(root)}"]
+    if family == "hf":
+        return ["model=hf", f"model.path={add_tokenizer((make_qwen2 if hf == 'qwen2' else make_llama)(root))}"]
+    path = os.path.join(root, family)
+    return ["model=hf", f"model.path={path if os.path.isdir(path) else add_tokenizer(make_family(root, family))}"]
+
+
+def recipe_overrides(recipe: str, model: list[str], root: str) -> list[str]:
+    """The overrides (and the data file written under `root`) of one recipe, as its tests run it."""
+    import json
+    import random
+
+    from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_qwen2
+
+    if recipe == "pretrain":
+        return []
+    if model == ["model=debug"]:
+        raise ValueError(f"recipe={recipe} needs a tokenizer: a Hugging Face family, not debug")
+    rng = random.Random(0)
+    path = os.path.join(root, f"{recipe}.jsonl")
+    if recipe in ("sft", "kd"):
+        rows = [{"messages": [{"role": "user", "content": rng.choice(SAMPLE)[:20]},
+                              {"role": "assistant", "content": rng.choice(SAMPLE)}]} for _ in range(20)]
+    elif recipe == "dpo":
+        rows = [{"prompt": rng.choice(SAMPLE)[:30], "chosen": "I am fine, thank you.", "rejected": "def main(): 42"}
+                for _ in range(20)]
+    else:
+        rows = [{"prompt": " ".join(rng.choice(["the", "cat", "sat", "on"]) for _ in range(3)), "target": 3}
+                for _ in range(20)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    data = {"sft": "chat", "kd": "chat", "dpo": "preference", "grpo": "prompts"}[recipe]
+    extra = []
+    if recipe == "grpo":
+        extra = ["recipe.num_generations=2", "recipe.max_completion_length=4", "recipe.beta=0.04",
+                 "recipe.reward_funcs=[tests.trainer.grpo_rewards:lowercase]"]
+    if recipe == "kd":
+        teacher = os.path.join(root, "teacher")
+        if not os.path.isdir(teacher):
+            os.makedirs(teacher)
+            teacher = add_tokenizer(make_qwen2(teacher))
+        else:
+            teacher = os.path.join(teacher, "qwen2")
+        extra = [f"recipe.teacher.path={teacher}", "recipe.kd.chunk_tokens=16"]
+    return [f"recipe={recipe}", f"data={data}", f"data.path={path}", "data.eval_percent=20", *extra]
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="debug,hf", help=f"model families: {', '.join(FAMILIES)}")
+    parser.add_argument("--families", default="debug,hf", help="model families: debug, hf, or trainer/families.py's")
+    parser.add_argument("--impl", default="native", help=f"model.impl of the Hugging Face families: {', '.join(IMPLS)}")
+    parser.add_argument("--recipes", default="pretrain", help=f"recipes: {', '.join(RECIPES)}")
     parser.add_argument("--kernels", default="torch,triton", help="kernels=... to measure")
     parser.add_argument("--hf", default="qwen2", choices=("qwen2", "llama"), help="the tiny model=hf family")
     parser.add_argument("--seq", type=int, default=16, help="tokens per row")
@@ -290,22 +361,46 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.seq < 1 or args.batch < 1 or args.steps < 1:
         parser.error(f"--seq {args.seq} --batch {args.batch} --steps {args.steps}: each must be at least 1")
-    args.families, args.kernels = args.families.split(","), args.kernels.split(",")
-    for key, values, allowed in (("--families", args.families, FAMILIES), ("--kernels", args.kernels, KERNELS)):
+    for key in ("families", "kernels", "impl", "recipes"):
+        setattr(args, key, getattr(args, key).split(","))
+    for key, values, allowed in (("--families", args.families, families()), ("--kernels", args.kernels, KERNELS),
+                                 ("--impl", args.impl, IMPLS), ("--recipes", args.recipes, RECIPES)):
         if not values or any(v not in allowed for v in values):
             parser.error(f"{key} {','.join(values)}: each one of {', '.join(allowed)}")
     return args
 
 
+def share_line(label: str, rows: dict[str, Row]) -> str:
+    """One row of the coverage table: the share of computing calls in ours, and the ops left to PyTorch."""
+    s = summary(rows)
+    left = sorted(r.op for r in rows.values() if not r.kind and r.ours < r.calls)
+    return f"{label:<44}{s['ours_calls']:>6}/{s['calls']:<6}{s['share']:>7.1%}  {', '.join(left) or '-'}"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
+    shares = []
     with tempfile.TemporaryDirectory(prefix="coverage-models-") as root:
         for family in args.families:
             model = family_overrides(family, args.hf, root)
-            for kernels in args.kernels:
-                overrides = [*model, f"kernels={kernels}", *args.overrides]
-                cov = trace_run(overrides, " ".join(overrides), args.seq, args.batch, args.steps)
-                print(table(cov), end="\n\n", flush=True)
+            for impl in args.impl if family != "debug" else ["native"]:
+                for recipe in args.recipes:
+                    if family == "debug" and recipe != "pretrain":
+                        continue
+                    impl_override = [] if family == "debug" else [f"model.impl={impl}"]
+                    run = [*model, *impl_override, *recipe_overrides(recipe, model, root)]
+                    for kernels in args.kernels:
+                        overrides = [*run, f"kernels={kernels}", *args.overrides]
+                        # a conversation or a pair needs room for its prompt before any counted token
+                        seq = args.seq if recipe in ("pretrain", "grpo") else max(args.seq, 48)
+                        cov = trace_run(overrides, " ".join(overrides), seq, args.batch, args.steps)
+                        print(table(cov), end="\n\n", flush=True)
+                        label = f"{family} {impl} {recipe} kernels={kernels}"
+                        shares.append(share_line(label, cov.rows))
+                        if cov.rollout:
+                            shares.append(share_line(f"{family} {impl} rollout kernels={kernels}", cov.rollout))
+    print(f"{'family impl recipe kernels':<44}{'ours/calls':<13}{'share':>6}  left to PyTorch")
+    print("\n".join(shares))
 
 
 if __name__ == "__main__":

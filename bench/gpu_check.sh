@@ -14,6 +14,8 @@
 # `bash bench/gpu_check.sh overhead` runs bench/step_overhead.py instead (the worker against a hand loop);
 # `bash bench/gpu_check.sh checkpoint` runs bench/checkpoint.py (the stall of one save, sync against
 # train.checkpoint_async=true, models small and 1b) instead.
+# `bash bench/gpu_check.sh aten` runs bench/kernels.py --aten instead (at most about 5 minutes): each routed ATen
+# op of the table (`python -m ops list`) that takes one or two tensors, reduces or scans, against eager and FlagGems.
 # `bash bench/gpu_check.sh models` runs bench/models.py instead (a second call of at most about 5 minutes, as the
 # report above fills one): per model family, tokens/s and peak memory of a training step, model.impl=native
 # against model.impl=transformers, at the tiny and small shapes, the rows it prints on CPUs.
@@ -87,6 +89,10 @@ fi
 if [ "${1:-}" = "checkpoint" ]; then
     timeout 300 python3 bench/checkpoint.py --models small,1b --saves 3 --steps 2 --seq 1024 2>&1 | tail -8 \
         | tee "$report"
+    exit 0
+fi
+if [ "${1:-}" = "aten" ]; then  # every routed ATen op's forward against eager and FlagGems (a call of its own)
+    timeout 280 python3 bench/kernels.py --aten --dtypes bf16,fp32 2>&1 | tee "$report"
     exit 0
 fi
 if [ "${1:-}" = "models" ]; then

@@ -239,7 +239,11 @@ def main() -> None:
     parser.add_argument("--compile-dtypes", default="bf16",
                         help="dtypes whose rows also time torch.compile (compiling costs ~10 s an op)")
     parser.add_argument("--peers", default="liger,gems", help="which of liger, gems to time beside ours")
+    parser.add_argument("--aten", action="store_true", help="instead: the ATen table's ops (see aten_table)")
     args = parser.parse_args()
+    if args.aten:
+        return aten_table(args.tokens, [DTYPES[d] for d in args.dtypes.split(",")], {*args.ops.split(",")} - {""},
+                          "gems" in args.peers)
     unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
         parser.error(f"--dtypes: unknown {', '.join(unknown)}; choose from {', '.join(DTYPES)}")
@@ -293,6 +297,67 @@ def row(name: str, dtype: str, t_ours: float, t_eager: float, t_compiled: float,
     return (f"{name:<30}{dtype:>6}{t_ours:>9.3f}{t_eager:>10.3f}{t_compiled:>11.3f}{t_liger:>10.3f}{t_gems:>9.3f}"
             f"{t_eager / t_ours:>8.2f}x{t_compiled / t_ours:>10.2f}x{best_peer / t_ours:>8.2f}x{gbs:>10.0f}"
             f"{of_copy:>8.0%}{m_ours:>8.2f}{m_eager:>9.2f}")
+
+
+def aten_cases(tokens: int, dtype: torch.dtype, device: str):
+    """(op, the call through PyTorch's API, its inputs) for each routed ATen op that takes one tensor, two
+    (the second broadcast over rows), or reduces/scans the last dimension: the ATen table's pointwise,
+    reduction and scan rows."""
+    import inspect
+
+    from ops.catalog import rows
+    from ops.pointwise_ops import SPECS
+
+    x = torch.randn(tokens, DIM, device=device, dtype=dtype)
+    y = torch.randn(DIM, device=device, dtype=dtype)
+    positive = x.abs() + 0.1
+    reductions = {"sum", "mean", "amax", "amin", "prod", "var", "std", "logsumexp", "argmax", "argmin", "all", "any",
+                  "nansum", "count_nonzero", "cumsum", "cumprod"}
+    arity = {name: len(inspect.signature(body.fn).parameters) for name, (body, _) in SPECS.items()}
+    cases = []
+    for row in rows():
+        fn = getattr(torch, row.op, None)
+        if fn is None:
+            continue
+        if row.op in reductions:
+            cases.append((row.op, lambda t, fn=fn: fn(t, -1), [x]))
+        elif arity.get(row.op) == 1 and not row.op.startswith("bitwise"):
+            cases.append((row.op, fn, [positive]))
+        elif arity.get(row.op) == 2 and not row.op.startswith("bitwise"):
+            cases.append((row.op, fn, [x, y]))
+    return cases
+
+
+def aten_table(tokens: int, dtypes: list[torch.dtype], chosen: set[str], gems: bool) -> None:
+    """Forward time of each routed ATen op of one or two tensors, or reducing/scanning the last dimension, at
+    --tokens x 4096: ours (ops.use_kernels(include=[op])), eager and FlagGems. Without a GPU it prints the rows
+    with the time columns not measured."""
+    import ops
+
+    cuda = torch.cuda.is_available()
+    gems_ctx = gems_context() if gems and cuda else None
+    print(f"{'aten op':<22}{'dtype':>6}{'ours ms':>10}{'eager ms':>10}{'gems ms':>10}{'vs eager':>10}")
+    for dtype in dtypes:
+        name = next(k for k, v in DTYPES.items() if v == dtype)
+        for op, fn, inputs in aten_cases(tokens if cuda else 2, dtype, "cuda" if cuda else "cpu"):
+            if chosen and op not in chosen:
+                continue
+            if not cuda:
+                print(f"{op:<22}{name:>6}{'not measured (no GPU)':>40}")
+                continue
+            from triton.testing import do_bench
+
+            def timed(context, fn=fn, inputs=inputs):
+                try:
+                    with context():
+                        return do_bench(lambda: fn(*inputs), warmup=5, rep=20)
+                except Exception:  # an op a peer lacks at this dtype: not a number, the table goes on
+                    return float("nan")
+
+            t_ours = timed(lambda op=op: ops.use_kernels(include=[op]))
+            t_eager = timed(contextlib.nullcontext)
+            t_gems = timed(gems_ctx) if gems_ctx else float("nan")
+            print(f"{op:<22}{name:>6}{t_ours:>10.3f}{t_eager:>10.3f}{t_gems:>10.3f}{t_eager / t_ours:>9.2f}x")
 
 
 # The table's columns, in the order of `row`.

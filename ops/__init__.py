@@ -15,7 +15,8 @@ from ops.losses import cross_entropy, fused_linear_cross_entropy
 from ops.multi_tensor import foreach_mul_, foreach_norm, stack, vector_norm
 from ops.norms import layer_norm, rms_norm
 from ops.optim import AdamW, adamw
-from ops.pointwise import add, clamp, div, maximum, minimum, mul, ne, pointwise, reciprocal, sub
+from ops.pointwise import pointwise
+from ops.pointwise_ops import add, clamp, div, maximum, minimum, mul, ne, reciprocal, sub, where
 from ops.reductions import sum
 from ops.rope import rotary_embedding
 from ops.softmax import log_softmax, softmax
@@ -60,4 +61,5 @@ __all__ = [
            "sum",
            "use_kernels",
            "vector_norm",
+           "where",
 ]

@@ -11,13 +11,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import math
 import os
 import warnings
 
 import torch
 
-from ops import activations, embedding, multi_tensor, pointwise, reductions
+from ops import activations, embedding, foreach, indexing, multi_tensor, norms, reductions, scans
+from ops import pointwise_ops as pointwise
 from ops.blas import matmul
 from ops.softmax import softmax_backward, softmax_forward
 
@@ -63,47 +63,19 @@ def _addmm_(self, mat1, mat2, *, beta=1, alpha=1):
     return matmul(mat1, mat2, self, alpha, beta, out=self)
 
 
-def _in_place(op, scaled: bool = False):
-    """An in-place ATen binary op (`mul_.Tensor`, `add_.Tensor`) as our pointwise op: written into `self`
-    where the result fits it as it is (contiguous, the broadcast shape) and `other` reads none of its
-    memory, else computed and copied back."""
-    def impl(self, other, *, alpha=1):
-        if scaled and alpha != 1:
-            other = pointwise.mul(other, alpha)
-        if (self.is_contiguous() and not _shares(self, other)
-                and self.shape == torch.broadcast_shapes(self.shape, getattr(other, "shape", ()))):
-            return op(self, other, out=self)
-        return self.copy_(op(self, other))
-
-    return impl
-
-
-def _other_norm(x, ord, dim, keepdim, dtype):
-    """A vector norm of another order than 2 (clipping uses 2), from PyTorch's ops that are not routed."""
-    a = (x.to(dtype) if dtype is not None else x).abs()
-    dims = () if dim is None else dim
-    if ord == math.inf:
-        return a.amax(dims, keepdim)
-    if ord == -math.inf:
-        return a.amin(dims, keepdim)
-    if ord == 0:
-        return (a != 0).sum(dims, keepdim, dtype=a.dtype)
-    return a.pow(ord).sum(dims, keepdim).pow(1.0 / ord)
-
-
 def _floats(*tensors) -> bool:
     return all(t.dtype in multi_tensor.TL for t in tensors)
 
 
 def _vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     if ord != 2 or not _floats(self) or (dtype is not None and dtype not in multi_tensor.TL):
-        return _other_norm(self, ord, dim, keepdim, dtype)
+        return reductions.vector_norm(self, ord, dim, keepdim, dtype)
     return multi_tensor.vector_norm(self, 2, dim, keepdim, dtype)
 
 
 def _foreach_norm(self, ord=2, dtype=None):
     if ord != 2 or not _floats(*self) or (dtype is not None and dtype not in multi_tensor.TL):
-        return [_other_norm(t, ord, None, False, dtype) for t in self]
+        return [reductions.vector_norm(t, ord, None, False, dtype) for t in self]
     return multi_tensor.foreach_norm(list(self), 2, dtype)
 
 
@@ -113,7 +85,7 @@ def _foreach_mul_(self, other):
     multi_tensor.foreach_mul_(fast, other)
     for t in self:
         if not (t.is_contiguous() and _floats(t)):
-            _in_place(pointwise.mul)(t, other)
+            pointwise._into_self(pointwise.mul, t, other)
 
 
 def _stack(tensors, dim=0):
@@ -130,14 +102,11 @@ def _mm_out(self, mat2, *, out):
     return matmul(self, mat2, out=out)
 
 
-def _binary(op, scaled: bool = False):
-    """An ATen binary op (`add.Tensor`, ...) as our pointwise op; `alpha` scales the second operand."""
-    def impl(self, other, *, alpha=1):
-        if scaled and alpha != 1:
-            other = pointwise.mul(other, alpha)
-        return op(self, other)
-
-    return impl
+def _baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
+    product = matmul(batch1, batch2)
+    if alpha != 1:
+        product = pointwise.mul(product, alpha)
+    return product if beta == 0 else pointwise.add(pointwise.mul(self, beta) if beta != 1 else self, product)
 
 
 # (our public op, the ATen op it routes, our function with the ATen op's signature)
@@ -155,26 +124,17 @@ TABLE = [
     ("mm", "mm", lambda self, mat2: matmul(self, mat2)),
     ("mm", "mm.out", _mm_out),
     ("bmm", "bmm", lambda self, mat2: matmul(self, mat2)),
+    ("baddbmm", "baddbmm", _baddbmm),
+    ("mv", "mv", lambda self, vec: matmul(self, vec[:, None])[:, 0]),
+    ("dot", "dot", lambda self, tensor: reductions.reduce(pointwise.mul(self, tensor), None, False, "sum")),
     ("embedding", "embedding", _embedding),
     ("embedding", "embedding_dense_backward", _embedding_dense_backward),
-    ("add", "add.Tensor", _binary(pointwise.add, scaled=True)),
-    ("add", "add_.Tensor", _in_place(pointwise.add, scaled=True)),
-    ("sub", "sub.Tensor", _binary(pointwise.sub, scaled=True)),
-    ("mul", "mul.Tensor", _binary(pointwise.mul)),
-    ("mul", "mul_.Tensor", _in_place(pointwise.mul)),
-    ("div", "div.Tensor", _binary(pointwise.div)),
-    ("ne", "ne.Scalar", lambda self, other: pointwise.ne(self, other)),
-    ("ne", "ne.Tensor", lambda self, other: pointwise.ne(self, other)),
-    ("clamp", "clamp", lambda self, min=None, max=None: pointwise.clamp(self, min, max)),
-    ("reciprocal", "reciprocal", lambda self: pointwise.reciprocal(self)),
-    ("sum", "sum", lambda self, *, dtype=None: reductions._sum(self, None, False, dtype)),
-    ("sum", "sum.dim_IntList",
-     lambda self, dim, keepdim=False, *, dtype=None: reductions._sum(self, dim, keepdim, dtype)),
     # Clipping: each gradient's norm, the norm of the norms, the scale applied.
     ("foreach_norm", "_foreach_norm.Scalar", _foreach_norm),
     ("stack", "stack", _stack),
     ("vector_norm", "linalg_vector_norm", _vector_norm),
     ("foreach_mul_", "_foreach_mul_.Tensor", _foreach_mul_),
+    *pointwise.ATEN, *reductions.ATEN, *scans.ATEN, *norms.ATEN, *indexing.ATEN, *foreach.ATEN,
 ]
 OPS = {aten: fn for _, aten, fn in TABLE}
 # A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).

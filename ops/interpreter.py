@@ -1,5 +1,5 @@
 """Running the kernels under Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors): one correction, and
-launches that dispatch no ATen op of their own.
+launches that dispatch no ATen op of their own (their host copies run in PyTorch's `copy_`).
 
 The interpreter keeps bf16 values as their raw 16 bits (numpy has no bf16) and its `tl.dot` multiplies
 those bits as integers. A GPU multiplies bf16 tiles exactly into an fp32 accumulator, so widening both
@@ -14,6 +14,15 @@ Nothing here runs when the kernels are compiled.
 from __future__ import annotations
 
 import os
+import threading
+
+_state = threading.local()
+
+
+def launching() -> bool:
+    """Whether an interpreted launch is running on this thread: its own host copies (`copy_`) must be
+    PyTorch's, not a routed op that would launch a kernel of its own inside it."""
+    return getattr(_state, "depth", 0) > 0
 
 
 def install() -> None:
@@ -49,8 +58,12 @@ def _launch_without_modes() -> None:
         return
 
     def launch(self, *args, **kwargs):
-        with python_dispatch._disable_current_modes():
-            return run(self, *args, **kwargs)
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            with python_dispatch._disable_current_modes():
+                return run(self, *args, **kwargs)
+        finally:
+            _state.depth -= 1
 
     launch.without_modes = True
     InterpretedFunction.run = launch

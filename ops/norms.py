@@ -157,48 +157,60 @@ def _norm_bwd(x_ptr, w_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n
                     tl.store(db_ptr + partial + cols, db + tl.sum(g, axis=0), mask=col_mask)
 
 
+def norm_forward(x, normalized_shape, weight, bias, eps, rms):
+    """(y, mean, rstd, x as rows): the forward kernel over the trailing `normalized_shape` dimensions."""
+    n_cols = math.prod(normalized_shape)
+    if tuple(x.shape[x.dim() - len(normalized_shape):]) != tuple(normalized_shape):
+        raise ValueError(f"normalized_shape {tuple(normalized_shape)} does not end the input's shape "
+                         f"{tuple(x.shape)}")
+    x2 = x.contiguous().view(-1, n_cols)
+    n_rows = x2.shape[0]
+    y = torch.empty_like(x2)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    w = weight.contiguous().view(-1) if weight is not None else x2
+    b = bias.contiguous().view(-1) if bias is not None else x2
+    rows, block, num_warps = row_settings(n_cols)
+    if n_rows and n_cols:
+        _norm_fwd[(triton.cdiv(n_rows, rows),)](
+            x2, w, b, y, mean, rstd, n_rows, n_cols, eps, RMS=rms, HAS_W=weight is not None,
+            HAS_B=bias is not None, WHOLE=block >= n_cols, ROWS=rows, BLOCK=block, num_warps=num_warps)
+    return y.view(x.shape), mean, rstd, x2
+
+
+def norm_backward(g, x2, weight, bias, mean, rstd, rms):
+    """(dx as rows, dweight, dbias) from the saved rows, mean and rstd."""
+    n_rows, n_cols = x2.shape
+    g2 = g.contiguous().view(-1, n_cols)
+    rows, block, num_warps = row_settings(n_cols)
+    grid = max(1, min(programs(x2.device), triton.cdiv(n_rows, rows)))
+    dx = torch.empty_like(x2)
+    # Partial sums per program; the long-row path adds into them, so they start at zero.
+    dw = torch.zeros((grid, n_cols), dtype=torch.float32, device=x2.device) if weight is not None else None
+    db = torch.zeros((grid, n_cols), dtype=torch.float32, device=x2.device) if bias is not None else None
+    if n_rows and n_cols:
+        _norm_bwd[(grid,)](x2, weight.contiguous().view(-1) if weight is not None else x2, g2, mean, rstd, dx,
+                           dw if dw is not None else x2, db if db is not None else x2, n_rows, n_cols,
+                           RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, WHOLE=block >= n_cols,
+                           ROWS=rows, BLOCK=block, num_warps=num_warps)
+    gw = dw.sum(0).view(weight.shape).to(weight.dtype) if weight is not None else None
+    gb = db.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else None
+    return dx, gw, gb
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, rms):
-        n_cols = math.prod(normalized_shape)
-        if tuple(x.shape[x.dim() - len(normalized_shape):]) != tuple(normalized_shape):
-            raise ValueError(f"normalized_shape {tuple(normalized_shape)} does not end the input's shape "
-                             f"{tuple(x.shape)}")
-        x2 = x.contiguous().view(-1, n_cols)
-        n_rows = x2.shape[0]
-        y = torch.empty_like(x2)
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        w = weight.contiguous().view(-1) if weight is not None else x2
-        b = bias.contiguous().view(-1) if bias is not None else x2
-        rows, block, num_warps = row_settings(n_cols)
-        if n_rows and n_cols:
-            _norm_fwd[(triton.cdiv(n_rows, rows),)](
-                x2, w, b, y, mean, rstd, n_rows, n_cols, eps, RMS=rms, HAS_W=weight is not None,
-                HAS_B=bias is not None, WHOLE=block >= n_cols, ROWS=rows, BLOCK=block, num_warps=num_warps)
+        y, mean, rstd, x2 = norm_forward(x, normalized_shape, weight, bias, eps, rms)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
-        ctx.meta = (x.shape, n_cols, rms)
-        return y.view(x.shape)
+        ctx.meta = (x.shape, rms)
+        return y
 
     @staticmethod
     def backward(ctx, g):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        shape, n_cols, rms = ctx.meta
-        g2 = g.contiguous().view(-1, n_cols)
-        n_rows = x2.shape[0]
-        rows, block, num_warps = row_settings(n_cols)
-        grid = max(1, min(programs(x2.device), triton.cdiv(n_rows, rows)))
-        dx = torch.empty_like(x2)
-        # Partial sums per program; the long-row path adds into them, so they start at zero.
-        dw = torch.zeros((grid, n_cols), dtype=torch.float32, device=x2.device) if weight is not None else None
-        db = torch.zeros((grid, n_cols), dtype=torch.float32, device=x2.device) if bias is not None else None
-        if n_rows and n_cols:
-            _norm_bwd[(grid,)](x2, weight.contiguous().view(-1) if weight is not None else x2, g2, mean, rstd, dx,
-                               dw if dw is not None else x2, db if db is not None else x2, n_rows, n_cols,
-                               RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, WHOLE=block >= n_cols,
-                               ROWS=rows, BLOCK=block, num_warps=num_warps)
-        gw = dw.sum(0).view(weight.shape).to(weight.dtype) if weight is not None else None
-        gb = db.sum(0).view(bias.shape).to(bias.dtype) if bias is not None else None
+        shape, rms = ctx.meta
+        dx, gw, gb = norm_backward(g, x2, weight, bias, mean, rstd, rms)
         return dx.view(shape), None, gw, gb, None, None
 
 
@@ -217,3 +229,47 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
                bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """`torch.nn.functional.layer_norm`."""
     return _Norm.apply(x, _shape(normalized_shape), weight, bias, float(eps), False)
+
+
+def _stats_shape(x, normalized_shape):
+    return (*x.shape[:x.dim() - len(normalized_shape)], *([1] * len(normalized_shape)))
+
+
+def _native_layer_norm(input, normalized_shape, weight, bias, eps):
+    y, mean, rstd, _ = norm_forward(input, _shape(normalized_shape), weight, bias, float(eps), False)
+    stats = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
+    shape = _stats_shape(input, _shape(normalized_shape))
+    return y, mean.to(stats).view(shape), rstd.to(stats).view(shape)
+
+
+def _native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    n_cols = math.prod(_shape(normalized_shape))
+    x2 = input.contiguous().view(-1, n_cols)
+    dx, gw, gb = norm_backward(grad_out, x2, weight, bias, mean.reshape(-1).float(), rstd.reshape(-1).float(),
+                               False)
+    return (dx.view(input.shape) if output_mask[0] else None, gw if output_mask[1] else None,
+            gb if output_mask[2] else None)
+
+
+def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    y, _, rstd, _ = norm_forward(input, _shape(normalized_shape), weight, None, float(eps), True)
+    return y, rstd.view(_stats_shape(input, _shape(normalized_shape)))
+
+
+def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    n_cols = math.prod(_shape(normalized_shape))
+    x2 = input.contiguous().view(-1, n_cols)
+    mean = torch.zeros_like(rstd.reshape(-1), dtype=torch.float32)
+    dx, gw, _ = norm_backward(grad_out, x2, weight, None, mean, rstd.reshape(-1).float(), True)
+    return dx.view(input.shape) if output_mask[0] else None, gw if output_mask[1] else None
+
+
+# On CPU, `rms_norm` is decomposed by PyTorch before any backend (into pow, mean, rsqrt, mul: all routed);
+# on CUDA it reaches `_fused_rms_norm`.
+ATEN = [
+    ("native_layer_norm", "native_layer_norm", _native_layer_norm),
+    ("native_layer_norm", "native_layer_norm_backward", _native_layer_norm_backward),
+    ("_fused_rms_norm", "_fused_rms_norm", _fused_rms_norm),
+    ("_fused_rms_norm", "_fused_rms_norm_backward", _fused_rms_norm_backward),
+]

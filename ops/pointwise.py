@@ -42,6 +42,7 @@ def _source(kinds: str, outputs: int, rank: int) -> str:
     params = [f"in{i}" if k == "T" else f"s{i}" for i, k in enumerate(kinds)]
     params += [f"out{j}" for j in range(outputs)] + ["n"] + [f"size{d}" for d in range(rank)]
     params += [f"stride{i}_{d}" for i in tensors for d in range(rank)]
+    params += [f"ostride{j}_{d}" for j in range(outputs) for d in range(rank)]
     params += ["FN: tl.constexpr", "COMPUTE: tl.constexpr", "WIDE: tl.constexpr", "BLOCK: tl.constexpr"]
     lines = [f"def _pw_{kinds}_o{outputs}_r{rank}({', '.join(params)}):",
              "    if WIDE:",
@@ -64,12 +65,15 @@ def _source(kinds: str, outputs: int, rank: int) -> str:
             address = " + ".join(f"i{d} * stride{i}_{d}" for d in range(rank))
             lines.append(f"    v{i} = tl.load(in{i} + {address}, mask=mask, other=0).to(COMPUTE)")
         else:
-            lines.append(f"    v{i} = tl.cast(s{i}, COMPUTE)")
+            lines.append(f"    v{i} = tl.zeros([BLOCK], dtype=COMPUTE) + tl.cast(s{i}, COMPUTE)")
         args.append(f"v{i}")
     results = ", ".join(f"r{j}" for j in range(outputs))
     lines.append(f"    {results} = FN({', '.join(args)})")
     for j in range(outputs):
-        lines.append(f"    tl.store(out{j} + offs, r{j}.to(out{j}.dtype.element_ty), mask=mask)")
+        address = " + ".join(f"i{d} * ostride{j}_{d}" for d in range(rank))
+        # A test's bool result reaches a float output through fp32 (the interpreter cannot cast int1 to bf16).
+        lines.append(f"    r{j} = r{j}.to(tl.float32) if r{j}.dtype == tl.int1 else r{j}")
+        lines.append(f"    tl.store(out{j} + {address}, r{j}.to(out{j}.dtype.element_ty), mask=mask)")
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +104,7 @@ def __getattr__(name: str):
 
 def _merge(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
     """Drop size-1 dimensions and merge neighbours that every operand walks as one (TensorIterator's
-    coalescing): the output is contiguous, so its strides merge whenever the inputs' do."""
+    coalescing); `strides` holds the outputs' too."""
     dims = [d for d in range(len(shape)) if shape[d] != 1]
     sizes = [shape[d] for d in dims]
     merged = [[s[d] for d in dims] for s in strides]
@@ -119,14 +123,29 @@ def _merge(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list
 
 
 def _compute(dtype: torch.dtype):
-    """Floating operands are computed in fp32; integer and bool ones exactly, in int64."""
+    """Half and single precision operands are computed in fp32, double in fp64; integer and bool ones
+    exactly, in int64."""
+    if dtype == torch.float64:
+        return tl.float64
     return tl.float32 if dtype.is_floating_point else tl.int64
 
 
 def _check_out(out: torch.Tensor, shape: torch.Size, name: str) -> None:
-    if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
-        raise ValueError(f"{name}: out {tuple(out.shape)} must be contiguous and of the broadcast shape "
-                         f"{tuple(shape)}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: out {tuple(out.shape)} must have the broadcast shape {tuple(shape)}")
+    if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
+        raise ValueError(f"{name}: out {tuple(out.shape)} is an expanded view (stride 0): its elements overlap")
+
+
+def _apart(out: torch.Tensor | None, tensors: list) -> list:
+    """The operands, each copied first where it reads `out`'s memory through another layout (a kernel
+    writing `out` could overwrite an element another program has still to read)."""
+    if out is None:
+        return tensors
+    ptr = out.untyped_storage().data_ptr()
+    return [t.clone() if (t.untyped_storage().data_ptr() == ptr and t.numel() > 1
+                          and (t.data_ptr(), t.stride(), t.shape) != (out.data_ptr(), out.stride(), out.shape))
+            else t for t in tensors]
 
 
 def _launch(fn, args, compute: torch.dtype, dtype: torch.dtype, outputs: int, out: torch.Tensor | None = None):
@@ -136,12 +155,13 @@ def _launch(fn, args, compute: torch.dtype, dtype: torch.dtype, outputs: int, ou
     device = next((t.device for t in tensors if t.dim() > 0), tensors[0].device)
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
     if out is not None:
-        _check_out(out, shape, fn.__name__)
+        _check_out(out, shape, fn.__name__.lstrip("_"))
     outs = [out] if out is not None else [torch.empty(shape, dtype=dtype, device=device) for _ in range(outputs)]
     n = outs[0].numel()
     if n:
-        operands = [t.to(device).expand(shape) for t in tensors]
-        sizes, strides = _merge(tuple(shape), [tuple(t.stride()) for t in operands])
+        operands = [t if t.device == device else t.to(device) for t in _apart(out, tensors)]
+        operands = [t.expand(shape) for t in operands]
+        sizes, strides = _merge(tuple(shape), [tuple(t.stride()) for t in [*operands, *outs]])
         reach = max(sum((size - 1) * st for size, st in zip(sizes, s, strict=True)) for s in strides)
         kinds = "".join("T" if isinstance(a, torch.Tensor) else "S" for a in args)
         kernel = _kernel(f"_pw_{kinds}_o{outputs}_r{len(sizes)}")
@@ -158,13 +178,11 @@ def _launch(fn, args, compute: torch.dtype, dtype: torch.dtype, outputs: int, ou
 def _launch_flat(fn, args, outputs: int, out: torch.Tensor | None = None):
     """Same-shape, same-dtype, contiguous float tensors: one flat loop."""
     first = args[0]
-    if out is not None:
-        _check_out(out, first.shape, fn.__name__)
     outs = [out] if out is not None else [torch.empty_like(first) for _ in range(outputs)]
     n = first.numel()
     if n:
         kernel = _kernel(f"_pw_{'T' * len(args)}_o{outputs}_r1")
-        kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](*args, *outs, n, n, *([1] * len(args)), FN=fn,
+        kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](*args, *outs, n, n, *([1] * (len(args) + outputs)), FN=fn,
                                                     COMPUTE=tl.float32, WIDE=n + POINTWISE_BLOCK > _INT32_LIMIT,
                                                     BLOCK=POINTWISE_BLOCK,
                                                     num_warps=warps(POINTWISE_BLOCK))
@@ -193,7 +211,8 @@ def pointwise(arity: int | None = None, promote: str = "default", outputs: int =
                 raise ValueError(f"{fn.__name__} returns {outputs} tensors: out= takes one-output ops only")
             first = args[0]
             if (promote != "bool" and isinstance(first, torch.Tensor) and first.is_floating_point()
-                    and first.is_contiguous() and (out is None or out.dtype == first.dtype)
+                    and first.is_contiguous() and (out is None or (out.dtype == first.dtype and out.is_contiguous()
+                                                                   and out.shape == first.shape))
                     and all(isinstance(a, torch.Tensor) and a.shape == first.shape and a.dtype == first.dtype
                             and a.device == first.device and a.is_contiguous() for a in args)):
                 # The common case (an activation of a layer's output), without promotion or merging:
@@ -205,85 +224,3 @@ def pointwise(arity: int | None = None, promote: str = "default", outputs: int =
         return op
 
     return wrap
-
-
-# Binary ops generated from scalar functions (torch's promotion: int + int stays int; `div` is true division).
-
-
-@pointwise()
-@triton.jit
-def add(x, y):
-    return x + y
-
-
-@pointwise()
-@triton.jit
-def sub(x, y):
-    return x - y
-
-
-@pointwise()
-@triton.jit
-def mul(x, y):
-    return x * y
-
-
-@pointwise(promote="float")
-@triton.jit
-def div(x, y):
-    return x / y
-
-
-@pointwise()
-@triton.jit
-def maximum(x, y):
-    return tl.maximum(x, y)
-
-
-@pointwise()
-@triton.jit
-def minimum(x, y):
-    return tl.minimum(x, y)
-
-
-@pointwise(promote="float")
-@triton.jit
-def reciprocal(x):
-    return 1.0 / x
-
-
-@pointwise(promote="bool")
-@triton.jit
-def ne(x, y):
-    return x != y
-
-
-@triton.jit
-def _clamp(x, lo, hi):
-    # torch.clamp's order (min first, then max: hi wins when lo > hi); a NaN stays NaN.
-    y = tl.where(x < lo, lo, x)
-    return tl.where(y > hi, hi, y)
-
-
-@triton.jit
-def _clamp_min(x, lo):
-    return tl.where(x < lo, lo, x)
-
-
-@triton.jit
-def _clamp_max(x, hi):
-    return tl.where(x > hi, hi, x)
-
-
-_clamp_ops = {"both": pointwise()(_clamp), "min": pointwise()(_clamp_min), "max": pointwise()(_clamp_max)}
-
-
-def clamp(x: torch.Tensor, min=None, max=None) -> torch.Tensor:
-    """`torch.clamp`: bounds are numbers or tensors (broadcast), either may be None (not both)."""
-    if min is None and max is None:
-        raise ValueError("clamp: give min, max or both")
-    if max is None:
-        return _clamp_ops["min"](x, min)
-    if min is None:
-        return _clamp_ops["max"](x, max)
-    return _clamp_ops["both"](x, min, max)

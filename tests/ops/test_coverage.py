@@ -107,6 +107,10 @@ def test_the_configs_names_are_the_aten_tables():
 
     assert set(ATEN_OPS) == {public for public, _, _ in TABLE}
     assert set(ATEN_OPS) | set(ATEN_OVERLOADS) == set(NAMES)
+    from ops.__main__ import _names
+
+    assert (REPO / "trainer/config/aten_names.py").read_text() == _names(), "run: python -m ops names > " \
+        "trainer/config/aten_names.py"
 
 
 def test_coverage_refuses_bad_arguments_before_any_work(capsys):

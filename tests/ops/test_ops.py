@@ -41,6 +41,7 @@ from tests.ops.families.optim import *  # noqa: F403
 from tests.ops.families.foreach import *  # noqa: F403
 from tests.ops.families.reductions import *  # noqa: F403
 from tests.ops.families.attention import *  # noqa: F403
+from tests.ops.families.aten_ops import *  # noqa: F403
 # isort: on
 
 
@@ -113,7 +114,8 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80(request, launch_record
     # Every family of kernels was seen, generated pointwise kernels included.
     for name in ("_norm_fwd", "_norm_bwd", "_softmax_fwd", "_softmax_bwd", "_rope", "_ce_loss", "_ce_grad",
                  "_matmul", "_pw_T_o1_r1", "_pw_TTT_o2_r1", "_attn_fwd", "_attn_delta", "_attn_bwd_dkdv",
-                 "_attn_bwd_dq", "_embedding_fwd", "_embedding_bwd", "_adamw", "_row_sum", "_sumsq_blocks",
+                 "_attn_bwd_dq", "_embedding_fwd", "_embedding_bwd", "_adamw", "_row_reduce", "_row_arg",
+                 "_row_moments", "_row_scan", "_take", "_put", "_arange", "_random", "_sumsq_blocks",
                  "_segment_norms", "_scale_", "_stack"):
         assert name in kernels, f"{name} was never launched by the op tests"
     built = subprocess.run([sys.executable, "-m", "tests.ops.launches", str(record), *ARCHS], cwd=REPO, env=_env(),

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import ops
 from tests.ops.conftest import DEVICE
 from trainer.models import kernels
 from trainer.models.llama import Transformer
@@ -48,11 +49,18 @@ def test_packed_rows_run_in_our_attention_and_match_torch(monkeypatch):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_other_masks_reach_the_op_which_refuses_them():
-    q = torch.zeros(1, 2, 4, 64, device=DEVICE)
-    decode = torch.ones(1, 1, 1, 4, dtype=torch.bool, device=DEVICE)  # one new query over four cached keys
+def test_generations_padding_mask_is_pytorchs_attention_and_other_masks_reach_the_op():
+    """A decode step's boolean mask (one new query over the cache, padding masked) runs in routed ATen ops, so
+    that generation (GRPO's rollout) runs under kernels=triton, grouped K/V heads included; a float mask
+    reaches the op, which refuses it."""
+    q, kv = torch.randn(1, 4, 4, 64, device=DEVICE), torch.randn(1, 2, 4, 64, device=DEVICE)
+    decode = torch.tensor([[[[False, True, True, True]]]], device=DEVICE)  # the first key is padding
+    with ops.use_kernels():
+        got = kernels.attention(q[:, :, :1], kv, kv, attn_mask=decode, enable_gqa=True)
+    torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, :1], kv, kv, attn_mask=decode, enable_gqa=True))
     with pytest.raises(ValueError, match="give document ids, an integer tensor"):
-        kernels.attention(q[:, :, :1], q, q, attn_mask=decode)
+        kernels.attention(q[:, :, :1], q, q, attn_mask=torch.zeros(1, 1, 1, 4, device=DEVICE))
 
 
 def test_rotary_embedding_takes_a_table_per_row():

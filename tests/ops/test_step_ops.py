@@ -61,8 +61,12 @@ def test_pointwise_ops_write_into_out():
     bf16 = torch.empty(5, 6, dtype=torch.bfloat16, device=DEVICE)
     ops.mul(x, x, out=bf16)  # computed in fp32, rounded once into out's dtype
     torch.testing.assert_close(bf16, (x * x).to(torch.bfloat16), atol=0, rtol=2**-7)
-    with pytest.raises(ValueError, match=r"mul: out \(6, 5\) must be contiguous and of the broadcast shape \(5, 6\)"):
+    with pytest.raises(ValueError, match=r"mul: out \(6, 5\) must have the broadcast shape \(5, 6\)"):
         ops.mul(x, y, out=torch.empty(6, 5, device=DEVICE))
+    strided = torch.empty(6, 5, device=DEVICE).t()  # out= through its strides (how in-place ops run)
+    torch.testing.assert_close(ops.mul(x, y, out=strided), x * y)
+    with pytest.raises(ValueError, match=r"mul: out \(5, 6\) is an expanded view"):
+        ops.mul(x, y, out=torch.empty(6, device=DEVICE).expand(5, 6))
     with pytest.raises(ValueError, match="silu_mul_bwd returns 2 tensors: out= takes one-output ops only"):
         ops.activations.silu_mul_bwd(x, x, x, out=out)
 

@@ -10,20 +10,13 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from trainer.config.aten_names import ATEN_OPS, ATEN_OVERLOADS
 from trainer.config.checks import one_of, require
 
 KERNELS = ("torch", "triton")
 # The model functions `kernels=triton` can route to ops/ (trainer/models/kernels.py applies them).
 TRITON_OPS = ("rms_norm", "rotary_embedding", "scaled_dot_product_attention", "silu_and_mul",
               "fused_linear_cross_entropy")
-# The ATen ops `ops.enable()` routes, by our name (each with its backward, in-place and out= forms)...
-ATEN_OPS = ("add", "addmm", "bmm", "clamp", "div", "embedding", "foreach_mul_", "foreach_norm", "gelu",
-            "log_softmax", "mm", "mul", "ne", "reciprocal", "silu", "softmax", "stack", "sub", "sum", "vector_norm")
-# ... or by ATen's, one overload each.
-ATEN_OVERLOADS = ("_foreach_mul_.Tensor", "_foreach_norm.Scalar", "_log_softmax", "_log_softmax_backward_data",
-                  "_softmax", "_softmax_backward_data", "add.Tensor", "add_.Tensor", "addmm_", "div.Tensor",
-                  "embedding_dense_backward", "gelu_backward", "linalg_vector_norm", "mm.out", "mul.Tensor",
-                  "mul_.Tensor", "ne.Scalar", "ne.Tensor", "silu_backward", "sub.Tensor", "sum.dim_IntList")
 
 
 @dataclass
@@ -43,8 +36,8 @@ class KernelsConfig:
             unknown = [op for op in names if op not in TRITON_OPS + aten]
             require(not unknown, f"kernels.{key}", names,
                     f"{', '.join(unknown)} unknown: the model's ops are {', '.join(TRITON_OPS)}; the ATen ops "
-                    f"(kernels.aten=true) are {', '.join(ATEN_OPS)}, or an ATen overload of one: "
-                    f"{', '.join(ATEN_OVERLOADS)}")
+                    f"(kernels.aten=true) are the {len(ATEN_OPS)} that `python -m ops list` prints (add, mm, "
+                    f"softmax, ...), or an ATen overload of one (add.Tensor, mm.out, ...)")
         included_aten = [op for op in self.include or [] if op in aten]
         require(self.aten or not included_aten, "kernels.include", list(self.include or []),
                 f"{', '.join(included_aten)}: ATen ops, routed only with kernels.aten=true")

@@ -27,8 +27,9 @@ def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=Fal
     (batch, 1, seq, seq) mask, causal within each document (`Transformer.hidden_states`): query i then
     sees keys start..i of its document, so i + 1 - (its visible keys) is where that document starts, a
     number that is the same for every token of the document and differs between documents: the
-    document ids the kernel takes, with causal attention. Any other mask goes to the op, which says what
-    it takes."""
+    document ids the kernel takes, with causal attention. A boolean mask of another shape (generation's
+    padding mask over the cache, one or a few queries) is attention written in routed ATen ops; any other
+    mask goes to the op, which says what it takes."""
     import ops
 
     if (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.dim() == 4
@@ -37,8 +38,24 @@ def attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa=Fal
         starts = torch.arange(1, seq + 1, device=attn_mask.device) - attn_mask[:, 0].sum(-1)
         return ops.scaled_dot_product_attention(query, key, value, attn_mask=starts, is_causal=True,
                                                 enable_gqa=enable_gqa, scale=scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool and not is_causal:
+        return _masked_attention(query, key, value, attn_mask, scale)
     return ops.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                                             enable_gqa=enable_gqa, scale=scale)
+
+
+def _masked_attention(query, key, value, mask, scale):
+    """Attention under a boolean mask (generation's padding mask over the cache: few queries) in ATen ops
+    that kernels=triton routes (matmul, masked_fill, softmax): K/V heads repeated as views, no extra kernel."""
+    batch, heads, keys, dim = key.shape
+    group = query.shape[1] // heads
+    if group > 1:
+        key = key[:, :, None].expand(batch, heads, group, keys, dim).reshape(batch, heads * group, keys, dim)
+        value = value[:, :, None].expand(batch, heads, group, keys, value.shape[-1]).reshape(
+            batch, heads * group, keys, value.shape[-1])
+    scores = torch.matmul(query, key.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)
+    weights = torch.softmax(scores.float().masked_fill(mask.logical_not(), float("-inf")), -1)
+    return torch.matmul(weights.to(value.dtype), value)
 
 
 def gelu_tanh_and_mul(x, y):

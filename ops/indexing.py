@@ -1,0 +1,454 @@
+"""Indexing, shape and random ops: two Triton kernels (`_take`: read along one dimension at given positions;
+`_put`: write or add along one dimension at given positions), `_arange` and `_random` (Philox uniform and
+normal numbers, seeded from PyTorch's seed and a counter), and ops composed of these and of the generated
+pointwise kernels: index_select, gather, scatter, scatter_add, index_add, index_put, cat, flip, repeat,
+tril/triu, arange, full/zeros/ones, uniform_, normal_, bernoulli_, multinomial, masked_select, nonzero, native_dropout,
+mse_loss and nll_loss (forward and backward), index (`x[i]`), isin, masked_scatter, exponential_.
+
+Tensors are read as (outer, dim, inner) contiguous views, so a non-contiguous input is copied once (by the
+routed copy kernel). `masked_select` and `nonzero` size their output from a count (`.item()`, one sync,
+as PyTorch's do); their positions come from the scan kernel. `ATEN` holds the rows `ops.aten` routes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ops import pointwise_ops as pw
+from ops import reductions, scans
+from ops.settings import POINTWISE_BLOCK, warps
+
+_counter = itertools.count()
+
+
+@triton.jit
+def _take(src_ptr, index_ptr, out_ptr, n, size_j, size_k, size_s, PER_ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[o, j, k] = src[o, index[o, j, k] (or index[j]), k]; src is (outer, size_s, size_k)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    k = offs % size_k
+    j = (offs // size_k) % size_j
+    o = offs // (size_k * size_j)
+    idx = tl.load(index_ptr + (offs if PER_ELEMENT else j), mask=mask, other=0).to(tl.int64)
+    idx = tl.where(idx < 0, idx + size_s, idx)
+    tl.device_assert((idx >= 0) & (idx < size_s), "index out of range")
+    v = tl.load(src_ptr + (o * size_s + idx) * size_k + k, mask=mask, other=0)
+    tl.store(out_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _put(out_ptr, index_ptr, src_ptr, n, size_j, size_k, size_s, PER_ELEMENT: tl.constexpr, ADD: tl.constexpr,
+         BLOCK: tl.constexpr):
+    """out[o, index[...], k] = (or +=) src[o, j, k]; out is (outer, size_s, size_k)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    k = offs % size_k
+    j = (offs // size_k) % size_j
+    o = offs // (size_k * size_j)
+    idx = tl.load(index_ptr + (offs if PER_ELEMENT else j), mask=mask, other=0).to(tl.int64)
+    idx = tl.where(idx < 0, idx + size_s, idx)
+    v = tl.load(src_ptr + offs, mask=mask, other=0)
+    target = out_ptr + (o * size_s + idx) * size_k + k
+    if ADD:
+        tl.atomic_add(target, v, mask=mask)
+    else:
+        tl.store(target, v, mask=mask)
+
+
+@triton.jit
+def _arange(out_ptr, n, start, step, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, (start + offs * step).to(out_ptr.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def _random(out_ptr, n, seed, a, b, NORMAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Uniform in [a, b), or normal with mean a and standard deviation b."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = a + b * tl.randn(seed, offs) if NORMAL else a + (b - a) * tl.rand(seed, offs)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=offs < n)
+
+
+def _grid(n: int):
+    return (triton.cdiv(n, POINTWISE_BLOCK),)
+
+
+def _split(shape, dim: int):
+    return math.prod(shape[:dim]), shape[dim] if len(shape) else 1, math.prod(shape[dim + 1:])
+
+
+def take(src: torch.Tensor, dim: int, index: torch.Tensor, per_element: bool) -> torch.Tensor:
+    """index_select (`index` 1-D) or gather (`index` of the output's shape) along `dim`."""
+    dim = dim % max(src.dim(), 1)
+    index = index.contiguous()
+    if per_element:
+        shape = list(index.shape)
+        src = src[tuple(slice(0, s) if d != dim else slice(None) for d, s in enumerate(shape))] if src.dim() else src
+    else:
+        shape = list(src.shape)
+        if src.dim():
+            shape[dim] = index.numel()
+    src = src.contiguous()
+    out = torch.empty(shape, dtype=src.dtype, device=src.device)
+    outer, size_s, inner = _split(list(src.shape), dim)
+    n = out.numel()
+    if n:
+        _take[_grid(n)](src, index, out, n, index.numel() // max(1, outer * inner) if per_element else index.numel(),
+                        inner, size_s, PER_ELEMENT=per_element, BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
+    return out
+
+
+def put(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, per_element: bool, add: bool,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """scatter / scatter_add (`index` of src's shape) or index_copy / index_add (`index` 1-D) along `dim`,
+    into a copy of `self` (or `out`). Sums are taken in fp32 for 16-bit dtypes."""
+    dim = dim % max(self.dim(), 1)
+    wide = add and self.dtype in (torch.float16, torch.bfloat16)
+    result = self.to(torch.float32 if wide else self.dtype, memory_format=torch.contiguous_format).clone()
+    index = index.contiguous()
+    if per_element and src.dim():
+        src = src[tuple(slice(0, s) for s in index.shape)]
+    src = src.to(result.dtype).contiguous()
+    outer, size_s, inner = _split(list(result.shape), dim)
+    n = index.numel() if per_element else src.numel()
+    if n:
+        size_j = index.numel() if not per_element else index.shape[dim] if index.dim() else 1
+        inner_src = math.prod(index.shape[dim + 1:]) if per_element else inner
+        if per_element and (inner_src != inner or math.prod(index.shape[:dim]) != outer):
+            raise ValueError(f"scatter: index {tuple(index.shape)} must match the destination "
+                             f"{tuple(result.shape)} in every dimension but {dim}")
+        _put[_grid(n)](result, index, src, n, size_j, inner, size_s, PER_ELEMENT=per_element, ADD=add,
+                       BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
+    result = result.to(self.dtype)
+    return result if out is None else out.copy_(result)
+
+
+def cat(tensors, dim: int = 0) -> torch.Tensor:
+    """`torch.cat`: each input copied (by the routed copy kernel) into its slice of the output."""
+    tensors = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)] or list(tensors[:1])
+    dim = dim % max(tensors[0].dim(), 1)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    out = torch.empty(shape, dtype=dtype, device=tensors[0].device)
+    start = 0
+    for t in tensors:
+        if t.shape[dim]:
+            pw.OPS["copy"](t, out=out.narrow(dim, start, t.shape[dim]))
+        start += t.shape[dim]
+    return out
+
+
+def arange(start, end=None, step=1, *, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
+    if end is None:
+        start, end = 0, start
+    if dtype is None:
+        dtype = torch.get_default_dtype() if any(isinstance(v, float) for v in (start, end, step)) else torch.int64
+    n = max(0, math.ceil((end - start) / step))
+    out = torch.empty(n, dtype=dtype, device=device)
+    if n:
+        _arange[_grid(n)](out, n, start, step, BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
+    return out
+
+
+def flip(self: torch.Tensor, dims) -> torch.Tensor:
+    out = self
+    for d in dims:
+        d = d % max(self.dim(), 1)
+        size = self.shape[d] if self.dim() else 1
+        out = take(out, d, arange(size - 1, -1, -1, device=self.device), per_element=False)
+    return out if out is not self else pw.OPS["copy"](self)
+
+
+def repeat(self: torch.Tensor, repeats) -> torch.Tensor:
+    """`Tensor.repeat`: the input expanded as a view, copied once into the result."""
+    repeats = list(repeats)
+    padded = [1] * (len(repeats) - self.dim()) + list(self.shape)
+    view = self.reshape(padded)
+    view = view.reshape([v for s in padded for v in (1, s)]).expand([v for r, s in zip(repeats, padded, strict=True)
+                                                                     for v in (r, s)])
+    out = torch.empty([r * s for r, s in zip(repeats, padded, strict=True)], dtype=self.dtype, device=self.device)
+    pw.OPS["copy"](view, out=out.view(view.shape))
+    return out
+
+
+@triton.jit
+def _band(x, row, col, diagonal, LOWER: tl.constexpr):
+    keep = (col - row <= diagonal) if LOWER else (col - row >= diagonal)
+    return tl.where(keep, x, 0)
+
+
+@triton.jit
+def _lower(x, row, col, diagonal):
+    return _band(x, row, col, diagonal, True)
+
+
+@triton.jit
+def _upper(x, row, col, diagonal):
+    return _band(x, row, col, diagonal, False)
+
+
+_BANDS = {True: pw.pointwise()(_lower), False: pw.pointwise()(_upper)}
+
+
+def triangle(self: torch.Tensor, diagonal: int, lower: bool, out=None) -> torch.Tensor:
+    rows = arange(self.shape[-2], device=self.device)[:, None]
+    cols = arange(self.shape[-1], device=self.device)[None, :]
+    out = torch.empty_like(self) if out is None else out
+    return _BANDS[lower](self, rows, cols, diagonal, out=out)
+
+
+def _seed() -> int:
+    return (torch.initial_seed() * 1000003 + next(_counter)) % (2**31 - 1)
+
+
+def random_(self: torch.Tensor, a: float, b: float, normal: bool) -> torch.Tensor:
+    """Fill `self` with uniform numbers in [a, b) or normal ones (mean a, std b): Philox, seeded per call."""
+    target = self if self.is_contiguous() else torch.empty_like(self, memory_format=torch.contiguous_format)
+    n = target.numel()
+    if n:
+        _random[_grid(n)](target, n, _seed(), float(a), float(b), NORMAL=normal, BLOCK=POINTWISE_BLOCK,
+                          num_warps=warps(POINTWISE_BLOCK))
+    return self if target is self else self.copy_(target)
+
+
+def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False, *, generator=None):
+    """Samples by the Gumbel-max trick: argmax(log p - log(-log u)), one draw at a time without replacement."""
+    probs = self if self.dim() == 2 else self[None]
+    logp = pw.OPS["log"](probs)
+    picks = []
+    for _ in range(num_samples):
+        u = random_(torch.empty_like(logp, dtype=torch.float32), 1e-20, 1.0, False)
+        noise = pw.OPS["neg"](pw.OPS["log"](pw.OPS["neg"](pw.OPS["log"](u))))
+        pick = reductions.arg_reduce(pw.add(logp, noise), -1, True, True)[1]
+        picks.append(pick)
+        if not replacement:
+            logp = put(logp, 1, pick, torch.full_like(pick, -math.inf, dtype=logp.dtype), True, False)
+    out = cat(picks, -1)
+    return out if self.dim() == 2 else out[0]
+
+
+def nonzero(self: torch.Tensor) -> torch.Tensor:
+    """The indices of the nonzero elements (n, dim), in row-major order: positions from the scan kernel."""
+    flat = pw.OPS["ne"](self.reshape(-1), 0)
+    position = scans.scan(flat, 0, False)
+    count = int(position[-1].item()) if flat.numel() else 0
+    linear = torch.empty(count, dtype=torch.int64, device=self.device)
+    if count:
+        where = pw.sub(position, 1)
+        slot = pw.where(flat, where, count)  # the false ones go past the end, into a spare slot
+        spare = torch.empty(count + 1, dtype=torch.int64, device=self.device)
+        _put[_grid(flat.numel())](spare, slot, arange(flat.numel(), device=self.device), flat.numel(),
+                                  flat.numel(), 1, count + 1, PER_ELEMENT=True, ADD=False, BLOCK=POINTWISE_BLOCK,
+                                  num_warps=warps(POINTWISE_BLOCK))
+        linear = spare[:count]
+    coords = []
+    for size in reversed(self.shape or ()):
+        coords.append(pw.OPS["remainder"](linear, size))
+        linear = pw.OPS["floor_divide"](linear, size)
+    out = torch.empty(count, self.dim(), dtype=torch.int64, device=self.device)
+    for d, c in enumerate(reversed(coords)):
+        pw.OPS["copy"](c, out=out[:, d])
+    return out
+
+
+def masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    idx = nonzero(mask.expand(shape).contiguous().reshape(-1)).reshape(-1)
+    return take(self.expand(shape).contiguous().reshape(-1), 0, idx, per_element=False)
+
+
+def index_put(self, indices, values, accumulate=False, out=None):
+    """`x[i, j, ...] = values` (or +=) for index tensors on the leading dimensions: through the linear index."""
+    if len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool:
+        indices = [nonzero(indices[0])[:, d] for d in range(indices[0].dim())]
+    if any(i is None for i in indices) or any(i.dtype == torch.bool for i in indices):
+        raise ValueError("index_put: the routed kernel takes integer index tensors on the leading dimensions")
+    lead = self.shape[:len(indices)]
+    idx = torch.broadcast_shapes(*(i.shape for i in indices))
+    linear = torch.zeros((), dtype=torch.int64, device=self.device)
+    for i, size in zip(indices, lead, strict=True):
+        linear = pw.add(pw.mul(linear, size), pw.OPS["remainder"](i.expand(idx), size))
+    rest = self.shape[len(indices):]
+    flat = self.reshape(-1, *rest) if rest else self.reshape(-1)
+    values = values.expand(*idx, *rest).reshape(-1, *rest) if rest else values.expand(idx).reshape(-1)
+    result = put(flat, 0, linear.reshape(-1), values, False, accumulate).view(self.shape)
+    return result if out is None else out.copy_(result)
+
+
+def index(self, indices):
+    """`x[i, j, ...]` with integer (or one boolean) index tensors on the leading dimensions: a take through the
+    linear index; any other pattern (an index after a skipped dimension) is PyTorch's `index.Tensor_out`."""
+    if len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool:
+        mask = indices[0]
+        if mask.shape != self.shape[:mask.dim()]:
+            return _index_fallback(self, indices)
+        indices = [nonzero(mask)[:, d] for d in range(mask.dim())]
+    if not indices or any(i is None or i.dtype == torch.bool for i in indices):
+        return _index_fallback(self, indices)
+    lead = self.shape[:len(indices)]
+    shape = torch.broadcast_shapes(*(i.shape for i in indices))
+    linear = torch.zeros((), dtype=torch.int64, device=self.device)
+    for i, size in zip(indices, lead, strict=True):
+        linear = pw.add(pw.mul(linear, size), pw.OPS["remainder"](i.expand(shape), size))
+    rest = self.shape[len(indices):]
+    flat = self.reshape(-1, *rest)
+    return take(flat, 0, linear.reshape(-1), per_element=False).view(*shape, *rest)
+
+
+def _index_fallback(self, indices):
+    out = torch.empty(0, dtype=self.dtype, device=self.device)
+    return torch.ops.aten.index.Tensor_out(self, indices, out=out)
+
+
+def isin(elements, test_elements, *, assume_unique=False, invert=False):
+    """`torch.isin`: each element against every test element (elements x tests comparisons, then any)."""
+    tests = test_elements.reshape(-1)
+    hit = reductions.all_any(pw.OPS["eq"](elements.unsqueeze(-1), tests), -1, False, True) if tests.numel() else \
+        torch.zeros(elements.shape, dtype=torch.bool, device=elements.device)
+    return pw.OPS["logical_not"](hit) if invert else hit
+
+
+def masked_scatter(self, mask, source):
+    """`Tensor.masked_scatter`: the masked positions take source's elements in order (positions from the scan)."""
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    flat_mask = mask.expand(shape).reshape(-1)
+    position = pw.sub(scans.scan(flat_mask, 0, False), 1)
+    safe = pw.where(flat_mask, position, 0)
+    picked = take(source.reshape(-1), 0, safe, per_element=False) if source.numel() else safe.to(self.dtype)
+    return pw.where(flat_mask, picked, self.expand(shape).reshape(-1)).view(shape)
+
+
+def masked_scatter_backward(grad_output, mask, sizes):
+    """The gradient of masked_scatter's source: the masked gradient in order, zeros after."""
+    selected = masked_select(grad_output, mask)
+    out = _full([math.prod(sizes)], 0, dtype=grad_output.dtype, device=grad_output.device)
+    if selected.numel():
+        pw.OPS["copy"](selected, out=out[:selected.numel()])
+    return out.view(sizes)
+
+
+def native_dropout(input, p, train):
+    if not train or p == 0:
+        return pw.OPS["copy"](input), torch.ones_like(input, dtype=torch.bool)
+    u = random_(torch.empty_like(input, dtype=torch.float32, memory_format=torch.contiguous_format), 0.0, 1.0, False)
+    mask = pw.OPS["ge"](u, p)
+    return pw.OPS["dropout_backward"](input, mask, 1.0 / (1.0 - p)) if p < 1 else pw.mul(input, 0), mask
+
+
+def mse_loss(self, target, reduction=1):
+    squares = pw.OPS["mse"](self, target)
+    if reduction == 0:
+        return squares
+    return reductions.mean(squares) if reduction == 1 else reductions.reduce(squares, None, False, "sum")
+
+
+def mse_loss_backward(grad_output, self, target, reduction):
+    scale = 1.0 / max(1, self.numel()) if reduction == 1 else 1.0
+    return pw.OPS["mse_backward"](grad_output, self, target, scale).to(self.dtype)
+
+
+def _nll_parts(self, target, weight, ignore_index):
+    valid = pw.OPS["ne"](target, ignore_index)
+    safe = pw.where(valid, target, 0)
+    w = pw.where(valid, take(weight, 0, safe.reshape(-1), False).view(safe.shape), 0.0) if weight is not None else \
+        pw.where(valid, 1.0, 0.0).to(self.dtype)
+    return valid, safe, w
+
+
+def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    classes = self.dim() - 1 if self.dim() > 1 else 0
+    _valid, safe, w = _nll_parts(self, target, weight, ignore_index)
+    picked = take(self, classes, safe.unsqueeze(classes), True).squeeze(classes) if self.dim() > 1 else \
+        take(self, 0, safe.reshape(1), False).reshape(())
+    losses = pw.OPS["neg"](pw.mul(picked, w.to(self.dtype)))
+    total = reductions.reduce(w, None, False, "sum", self.dtype)
+    if reduction == 0:
+        return losses, torch.zeros((), dtype=self.dtype, device=self.device)
+    summed = reductions.reduce(losses, None, False, "sum")
+    return (pw.div(summed, total).to(self.dtype) if reduction == 1 else summed), total
+
+
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    classes = self.dim() - 1 if self.dim() > 1 else 0
+    _valid, safe, w = _nll_parts(self, target, weight, ignore_index)
+    g = pw.mul(pw.OPS["neg"](w.to(torch.float32)), grad_output.float())
+    if reduction == 1:
+        g = pw.div(g, total_weight.float())
+    zero = torch.zeros_like(self)
+    if self.dim() == 1:
+        return put(zero, 0, safe.reshape(1), g.reshape(1).to(self.dtype), False, False)
+    return put(zero, classes, safe.unsqueeze(classes), g.unsqueeze(classes).to(self.dtype), True, False)
+
+
+def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    if dtype is None:
+        dtype = torch.bool if isinstance(fill_value, bool) else torch.int64 if isinstance(
+            fill_value, int) else torch.get_default_dtype()
+    out = torch.empty(size, dtype=dtype, device=device)
+    return pw.OPS["fill"](out, fill_value, out=out) if out.numel() else out
+
+
+ATEN = [
+    ("index_select", "index_select", lambda self, dim, index: take(self, dim, index, False)),
+    ("gather", "gather", lambda self, dim, index, *, sparse_grad=False: take(self, dim, index, True)),
+    ("scatter", "scatter.src", lambda self, dim, index, src: put(self, dim, index, src, True, False)),
+    ("scatter", "scatter.value", lambda self, dim, index, value: put(
+        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False)),
+    ("scatter", "scatter_.src", lambda self, dim, index, src: put(self, dim, index, src, True, False, out=self)),
+    ("scatter_add", "scatter_add", lambda self, dim, index, src: put(self, dim, index, src, True, True)),
+    ("scatter_add", "scatter_add_", lambda self, dim, index, src: put(self, dim, index, src, True, True, out=self)),
+    ("index_add", "index_add", lambda self, dim, index, source, *, alpha=1: put(
+        self, dim, index, pw.mul(source, alpha) if alpha != 1 else source, False, True)),
+    ("index_add", "index_add_", lambda self, dim, index, source, *, alpha=1: put(
+        self, dim, index, pw.mul(source, alpha) if alpha != 1 else source, False, True, out=self)),
+    ("index_copy", "index_copy", lambda self, dim, index, source: put(self, dim, index, source, False, False)),
+    ("index_put", "index_put", index_put),
+    ("index_put", "index_put_", lambda self, indices, values, accumulate=False: index_put(
+        self, indices, values, accumulate, out=self)),
+    ("masked_select", "masked_select", masked_select),
+    ("nonzero", "nonzero", nonzero),
+    ("cat", "cat", cat),
+    ("flip", "flip", flip),
+    ("repeat", "repeat", repeat),
+    ("tril", "tril", lambda self, diagonal=0: triangle(self, diagonal, True)),
+    ("tril", "tril_", lambda self, diagonal=0: triangle(self, diagonal, True, out=self)),
+    ("triu", "triu", lambda self, diagonal=0: triangle(self, diagonal, False)),
+    ("triu", "triu_", lambda self, diagonal=0: triangle(self, diagonal, False, out=self)),
+    ("arange", "arange.start_step", arange),
+    ("arange", "arange.start", lambda start, end, *, dtype=None, layout=None, device=None, pin_memory=None: arange(
+        start, end, 1, dtype=dtype, device=device)),
+    ("arange", "arange", lambda end, *, dtype=None, layout=None, device=None, pin_memory=None: arange(
+        0, end, 1, dtype=dtype, device=device)),
+    ("full", "full", _full),
+    ("zeros", "zeros", lambda size, *, dtype=None, layout=None, device=None, pin_memory=None: _full(
+        size, 0, dtype=dtype or torch.get_default_dtype(), device=device)),
+    ("ones", "ones", lambda size, *, dtype=None, layout=None, device=None, pin_memory=None: _full(
+        size, 1, dtype=dtype or torch.get_default_dtype(), device=device)),
+    ("uniform_", "uniform_", lambda self, from_=0.0, to=1.0, *, generator=None: random_(self, from_, to, False)),
+    ("normal_", "normal_", lambda self, mean=0.0, std=1.0, *, generator=None: random_(self, mean, std, True)),
+    ("multinomial", "multinomial", multinomial),
+    ("exponential_", "exponential_", lambda self, lambd=1.0, *, generator=None: pw.OPS["div"](
+        pw.OPS["neg"](pw.OPS["log1p"](pw.OPS["neg"](random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0,
+                                                              False)))), lambd, out=self)),
+    ("index", "index.Tensor", index),
+    ("isin", "isin.Tensor_Tensor", isin),
+    ("masked_scatter", "masked_scatter", masked_scatter),
+    ("masked_scatter", "masked_scatter_", lambda self, mask, source: pw.OPS["copy"](
+        masked_scatter(self, mask, source), out=self)),
+    ("masked_scatter", "masked_scatter_backward", masked_scatter_backward),
+    ("bernoulli_", "bernoulli_.float", lambda self, p=0.5, *, generator=None: pw.OPS["lt"](
+        random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0, False), p, out=self)),
+    ("dropout", "native_dropout", native_dropout),
+    ("dropout", "native_dropout_backward", lambda grad_output, mask, scale: pw.OPS["dropout_backward"](
+        grad_output, mask, scale).to(grad_output.dtype)),
+    ("mse_loss", "mse_loss", mse_loss), ("mse_loss", "mse_loss_backward", mse_loss_backward),
+    ("nll_loss", "nll_loss_forward", nll_loss_forward), ("nll_loss", "nll_loss_backward", nll_loss_backward),
+]
