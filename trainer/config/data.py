@@ -10,7 +10,7 @@ from typing import ClassVar
 from omegaconf import MISSING
 
 from datacache.server import MAX_READERS
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 # The data.cache keys naming the cache nodes that hold each split.
 CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
@@ -109,9 +109,10 @@ class DataConfig:
     POSITIVE: ClassVar[tuple[str, ...]] = ("seq_len",)
     name: str = MISSING
     # Parquet files (a path, directory or glob) for `data=parquet`; unused by `stdlib`.
-    path: str | None = None
-    text_column: str | None = "text"
-    tokens_column: str | None = None
+    path: str | None = read_by("parquet", "chat", "preference", "prompts", default=None)
+    # data=parquet: the column of text to tokenize, or (with text_column=null) a column of token-id lists.
+    text_column: str | None = read_by("parquet", default="text")
+    tokens_column: str | None = read_by("parquet", default=None)
     seq_len: int = 256
     # Unset (null): 2, and a run whose eval split is too small for a global batch trains without eval.
     eval_percent: float | None = None
@@ -119,9 +120,9 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     # data=chat: pack conversations into rows (attention and positions within each) instead of padding each.
-    packing: bool = False
+    packing: bool = read_by("chat", "preference", default=False)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    chat: ChatConfig = field(default_factory=ChatConfig)
+    chat: ChatConfig = read_by("chat", "preference", default_factory=ChatConfig)
     # Set by the driver where it checked the corpus (launcher=local, docker): the key of the build its ranks
     # must read (`trainer.data.corpus.prepare`); a rank whose source would make another corpus refuses to start.
     fingerprint: str | None = None

@@ -6,11 +6,11 @@ overloads, `ATEN_OVERLOADS`). No torch here: the names are those of `ops.aten.NA
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 KERNELS = ("torch", "triton")
 # The model functions `kernels=triton` can route to ops/ (trainer/models/kernels.py applies them).
@@ -30,10 +30,10 @@ ATEN_OVERLOADS = ("_foreach_mul_.Tensor", "_foreach_norm.Scalar", "_log_softmax"
 class KernelsConfig:
     name: str = MISSING
     # triton: which of TRITON_OPS and ATEN_OPS to use (null: all), and which to leave to PyTorch.
-    include: list[str] | None = None
-    exclude: list[str] = field(default_factory=list)
+    include: list[str] | None = read_by("triton", default=None)
+    exclude: list[str] = read_by("triton", default_factory=list)
     # triton: route ATen ops to ops/ during the step and eval (ops.enable()); false keeps only TRITON_OPS.
-    aten: bool = True
+    aten: bool = read_by("triton", default=True)
 
     def check(self) -> None:
         one_of("kernels.name", self.name, KERNELS)

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 from trainer.families import BY_NAME
 
 # The byte-level tokenizer's vocabulary (`trainer.data.tokenizer`): the 256 bytes, then BOS, EOS and PAD.
@@ -26,10 +26,10 @@ class ModelConfig:
     )
     name: str = MISSING
     # model=hf: a Hugging Face model directory; the keys below are then read from its config.json.
-    path: str | None = None
+    path: str | None = read_by("hf", default=None)
     # model=hf: the code that runs it, native (trainjob's decoder) or transformers (the directory's own modeling
     # code); unset, config.json chooses (trainer.config.hf_impl).
-    impl: str | None = None
+    impl: str | None = read_by("hf", default=None)
     dim: int = MISSING
     n_layers: int = MISSING
     n_heads: int = MISSING

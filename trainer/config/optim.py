@@ -4,12 +4,12 @@ section's), and whose AdamW steps (`optim.impl=torch|triton`: torch.optim.AdamW,
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 OPTIMIZERS = ("adamw", "sgd")
 IMPLS = ("torch", "triton")
@@ -22,9 +22,9 @@ class OptimConfig:
     name: str = MISSING
     lr: float = 3e-3
     weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    momentum: float = 0.9
+    betas: list[float] = read_by("adamw", default_factory=lambda: [0.9, 0.95])
+    eps: float = read_by("adamw", default=1e-8)
+    momentum: float = read_by("sgd", default=0.9)
     grad_clip: float | None = 1.0
     # torch: torch.optim's foreach implementation; triton: ops.AdamW (adamw only). null: triton under
     # kernels=triton with optim=adamw, else torch. Either loads the other's checkpoints.
