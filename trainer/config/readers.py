@@ -9,6 +9,7 @@ closest that do (`unknown`). The driver's side of the config (it reads the launc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -145,10 +146,8 @@ def _parts(override: str) -> tuple[str, Any, bool]:
     """(key, value (as YAML reads it), whether it chooses a group's option) of one command-line override."""
     key, _, value = override.lstrip("+~").partition("=")
     key = key.split("@")[0]
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         value = yaml.safe_load(value) if value else value
-    except yaml.YAMLError:
-        pass
     return key, value, "." not in key and bool(options(key))
 
 

@@ -35,7 +35,8 @@ def schemas(cfg: DictConfig) -> dict[str, type]:
 def _known_keys(cfg: DictConfig, chosen: dict[str, type], given: Mapping[str, object]) -> None:
     """Refuse a key of `cfg` that no schema has (Hydra's `+key=value` appends keys even to a typed node), and a key
     the user set (`given`: `readers.given_keys`) that the chosen options never read (`readers.table`)."""
-    options = {group: cfg[group].get("name") if OmegaConf.is_config(cfg[group]) else None for group in cfg}
+    # Each group's option by its name (a section without one, such as train, has one option: any reads its keys).
+    options = {group: cfg[group].get("name", "") if OmegaConf.is_config(cfg[group]) else None for group in cfg}
     for key, value in given.items():
         reason = readers.unread(key, options)
         if reason:
