@@ -12,7 +12,7 @@ from launchers.base import OptionError
 
 @dataclass
 class LocalLauncherConfig:
-    name: str = "local"
+    name: str = "local"  # the option chosen
     # true: wait for the run and end it with this process; false: start it, print its name and return
     # (it runs on; `python -m launchers list|get|logs|wait|delete` find it).
     wait: bool = True

@@ -28,10 +28,10 @@ ATEN_OVERLOADS = ("_foreach_mul_.Tensor", "_foreach_norm.Scalar", "_log_softmax"
 
 @dataclass
 class KernelsConfig:
-    name: str = MISSING
+    name: str = MISSING  # the option chosen: torch (PyTorch's own ops) or triton (ops/' kernels)
     # triton: which of TRITON_OPS and ATEN_OPS to use (null: all), and which to leave to PyTorch.
     include: list[str] | None = read_by("triton", default=None)
-    exclude: list[str] = read_by("triton", default_factory=list)
+    exclude: list[str] = read_by("triton", default_factory=list)  # of include, those left to PyTorch
     # triton: route ATen ops to ops/ during the step and eval (ops.enable()); false keeps only TRITON_OPS.
     aten: bool = read_by("triton", default=True)
 

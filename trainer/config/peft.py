@@ -18,10 +18,11 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass
 class PeftConfig:
-    name: str = MISSING
-    rank: int = read_by("lora", default=8)
+    name: str = MISSING  # the option chosen: none or lora
+    rank: int = read_by("lora", default=8)  # the rank of each adapter's low-rank update
     alpha: float = read_by("lora", default=16.0)  # the update is scaled by alpha / rank
     dropout: float = read_by("lora", default=0.0)  # on the adapters' input, while training
+    # The projections that get adapters, by Hugging Face's names.
     target_modules: list[str] = read_by("lora", default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def check(self) -> None:

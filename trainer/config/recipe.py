@@ -61,7 +61,7 @@ class KDConfig:
     # forward_kl: KL(teacher || student); reverse_kl: KL(student || teacher); jsd: the Jensen-Shannon divergence
     # (GKD's beta = 0.5), each at `temperature` and scaled by its square (Hinton et al.).
     loss: str = "forward_kl"
-    temperature: float = 1.0
+    temperature: float = 1.0  # the softmax temperature both models' logits are divided by
     alpha: float = 0.5  # the loss is alpha x the divergence + (1 - alpha) x the student's cross-entropy
     chunk_tokens: int = 1024  # tokens whose logits of both models are held at once
 
@@ -89,17 +89,22 @@ class RecipeConfig:
     # prompt's std; batch: the batch's; none), the clipping range (epsilon_high null: epsilon), the updates per
     # generation batch, and how completions are sampled.
     num_generations: int = read_by("grpo", "rloo", default=8)
+    # grpo, rloo: the reward functions, package.module:function.
     reward_funcs: list[str] = read_by("grpo", "rloo", default_factory=list)
     reward_weights: list[float] | None = read_by("grpo", "rloo", default=None)
+    # grpo: how advantages are scaled: group, batch or none.
     scale_rewards: str = read_by("grpo", "rloo", default="group")
+    # The clipping range's lower side (and upper, without epsilon_high).
     epsilon: float = read_by("grpo", "rloo", default=0.2)
     epsilon_high: float | None = read_by("grpo", "rloo", default=None)
-    num_iterations: int = read_by("grpo", "rloo", default=1)
-    max_completion_length: int = read_by("grpo", "rloo", default=64)
-    temperature: float = read_by("grpo", "rloo", default=1.0)
-    top_k: int = read_by("grpo", "rloo", default=0)
+    num_iterations: int = read_by("grpo", "rloo", default=1)  # updates per generation batch
+    max_completion_length: int = read_by("grpo", "rloo", default=64)  # tokens sampled per completion at most
+    temperature: float = read_by("grpo", "rloo", default=1.0)  # sampling temperature
+    top_k: int = read_by("grpo", "rloo", default=0)  # sample from the k likeliest tokens (0: every token)
+    # Sample from the smallest set of tokens holding this probability.
     top_p: float = read_by("grpo", "rloo", default=1.0)
     min_p: float | None = read_by("grpo", "rloo", default=None)
+    # rloo: scale advantages to mean 0 and std 1 over the generation batch.
     normalize_advantages: bool = read_by("rloo", default=False)
     reward_model: RewardModelConfig = read_by("grpo", "rloo", default_factory=RewardModelConfig)
     generation: GenerationConfig = read_by("grpo", "rloo", default_factory=GenerationConfig)

@@ -1,6 +1,7 @@
 """The reference of every config key, made from the schema itself: for each section, the options of its group
 (`conf/<group>/*.yaml`) and a table of its keys (nested sections' keys dotted), with each key's type, the
-schema's default and the comment written beside its field. `python -m trainer.config.reference` prints it;
+schema's default and the comment written beside its field (with the options that read it, where only some do:
+`trainer.config.readers`). `python -m trainer.config.reference` prints it;
 docs/reference.md is that output, and a test holds the file to it, so the reference is never stale."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from functools import cache
 from omegaconf import MISSING
 
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
+from trainer.config import readers
 from trainer.config.compose import CONF_DIR
 from trainer.config.schema import Config
 
@@ -80,9 +82,17 @@ def _rows(cls: type, prefix: str) -> list[str]:
         # A field named by a keyword (recipe.generation.async) is not written in the source.
         kind, what = _written(cls).get(f.name) or (getattr(hints[f.name], "__name__", str(hints[f.name])),
                                                     (cls.__doc__ or "").split(". ")[0])
-        what = " ".join(what.split())
+        what = " ".join(what.split()) + _read_by(f"{prefix}{f.name}")
         rows.append(f"| `{prefix}{f.name}` | `{_cell(kind)}` | {_cell(_value(default))} | {_cell(what)} |")
     return rows
+
+
+def _read_by(key: str) -> str:
+    """' (read by <group>=<options> only.)' for a key only some options of its group read (`readers.table`)."""
+    group, options = readers.table().get(key, ("launcher", ()))
+    if group == "launcher" or set(options) >= set(readers.options(group)):
+        return ""
+    return f" (read by {group}={', '.join(options)} only)"
 
 
 def _options(group: str) -> str:

@@ -20,7 +20,7 @@ RUNTIMES = ("torch-distributed",)
 class RuntimeConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
     POSITIVE: ClassVar[tuple[str, ...]] = ("last_call_timeout", "rdzv_timeout", "monitor_interval")
-    name: str = MISSING
+    name: str = MISSING  # the option chosen (torch-distributed: torchrun)
     # null: the GPU count on this machine, or 2 without GPUs.
     nproc_per_node: int | None = None
     # N nodes, or MIN:MAX for an elastic job (torchrun's elastic rendezvous: it goes on when nodes are lost, down
@@ -29,12 +29,12 @@ class RuntimeConfig:
     # This node's rank in a fixed-size run started once per node (torchrun's --node-rank); null: the first free
     # node slot of the run directory. A per-node setting: it is not saved in config.yaml.
     node_rank: int | None = None
-    max_restarts: int = 0
-    rdzv_backend: str = "c10d"
+    max_restarts: int = 0  # times torchrun restarts the workers after a failure (the JobSet's, on Kubernetes)
+    rdzv_backend: str = "c10d"  # torchrun's rendezvous backend
     # host:port of node 0; null on one node lets torchrun pick a free local port (--standalone).
     rdzv_endpoint: str | None = None
-    rdzv_id: str = "trainjob"
-    monitor_interval: float = 1.0
+    rdzv_id: str = "trainjob"  # the rendezvous' id (the run's, shared by its nodes)
+    monitor_interval: float = 1.0  # seconds between torchrun's checks of its workers
     # Elastic jobs: seconds the rendezvous waits for more nodes once MIN have joined.
     last_call_timeout: int = 5
     # Seconds a node waits at the rendezvous for the others (torchrun's join_timeout) before it ends, saying
