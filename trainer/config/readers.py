@@ -146,6 +146,8 @@ def _parts(override: str) -> tuple[str, Any, bool]:
     """(key, value (as YAML reads it), whether it chooses a group's option) of one command-line override."""
     key, _, value = override.lstrip("+~").partition("=")
     key = key.split("@")[0]
+    if key.startswith("hydra") or "/" in key:  # Hydra's own settings and groups (hydra/sweeper=optuna)
+        key = "hydra." + key
     with contextlib.suppress(yaml.YAMLError):
         value = yaml.safe_load(value) if value else value
     return key, value, "." not in key and bool(options(key))
