@@ -29,7 +29,9 @@ HEADER = """# Config reference
 Every key `python -m trainer` takes, section by section, made from the schema (`trainer/config/`,
 `launchers/`) by `python -m trainer.config.reference`; a test keeps this page equal to its output. A group's
 option (`conf/<group>/<option>.yaml`) may set other values than the schema's defaults shown here: `python -m
-trainer <group>=<option> --cfg job` prints what a composition holds. Back to the [README](../README.md).
+trainer <group>=<option> --cfg job` prints what a composition holds. A key only some options read says which;
+set under another option, it is refused before anything starts (exit 2), as is a key that does not exist (with
+the closest that do). Back to the [README](../README.md).
 """
 
 
