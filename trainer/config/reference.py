@@ -10,7 +10,6 @@ import ast
 import dataclasses
 import inspect
 import io
-import os
 import sys
 import textwrap
 import tokenize
@@ -21,7 +20,6 @@ from omegaconf import MISSING
 
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
 from trainer.config import readers
-from trainer.config.compose import CONF_DIR
 from trainer.config.schema import Config
 
 HEADER = """# Config reference
@@ -98,9 +96,7 @@ def _read_by(key: str) -> str:
 
 
 def _options(group: str) -> str:
-    folder = os.path.join(CONF_DIR, group)
-    names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
-    return ", ".join(f"`{n}`" for n in names)
+    return ", ".join(f"`{n}`" for n in readers.options(group))
 
 
 def _table(title: str, cls: type, prefix: str, note: str = "") -> list[str]:

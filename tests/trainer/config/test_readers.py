@@ -52,6 +52,8 @@ REFUSED = [
     (["trian.max_steps=1"], "trian.max_steps=1: there is no section trian; did you mean train?"),
     (["data=parket"], "data='parket': no such option; did you mean data=parquet? data has chat, parquet, preference, "
      "prompts, stdlib"),
+    (["-m", "recipe.beta=0.2,0.3"], "sweep job 0 (recipe.beta=0.2), before any job ran: invalid config: "
+     "recipe.beta=0.2: recipe=pretrain reads no beta"),
 ]
 
 
