@@ -88,3 +88,11 @@ def test_a_key_the_chosen_option_reads_passes():
             "model=hf", "model.path=/m"]
     assert all(readers.unread(key, readers.chosen_by(args)) is None for key in readers.given_keys(args))
     assert readers.explain(["runtime=torch-distributed", "runtime.nproc_per_node=2"]) is None
+
+
+@pytest.mark.parametrize("experiment", readers.options("experiment"))
+def test_every_experiment_file_sets_only_keys_its_options_read(experiment):
+    args = [f"+experiment={experiment}"]
+    given, chosen = readers.given_keys(args), readers.chosen_by(args)
+    assert given and [(k, readers.unread(k, chosen) or readers.unknown(k)) for k in given
+                      if readers.unread(k, chosen) or readers.unknown(k)] == []
