@@ -113,7 +113,7 @@ def _trainer_cases(g, corpus_cache: str) -> list[tuple[dict, int, tuple[str, ...
         ({"args": [*args, "train.max_steps=1e20"], "env": env}, 2, ("train.max_steps=1e20", "Integer")),
         ({"args": [*args, "train.max_steps=99999999999999999999"], "env": env}, 2,
          ("train.max_steps=99999999999999999999", "64-bit")),
-        ({"args": [*args, "strategy=nope"], "env": env}, 2, ("Could not find 'strategy/nope'", "fsdp2")),
+        ({"args": [*args, "strategy=nope"], "env": env}, 2, ("strategy='nope': no such option", "fsdp2")),
         ({"args": [*args, "data=parquet", f"data.path={g / 'data' / 'null-ids.parquet'}", "data.text_column=null",
                    "data.tokens_column=ids"], "env": {**env, "TRAINJOB_CACHE": corpus_cache}}, 2,
          ("null-ids.parquet holds a null token id",)),

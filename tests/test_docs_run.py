@@ -3,12 +3,14 @@
 A fence names its kind: `text` (a diagram, or what a command prints), `console` (`$ command` lines, each
 followed by what it prints: run, and what it prints compared), `python` and `sh` (run). A block that needs
 what this machine lacks says so in an HTML comment right above its fence (`<!-- needs a cluster: ... -->`,
-`<!-- needs a GPU: ... -->`), and is not run. Each document's blocks run in its order, in a directory of its
-own that holds what the page takes as given (README: a sweep's directory; the data cache: Parquet files):
-`python` blocks as scripts, `sh` lines as commands (servers, such as `python -m datacache serve` and
-`tensorboard`, started and held until the page is done; `<name>` is the newest local job; `[...]` options
-left out). Two kinds of line are run elsewhere, and named so here: `python -m trainer <overrides>` (composed
-by `tests/test_docs_examples.py`, each kind of run trained end to end in the suite), and the install and test
+`<!-- needs a GPU: ... -->`), and is not run: its `python -m <module>` commands run as `--help`. A block showing
+a command that fails says so the same way (`<!-- shows an error -->`), and its commands must fail. Each
+document's blocks run in its order, in a directory of its own that holds what the page takes as given (README: a
+sweep's directory; the data cache: Parquet files): `python` blocks as scripts, `sh` lines as commands (servers,
+such as `python -m datacache serve` and `tensorboard`, started and held until the page is done; `<name>` is the
+newest local job; `[...]` options left out). Two kinds of line are run elsewhere, and named so here: `python -m
+trainer <overrides>` (run by `tests/test_docs_examples.py`: a dry run as written, any other as `--cfg job`, each
+kind of run trained end to end in the suite), and the install and test
 lines of the README's quick start (`.ci/run` runs them exactly as written, on a clean clone)."""
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 KINDS = ("text", "console", "python", "sh")
 NEEDS = re.compile(r"<!--\s*needs (a GPU|a cluster)\b")
+SHOWS_ERROR = re.compile(r"<!--\s*shows an error\b")
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 # Run by .ci/run (the README's quick start) or by a test of their own (the trainer's commands).
 ELSEWHERE = re.compile(r"^(python3 -m venv|\. \.venv/bin/activate|pip install|python -m trainer(\s|$))")
@@ -45,6 +48,7 @@ class Block:
     kind: str
     needs: str | None
     text: str
+    error: bool = False
 
 
 def blocks(path: pathlib.Path) -> list[Block]:
@@ -63,7 +67,7 @@ def blocks(path: pathlib.Path) -> list[Block]:
         above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         needs = NEEDS.search(above)
         found.append(Block(f"{path.relative_to(REPO)}:{start + 1}", match.group(2), needs and needs.group(1),
-                           textwrap.dedent("\n".join(body)) + "\n"))
+                           textwrap.dedent("\n".join(body)) + "\n", bool(SHOWS_ERROR.search(above))))
         i += 1
     return found
 
@@ -209,9 +213,39 @@ def test_each_documents_examples_run_as_written(path, tmp_path, cache_dir):
                     _wait_ready(servers[-1], argv, env, work)
                     continue
                 proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-                assert proc.returncode == 0, f"{block.where}: {command}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
+                assert (proc.returncode != 0) == block.error, (
+                    f"{block.where}: {command}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
     finally:
         for server in servers:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
+
+
+MODULE = re.compile(r"^python -m ([\w.]+)")
+
+
+def _needs_elsewhere() -> list[tuple[str, str]]:
+    """(where, module) of each `python -m <module>` command of a block that needs what this machine lacks."""
+    return [(b.where, m.group(1)) for p in DOCUMENTS for b in blocks(p) if b.kind == "sh" and b.needs
+            for c in _commands(b.text) if (m := MODULE.match(c))]
+
+
+def test_a_command_that_needs_a_cluster_or_a_gpu_is_still_a_command_of_ours():
+    """Where a block cannot run here, each of its modules answers `--help` (the command exists, as written)."""
+    found = _needs_elsewhere()
+    assert found, "the pages show commands that need a cluster (docs/data-cache.md)"
+    for where, module in found:
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and proc.stdout, f"{where}: python -m {module} --help\n{proc.stderr[-2000:]}"
+
+
+def test_every_figure_of_the_default_run_the_pages_quote_is_the_readmes():
+    """The default run's final eval loss is shown once, in the README's quick start; a page quoting a figure
+    for it quotes that one."""
+    loss = re.compile(r"final eval loss:? (\d+\.\d+)")
+    readme = loss.findall((REPO / "README.md").read_text())
+    assert len(set(readme)) == 1, readme
+    quoted = {str(p.relative_to(REPO)): loss.findall(p.read_text()) for p in DOCUMENTS[1:]}
+    assert {p: f for p, f in quoted.items() if set(f) - set(readme)} == {}

@@ -196,7 +196,8 @@ def _closure(module: str) -> set[str]:
 
 # The driver's modules that join the trainer to the launchers: composing a config with the launchers' schemas,
 # checking it by their rules, documenting their keys, and launching the job.
-DRIVER_JOINS = {"trainer.__main__", "trainer.config.compose", "trainer.config.validate", "trainer.config.reference"}
+DRIVER_JOINS = {"trainer.__main__", "trainer.config.compose", "trainer.config.validate", "trainer.config.reference",
+                "trainer.config.readers"}
 
 
 def test_the_packages_are_layers_trainjob_at_the_bottom_and_launchers_apart_from_the_trainer():

@@ -41,6 +41,10 @@ def test_the_config_reference_is_what_the_schema_makes():
     for key in ("model.head_dim", "data.cache.endpoints", "launcher.namespace", "recipe.generation.async",
                 "runtime.nproc_per_node", "tracker.wandb.mode", "lr_schedule.warmup_steps"):
         assert f"| `{key}` |" in page, key
+    # Every key says what it sets (its schema's comment): an empty cell is a field to comment.
+    rows = [line.split(" | ") for line in page.splitlines() if line.startswith("| `")]
+    assert [row[0] for row in rows if not row[-1].rstrip("|").strip()] == []
+    assert "| `data.path` |" in page and "(read by data=parquet, chat, preference, prompts only)" in page
 
 
 def test_conf_names_the_module_that_reads_each_group():

@@ -17,14 +17,17 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import launchers
 from trainer import config
+from trainer.config import readers
 from trainer.config.compose import CONF_DIR, plain_group_overrides, register
 from trainer.errors import UserCodeError
 from trainer.preemption import EXIT_CODE, Preempted
@@ -108,13 +111,14 @@ def _refuse(e: Exception, run_dir: str, claimed: Claim | None = None) -> NoRetur
     raise SystemExit(2) from None
 
 
-def prepare_run(cfg: DictConfig) -> Prepared:
+def prepare_run(cfg: DictConfig, given: Mapping[str, object] | None = None) -> Prepared:
     """Check `cfg`, claim its run directory and save it there (not for a dry run, which only prints what it
-    would launch), and describe the run. The claim comes after the checks and before anything is written:
-    a refused run leaves nothing, and a second driver into a running run's directory changes nothing."""
+    would launch), and describe the run (`given`: the keys the user set, `readers.given_keys`). The claim comes
+    after the checks and before anything is written: a refused run leaves nothing, and a second driver into a
+    running run's directory changes nothing."""
     run_dir = os.path.abspath(cfg.run_dir)
     try:
-        job, shape, checked = check(cfg)
+        job, shape, checked = check(cfg, given)
     except config.ConfigError as e:
         _refuse(e, run_dir)
     except UserCodeError as e:  # a chat template that raised while the corpus was built: exit 1, nothing left
@@ -229,7 +233,7 @@ def _app(cfg: DictConfig) -> float:
     _job_started = True
     if _FULL_ERROR_SET:  # from here on, Hydra reports what goes wrong as it always does
         os.environ.pop(FULL_ERROR_ENV, None)
-    run = prepare_run(cfg)
+    run = prepare_run(cfg, readers.given_keys(HydraConfig.get().overrides.task))
     options = run.launcher
     try:
         launcher = run.launcher_for()
@@ -342,7 +346,7 @@ def main() -> None:
     except Exception as e:
         if _job_started or not _FULL_ERROR_SET:
             raise
-        print(f"error: {composition_error(e)}", file=sys.stderr)
+        print(f"error: {readers.explain(sys.argv[1:]) or composition_error(e)}", file=sys.stderr)
         raise SystemExit(2) from None
     except SystemExit as e:
         # Hydra reports a composition error (unknown key, wrong type, missing option) as exit 1 before

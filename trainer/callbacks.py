@@ -12,7 +12,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, readers
 from trainer.preflight import check
 from trainer.run_dir import note_before_making
 from trainjob.files import directory_problem
@@ -73,7 +73,7 @@ class Preflight(Callback):
                 with open_dict(cfg):
                     cfg.run_dir = os.path.join(scratch, str(number))
                 try:
-                    check(cfg)
+                    check(cfg, readers.given_keys(overrides))
                 except ConfigError as e:
                     job = f"sweep job {number}" + (f" ({' '.join(varied)})" if varied else "")
                     _refuse(f"{job}, before any job ran: {e}")

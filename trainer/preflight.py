@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -17,20 +18,21 @@ from trainer.config.validate import validate
 from trainjob.files import directory_problem
 
 if TYPE_CHECKING:
-    from trainer import inputs
+    from trainer.inputs import Checked
 
 
-def check(cfg: DictConfig) -> tuple[Config, JobShape, inputs.Checked | None]:
+def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[Config, JobShape, Checked | None]:
     """Resolve `cfg` in place and check it: the rules, then (where the ranks run on this machine) what the
     data, the checkpoint and the cache nodes say. Raises ConfigError; writes nothing but the corpus cache.
     Returns the typed config and its shape (each read once, here) and what the input checks found, or None
-    where they did not run here."""
+    where they did not run here. `given`: the keys the user set (`readers.given_keys`), refused where the chosen
+    options never read them."""
     run_dir = os.path.abspath(cfg.run_dir)
     _resolve(cfg)
     cfg.run_dir = run_dir
     if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
         fill_config(cfg.model)
-    job, shape = validate(cfg)
+    job, shape = validate(cfg, given)
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
     if shape.offers.reads_disk_here:

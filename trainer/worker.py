@@ -30,6 +30,7 @@ from trainer import checkpoint, config, inputs, loop, models, preemption
 from trainer.assembly import assemble
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
+from trainer.models import lora
 from trainer.parallel import ParallelDims
 from trainjob import runtimes
 from trainjob.env import DRIVER_REPORTS_ENV
@@ -137,6 +138,8 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device, torch.get_num_threads(),
              ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    if cfg.peft.name != "none":  # as PEFT's print_trainable_parameters says it
+        log.info("%s", lora.trainable_parameters(model))
     trainer = loop.Trainer(cfg, model, dims, env.device, corpus)
     start = resume_path(cfg)
     if start is not None:

@@ -14,15 +14,15 @@ from trainjob.runtimes import Offers
 
 @dataclass
 class DockerLauncherConfig:
-    name: str = "docker"
-    image: str = MISSING
+    name: str = "docker"  # the option chosen
+    image: str = MISSING  # the image every node's container runs (built from the repository's Dockerfile)
     network: str | None = None  # null: one per job, named after it
-    gpus_per_node: int = 0
+    gpus_per_node: int = 0  # GPUs given to each node's container (docker run --gpus)
     cpus_per_node: int | None = None  # null: this host's CPUs split equally among the nodes
-    shm_size: str = "8g"
-    env: dict[str, str] = field(default_factory=dict)
-    dry_run: bool = False
-    wait: bool = True
+    shm_size: str = "8g"  # each container's /dev/shm (docker run --shm-size)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables of every container
+    dry_run: bool = False  # print the docker commands and start nothing
+    wait: bool = True  # true: wait for the run, streaming node 0's logs; false: start it and return
 
 
 def image_ok(image: Any) -> bool:

@@ -15,47 +15,48 @@ from trainjob.runtimes import Offers
 
 @dataclass
 class Resources:
-    cpu: str | None = None
-    memory: str | None = None
-    gpu: int = 0
+    cpu: str | None = None  # each node's CPU request and limit (null: none)
+    memory: str | None = None  # each node's memory request and limit (null: none)
+    gpu: int = 0  # GPUs per node (nvidia.com/gpu)
 
 
 @dataclass
 class Volume:
-    name: str = MISSING
+    name: str = MISSING  # the volume's name in the pods
     claim: str = MISSING  # a PersistentVolumeClaim in the job's namespace
-    mount_path: str = MISSING
-    read_only: bool = False
+    mount_path: str = MISSING  # where it is mounted in every node's container
+    read_only: bool = False  # mount it read-only
 
 
 @dataclass
 class KubernetesLauncherConfig:
-    name: str = "kubernetes"
-    image: str = MISSING
-    namespace: str = "default"
-    context: str | None = None
+    name: str = "kubernetes"  # the option chosen
+    image: str = MISSING  # the image every node's pod runs (built from the repository's Dockerfile)
+    namespace: str = "default"  # the namespace of the TrainJob and its ConfigMap
+    context: str | None = None  # the kubeconfig context (null: the current one)
     kubeconfig: str | None = None  # null: $KUBECONFIG or ~/.kube/config, else the in-cluster config
     # The ClusterTrainingRuntime to run on; null: the runtime's name (torch-distributed).
     runtime_ref: str | None = None
     job_name: str | None = None  # null: derived from the run directory's name, plus a unique suffix
     resources_per_node: Resources = field(default_factory=Resources)
-    env: dict[str, str] = field(default_factory=dict)
-    active_deadline_seconds: int | None = None
-    suspend: bool = False
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables of every node's container
+    active_deadline_seconds: int | None = None  # seconds the job may run before it is failed (null: no limit)
+    suspend: bool = False  # submit the TrainJob suspended (spec.suspend), to be resumed later
+    node_selector: dict[str, str] = field(default_factory=dict)  # the pods' nodeSelector
+    tolerations: list[dict[str, Any]] = field(default_factory=list)  # the pods' tolerations
+    # PersistentVolumeClaims mounted in every node's pod (name, claim, mount_path, read_only).
     volumes: list[Volume] = field(default_factory=list)
-    service_account: str | None = None
+    service_account: str | None = None  # the pods' service account (null: the namespace's default)
     # Where the run directory lives in the pods: under run_root, on the claim run_claim when it is set
     # (shared storage), else on each pod's own disk. local_run_root: the same storage as this machine
     # mounts it, so that `wait=true` can read each run's summary.json.
     run_root: str = "/workspace/runs"
-    run_claim: str | None = None
-    local_run_root: str | None = None
-    cache_dir: str = "/workspace/cache"
-    dry_run: bool = False
-    wait: bool = False
-    poll_seconds: float = 10.0
+    run_claim: str | None = None  # a PersistentVolumeClaim (ReadWriteMany) holding run_root; null: none
+    local_run_root: str | None = None  # run_root as this machine mounts it (null: not mounted here)
+    cache_dir: str = "/workspace/cache"  # the data cache's path in the pods
+    dry_run: bool = False  # print the manifests and submit nothing
+    wait: bool = False  # true: wait for the job to end; false: submit it and print its name
+    poll_seconds: float = 10.0  # seconds between two looks at the job's state while waiting
 
 
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -30,9 +30,10 @@ NEEDS_RUNTIME = ("volcano", "coscheduling", "kai")  # a pod group or a scheduler
 
 @dataclass
 class SchedulerConfig:
-    name: str = MISSING
-    queue: str | None = None
-    priority_class: str | None = None
+    name: str = MISSING  # the option chosen: none, kueue, volcano, coscheduling or kai
+    queue: str | None = None  # the scheduler's queue the job is submitted to (Kueue's LocalQueue, Volcano's queue)
+    priority_class: str | None = None  # the pods' PriorityClass
+    # Seconds the gang waits for all its pods to be placed before it is given up (null: the scheduler's default).
     schedule_timeout_seconds: int | None = None
 
 

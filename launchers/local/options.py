@@ -13,7 +13,7 @@ from trainjob.runtimes import Offers
 
 @dataclass
 class LocalLauncherConfig:
-    name: str = "local"
+    name: str = "local"  # the option chosen
     # true: wait for the run and end it with this process; false: start it, print its name and return
     # (it runs on; `python -m launchers list|get|logs|wait|delete` find it).
     wait: bool = True

@@ -10,7 +10,7 @@ from typing import ClassVar
 from omegaconf import MISSING
 
 from datacache.server import MAX_READERS
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 # The data.cache keys naming the cache nodes that hold each split.
 CACHE_KEYS = {"train": "endpoints", "eval": "eval_endpoints"}
@@ -25,10 +25,10 @@ class KubeflowCacheConfig:
     storage_uri: str | None = None  # cache://<schema>/<table>
     metadata_loc: str | None = None  # the table's Iceberg metadata.json, e.g. s3a://bucket/path/metadata.json
     iam_role: str | None = None  # the role the cache reads the table with
-    head_cpu: str = "1"
-    head_mem: str = "1Gi"
-    worker_cpu: str = "2"
-    worker_mem: str = "2Gi"
+    head_cpu: str = "1"  # the CPU of the cache's head pod
+    head_mem: str = "1Gi"  # the memory of the cache's head pod
+    worker_cpu: str = "2"  # the CPU of each data node pod
+    worker_mem: str = "2Gi"  # the memory of each data node pod
 
     def check(self) -> None:
         uri = str(self.storage_uri or "")
@@ -107,21 +107,23 @@ class ChatConfig:
 class DataConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
     POSITIVE: ClassVar[tuple[str, ...]] = ("seq_len",)
-    name: str = MISSING
+    name: str = MISSING  # the option chosen: stdlib, parquet, chat, preference or prompts
     # Parquet files (a path, directory or glob) for `data=parquet`; unused by `stdlib`.
-    path: str | None = None
-    text_column: str | None = "text"
-    tokens_column: str | None = None
-    seq_len: int = 256
+    path: str | None = read_by("parquet", "chat", "preference", "prompts", default=None)
+    # data=parquet: the column of text to tokenize, or (with text_column=null) a column of token-id lists.
+    text_column: str | None = read_by("parquet", default="text")
+    tokens_column: str | None = read_by("parquet", default=None)
+    seq_len: int = 256  # tokens per row (a training sequence; prompts: the longest prompt kept)
     # Unset (null): 2, and a run whose eval split is too small for a global batch trains without eval.
     eval_percent: float | None = None
+    # Where corpora are tokenized and cached (built once, shared by runs).
     cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
-    shuffle: bool = True
-    num_workers: int = 0
+    shuffle: bool = True  # shuffle the training rows (a seeded order, kept across a resume)
+    num_workers: int = 0  # DataLoader worker processes per rank (0: in the rank's own process)
     # data=chat: pack conversations into rows (attention and positions within each) instead of padding each.
-    packing: bool = False
+    packing: bool = read_by("chat", "preference", default=False)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    chat: ChatConfig = field(default_factory=ChatConfig)
+    chat: ChatConfig = read_by("chat", "preference", default_factory=ChatConfig)
     # Set by the driver where it checked the corpus (launcher=local, docker): the key of the build its ranks
     # must read (`trainer.data.corpus.prepare`); a rank whose source would make another corpus refuses to start.
     fingerprint: str | None = None

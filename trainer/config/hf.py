@@ -61,6 +61,44 @@ def causal_architecture(hf: dict) -> str:
     return hf["architectures"][0].replace("ForSequenceClassification", "ForCausalLM")
 
 
+MODEL_DIRECTORY = "a Hugging Face model directory (config.json and model.safetensors or its shards)"
+
+
+def merge_command(adapters: str, base: str) -> str:
+    """The command that folds the PEFT adapters of directory `adapters` into their base `base` (PEFT's
+    merge_and_unload, the base's tokenizer beside it) and writes the whole model to `<adapters>-merged`."""
+    out = adapters.rstrip("/") + "-merged"
+    return ("python -c \"from peft import AutoPeftModelForCausalLM as M; from transformers import AutoTokenizer as T; "
+            f"M.from_pretrained('{adapters}').merge_and_unload().save_pretrained('{out}'); "
+            f"T.from_pretrained('{base}').save_pretrained('{out}')\"")
+
+
+def not_a_model_directory(path: str) -> str:
+    """Why `path`, which holds no config.json, is not a model directory, and what to give instead: a PEFT adapter
+    directory's merge command, a GGUF file's origin, or what a model directory holds."""
+    gguf = path.endswith(".gguf") or (os.path.isdir(path) and bool(glob.glob(os.path.join(path, "*.gguf"))))
+    if gguf:
+        return (f"is a GGUF file (llama.cpp's format), which trainjob does not load: give {MODEL_DIRECTORY}, such "
+                "as the one it was converted from")
+    adapter = os.path.join(path, "adapter_config.json")
+    if os.path.isfile(adapter):
+        try:
+            with open(adapter, encoding="utf-8") as f:
+                base = json.load(f).get("base_model_name_or_path") or "<the base model directory>"
+        except (OSError, ValueError, AttributeError):
+            base = "<the base model directory>"
+        out = path.rstrip("/") + "-merged"
+        return (f"holds PEFT adapters (adapter_config.json), not a whole model: merge them into their base {base} "
+                f"with `{merge_command(path, base)}`, then give model.path={out} (with peft=lora to train new "
+                "adapters on it)")
+    if not os.path.exists(path):
+        return f"no such directory: give {MODEL_DIRECTORY}"
+    if not os.path.isdir(path):
+        return f"is a file, not a directory: give {MODEL_DIRECTORY}"
+    found = sorted(os.listdir(path))[:5]
+    return f"holds no config.json ({', '.join(found) or 'empty'}): give {MODEL_DIRECTORY}"
+
+
 def read_json(path: str | None, key: str = "model.path") -> dict:
     """The config.json of model directory `path`, whatever its architecture; refused in one line where there is
     no such directory or its config.json does not read."""
@@ -73,7 +111,7 @@ def read_json(path: str | None, key: str = "model.path") -> dict:
         )
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
-        raise ConfigError(key, path, "must be a Hugging Face model directory holding config.json")
+        raise ConfigError(key, path, not_a_model_directory(path))
     try:
         with open(file, encoding="utf-8") as f:
             hf = json.load(f)

@@ -6,12 +6,12 @@ overloads, `ATEN_OVERLOADS`). No torch here: the names are those of `ops.aten.NA
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import MISSING
 
 from trainer.config.aten_names import ATEN_OPS, ATEN_OVERLOADS
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 KERNELS = ("torch", "triton")
 # The model functions `kernels=triton` can route to ops/ (trainer/models/kernels.py applies them).
@@ -21,12 +21,12 @@ TRITON_OPS = ("rms_norm", "rotary_embedding", "scaled_dot_product_attention", "s
 
 @dataclass
 class KernelsConfig:
-    name: str = MISSING
+    name: str = MISSING  # the option chosen: torch (PyTorch's own ops) or triton (ops/' kernels)
     # triton: which of TRITON_OPS and ATEN_OPS to use (null: all), and which to leave to PyTorch.
-    include: list[str] | None = None
-    exclude: list[str] = field(default_factory=list)
+    include: list[str] | None = read_by("triton", default=None)
+    exclude: list[str] = read_by("triton", default_factory=list)  # of include, those left to PyTorch
     # triton: route ATen ops to ops/ during the step and eval (ops.enable()); false keeps only TRITON_OPS.
-    aten: bool = True
+    aten: bool = read_by("triton", default=True)
 
     def check(self) -> None:
         one_of("kernels.name", self.name, KERNELS)

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 from trainer.families import BY_NAME
 
 # The byte-level tokenizer's vocabulary (`trainer.data.tokenizer`): the 256 bytes, then BOS, EOS and PAD.
@@ -24,34 +24,34 @@ class ModelConfig:
         "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta", "norm_eps",
         "init_std"
     )
-    name: str = MISSING
+    name: str = MISSING  # the option chosen: a preset (debug, small, 1b, 8b) or hf (a Hugging Face directory)
     # model=hf: a Hugging Face model directory; the keys below are then read from its config.json.
-    path: str | None = None
+    path: str | None = read_by("hf", default=None)
     # model=hf: the code that runs it, native (trainjob's decoder) or transformers (the directory's own modeling
     # code); unset, config.json chooses (trainer.config.hf_impl).
-    impl: str | None = None
-    dim: int = MISSING
-    n_layers: int = MISSING
-    n_heads: int = MISSING
-    n_kv_heads: int = MISSING
-    ffn_dim: int = MISSING
-    vocab_size: int = BYTE_VOCAB_SIZE
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    impl: str | None = read_by("hf", default=None)
+    dim: int = MISSING  # the hidden size (the width of the residual stream)
+    n_layers: int = MISSING  # transformer blocks
+    n_heads: int = MISSING  # attention heads (query heads)
+    n_kv_heads: int = MISSING  # key/value heads (grouped-query attention: n_heads is a multiple)
+    ffn_dim: int = MISSING  # the MLP's hidden size
+    vocab_size: int = BYTE_VOCAB_SIZE  # token ids the embedding takes (259: the byte-level tokenizer's)
+    max_seq_len: int = 2048  # the longest sequence the rotary embedding is built for
+    rope_theta: float = 10000.0  # the base of the rotary position embedding
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = False  # the output layer shares the embedding's weight
+    init_std: float = 0.02  # the standard deviation of the weights' initialisation (from scratch)
     # The family's options (trainer/families.py says which family sets which).
     family: str = "llama"  # the checkpoint layout: names, fused tensors
     head_dim: int | None = None  # None: dim / n_heads
     attention_bias: str = "none"  # none | qkv | all (q, k, v and o)
-    mlp_bias: bool = False
+    mlp_bias: bool = False  # biases on the MLP's projections
     qk_norm: str = "none"  # none | head (each head's q and k) | full (the whole q and k projections)
     norm_placement: str = "pre"  # pre | sandwich (before and after attention and MLP) | post (after only)
     norm_offset: float = 0.0  # 1.0: norms scale by (1 + weight)
     activation: str = "silu"  # silu | gelu_tanh: the MLP's gate
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
+    embedding_multiplier: float = 1.0  # the embedding's output is scaled by it (Granite)
+    residual_multiplier: float = 1.0  # each block's output is scaled by it before the residual add (Granite)
     attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
     logits_scaling: float = 1.0  # the logits are divided by it
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
@@ -61,11 +61,11 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the RoPE base of sliding layers (Gemma 3); None: rope_theta
     nope_layers: list[int] = field(default_factory=list)  # layers without RoPE (SmolLM3)
     n_experts: int = 0  # > 0: a mixture of experts MLP
-    n_experts_per_token: int = 0
+    n_experts_per_token: int = 0  # experts each token is routed to (top-k)
     moe_ffn_dim: int | None = None  # each expert's hidden size (None: ffn_dim)
     dense_layers: list[int] = field(default_factory=list)  # layers with the dense MLP in an MoE model
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
-    router_aux_loss_coef: float = 0.0
+    router_aux_loss_coef: float = 0.0  # the weight of the router's load-balancing loss (with output_router_logits)
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the loss
 
     def check(self) -> None:

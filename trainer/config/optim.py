@@ -4,12 +4,12 @@ section's), and whose AdamW steps (`optim.impl=torch|triton`: torch.optim.AdamW,
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 OPTIMIZERS = ("adamw", "sgd")
 IMPLS = ("torch", "triton")
@@ -19,13 +19,13 @@ IMPLS = ("torch", "triton")
 class OptimConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
     POSITIVE: ClassVar[tuple[str, ...]] = ("lr", "eps")
-    name: str = MISSING
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    momentum: float = 0.9
-    grad_clip: float | None = 1.0
+    name: str = MISSING  # the option chosen: adamw or sgd
+    lr: float = 3e-3  # the peak learning rate (lr_schedule shapes it over the steps)
+    weight_decay: float = 0.1  # decoupled weight decay (AdamW's), on matrices only (not norms, biases or embeddings)
+    betas: list[float] = read_by("adamw", default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
+    eps: float = read_by("adamw", default=1e-8)  # AdamW's epsilon
+    momentum: float = read_by("sgd", default=0.9)  # SGD's momentum
+    grad_clip: float | None = 1.0  # the gradients' global norm is clipped to it (null: no clipping)
     # torch: torch.optim's foreach implementation; triton: ops.AdamW (adamw only). null: triton under
     # kernels=triton with optim=adamw, else torch. Either loads the other's checkpoints.
     impl: str | None = None

@@ -3,11 +3,11 @@ is a cross-section rule (`trainer.config.across`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 METHODS = ("none", "lora")
 # Hugging Face's module names, as PEFT's `target_modules` spells them.
@@ -18,11 +18,12 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass
 class PeftConfig:
-    name: str = MISSING
-    rank: int = 8
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapters' input, while training
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    name: str = MISSING  # the option chosen: none or lora
+    rank: int = read_by("lora", default=8)  # the rank of each adapter's low-rank update
+    alpha: float = read_by("lora", default=16.0)  # the update is scaled by alpha / rank
+    dropout: float = read_by("lora", default=0.0)  # on the adapters' input, while training
+    # The projections that get adapters, by Hugging Face's names.
+    target_modules: list[str] = read_by("lora", default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def check(self) -> None:
         one_of("peft", self.name, METHODS)

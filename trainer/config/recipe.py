@@ -4,11 +4,11 @@ rules (`trainer.config.across`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 
 RECIPES = ("pretrain", "sft", "dpo", "grpo", "rloo", "reward", "kd")
 # The data each recipe trains on; a dataset of its own is for those recipes only.
@@ -61,7 +61,7 @@ class KDConfig:
     # forward_kl: KL(teacher || student); reverse_kl: KL(student || teacher); jsd: the Jensen-Shannon divergence
     # (GKD's beta = 0.5), each at `temperature` and scaled by its square (Hinton et al.).
     loss: str = "forward_kl"
-    temperature: float = 1.0
+    temperature: float = 1.0  # the softmax temperature both models' logits are divided by
     alpha: float = 0.5  # the loss is alpha x the divergence + (1 - alpha) x the student's cross-entropy
     chunk_tokens: int = 1024  # tokens whose logits of both models are held at once
 
@@ -75,39 +75,44 @@ class RecipeConfig:
     name: str = MISSING
     # dpo: how far from the reference the policy may move (the KL penalty's inverse weight); grpo: the KL
     # penalty's weight (0: no reference is held).
-    beta: float = 0.1
+    beta: float = read_by("dpo", "grpo", "rloo", default=0.1)
     # grpo: grpo | bnpo | dr_grpo | dapo (TRL's default, set in conf/recipe/grpo.yaml); dpo: sigmoid (the default,
     # conf/recipe/dpo.yaml) | ipo | hinge | robust. Each as TRL 1.16 computes it (trainer.recipes.grpo, .dpo).
-    loss_type: str | None = None
+    loss_type: str | None = read_by("grpo", "dpo", default=None)
     # dpo with loss_type=robust: the assumed share of flipped preference labels, in [0, 0.5).
-    label_smoothing: float = 0.0
+    label_smoothing: float = read_by("dpo", default=0.0)
     # grpo: importance weights per token, or per completion (the mean of its tokens' log-ratios: GSPO).
-    importance_sampling_level: str = "token"
+    importance_sampling_level: str = read_by("grpo", default="token")
     # grpo, rloo: completions per prompt (train.global_batch_size counts completions), the reward functions
     # (`package.module:function`, called with prompts=, completions= and the rows' other columns, returning a
     # float per completion) and their weights (null: 1 each), how advantages are scaled (group: by each
     # prompt's std; batch: the batch's; none), the clipping range (epsilon_high null: epsilon), the updates per
     # generation batch, and how completions are sampled.
-    num_generations: int = 8
-    reward_funcs: list[str] = field(default_factory=list)
-    reward_weights: list[float] | None = None
-    scale_rewards: str = "group"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    num_iterations: int = 1
-    max_completion_length: int = 64
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float | None = None
-    normalize_advantages: bool = False
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    num_generations: int = read_by("grpo", "rloo", default=8)
+    # grpo, rloo: the reward functions, package.module:function.
+    reward_funcs: list[str] = read_by("grpo", "rloo", default_factory=list)
+    reward_weights: list[float] | None = read_by("grpo", "rloo", default=None)
+    # grpo: how advantages are scaled: group, batch or none.
+    scale_rewards: str = read_by("grpo", "rloo", default="group")
+    # The clipping range's lower side (and upper, without epsilon_high).
+    epsilon: float = read_by("grpo", "rloo", default=0.2)
+    epsilon_high: float | None = read_by("grpo", "rloo", default=None)
+    num_iterations: int = read_by("grpo", "rloo", default=1)  # updates per generation batch
+    max_completion_length: int = read_by("grpo", "rloo", default=64)  # tokens sampled per completion at most
+    temperature: float = read_by("grpo", "rloo", default=1.0)  # sampling temperature
+    top_k: int = read_by("grpo", "rloo", default=0)  # sample from the k likeliest tokens (0: every token)
+    # Sample from the smallest set of tokens holding this probability.
+    top_p: float = read_by("grpo", "rloo", default=1.0)
+    min_p: float | None = read_by("grpo", "rloo", default=None)
+    # rloo: scale advantages to mean 0 and std 1 over the generation batch.
+    normalize_advantages: bool = read_by("rloo", default=False)
+    reward_model: RewardModelConfig = read_by("grpo", "rloo", default_factory=RewardModelConfig)
+    generation: GenerationConfig = read_by("grpo", "rloo", default_factory=GenerationConfig)
     # reward: TRL's center_rewards_coefficient, the weight of the mean squared sum of a pair's rewards in the loss
     # (null: none), keeping the rewards centred on 0.
-    center_rewards_coefficient: float | None = None
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    kd: KDConfig = field(default_factory=KDConfig)
+    center_rewards_coefficient: float | None = read_by("reward", default=None)
+    teacher: TeacherConfig = read_by("kd", default_factory=TeacherConfig)
+    kd: KDConfig = read_by("kd", default_factory=KDConfig)
 
     def check(self) -> None:
         one_of("recipe", self.name, RECIPES)

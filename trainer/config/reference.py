@@ -1,6 +1,7 @@
 """The reference of every config key, made from the schema itself: for each section, the options of its group
 (`conf/<group>/*.yaml`) and a table of its keys (nested sections' keys dotted), with each key's type, the
-schema's default and the comment written beside its field. `python -m trainer.config.reference` prints it;
+schema's default and the comment written beside its field (with the options that read it, where only some do:
+`trainer.config.readers`). `python -m trainer.config.reference` prints it;
 docs/reference.md is that output, and a test holds the file to it, so the reference is never stale."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import ast
 import dataclasses
 import inspect
 import io
-import os
 import sys
 import textwrap
 import tokenize
@@ -19,7 +19,7 @@ from functools import cache
 from omegaconf import MISSING
 
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
-from trainer.config.compose import CONF_DIR
+from trainer.config import readers
 from trainer.config.schema import Config
 from trainjob import runtimes
 
@@ -28,7 +28,9 @@ HEADER = """# Config reference
 Every key `python -m trainer` takes, section by section, made from the schema (`trainer/config/`,
 `launchers/`) by `python -m trainer.config.reference`; a test keeps this page equal to its output. A group's
 option (`conf/<group>/<option>.yaml`) may set other values than the schema's defaults shown here: `python -m
-trainer <group>=<option> --cfg job` prints what a composition holds. Back to the [README](../README.md).
+trainer <group>=<option> --cfg job` prints what a composition holds. A key only some options read says which;
+set under another option, it is refused before anything starts (exit 2), as is a key that does not exist (with
+the closest that do). Back to the [README](../README.md).
 """
 
 
@@ -81,15 +83,21 @@ def _rows(cls: type, prefix: str) -> list[str]:
         # A field named by a keyword (recipe.generation.async) is not written in the source.
         kind, what = _written(cls).get(f.name) or (getattr(hints[f.name], "__name__", str(hints[f.name])),
                                                     (cls.__doc__ or "").split(". ")[0])
-        what = " ".join(what.split())
+        what = " ".join(what.split()) + _read_by(f"{prefix}{f.name}")
         rows.append(f"| `{prefix}{f.name}` | `{_cell(kind)}` | {_cell(_value(default))} | {_cell(what)} |")
     return rows
 
 
+def _read_by(key: str) -> str:
+    """' (read by <group>=<options> only.)' for a key only some options of its group read (`readers.table`)."""
+    group, options = readers.table().get(key, ("launcher", ()))
+    if group == "launcher" or set(options) >= set(readers.options(group)):
+        return ""
+    return f" (read by {group}={', '.join(options)} only)"
+
+
 def _options(group: str) -> str:
-    folder = os.path.join(CONF_DIR, group)
-    names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
-    return ", ".join(f"`{n}`" for n in names)
+    return ", ".join(f"`{n}`" for n in readers.options(group))
 
 
 def _table(title: str, cls: type, prefix: str, note: str = "") -> list[str]:

@@ -29,14 +29,14 @@ class StrategyConfig:
     name: str = MISSING  # the preset's name, as reported; what runs follows from the values below
     # Degrees of the DeviceMesh; one of them may be -1: the rest of the world. tp > 1: tensor parallelism.
     dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
+    dp_shard: int = 1  # FSDP's sharding degree
+    tp: int = 1  # the tensor-parallel degree
     # pp > 1: pipeline parallelism, the model's blocks split into stages over pp ranks (the embedding on the
     # first stage, the norm and output layer on the last), run by the schedule pp_schedule over
     # pp_microbatches micro-batches of each local batch (null: as many as stages).
     pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int | None = None
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_microbatches: int | None = None  # micro-batches of each local batch through the pipeline
     # Stages per rank: 1 for gpipe and 1f1b; interleaved_1f1b (null: 2) runs several, rank r holding stages
     # r, r + pp, r + 2 pp, ...
     pp_stages_per_rank: int | None = None
@@ -49,13 +49,13 @@ class StrategyConfig:
     bucket_cap_mb: int = 25
     # fsdp (auto: bf16 parameters on CUDA, fp32 on CPU; gradients reduced in reduce_dtype)
     reshard_after_forward: bool = True
-    param_dtype: str = AUTO
-    reduce_dtype: str = "fp32"
+    param_dtype: str = AUTO  # fsdp: the dtype parameters are gathered and computed in (auto, bf16, fp32)
+    reduce_dtype: str = "fp32"  # fsdp: the dtype gradients are reduced in
     # tp: the loss computed on vocabulary shards (the logits never gathered) when the vocabulary divides
     loss_parallel: bool = True
     # all: none | full | selective (save matmul and attention outputs, recompute the rest)
     activation_checkpointing: str = "none"
-    compile: bool = False
+    compile: bool = False  # torch.compile each block
 
     def check(self) -> None:
         one_of("strategy.data_parallel", self.data_parallel, DATA_PARALLEL)

@@ -21,14 +21,14 @@ WANDB_MODES = ("online", "offline", "disabled")
 class MlflowConfig:
     # null: a file store in the run directory (file:<run_dir>/mlruns).
     tracking_uri: str | None = None
-    experiment: str = "trainjob"
+    experiment: str = "trainjob"  # the MLflow experiment
     run_name: str | None = None  # null: the run directory's last two path parts
 
 
 @dataclass
 class WandbConfig:
-    project: str = "trainjob"
-    entity: str | None = None
+    project: str = "trainjob"  # the W&B project
+    entity: str | None = None  # the W&B team or user (null: the account's default)
     # null: WANDB_MODE if set, else offline (files under <run_dir>/wandb, `wandb sync` uploads them).
     mode: str | None = None
     run_name: str | None = None  # null: as for MLflow

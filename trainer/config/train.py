@@ -22,31 +22,31 @@ class TrainConfig:
         "max_steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_every", "eval_batches",
         "checkpoint_every", "keep_latest_k", "preemption_grace_s"
     )
-    seed: int = 0
-    max_steps: int = 200
-    global_batch_size: int = 16
-    grad_accum_steps: int = 1
+    seed: int = 0  # seeds the weights' initialisation, the data order and sampling
+    max_steps: int = 200  # optimizer steps of the run
+    global_batch_size: int = 16  # rows per optimizer step, over all ranks and micro-batches
+    grad_accum_steps: int = 1  # micro-batches per optimizer step on each rank
     # auto: bf16 autocast on CUDA, fp32 on CPU.
     mixed_precision: str = AUTO
     # Steps between metrics lines (TorchTitan's default); only a line waits for the device.
     log_every: int = 10
-    eval_every: int = 50
-    eval_batches: int = 4
-    checkpoint_every: int = 100
-    keep_latest_k: int = 2
+    eval_every: int = 50  # steps between evals (and the last step)
+    eval_batches: int = 4  # global batches of the eval split per eval
+    checkpoint_every: int = 100  # steps between checkpoints (and the last step)
+    keep_latest_k: int = 2  # checkpoints kept, the newest (older ones pruned)
     # Save checkpoints in the background (dcp.async_save): a step waits only for the copy of the state to CPU
     # memory; the next save, SIGTERM and the end of the run wait for the write in flight.
     checkpoint_async: bool = False
     # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
     resume: str = "auto"
-    progress: bool = True
+    progress: bool = True  # the progress line on a terminal (rank 0)
     # Seconds between SIGTERM (preemption, docker stop) and SIGKILL, for the step in flight and a checkpoint:
     # the pods' terminationGracePeriodSeconds on Kubernetes, docker stop's timeout on Docker.
     preemption_grace_s: int = 30
     # Quantization-aware training (trainer.config.qat): none, or int8_dynamic_act_int4_weight (torchao), whose
     # int4 weights are quantised in groups of qat_group_size along each row.
     qat: str = "none"
-    qat_group_size: int = 32
+    qat_group_size: int = 32  # int4 weights' group size along each row
 
     def check(self) -> None:
         one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))

@@ -1,6 +1,6 @@
-"""`validate`, every check of a composed config in order: unknown keys, finite numbers, each section's own
-`check()`, the job's shape (`runtime.job_shape`: the runtime's rules, under what the launcher offers), the
-launcher's and scheduler's rules (`launchers.check`), then the rules across sections (`across.check`).
+"""`validate`, every check of a composed config in order: unknown keys and keys the chosen options never read
+(`readers`), finite numbers, each section's own `check()`, the job's shape (`runtime.job_shape`), the launcher's
+and scheduler's rules (`launchers.check`), then the rules across sections (`across.check`).
 
 The driver's side of the config (with `trainer.config.compose`, which registers the schemas in Hydra's
 ConfigStore): the one place here that reads the launchers' schemas. A rank types its config.yaml with
@@ -9,14 +9,15 @@ ConfigStore): the one place here that reads the launchers' schemas. A rank types
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import NamedTuple
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import launchers
 from launchers import LAUNCHER_SCHEMAS, SchedulerConfig
-from trainer.config import across
+from trainer.config import across, readers
 from trainer.config.checks import one_of, require
 from trainer.config.runtime import JobShape, job_shape
 from trainer.config.schema import SCHEMAS, Config, finite, typed
@@ -34,21 +35,26 @@ def schemas(cfg: DictConfig) -> dict[str, type]:
     return chosen
 
 
-def _known_keys(cfg: DictConfig, chosen: dict[str, type]) -> None:
-    # Hydra's `+key=value` appends keys even to a typed node; only the schema's fields are meaningful.
-    top = {f.name for f in fields(Config)}
-    for key in cfg:
-        if key not in top:
-            raise ConfigError(str(key), cfg.get(key), f"unknown key; the top level has {', '.join(sorted(top))}")
-    for group, schema in chosen.items():
+def _known_keys(cfg: DictConfig, chosen: dict[str, type], given: Mapping[str, object]) -> None:
+    """Refuse a key of `cfg` that no schema has (Hydra's `+key=value` appends keys even to a typed node), and a key
+    the user set (`given`: `readers.given_keys`) that the chosen options never read (`readers.table`)."""
+    # Each group's option by its name (a section without one, such as train, has one option: any reads its keys).
+    options = {group: cfg[group].get("name", "") if OmegaConf.is_config(cfg[group]) else None for group in cfg}
+    for key, value in given.items():
+        reason = readers.unread(key, options)
+        if reason:
+            raise ConfigError(key, value, reason)
+    for group in cfg:
         node = cfg.get(group)
-        if node is None:
-            continue
-        known = {f.name for f in fields(schema)}
-        for key in node:
-            if key not in known:
-                raise ConfigError(f"{group}.{key}", node.get(key),
-                                  f"unknown key; {group} has {', '.join(sorted(known))}")
+        if group not in chosen:
+            keys = [str(group)]
+        else:
+            known = {f.name for f in fields(chosen[group])}
+            keys = [f"{group}.{k}" for k in node if k not in known] if node is not None else []
+        for key in keys:
+            reason = readers.unknown(key) or readers.unread(key, options)
+            if reason:
+                raise ConfigError(key, OmegaConf.select(cfg, key), reason)
 
 
 class Validated(NamedTuple):
@@ -59,10 +65,11 @@ class Validated(NamedTuple):
     shape: JobShape
 
 
-def validate(cfg: DictConfig) -> Validated:
-    """Check every rule that the types alone cannot; raise ConfigError on the first one broken."""
+def validate(cfg: DictConfig, given: Mapping[str, object] | None = None) -> Validated:
+    """Check every rule that the types alone cannot; raise ConfigError on the first one broken. `given`: the keys
+    the user set (`readers.given_keys`), each refused where the chosen options never read it."""
     chosen = schemas(cfg)
-    _known_keys(cfg, chosen)
+    _known_keys(cfg, chosen, given or {})
     one_of("launcher.name", cfg.launcher.name, tuple(LAUNCHER_SCHEMAS))
     job = typed(cfg, chosen)
     sections = {name: getattr(job, name) for name in chosen if getattr(job, name) is not None}

@@ -32,13 +32,13 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files, read_token_rows
+from trainer.data import trl_forms
 from trainer.data.corpus import build_once, dropped_text, eval_share
 from trainer.data.hf_tokenizer import HFTokenizer, TemplateMaskError
 from trainer.errors import ConfigError, UserCodeError
 
 log = logging.getLogger(__name__)
 ROWS_PER_SHARD = 8192
-PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
 def source_files(path: str) -> list[str]:
@@ -81,45 +81,18 @@ def source_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int,
                 path,
                 f"{file} has no {', '.join(repr(c) for c in missing)} column; it has {', '.join(names)}",
             )
-        yield from ((file, i, row) for i, row in enumerate(pq.read_table(file, columns=list(columns)).to_pylist()))
-
-
-def _is_chat(messages) -> bool:
-    return (
-        isinstance(messages, list)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    )
+        yield from ((file, i, row) for i, row in enumerate(pq.read_table(file, columns=list(columns) or None)
+                                                           .to_pylist()))
 
 
 def documents(name: str, path: str) -> Iterator[tuple[str, list[list[dict]]]]:
-    """(document id, its conversations) of every row: one for data=chat (`messages`), two for data=preference
-    (`prompt` followed by `chosen`, then by `rejected`). A row that is neither raises ConfigError."""
+    """(document id, its conversations) of every row, in any of TRL's forms the kind reads (`trl_forms`): one for
+    data=chat, two for data=preference (chosen, then rejected). A row of another form raises ConfigError."""
     root = None
-    for file, i, row in source_rows(path, ("messages",) if name == "chat" else PREFERENCE_KEYS):
+    for file, i, row in source_rows(path, ()):
         root = root or os.path.dirname(os.path.abspath(file))
         doc = f"{os.path.relpath(os.path.abspath(file), root)}:{i}"
-        row = row if isinstance(row, dict) else {}
-        if name == "chat":
-            if not _is_chat(row.get("messages")):
-                raise ConfigError(
-                    "data.path",
-                    path,
-                    f"row {i + 1} of {file} has no 'messages' list of "
-                    "{'role': ..., 'content': ...} objects (OpenAI-style chat rows)",
-                )
-            yield doc, [row["messages"]]
-            continue
-        if not all(isinstance(row.get(k), str) for k in PREFERENCE_KEYS):
-            raise ConfigError(
-                "data.path",
-                path,
-                f"row {i + 1} of {file} needs the strings {', '.join(PREFERENCE_KEYS)} (data=preference rows)",
-            )
-        prompt = [{"role": "user", "content": row["prompt"]}]
-        yield doc, [[*prompt, {"role": "assistant", "content": row[k]}] for k in ("chosen", "rejected")]
+        yield doc, trl_forms.conversations(name, row, f"row {i + 1} of {file}", path)
 
 
 def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int, mask_mode: str = "assistant"

@@ -19,6 +19,7 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
+from trainer.data import trl_forms
 from trainer.data.chat import source_files, source_fingerprint, source_rows
 from trainer.data.corpus import build_once, dropped_text, eval_share, without_eval
 from trainer.data.text import Text
@@ -38,14 +39,7 @@ def _prompt_rows(path: str) -> Iterator[tuple[str, int, dict]]:
 
 
 def _prompt(row, file: str, i: int, path: str):
-    row = row if isinstance(row, dict) else {}
-    prompt = row.get("prompt", row.get("messages"))
-    chat = isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                            and isinstance(m.get("content"), str) for m in prompt)
-    if not (isinstance(prompt, str) or chat):
-        raise ConfigError("data.path", path, f"row {i + 1} of {file} needs a 'prompt' string or a 'messages' list "
-                          "of {'role': ..., 'content': ...} objects (data=prompts rows)")
-    return prompt
+    return trl_forms.prompt(row, f"row {i + 1} of {file}", path)
 
 
 def prompt_text(model_cfg) -> Text:

@@ -80,6 +80,14 @@ def without_adapters(model: nn.Module):
     return forward
 
 
+def trainable_parameters(model: nn.Module) -> str:
+    """PEFT's `print_trainable_parameters` line for `model`: the trainable parameters, all of them (the adapters
+    included), and the share; a sharded parameter counts whole (a DTensor's numel is its global one)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
+
+
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

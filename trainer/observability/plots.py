@@ -20,16 +20,42 @@ log = logging.getLogger(__name__)
 LOG_SCALE_SPAN = 2.0
 
 
-def tokens_per_step(run_dir: str) -> int | None:
-    """Tokens one step trains on (global batch x sequence length), from the run's config.yaml."""
+# What each recipe's loss is, and the quantity of its own drawn under it (metric, label): DPO's and the reward
+# model's reward margin, GRPO's and RLOO's mean reward. Any other recipe: the next-token loss alone.
+RECIPE_AXES = {
+    "dpo": ("DPO loss (nats/pair)", ("rewards/margins", "reward margin (nats, chosen - rejected)")),
+    "reward": ("pairwise loss (nats/pair)", ("margin", "score margin (chosen - rejected)")),
+    "grpo": ("GRPO loss (clipped surrogate)", ("reward", "mean reward per completion")),
+    "rloo": ("RLOO loss (clipped surrogate)", ("reward", "mean reward per completion")),
+}
+TOKEN_LOSS = ("loss (nats/token)", None)
+# A series with at most this many points is drawn with a marker on each (a single point shows); beyond it, a line.
+MARKED_POINTS = 60
+
+
+def _run_config(run_dir: str):
     path = RunDir.of(run_dir).config
     if not os.path.exists(path):
         return None
     try:
-        cfg = OmegaConf.load(path)
-        return int(cfg.train.global_batch_size) * int(cfg.data.seq_len)
-    except Exception:  # a damaged config.yaml (YAML or OmegaConf errors): the picture has no tokens axis
+        return OmegaConf.load(path)
+    except Exception:  # a damaged config.yaml (YAML or OmegaConf errors): the picture goes without it
         return None
+
+
+def tokens_per_step(run_dir: str) -> int | None:
+    """Tokens one step trains on (global batch x sequence length), from the run's config.yaml."""
+    cfg = _run_config(run_dir)
+    try:
+        return None if cfg is None else int(cfg.train.global_batch_size) * int(cfg.data.seq_len)
+    except Exception:  # keys missing or not numbers: no tokens axis
+        return None
+
+
+def recipe_of(run_dir: str) -> str | None:
+    """The run's recipe, from its config.yaml."""
+    cfg = _run_config(run_dir)
+    return None if cfg is None else OmegaConf.select(cfg, "recipe.name", default=None)
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -37,32 +63,58 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
-def _label_axes(ax, values: list[float]) -> None:
-    """Steps on x (whole numbers), the loss on y, log-scaled when `values` span more than LOG_SCALE_SPAN."""
+def _plot(ax, steps: list[int], values: list[float], **style) -> None:
+    """A series: its points marked where they are few (one point is a dot, not an invisible line)."""
+    marked = len(steps) <= MARKED_POINTS
+    ax.plot(steps, values, marker="o" if marked else None, markersize=3, linewidth=1.5 if marked else 1.0, **style)
+
+
+def _step_axis(ax, steps: list[int]) -> None:
+    """Whole steps on x at any length: integer ticks, a range of at least one step either side of a lone
+    point, and 10k, 100k past 10000 steps."""
     ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    positive = [v for v in values if v > 0 and math.isfinite(v)]
-    if positive and max(positive) / min(positive) > LOG_SCALE_SPAN:
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if steps and max(steps) - min(steps) < 2:
+        ax.set_xlim(max(0, min(steps) - 1), max(steps) + 1)
+    if steps and max(steps) >= 10_000:
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+
+
+def _label_axes(ax, values: list[float], label: str = TOKEN_LOSS[0]) -> None:
+    """The loss on y, log-scaled when `values` are all positive and span more than LOG_SCALE_SPAN."""
+    finite = [v for v in values if math.isfinite(v)]
+    if finite and min(finite) > 0 and max(finite) / min(finite) > LOG_SCALE_SPAN:
         ax.set_yscale("log")
-    ax.set_ylabel("loss (nats/token)" + (", log scale" if ax.get_yscale() == "log" else ""))
+    ax.set_ylabel(label + (", log scale" if ax.get_yscale() == "log" else ""))
 
 
-def loss_figure(records: list[dict], tokens_per_step: int | None = None, title: str | None = None) -> Figure:
-    """Train and eval loss against step, with tokens seen on the top axis when `tokens_per_step` is known."""
-    fig = Figure(figsize=(8, 5), dpi=110)
+def loss_figure(records: list[dict], tokens_per_step: int | None = None, title: str | None = None,
+                recipe: str | None = None) -> Figure:
+    """Train and eval loss against step, with tokens seen on the top axis when `tokens_per_step` is known; under
+    it, the recipe's own quantity where it has one (RECIPE_AXES)."""
+    loss_label, extra = RECIPE_AXES.get(recipe or "", TOKEN_LOSS)
+    extra_steps, extra_values = _series(records, extra[0]) if extra else ([], [])
+    fig = Figure(figsize=(8, 7 if extra_values else 5), dpi=110)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(2, 1, 1) if extra_values else fig.add_subplot()
     train_steps, train = _series(records, "loss")
     eval_steps, evals = _series(records, "eval_loss")
-    ax.plot(train_steps, train, label="train loss", color="tab:blue", linewidth=1.5)
-    ax.plot(eval_steps, evals, label="eval loss", color="tab:orange", marker="o", linewidth=1.5)
-    _label_axes(ax, train + evals)
+    _plot(ax, train_steps, train, label="train loss", color="tab:blue")
+    _plot(ax, eval_steps, evals, label="eval loss", color="tab:orange")
+    _step_axis(ax, train_steps + eval_steps)
+    _label_axes(ax, train + evals, loss_label)
     if tokens_per_step:
         top = ax.secondary_xaxis("top", functions=(lambda s: s * tokens_per_step, lambda t: t / tokens_per_step))
         top.set_xlabel("tokens")
         top.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.2M
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    if extra_values:
+        below = fig.add_subplot(2, 1, 2, sharex=ax)
+        _plot(below, extra_steps, extra_values, color="tab:green", label=extra[0])
+        _step_axis(below, train_steps + eval_steps + extra_steps)
+        below.set_ylabel(extra[1])
+        below.grid(True, alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -76,12 +128,15 @@ def report_figure(curves: list[tuple[str, list[dict]]]) -> Figure:
     ax = fig.add_subplot()
     colors = [f"C{i % 10}" for i in range(len(curves))]
     values: list[float] = []
+    steps: list[int] = []
     for (label, records), color in zip(curves, colors, strict=True):
         train_steps, train = _series(records, "loss")
         eval_steps, evals = _series(records, "eval_loss")
-        ax.plot(train_steps, train, color=color, label=label, linewidth=1.2)
-        ax.plot(eval_steps, evals, color=color, linestyle="--", marker="o", markersize=3, label="_nolegend_")
+        _plot(ax, train_steps, train, color=color, label=label)
+        _plot(ax, eval_steps, evals, color=color, linestyle="--", label="_nolegend_")
         values += train + evals
+        steps += train_steps + eval_steps
+    _step_axis(ax, steps)
     _label_axes(ax, values)
     ax.set_title("train loss (solid) and eval loss (dashed)")
     ax.grid(True, which="both", alpha=0.3)
@@ -109,7 +164,7 @@ def save_loss_png(run_dir: str) -> str | None:
     failed run."""
     try:
         title = "/".join(os.path.normpath(run_dir).split(os.sep)[-2:])
-        fig = loss_figure(read_metrics(run_dir), tokens_per_step(run_dir), title=title)
+        fig = loss_figure(read_metrics(run_dir), tokens_per_step(run_dir), title=title, recipe=recipe_of(run_dir))
         return save(fig, RunDir.of(run_dir).loss_png)
     except (OSError, ValueError) as e:
         log.warning("could not draw %s/loss.png: %s", run_dir, e)

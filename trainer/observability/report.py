@@ -163,7 +163,8 @@ def collect(paths: list[str]) -> tuple[list[RunRow], list[tuple[str, list[dict]]
         records = read_metrics(run_dir)
         overrides = {k: cfg.get(k, "-") for k in keys}
         rows.append(row(run_dir, label, overrides, records))
-        curves.append((" ".join([label, *(f"{k}={_short(v)}" for k, v in overrides.items())]), records))
+        # A run is named in the legend by the values that tell it apart, or by its directory where none differ.
+        curves.append((" ".join(f"{k}={_short(v)}" for k, v in overrides.items()) or label, records))
     return rows, curves
 
 

@@ -83,7 +83,7 @@ def test_other_architectures_and_features_are_refused_by_name(hf_dirs, tmp_path)
         hf.build(yarn)
     with pytest.raises(ConfigError, match="model.path=None.*needs a Hugging Face model directory"):
         settings(None)
-    with pytest.raises(ConfigError, match="must be a Hugging Face model directory holding config.json"):
+    with pytest.raises(ConfigError, match=r"holds no config.json \(.*\): give a Hugging Face model directory"):
         settings(str(tmp_path))
 
 

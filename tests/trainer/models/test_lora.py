@@ -144,3 +144,50 @@ def test_without_adapters_is_the_pretrained_model_and_leaves_the_adapters_on(tmp
         reference = lora.without_adapters(model.eval())(TOKENS)
     torch.testing.assert_close(reference, _logits(from_hf(base)), rtol=0, atol=1e-6)
     torch.testing.assert_close(_logits(model), adapted, rtol=0, atol=0)  # on again
+
+
+def test_a_lora_run_says_its_trainable_parameters_as_peft_does(lora_run):
+    """The line at the start of a LoRA run is PEFT's print_trainable_parameters of the same adapters on the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base, _, run_dir = lora_run
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS.strip("[]").split(",")))
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    line = f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
+    with open(os.path.join(run_dir, "logs", "rank-0.log")) as f:
+        assert line in f.read()
+
+
+def test_an_adapter_directory_as_model_path_is_refused_with_the_command_that_merges_it(lora_run, tmp_path, capsys):
+    """PEFT's adapters (`python -m trainer.export` writes them as PEFT does) given as model.path: one line naming
+    the merge; that command, run as printed, makes a model directory model=hf reads."""
+    import subprocess
+    import sys
+
+    from trainer.config import hf
+
+    base, checkpoint, _ = lora_run
+    adapters = str(tmp_path / "adapters")
+    assert export.main([checkpoint, adapters]) == 0
+    err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={adapters}")
+    assert err.count("\n") <= 1 and "holds PEFT adapters (adapter_config.json), not a whole model" in err
+    command = err.split("`")[1]
+    assert command == hf.merge_command(adapters, base)
+    proc = subprocess.run(command.replace("python ", f"{sys.executable} ", 1), shell=True, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"model.path={adapters}-merged" in err and hf.read_config(f"{adapters}-merged")["architectures"] == [
+        "LlamaForCausalLM"]
+
+
+def test_a_gguf_file_or_a_folder_without_config_json_is_refused_saying_what_is_expected(tmp_path, capsys):
+    gguf = tmp_path / "model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={gguf}")
+    assert "is a GGUF file (llama.cpp's format), which trainjob does not load: give a Hugging Face model" in err
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"")
+    err = compose_refused(tmp_path, capsys, "model=hf", f"model.path={tmp_path / 'weights'}")
+    assert "holds no config.json (model.safetensors): give a Hugging Face model directory (config.json and" in err

@@ -105,10 +105,13 @@ def test_the_sweep_writes_report_png_with_every_runs_curve(study):
     sweep, _ = study
     pixels = matplotlib.image.imread(os.path.join(sweep, "report.png"))
     assert pixels.shape[0] > 400 and pixels.std() > 0.05
-    _, curves = report.collect([sweep])
+    rows, curves = report.collect([sweep])
     ax = plots.report_figure(curves).axes[0]
     train_lines = ax.lines[::2]
-    assert [line.get_label().split()[0] for line in train_lines] == ["0", "1", "2", "3"]
+    # Each run is named by the values that differ between the runs (its directory's name is not one of them).
+    names = [line.get_label() for line in train_lines]
+    assert names == [" ".join(f"{k}={report._short(v)}" for k, v in r.overrides.items()) for r in rows]
+    assert len(set(names)) == 4 and all("=" in n and not n.startswith(("0", "1", "2", "3")) for n in names)
     for line, run_dir in zip(train_lines, _runs(sweep), strict=True):
         assert list(line.get_ydata()) == [r["loss"] for r in read_metrics(run_dir)]
 

@@ -220,3 +220,35 @@ def test_a_wandb_mode_that_does_not_exist_is_refused():
 
     with pytest.raises(ConfigError, match=r"tracker.wandb.mode='cloud': must be one of online, offline, disabled"):
         validate(_compose("tracker.wandb.mode=cloud"))
+
+
+def test_a_single_step_is_a_marked_point_on_whole_step_ticks():
+    ax = plots.loss_figure([{"step": 1, "loss": 5.5, "eval_loss": 5.6}]).axes[0]
+    train, evals = ax.lines
+    assert train.get_marker() == "o" and evals.get_marker() == "o"
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks) and 1 in ticks
+
+
+def test_a_long_run_is_a_line_with_thousands_on_the_step_axis():
+    records = [{"step": s, "loss": 3.0 - s / 100_000} for s in range(1, 100_001, 10)]
+    fig = plots.loss_figure(records)
+    ax = fig.axes[0]
+    assert ax.lines[0].get_marker() in (None, "None", "")
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert any(label.endswith("k") for label in labels) and all(len(label) <= 5 for label in labels), labels
+
+
+@pytest.mark.parametrize(("recipe", "metric", "loss_label", "below"), [
+    ("dpo", "rewards/margins", "DPO loss (nats/pair)", "reward margin (nats, chosen - rejected)"),
+    ("grpo", "reward", "GRPO loss (clipped surrogate)", "mean reward per completion"),
+])
+def test_a_recipe_with_a_quantity_of_its_own_draws_it_under_its_loss(recipe, metric, loss_label, below):
+    records = [{"step": s, "loss": 0.69 - s / 100, metric: s / 10} for s in range(1, 11)]
+    fig = plots.loss_figure(records, recipe=recipe)
+    top, under = fig.axes
+    assert top.get_ylabel() == loss_label and under.get_ylabel() == below
+    assert list(under.lines[0].get_ydata()) == [s / 10 for s in range(1, 11)]
+    assert plots.loss_figure(records).axes[0].get_ylabel() == "loss (nats/token)" and len(plots.loss_figure(
+        records).axes) == 1

@@ -159,7 +159,9 @@ def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_pat
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi", "chosen": "yes"}) + "\n")
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
-    assert f"row 1 of {bad} needs the strings prompt, chosen, rejected" in err
+    assert (f"row 1 of {bad} is not a form data=preference reads (its columns: prompt, chosen; strings, or lists of "
+            "{'role': ..., 'content': ...} messages): give prompt, chosen and rejected (explicit prompt), or chosen "
+            "and rejected (implicit prompt)") in err
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])

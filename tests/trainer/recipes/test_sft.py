@@ -132,7 +132,7 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
-    assert f"data.path='{bad}': row 2 of {bad} has no 'messages' list" in err
+    assert f"data.path='{bad}': row 2 of {bad} is not a form data=chat reads (its columns: text;" in err
     latin = tmp_path / "latin1.jsonl"
     latin.write_bytes(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode() + b"\n" +
                       '{"messages": [{"role": "user", "content": "café"}]}'.encode("latin-1") + b"\n")
