@@ -6,6 +6,7 @@ every process it started (and its containers or TrainJob) gone."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -15,7 +16,9 @@ import sys
 import time
 from typing import Any
 
-from trainjob.run_files import RunDir, read_metrics, read_summary, write_event
+from trainjob.run_files import read_metrics, read_summary, write_event
+
+PR_SET_PDEATHSIG = 1
 
 
 def cpu_shares(n_jobs: int) -> list[set[int]]:
@@ -71,11 +74,17 @@ class TrialProcess:
         if self.cpus is not None:
             env.setdefault("OMP_NUM_THREADS", str(len(self.cpus)))
         cpus = self.cpus
+
+        def in_child() -> None:  # before exec: its CPUs, and its end with the sweep's (killed outright too)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if sys.platform == "linux":
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "trainer", *self.overrides], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=in_child)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -137,9 +146,6 @@ class TrialProcess:
         except OSError:
             lines = []
         return lines[-1] if lines else f"no output (see {self.log})"
-
-    def is_run(self) -> bool:
-        return RunDir.of(self.metrics_dir).is_run()
 
 
 def wait_any(trials: list[TrialProcess], poll_s: float) -> None:
