@@ -20,11 +20,20 @@ from trainjob.run_files import read_events, read_metrics, read_summary
 
 pytestmark = pytest.mark.slow  # each trial trains (tiny runs) in a process of its own
 
-EVERY = 10
+EVERY = 20
 SWEEP = [
-    *TINY, "train.max_steps=150", f"train.eval_every={EVERY}", "train.eval_batches=1", "train.log_every=5",
-    "train.checkpoint_every=1000", "hydra/sweeper=optuna", "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=median",
-    "hydra.sweeper.pruner_startup_trials=2", "hydra.sweeper.seed=1", "optim.lr=tag(log, interval(1e-7, 1e-2))",
+    *TINY,
+    "train.max_steps=150",
+    f"train.eval_every={EVERY}",
+    "train.eval_batches=1",
+    "train.log_every=5",
+    "train.checkpoint_every=1000",
+    "hydra/sweeper=optuna",
+    "hydra.sweeper.n_jobs=2",
+    "hydra.sweeper.pruner=median",
+    "hydra.sweeper.pruner_startup_trials=2",
+    "hydra.sweeper.seed=1",
+    "optim.lr=tag(log, interval(1e-7, 1e-2))",
 ]
 
 
@@ -57,8 +66,16 @@ def study(tmp_path_factory, cache_dir):
     most, done = [0], threading.Event()
     watcher = threading.Thread(target=_trial_cpus, args=(sweep, seen, most, done), daemon=True)
     watcher.start()
-    proc = cli(cache_dir, tmp, "-m", *SWEEP, "hydra.sweeper.n_trials=4", f"hydra.sweeper.storage={storage}",
-               f"hydra.sweep.dir={sweep}", timeout=400)
+    proc = cli(
+        cache_dir,
+        tmp,
+        "-m",
+        *SWEEP,
+        "hydra.sweeper.n_trials=4",
+        f"hydra.sweeper.storage={storage}",
+        f"hydra.sweep.dir={sweep}",
+        timeout=400,
+    )
     done.set()
     watcher.join()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,7 +119,8 @@ def test_the_median_pruner_stops_lagging_trials_and_the_sweep_exits_0(study):
         assert f"trial {t.number}: pruned at step {event['at_step']}" in proc.stdout
     # Every reported value is an eval loss of its run's metrics, at its step.
     for t in trials:
-        evals = {r["step"]: r["eval_loss"] for r in read_metrics(os.path.join(sweep, str(t.number))) if "eval_loss" in r}
+        records = read_metrics(os.path.join(sweep, str(t.number)))
+        evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
         assert t.intermediate_values and all(evals[s] == v for s, v in t.intermediate_values.items())
 
 
@@ -123,8 +141,16 @@ def test_the_report_shows_each_pruned_trial_and_its_step(study, tmp_path):
 def test_the_same_command_goes_on_with_the_stored_study(study, cache_dir, tmp_path):
     sweep, storage, _, _, _ = study
     before = [(t.number, t.params, t.state.name) for t in _trials(storage)]
-    again = cli(cache_dir, tmp_path, "-m", *SWEEP, "hydra.sweeper.n_trials=5", f"hydra.sweeper.storage={storage}",
-                f"hydra.sweep.dir={sweep}", timeout=300)
+    again = cli(
+        cache_dir,
+        tmp_path,
+        "-m",
+        *SWEEP,
+        "hydra.sweeper.n_trials=5",
+        f"hydra.sweeper.storage={storage}",
+        f"hydra.sweep.dir={sweep}",
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "study trainjob: 4 of 5 trials done; running 1" in again.stdout
     after = _trials(storage)
@@ -136,8 +162,18 @@ def test_the_same_command_goes_on_with_the_stored_study(study, cache_dir, tmp_pa
 @pytest.mark.timeout(600)
 def test_a_trial_running_when_its_sweep_was_killed_is_failed_and_asked_again(cache_dir, tmp_path):
     storage, sweep = f"sqlite:///{tmp_path / 'killed.db'}", str(tmp_path / "sweep")
-    args = [sys.executable, "-m", "trainer", "-m", *SWEEP, "hydra.sweeper.n_jobs=1", "hydra.sweeper.pruner=none",
-            "hydra.sweeper.n_trials=1", f"hydra.sweeper.storage={storage}", f"hydra.sweep.dir={sweep}"]
+    args = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "-m",
+        *SWEEP,
+        "hydra.sweeper.n_jobs=1",
+        "hydra.sweeper.pruner=none",
+        "hydra.sweeper.n_trials=1",
+        f"hydra.sweeper.storage={storage}",
+        f"hydra.sweep.dir={sweep}",
+    ]
     env = {**os.environ, "TRAINJOB_CACHE": cache_dir}
     first = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -155,23 +191,29 @@ def test_a_trial_running_when_its_sweep_was_killed_is_failed_and_asked_again(cac
     assert read_summary(os.path.join(sweep, "1"))["steps"] == 150
 
 
-REFUSED = {
-    "hydra.sweeper.metric=eval_los": "hydra.sweeper.metric='eval_los': eval_los is not a metric of metrics.jsonl",
-    "hydra.sweeper.direction=[minimize,maximize] hydra.sweeper.metric=[eval_loss,tokens_per_s]":
+REFUSED = [  # (the bad settings, the start of the one line that refuses them)
+    ("hydra.sweeper.metric=eval_los", "hydra.sweeper.metric='eval_los': eval_los is not a metric of metrics.jsonl"),
+    (
+        "hydra.sweeper.direction=[minimize,maximize] hydra.sweeper.metric=[eval_loss,tokens_per_s]",
         "hydra.sweeper.pruner='median': Optuna cannot prune a study of 2 objectives",
-    "hydra.sweeper.n_jobs=0": "hydra.sweeper.n_jobs=0: a whole number >= 1",
-    "hydra.sweeper.storage=sqlite:////nonexistent/dir/study.db":
+    ),
+    ("hydra.sweeper.n_jobs=0", "hydra.sweeper.n_jobs=0: a whole number >= 1"),
+    (
+        "hydra.sweeper.storage=sqlite:////nonexistent/dir/study.db",
         "hydra.sweeper.storage='sqlite:////nonexistent/dir/study.db': cannot open the study's database: ",
-    "hydra.sweeper.sampler=grid": "hydra.sweeper.sampler='grid': optim.lr is an interval; a grid takes choice(...)",
-    "launcher.wait=false": "launcher.wait=False: a sweep reads each trial's metrics as it runs",
-}
+    ),
+    ("hydra.sweeper.sampler=grid", "hydra.sweeper.sampler='grid': optim.lr is an interval; a grid takes choice(...)"),
+    ("launcher.wait=false", "launcher.wait=False: a sweep reads each trial's metrics as it runs"),
+]
 
 
 @pytest.mark.timeout(300)
 def test_bad_sweep_settings_are_one_line_and_exit_2_before_any_trial(run_cli_batch, tmp_path):
-    runs = [(["-m", *SWEEP, *bad.split(), f"hydra.sweep.dir={tmp_path / str(i)}"], str(tmp_path))
-            for i, bad in enumerate(REFUSED)]
-    for (bad, expected), proc, i in zip(REFUSED.items(), run_cli_batch(runs), range(len(REFUSED)), strict=True):
+    runs = [
+        (["-m", *SWEEP, *bad.split(), f"hydra.sweep.dir={tmp_path / str(i)}"], str(tmp_path))
+        for i, (bad, _) in enumerate(REFUSED)
+    ]
+    for i, ((bad, expected), proc) in enumerate(zip(REFUSED, run_cli_batch(runs), strict=True)):
         assert proc.returncode == 2, (bad, proc.stderr[-2000:])
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: invalid config: {expected}"), (bad, lines)

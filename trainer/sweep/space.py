@@ -30,8 +30,11 @@ class Space:
             elif isinstance(dist, IntDistribution) and not dist.log:
                 grid[key] = list(range(dist.low, dist.high + 1, dist.step))
             else:
-                raise ConfigError("hydra.sweeper.sampler", "grid",
-                                  f"{key} is an interval; a grid takes choice(...) or range(...) of each key")
+                raise ConfigError(
+                    "hydra.sweeper.sampler",
+                    "grid",
+                    f"{key} is an interval; a grid takes choice(...) or range(...) of each key",
+                )
         return grid
 
 
@@ -45,8 +48,11 @@ def _distribution(key: str, override) -> Any:
     if override.is_interval_sweep():
         low, high = float(value.start), float(value.end)
         if not low < high or (log and low <= 0):
-            raise ConfigError(key, override.get_value_element_as_str(),
-                              f"an interval needs start < end{' and start > 0 on a log scale' if log else ''}")
+            raise ConfigError(
+                key,
+                override.get_value_element_as_str(),
+                f"an interval needs start < end{' and start > 0 on a log scale' if log else ''}",
+            )
         return FloatDistribution(low, high, log=log)
     if getattr(value, "shuffle", False):
         raise ConfigError(key, override.get_value_element_as_str(), "shuffle(...) means nothing to Optuna")

@@ -35,8 +35,9 @@ def _pruner(s: Settings) -> Any:
     import optuna
 
     if s.pruner == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=s.pruner_startup_trials,
-                                           n_warmup_steps=s.pruner_warmup_steps)
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=s.pruner_startup_trials, n_warmup_steps=s.pruner_warmup_steps
+        )
     if s.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner()
     if s.pruner == "successive_halving":
@@ -64,14 +65,23 @@ def open_study(s: Settings, space: Space) -> Any:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler, pruner, storage = _sampler(s, space), _pruner(s), _storage(s.storage)
     try:
-        study = optuna.create_study(storage=storage, sampler=sampler, pruner=pruner, study_name=s.study_name,
-                                    directions=list(s.directions), load_if_exists=True)
+        study = optuna.create_study(
+            storage=storage,
+            sampler=sampler,
+            pruner=pruner,
+            study_name=s.study_name,
+            directions=list(s.directions),
+            load_if_exists=True,
+        )
     except ValueError as e:
         raise ConfigError("hydra.sweeper.storage", s.storage, f"study {s.study_name}: {e}") from None
     if list(study.directions) != [optuna.study.StudyDirection[d.upper()] for d in s.directions]:
         held = ", ".join(d.name.lower() for d in study.directions)
-        raise ConfigError("hydra.sweeper.direction", list(s.directions),
-                          f"study {s.study_name} in {s.storage} optimises {held}; give the same, or another study_name")
+        raise ConfigError(
+            "hydra.sweeper.direction",
+            list(s.directions),
+            f"study {s.study_name} in {s.storage} optimises {held}; give the same, or another study_name",
+        )
     return study
 
 
@@ -87,8 +97,11 @@ def requeue_abandoned(study: Any) -> list[int]:
     """Trials a killed sweep left running: each marked failed, and its point asked again first."""
     from optuna.trial import TrialState
 
-    abandoned = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                 if not _alive(str(t.user_attrs.get("sweeper", "")))]
+    abandoned = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if not _alive(str(t.user_attrs.get("sweeper", "")))
+    ]
     for t in abandoned:
         study.tell(t.number, state=TrialState.FAIL)
         study.enqueue_trial(t.params, user_attrs={"asked_again_for": t.number})

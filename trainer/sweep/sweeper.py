@@ -80,8 +80,11 @@ class OptunaSweeper(Sweeper):
     def _trial_overrides(self) -> list[str]:
         """The command's Hydra overrides each trial gets too (not the sweep's own)."""
         hydra_overrides = OmegaConf.to_container(self.config.hydra.overrides.hydra)
-        return [o for o in hydra_overrides if not o.lstrip("+~").startswith(("hydra.sweep", "hydra/sweeper",
-                                                                               "hydra.run", "hydra.mode"))]
+        return [
+            o
+            for o in hydra_overrides
+            if not o.lstrip("+~").startswith(("hydra.sweep", "hydra/sweeper", "hydra.run", "hydra.mode"))
+        ]
 
 
 class _Run:
@@ -103,8 +106,11 @@ class _Run:
 
     def go(self) -> list[dict]:
         left = self._left()
-        print(f"study {self.study.study_name}: {self.s.n_trials - left} of {self.s.n_trials} trials done; "
-              f"running {max(left, 0)} ({self.s.n_jobs} at once) in {self.sweep_dir}", flush=True)
+        print(
+            f"study {self.study.study_name}: {self.s.n_trials - left} of {self.s.n_trials} trials done; "
+            f"running {max(left, 0)} ({self.s.n_jobs} at once) in {self.sweep_dir}",
+            flush=True,
+        )
         try:
             while True:
                 while self.failed is None and self.free and self._left() > 0:
@@ -130,8 +136,9 @@ class _Run:
         trial.set_user_attr("sweeper", f"{socket.gethostname()}:{os.getpid()}")
         params = [as_override(k, v) for k, v in trial.params.items()]
         share = self.free.pop(0)
-        process = TrialProcess(trial.number, [*self.space.fixed, *params, *self.hydra_overrides], self.sweep_dir,
-                               self.launcher, share)
+        process = TrialProcess(
+            trial.number, [*self.space.fixed, *params, *self.hydra_overrides], self.sweep_dir, self.launcher, share
+        )
         trial.set_user_attr("run_dir", process.metrics_dir)
         process.start()
         print(f"trial {trial.number}: {' '.join(params) or '(no parameters)'}", flush=True)
@@ -141,34 +148,43 @@ class _Run:
         """Report the trial's new values; prune it, or tell the study how it ended."""
         from optuna.trial import TrialState
 
-        trial, process, share = self.running[number]
+        trial, process, _ = self.running[number]
         if not self.s.multi_objective and self.s.pruner != "none":
-            for step, value in process.new_values(self.s.metrics[0]):
+            values = process.new_values(self.s.metrics[0])
+            for step, value in values:
                 trial.report(value, step)
-                if trial.should_prune():
-                    process.prune(step, self.s.metrics[0], value)
-                    self._end(number, TrialState.PRUNED, f"pruned at step {step} ({self.s.metrics[0]} {value:.4f})")
-                    return
+            if values and trial.should_prune():  # at the newest step: where the run is now
+                step, value = values[-1]
+                process.prune(step, self.s.metrics[0], value)
+                self._end(number, TrialState.PRUNED, f"pruned at step {step} ({self.s.metrics[0]} {value:.4f})")
+                return
         code = process.poll()
         if code is None:
             return
         if code != 0:
-            self.failed = self.failed or (2 if code == 2 else 1, f"trial {number} ({process.run_dir}): "
-                                          f"{process.error_line()}")
+            self.failed = self.failed or (
+                2 if code == 2 else 1,
+                f"trial {number} ({process.run_dir}): {process.error_line()}",
+            )
             self._end(number, TrialState.FAIL, f"failed with exit code {code}: {process.error_line()}")
             return
         values = [process.final(m) for m in self.s.metrics]
         if any(v is None for v in values):
             self._end(number, TrialState.FAIL, f"no {', '.join(self.s.metrics)} in {process.metrics_dir}")
             return
-        self._end(number, TrialState.COMPLETE,
-                  ", ".join(f"{m} {v:.4f}" for m, v in zip(self.s.metrics, values, strict=True))
-                  + f" after {process.steps()} steps", values)
+        self._end(
+            number,
+            TrialState.COMPLETE,
+            ", ".join(f"{m} {v:.4f}" for m, v in zip(self.s.metrics, values, strict=True))
+            + f" after {process.steps()} steps",
+            values,
+        )
 
     def _end(self, number: int, state, line: str, values: list[float] | None = None) -> None:
         trial, process, share = self.running.pop(number)
         self.study.tell(trial, values if state.name == "COMPLETE" else None, state=state)
         self.free.append(share)
-        self.results.append({"trial": number, "state": state.name.lower(), "values": values,
-                             "run_dir": process.metrics_dir})
+        self.results.append(
+            {"trial": number, "state": state.name.lower(), "values": values, "run_dir": process.metrics_dir}
+        )
         print(f"trial {number}: {line}", flush=True)

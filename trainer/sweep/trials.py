@@ -6,6 +6,7 @@ every process it started (and its containers or TrainJob) gone."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -26,7 +27,7 @@ def cpu_shares(n_jobs: int) -> list[set[int]]:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < n_jobs:
         return [set(cpus)] * n_jobs
-    return [set(cpus[i * len(cpus) // n_jobs:(i + 1) * len(cpus) // n_jobs]) for i in range(n_jobs)]
+    return [set(cpus[i * len(cpus) // n_jobs : (i + 1) * len(cpus) // n_jobs]) for i in range(n_jobs)]
 
 
 def job_name(sweep_dir: str, number: int) -> str:
@@ -83,16 +84,25 @@ class TrialProcess:
 
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer", *self.overrides], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=in_child)
+                [sys.executable, "-m", "trainer", *self.overrides],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=in_child,
+            )
 
     def poll(self) -> int | None:
         return self.proc.poll()
 
     def new_values(self, metric: str) -> list[tuple[int, float]]:
         """(step, value) of `metric` on the lines written since the last call."""
-        values = [(int(r["step"]), float(r[metric])) for r in read_metrics(self.metrics_dir)
-                  if metric in r and "step" in r and int(r["step"]) > self.reported]
+        values = [
+            (int(r["step"]), float(r[metric]))
+            for r in read_metrics(self.metrics_dir)
+            if metric in r and "step" in r and int(r["step"]) > self.reported
+        ]
         if values:
             self.reported = values[-1][0]
         return values
@@ -119,18 +129,19 @@ class TrialProcess:
         if self.proc is None or self.proc.poll() is not None:
             return
         for pid in _descendants(self.proc.pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
         if self.launcher["name"] in ("docker", "kubernetes"):
             self._delete_job()
 
     def _delete_job(self) -> None:
         """The trial's job on its launcher (Docker's containers, the TrainJob), found by its run directory."""
-        options = [f"--{k}={self.launcher[k]}" for k in ("namespace", "kubeconfig", "context")
-                   if self.launcher["name"] == "kubernetes" and self.launcher.get(k)]
+        options = [
+            f"--{k}={self.launcher[k]}"
+            for k in ("namespace", "kubeconfig", "context")
+            if self.launcher["name"] == "kubernetes" and self.launcher.get(k)
+        ]
         base = [sys.executable, "-m", "launchers", f"--launcher={self.launcher['name']}", *options]
         listed = subprocess.run([*base, "list", "--json"], capture_output=True, text=True, timeout=120)
         for line in listed.stdout.splitlines():
