@@ -60,11 +60,12 @@ class TrialProcess:
         self.number, self.cpus, self.launcher = number, cpus, launcher
         self.run_dir = os.path.abspath(os.path.join(sweep_dir, str(number)))
         self.overrides = [*overrides, f"hydra.run.dir={self.run_dir}"]
-        self.metrics_dir = self.run_dir
+        self.metrics_dir, self.job_name = self.run_dir, None
         if launcher["name"] == "kubernetes":
-            name = job_name(sweep_dir, number)
-            self.overrides.append(f"launcher.job_name={name}")
-            self.metrics_dir = os.path.abspath(os.path.join(os.path.expanduser(launcher["local_run_root"]), name))
+            self.job_name = job_name(sweep_dir, number)
+            self.overrides.append(f"launcher.job_name={self.job_name}")
+            root = os.path.expanduser(launcher["local_run_root"])
+            self.metrics_dir = os.path.abspath(os.path.join(root, self.job_name))
         self.log = os.path.join(sweep_dir, "trial-logs", f"{number}.log")
         self.proc: subprocess.Popen | None = None
         self.reported = -1  # the last step whose value the study has
@@ -136,18 +137,21 @@ class TrialProcess:
             self._delete_job()
 
     def _delete_job(self) -> None:
-        """The trial's job on its launcher (Docker's containers, the TrainJob), found by its run directory."""
+        """The trial's job on its launcher: the TrainJob by the name it was given, Docker's containers found by
+        their run directory."""
         options = [
             f"--{k}={self.launcher[k]}"
             for k in ("namespace", "kubeconfig", "context")
             if self.launcher["name"] == "kubernetes" and self.launcher.get(k)
         ]
         base = [sys.executable, "-m", "launchers", f"--launcher={self.launcher['name']}", *options]
-        listed = subprocess.run([*base, "list", "--json"], capture_output=True, text=True, timeout=120)
-        for line in listed.stdout.splitlines():
-            job = json.loads(line)
-            if job.get("run_dir") and os.path.abspath(job["run_dir"]) == self.metrics_dir:
-                subprocess.run([*base, "delete", job["name"]], capture_output=True, timeout=300)
+        names = [self.job_name] if self.job_name else []
+        if not names:
+            listed = subprocess.run([*base, "list", "--json"], capture_output=True, text=True, timeout=120)
+            jobs = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
+            names = [j["name"] for j in jobs if j.get("run_dir") and os.path.abspath(j["run_dir"]) == self.run_dir]
+        for name in names:
+            subprocess.run([*base, "delete", name], capture_output=True, timeout=300)
 
     def error_line(self) -> str:
         """The last line the trial's driver printed (its error), or where its log is."""
