@@ -337,14 +337,14 @@ def test_optuna_sweep_reads_each_trainjobs_metrics_on_the_shared_storage_and_del
     def train(name: str, lr: float) -> None:
         run = shared / name
         os.makedirs(run, exist_ok=True)
-        for step in range(10, 101, 10):
+        for step in range(10, 301, 10):
             if ("trainjobs", "default", name) not in server.objects:
                 return  # deleted: its pods are gone
-            loss = 5.0 - step / 100 * (math.log10(lr) + 8) / 3
+            loss = 5.0 - step / 300 * (math.log10(lr) + 8) / 3
             with open(run / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss, "eval_loss": loss}) + "\n")
             time.sleep(0.3)
-        (run / "summary.json").write_text(json.dumps({"final_eval_loss": loss, "steps": 100}))
+        (run / "summary.json").write_text(json.dumps({"final_eval_loss": loss, "steps": 300}))
         server.set_conditions("default", name, Complete="True")
 
     def cluster_runs(trainjob):
@@ -369,7 +369,7 @@ def test_optuna_sweep_reads_each_trainjobs_metrics_on_the_shared_storage_and_del
         assert conditions[0]["type"] == "Complete"
     assert ("trainjobs", "default", names[2]) not in server.objects
     (event,) = [json.loads(line) for line in (shared / names[2] / "events.jsonl").read_text().splitlines()]
-    assert event["event"] == "pruned" and event["at_step"] < 100
+    assert event["event"] == "pruned" and event["at_step"] < 300
     assert f"trial 2: pruned at step {event['at_step']}" in proc.stdout
     assert not (shared / names[2] / "summary.json").exists()
 
