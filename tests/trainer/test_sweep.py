@@ -13,6 +13,7 @@ import time
 
 import optuna
 import pytest
+import yaml
 
 from tests.conftest import TINY, cli
 from trainer.observability import report
@@ -219,3 +220,47 @@ def test_bad_sweep_settings_are_one_line_and_exit_2_before_any_trial(run_cli_bat
         assert len(lines) == 1 and lines[0].startswith(f"error: invalid config: {expected}"), (bad, lines)
         made = tmp_path / str(i)
         assert not made.exists() or not any(p.isdigit() for p in os.listdir(made)), bad  # no trial started
+
+
+@pytest.mark.timeout(300)
+def test_several_objectives_give_the_pareto_front(run_cli, tmp_path):
+    sweep = tmp_path / "pareto"
+    proc = run_cli(
+        "-m",
+        *TINY,
+        "train.max_steps=4",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.seed=0",
+        "hydra.sweeper.direction=[minimize,maximize]",
+        "hydra.sweeper.metric=[eval_loss,tokens_per_s]",
+        "optim.lr=tag(log, interval(1e-4, 1e-2))",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(sweep / "optimization_results.yaml") as f:
+        solutions = yaml.safe_load(f)["solutions"]
+    runs = {str(n): read_metrics(str(sweep / str(n))) for n in range(2)}
+    points = {(r[-1]["eval_loss"], r[-1]["tokens_per_s"]) for r in runs.values()}
+    assert solutions and all(tuple(s["values"]) in points for s in solutions)
+
+
+@pytest.mark.timeout(300)
+def test_a_trial_whose_config_is_refused_ends_the_sweep_with_exit_2(run_cli, tmp_path):
+    sweep = tmp_path / "refused"
+    proc = run_cli(
+        "-m",
+        *TINY,
+        "train.max_steps=2",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.sampler=grid",
+        "hydra.sweeper.n_trials=2",
+        "train.global_batch_size=choice(8,0)",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: trial ") and "train.global_batch_size=0" in line, line
