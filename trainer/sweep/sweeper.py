@@ -23,6 +23,7 @@ from trainer.sweep import settings as sweep_settings
 from trainer.sweep.space import Space, as_override, parse
 from trainer.sweep.study import open_study, requeue_abandoned, write_results
 from trainer.sweep.trials import TrialProcess, cpu_shares, wait_any
+from trainjob.run_files import RunDir
 
 log = logging.getLogger("trainer.sweep")
 POLL_S = 0.5
@@ -169,8 +170,10 @@ class _Run:
             self._end(number, TrialState.FAIL, f"failed with exit code {code}: {process.error_line()}")
             return
         values = [process.final(m) for m in self.s.metrics]
-        if any(v is None for v in values):
-            self._end(number, TrialState.FAIL, f"no {', '.join(self.s.metrics)} in {process.metrics_dir}")
+        if any(v is None for v in values):  # the recipe logs no such metric: every trial would end so
+            line = f"no {', '.join(self.s.metrics)} in {RunDir.of(process.metrics_dir).metrics}"
+            self.failed = self.failed or (1, f"trial {number}: {line} (hydra.sweeper.metric)")
+            self._end(number, TrialState.FAIL, line)
             return
         self._end(
             number,
