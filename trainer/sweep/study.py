@@ -20,7 +20,12 @@ def _sampler(s: Settings, space: Space) -> Any:
     import optuna
 
     if s.sampler == "grid":
-        return optuna.samplers.GridSampler(space.grid(), seed=s.seed)
+
+        class Grid(optuna.samplers.GridSampler):
+            def after_trial(self, *args: Any) -> None:
+                """Nothing: the grid's own end (`study.stop()`) is for `optimize()`; a sweep ends at n_trials."""
+
+        return Grid(space.grid(), seed=s.seed)
     if s.sampler == "cmaes":
         try:
             import cmaes  # noqa: F401  (what Optuna's CMA-ES sampler runs on)
