@@ -264,3 +264,25 @@ def test_a_trial_whose_config_is_refused_ends_the_sweep_with_exit_2(run_cli, tmp
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: trial ") and "train.global_batch_size=0" in line, line
+
+
+@pytest.mark.timeout(300)
+def test_a_grid_runs_each_point_once(run_cli, tmp_path):
+    sweep = tmp_path / "grid"
+    proc = run_cli(
+        "-m",
+        *TINY,
+        "train.max_steps=2",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.sampler=grid",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        "optim.lr=choice(1e-3,1e-2)",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lrs = set()
+    for n in range(2):
+        with open(sweep / str(n) / "config.yaml") as f:
+            lrs.add(yaml.safe_load(f)["optim"]["lr"])
+    assert lrs == {1e-3, 1e-2}
