@@ -75,11 +75,22 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--n-jobs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"which to run, of: {','.join(WAYS)}")
+    parser.add_argument("--grid-best", type=float, help="the grid's best eval loss of an earlier run: the grid not run")
+    parser.add_argument("--grid-steps", type=int, default=None, help="with --grid-best: the grid's steps")
     parser.add_argument("overrides", nargs="*", help="more overrides for every trial (e.g. train.global_batch_size=8)")
     args = parser.parse_args()
-    results = {}
+    results, ways = {}, {w: e for w, e in WAYS.items() if w in args.ways.split(",")}
+    if args.grid_best is not None:  # a grid trains every point to the end: its steps are 16 x --steps
+        results["grid"] = {
+            "best": args.grid_best,
+            "steps": args.grid_steps or 16 * args.steps,
+            "pruned": 0,
+            "wall": float("nan"),
+        }
+        ways.pop("grid", None)
     with tempfile.TemporaryDirectory() as root:
-        for i, (way, extra) in enumerate(WAYS.items()):
+        for i, (way, extra) in enumerate(ways.items()):
             results[way] = run_way(extra, args, os.path.join(root, str(i)))
             print(f"{way}: {results[way]}", file=sys.stderr, flush=True)
     grid = results["grid"]
