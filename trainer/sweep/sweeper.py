@@ -154,7 +154,9 @@ class _Run:
             values = process.new_values(self.s.metrics[0])
             for step, value in values:
                 trial.report(value, step)
-            if values and trial.should_prune():  # at the newest step: where the run is now
+            # At the newest step (where the run is now), and not at its last: a run that has trained to the end
+            # ends complete.
+            if values and values[-1][0] != process.max_steps() and trial.should_prune():
                 step, value = values[-1]
                 process.prune(step, self.s.metrics[0], value)
                 self._end(number, TrialState.PRUNED, f"pruned at step {step} ({self.s.metrics[0]} {value:.4f})")

@@ -17,7 +17,9 @@ import sys
 import time
 from typing import Any
 
-from trainjob.run_files import read_metrics, read_summary, write_event
+import yaml
+
+from trainjob.run_files import RunDir, read_metrics, read_summary, write_event
 
 PR_SET_PDEATHSIG = 1
 
@@ -69,6 +71,7 @@ class TrialProcess:
         self.log = os.path.join(sweep_dir, "trial-logs", f"{number}.log")
         self.proc: subprocess.Popen | None = None
         self.reported = -1  # the last step whose value the study has
+        self._max_steps: int | None = None
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log), exist_ok=True)
@@ -107,6 +110,16 @@ class TrialProcess:
         if values:
             self.reported = values[-1][0]
         return values
+
+    def max_steps(self) -> int | None:
+        """train.max_steps of the config.yaml the trial's driver saved (None until it is saved)."""
+        if self._max_steps is None:
+            with (
+                contextlib.suppress(OSError, yaml.YAMLError, KeyError, TypeError),
+                open(RunDir.of(self.run_dir).config) as f,
+            ):
+                self._max_steps = int(yaml.safe_load(f)["train"]["max_steps"])
+        return self._max_steps
 
     def final(self, metric: str) -> float | None:
         """The run's last value of `metric` (eval_loss: the summary's final eval loss)."""
