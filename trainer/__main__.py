@@ -33,6 +33,7 @@ from trainer.errors import UserCodeError
 from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
 from trainer.run_dir import Claim, claim, let_go, node_running, remove_if_new
+from trainer.sweep.sweeper import register as register_sweeper
 from trainjob.env import (
     CACHE_ENDPOINTS_ENV,
     CACHE_EVAL_ENDPOINTS_ENV,
@@ -48,6 +49,7 @@ log = logging.getLogger("trainer")
 _job_started = False
 
 register()
+register_sweeper()  # hydra/sweeper=optuna
 
 
 # Keys of the runtime section that differ by node by design (each node's own): not in config.yaml, so not in

@@ -8,11 +8,15 @@ double on loopback that validates what it receives against the same CRD schemas.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import socket
+import threading
+import time
 
 import pytest
 import yaml
@@ -318,6 +322,56 @@ def test_sweep_submits_one_trainjob_per_point_and_waits_for_their_losses(run_cli
         pod = server.objects[("trainjobs", "default", name)]["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]
         volumes = pod["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"]
         assert {"name": "trainjob-runs", "persistentVolumeClaim": {"claimName": "runs"}} in volumes
+
+
+def test_optuna_sweep_reads_each_trainjobs_metrics_on_the_shared_storage_and_deletes_a_pruned_one(
+    run_cli, tmp_path, apiserver
+):
+    """hydra/sweeper=optuna on Kubernetes: two TrainJobs at once; the API double plays the cluster, each job
+    writing an eval line every 0.3 s to the shared storage (a larger lr, a lower loss) until it is deleted.
+    With seed 1 the third trial's lr is 1e-7: the median pruner stops it, and the sweeper
+    deletes its TrainJob through the kubernetes client (`python -m launchers delete`)."""
+    server, kubeconfig = apiserver
+    shared = tmp_path / "shared-runs"
+
+    def train(name: str, lr: float) -> None:
+        run = shared / name
+        os.makedirs(run, exist_ok=True)
+        for step in range(10, 301, 10):
+            if ("trainjobs", "default", name) not in server.objects:
+                return  # deleted: its pods are gone
+            loss = 5.0 - step / 300 * (math.log10(lr) + 8) / 3
+            with open(run / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "eval_loss": loss}) + "\n")
+            time.sleep(0.3)
+        (run / "summary.json").write_text(json.dumps({"final_eval_loss": loss, "steps": 300}))
+        server.set_conditions("default", name, Complete="True")
+
+    def cluster_runs(trainjob):
+        name = trainjob["metadata"]["name"]
+        config_map = server.objects[("configmaps", "default", f"{name}-config")]
+        lr = yaml.safe_load(config_map["data"]["config.yaml"])["optim"]["lr"]
+        threading.Thread(target=train, args=(name, lr), daemon=True).start()
+
+    server.on_trainjob = cluster_runs
+    proc = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "hydra.sweeper.seed=1",
+        "hydra.sweeper.pruner=median", "hydra.sweeper.pruner_startup_trials=2",
+        "optim.lr=tag(log, interval(1e-7, 1e-2))", "launcher=kubernetes", "+runtime=torch-distributed",
+        f"launcher.kubeconfig={kubeconfig}", "launcher.wait=true", "launcher.run_claim=runs",
+        f"launcher.local_run_root={shared}", "launcher.poll_seconds=0.05", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = [f"tj-sweep-{hashlib.sha256(str(tmp_path / 'sweep').encode()).hexdigest()[:8]}-{n}" for n in range(3)]
+    for name in names[:2]:
+        conditions = server.objects[("trainjobs", "default", name)]["status"]["conditions"]
+        assert conditions[0]["type"] == "Complete"
+    assert ("trainjobs", "default", names[2]) not in server.objects
+    (event,) = [json.loads(line) for line in (shared / names[2] / "events.jsonl").read_text().splitlines()]
+    assert event["event"] == "pruned" and event["at_step"] < 300
+    assert f"trial 2: pruned at step {event['at_step']}" in proc.stdout
+    assert not (shared / names[2] / "summary.json").exists()
 
 
 def _with_token(run):

@@ -109,12 +109,20 @@ def _summary(run_dir: str) -> dict[str, Any]:
     return summary or {}
 
 
+def pruned_at(run_dir: str) -> int | None:
+    """The step at which a sweep's pruner stopped the run (its `pruned` event), or None."""
+    steps = [e.get("at_step") for e in read_events(run_dir) if e["event"] == "pruned"]
+    return steps[-1] if steps else None
+
+
 def events_text(run_dir: str) -> str:
-    """The run's events counted by kind, in order of first occurrence: '2 reformation, 1 preemption'."""
+    """The run's events counted by kind, in order of first occurrence: '2 reformation, 1 preemption'; a
+    sweep's pruned trial says the step it was stopped at: 'pruned at step 50'."""
     counts: dict[str, int] = {}
     for event in read_events(run_dir):
         counts[str(event["event"])] = counts.get(str(event["event"]), 0) + 1
-    return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "-"
+    return ", ".join(f"pruned at step {pruned_at(run_dir)}" if kind == "pruned" else f"{n} {kind}"
+                     for kind, n in counts.items()) or "-"
 
 
 def row(run_dir: str, label: str, overrides: dict[str, str], records: list[dict]) -> RunRow:
@@ -164,7 +172,9 @@ def collect(paths: list[str]) -> tuple[list[RunRow], list[tuple[str, list[dict]]
         overrides = {k: cfg.get(k, "-") for k in keys}
         rows.append(row(run_dir, label, overrides, records))
         # A run is named in the legend by the values that tell it apart, or by its directory where none differ.
-        curves.append((" ".join(f"{k}={_short(v)}" for k, v in overrides.items()) or label, records))
+        pruned = pruned_at(run_dir)
+        name = " ".join(f"{k}={_short(v)}" for k, v in overrides.items()) or label
+        curves.append((" ".join([name, *([f"(pruned at step {pruned})"] if pruned is not None else [])]), records))
     return rows, curves
 
 

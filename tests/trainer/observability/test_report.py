@@ -34,7 +34,7 @@ def study(tmp_path_factory, cache_dir):
         "hydra/sweeper=optuna",
         "hydra.sweeper.n_trials=4",
         "hydra.sweeper.n_jobs=1",
-        "hydra.sweeper.sampler.seed=0",
+        "hydra.sweeper.seed=0",
         "optim.lr=tag(log,interval(1e-4,1e-2))",
         "lr_schedule.warmup_steps=range(0,4)",
         f"hydra.sweep.dir={sweep}",

@@ -1,0 +1,183 @@
+"""One trial of an Optuna sweep as a process: `python -m trainer <overrides> hydra.run.dir=<sweep>/<n>` with
+the command's launcher, in a process group of its own and on its share of this machine's CPUs; its
+metrics read from the run's metrics.jsonl as the run writes them (on Kubernetes, where
+launcher.local_run_root mounts the pods' run directories); and stopped, when the pruner says so, with
+every process it started (and its containers or TrainJob) gone."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from trainjob.run_files import RunDir, read_metrics, read_summary, write_event
+
+PR_SET_PDEATHSIG = 1
+
+
+def cpu_shares(n_jobs: int) -> list[set[int]]:
+    """The CPUs this process may use, split into `n_jobs` shares (each all of them where there are fewer)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < n_jobs:
+        return [set(cpus)] * n_jobs
+    return [set(cpus[i * len(cpus) // n_jobs : (i + 1) * len(cpus) // n_jobs]) for i in range(n_jobs)]
+
+
+def job_name(sweep_dir: str, number: int) -> str:
+    """A Kubernetes trial's TrainJob name: unique per sweep directory and trial, an RFC 1035 label."""
+    return f"tj-sweep-{hashlib.sha256(os.path.abspath(sweep_dir).encode()).hexdigest()[:8]}-{number}"
+
+
+def _descendants(root: int) -> list[int]:
+    """`root` and every process below it (children in sessions of their own included: torchrun's ranks)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [root], [root]
+    while frontier:
+        children = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+class TrialProcess:
+    """Trial `number`'s driver, started by `start()`."""
+
+    def __init__(self, number: int, overrides: list[str], sweep_dir: str, launcher: Any, cpus: set[int] | None):
+        self.number, self.cpus, self.launcher = number, cpus, launcher
+        self.run_dir = os.path.abspath(os.path.join(sweep_dir, str(number)))
+        self.overrides = [*overrides, f"hydra.run.dir={self.run_dir}"]
+        self.metrics_dir, self.job_name = self.run_dir, None
+        if launcher["name"] == "kubernetes":
+            self.job_name = job_name(sweep_dir, number)
+            self.overrides.append(f"launcher.job_name={self.job_name}")
+            root = os.path.expanduser(launcher["local_run_root"])
+            self.metrics_dir = os.path.abspath(os.path.join(root, self.job_name))
+        self.log = os.path.join(sweep_dir, "trial-logs", f"{number}.log")
+        self.proc: subprocess.Popen | None = None
+        self.reported = -1  # the last step whose value the study has
+        self._max_steps: int | None = None
+
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.log), exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.cpus is not None:
+            env.setdefault("OMP_NUM_THREADS", str(len(self.cpus)))
+        cpus = self.cpus
+
+        def in_child() -> None:  # before exec: its CPUs, and its end with the sweep's (killed outright too)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if sys.platform == "linux":
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer", *self.overrides],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=in_child,
+            )
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def new_values(self, metric: str) -> list[tuple[int, float]]:
+        """(step, value) of `metric` on the lines written since the last call."""
+        values = [
+            (int(r["step"]), float(r[metric]))
+            for r in read_metrics(self.metrics_dir)
+            if metric in r and "step" in r and int(r["step"]) > self.reported
+        ]
+        if values:
+            self.reported = values[-1][0]
+        return values
+
+    def max_steps(self) -> int | None:
+        """train.max_steps of the config.yaml the trial's driver saved (None until it is saved)."""
+        if self._max_steps is None:
+            with (
+                contextlib.suppress(OSError, yaml.YAMLError, KeyError, TypeError),
+                open(RunDir.of(self.run_dir).config) as f,
+            ):
+                self._max_steps = int(yaml.safe_load(f)["train"]["max_steps"])
+        return self._max_steps
+
+    def final(self, metric: str) -> float | None:
+        """The run's last value of `metric` (eval_loss: the summary's final eval loss)."""
+        summary = read_summary(self.metrics_dir) or {}
+        if metric == "eval_loss" and summary.get("final_eval_loss") is not None:
+            return float(summary["final_eval_loss"])
+        values = [float(r[metric]) for r in read_metrics(self.metrics_dir) if metric in r]
+        return values[-1] if values else None
+
+    def steps(self) -> int | None:
+        records = read_metrics(self.metrics_dir)
+        return int(records[-1]["step"]) if records else None
+
+    def prune(self, step: int, metric: str, value: float) -> None:
+        """Stop the trial: its run directory says so (events.jsonl: pruned, at_step), then every process it
+        started is killed (no checkpoint is written) and its containers or TrainJob deleted."""
+        write_event(self.metrics_dir, "pruned", at_step=step, metric=metric, value=value)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for pid in _descendants(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+        if self.launcher["name"] in ("docker", "kubernetes"):
+            self._delete_job()
+
+    def _delete_job(self) -> None:
+        """The trial's job on its launcher: the TrainJob by the name it was given, Docker's containers found by
+        their run directory."""
+        options = [
+            f"--{k}={self.launcher[k]}"
+            for k in ("namespace", "kubeconfig", "context")
+            if self.launcher["name"] == "kubernetes" and self.launcher.get(k)
+        ]
+        base = [sys.executable, "-m", "launchers", f"--launcher={self.launcher['name']}", *options]
+        names = [self.job_name] if self.job_name else []
+        if not names:
+            listed = subprocess.run([*base, "list", "--json"], capture_output=True, text=True, timeout=120)
+            jobs = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
+            names = [j["name"] for j in jobs if j.get("run_dir") and os.path.abspath(j["run_dir"]) == self.run_dir]
+        for name in names:
+            subprocess.run([*base, "delete", name], capture_output=True, timeout=300)
+
+    def error_line(self) -> str:
+        """The last line the trial's driver printed (its error), or where its log is."""
+        try:
+            with open(self.log, errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except OSError:
+            lines = []
+        return lines[-1] if lines else f"no output (see {self.log})"
+
+
+def wait_any(trials: list[TrialProcess], poll_s: float) -> None:
+    """Sleep `poll_s`, or less when a trial ends."""
+    deadline = time.monotonic() + poll_s
+    while time.monotonic() < deadline and all(t.poll() is None for t in trials):
+        time.sleep(0.05)
