@@ -62,8 +62,9 @@ class _HashingStream:
         if not self.raw.closed:
             self.raw.close()
             whole = self.sequential and os.path.getsize(self.path) == self.size
-            self.record(os.path.basename(self.path), *((self.size, self.hash.hexdigest()) if whole
-                                                       else file_hash(self.path)))
+            self.record(
+                os.path.basename(self.path), *((self.size, self.hash.hexdigest()) if whole else file_hash(self.path))
+            )
 
     def __getattr__(self, name):  # tell, flush, fileno, writable, closed: the file's own
         return getattr(self.raw, name)
@@ -145,15 +146,19 @@ def problem(directory: str) -> str | None:
     if not os.path.exists(path):
         if directory not in _noticed:
             _noticed.add(directory)
-            log.warning("checkpoint %s has no %s (written before checkpoints recorded their files): it cannot be "
-                        "verified", directory, MANIFEST)
+            log.warning(
+                "checkpoint %s has no %s (written before checkpoints recorded their files): it cannot be verified",
+                directory,
+                MANIFEST,
+            )
         return None
     try:
         with open(path) as f:
             manifest = json.load(f)
         files = manifest["files"]
-        if manifest.get("hash") != HASH or not all(isinstance(e, dict) and {"size", HASH} <= e.keys()
-                                                    for e in files.values()):
+        if manifest.get("hash") != HASH or not all(
+            isinstance(e, dict) and {"size", HASH} <= e.keys() for e in files.values()
+        ):
             raise ValueError(f"not a {HASH} manifest")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its manifest {MANIFEST} cannot be read ({type(e).__name__}: {e})"

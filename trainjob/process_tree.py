@@ -117,8 +117,11 @@ def end_all(grace_s: float = GRACE_S) -> None:
         if not tree:
             return
         if time.monotonic() > deadline + KILL_WAIT_S:
-            print(f"warning: process {', '.join(map(str, sorted(tree)))} did not end of SIGKILL within "
-                  f"{KILL_WAIT_S:.0f} s", file=sys.stderr)
+            print(
+                f"warning: process {', '.join(map(str, sorted(tree)))} did not end of SIGKILL within "
+                f"{KILL_WAIT_S:.0f} s",
+                file=sys.stderr,
+            )
             return
         if not killed and time.monotonic() >= deadline:
             killed = True

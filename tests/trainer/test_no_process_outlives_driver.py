@@ -17,8 +17,14 @@ import pytest
 from tests.conftest import TINY, read_metrics
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-ARGS = [*TINY, "train.max_steps=400", "train.eval_every=1000", "train.checkpoint_every=1000",
-        "+runtime=torch-distributed", "runtime.nproc_per_node=2"]
+ARGS = [
+    *TINY,
+    "train.max_steps=400",
+    "train.eval_every=1000",
+    "train.checkpoint_every=1000",
+    "+runtime=torch-distributed",
+    "runtime.nproc_per_node=2",
+]
 
 
 def _stat(pid: int) -> tuple[int, str, str] | None:
@@ -44,6 +50,14 @@ def _descendants(root: int) -> set[tuple[int, str]]:
     return found
 
 
+def _rank(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"trainer.worker" in f.read()
+    except OSError:
+        return False
+
+
 def _alive(pid: int, start: str) -> bool:
     s = _stat(pid)
     return s is not None and s[2] == start and s[1] not in "ZX"
@@ -61,8 +75,14 @@ def cpu_hog():
 def _drive(cache_dir, tmp_path, run_dir, *extra: str) -> tuple[subprocess.Popen, set[tuple[int, str]]]:
     """Start the driver; return it, once it has trained a step, with every process seen under it so far."""
     env = {**os.environ, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
-    driver = subprocess.Popen([sys.executable, "-m", "trainer", *ARGS, *extra, f"hydra.run.dir={run_dir}"],
-                              cwd=str(tmp_path), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *ARGS, *extra, f"hydra.run.dir={run_dir}"],
+        cwd=str(tmp_path),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen: set[tuple[int, str]] = set()
     deadline = time.monotonic() + 240
     while driver.poll() is None and time.monotonic() < deadline:
@@ -74,11 +94,10 @@ def _drive(cache_dir, tmp_path, run_dir, *extra: str) -> tuple[subprocess.Popen,
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_to_the_driver_under_a_cpu_hog_leaves_none_of_its_processes(cache_dir, tmp_path, cpu_hog, sig,
-                                                                             code):
+def test_a_signal_to_the_driver_under_a_cpu_hog_leaves_none_of_its_processes(cache_dir, tmp_path, cpu_hog, sig, code):
     run_dir = tmp_path / "run"
     driver, seen = _drive(cache_dir, tmp_path, run_dir)
-    ranks = [p for p, _ in seen if b"trainer.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
+    ranks = [p for p, _ in seen if _rank(p)]
     assert len(seen) >= 4 and len(ranks) >= 2, seen  # supervisor, torchrun's agent, two ranks
     driver.send_signal(sig)
     err = driver.communicate(timeout=120)[1]
@@ -90,7 +109,7 @@ def test_a_signal_to_the_driver_under_a_cpu_hog_leaves_none_of_its_processes(cac
 def test_a_failing_rank_under_a_cpu_hog_leaves_none_of_the_drivers_processes(cache_dir, tmp_path, cpu_hog):
     run_dir = tmp_path / "run"
     driver, seen = _drive(cache_dir, tmp_path, run_dir)
-    rank = next(p for p, _ in seen if b"trainer.worker" in open(f"/proc/{p}/cmdline", "rb").read())
+    rank = next(p for p, _ in seen if _rank(p))
     os.kill(rank, signal.SIGKILL)
     err = driver.communicate(timeout=120)[1]
     assert driver.returncode == 1, err[-3000:]
