@@ -102,8 +102,8 @@ def test_a_signal_to_the_driver_under_a_cpu_hog_leaves_none_of_its_processes(cac
     driver.send_signal(sig)
     err = driver.communicate(timeout=120)[1]
     left = [pid for pid, start in seen if _alive(pid, start)]
-    assert driver.returncode == code, err[-3000:]
     assert left == [], f"still running after the driver's exit: {left}"
+    assert driver.returncode == code, err[-3000:]
 
 
 def test_a_failing_rank_under_a_cpu_hog_leaves_none_of_the_drivers_processes(cache_dir, tmp_path, cpu_hog):
