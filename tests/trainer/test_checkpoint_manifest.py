@@ -15,8 +15,15 @@ from tests.conftest import DIST, TINY, read_metrics, read_summary
 from trainer.checkpoint_files import HASH, MANIFEST, file_hash
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
-ARGS = [*TINY, *DIST, "train.max_steps=8", "train.checkpoint_every=2", "train.keep_latest_k=4",
-        "train.checkpoint_async=true", "train.eval_every=4"]
+ARGS = [
+    *TINY,
+    *DIST,
+    "train.max_steps=8",
+    "train.checkpoint_every=2",
+    "train.keep_latest_k=4",
+    "train.checkpoint_async=true",
+    "train.eval_every=4",
+]
 
 
 def _flip_bytes(path) -> None:
@@ -60,7 +67,7 @@ def test_damaged_checkpoints_are_named_refused_and_passed_over(run_cli, tmp_path
     single = run_cli("verify", str(ckpts / "step-8"), module="trainer.checkpoint")
     assert single.returncode == 1 and single.stdout.splitlines() == [lines[3]]
 
-    for step, what in ((8, f"its file __1_0.distcp does not hold the bytes written"), (6, "its file __0_0.distcp is")):
+    for step, what in ((8, "its file __1_0.distcp does not hold the bytes written"), (6, "its file __0_0.distcp is")):
         before = sorted(os.listdir(tmp_path))
         export = run_cli(str(ckpts / f"step-{step}"), str(tmp_path / "out"), module="trainer.export")
         assert export.returncode == 2 and len(export.stderr.splitlines()) == 1, export.stderr
@@ -78,7 +85,9 @@ def test_damaged_checkpoints_are_named_refused_and_passed_over(run_cli, tmp_path
     summary = read_summary(str(run_dir))
     assert summary["resumed_from"] == str(ckpts / "step-4") and summary["steps_this_run"] == 4
     assert (summary["final_train_loss"], summary["final_eval_loss"]) == (
-        uninterrupted["final_train_loss"], uninterrupted["final_eval_loss"])
+        uninterrupted["final_train_loss"],
+        uninterrupted["final_eval_loss"],
+    )
     assert [m["loss"] for m in read_metrics(str(run_dir))] == losses
     again = run_cli("verify", str(run_dir), module="trainer.checkpoint")
     assert again.returncode == 0 and len(again.stdout.splitlines()) == 4, again.stdout
@@ -102,4 +111,5 @@ def test_a_checkpoint_without_manifest_exports_with_a_notice(run_cli, tmp_path):
 def test_verify_of_a_path_without_checkpoints_exits_2(run_cli, tmp_path):
     proc = run_cli("verify", str(tmp_path), module="trainer.checkpoint")
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        f"error: {tmp_path} is neither a checkpoint nor a run directory with checkpoints")
+        f"error: {tmp_path} is neither a checkpoint nor a run directory with checkpoints"
+    )
