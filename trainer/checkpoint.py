@@ -260,12 +260,13 @@ def _failed(error: BaseException, root: str, step: int) -> NoReturn:
     raise error
 
 
-def _complete(root: str, step: int, keep_latest_k: int) -> str:
-    """Every rank has written its part of checkpoint `step`: rename it whole, keep the newest `keep_latest_k`."""
+def _complete(root: str, step: int, keep_latest_k: int, writer: dcp.FileSystemWriter) -> str:
+    """Every rank has written its part of checkpoint `step` (with `writer`): write its manifest, rename it whole,
+    keep the newest `keep_latest_k`."""
     tmp, final = _paths(root, step)
     dist.barrier()
     if dist.get_rank() == 0:
-        if HASH_FILES:
+        if isinstance(writer, checkpoint_files.HashingWriter):
             checkpoint_files.write_manifest(tmp)  # last, once every rank's files are closed
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -286,7 +287,7 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
         _written(writer, root, step)
     except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
         _failed(e, root, step)
-    return _complete(root, step, keep_latest_k)
+    return _complete(root, step, keep_latest_k, writer)
 
 
 class AsyncSaver:
@@ -331,7 +332,7 @@ class AsyncSaver:
         except BaseException as e:
             log.error("the background write of checkpoint step %d failed: %s", step, e)
             _failed(e, root, step)
-        return _complete(root, step, keep)
+        return _complete(root, step, keep, writer)
 
     def close(self) -> None:
         self.stager.close()

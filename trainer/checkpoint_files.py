@@ -28,6 +28,7 @@ HASH = "xxh3_128"
 CHUNK = 8 << 20
 _PART = ".manifest.rank{}.json"
 _noticed: set[str] = set()
+_verified: dict[str, tuple] = {}  # directory -> its files' state when last found whole (`_state`)
 
 
 def file_hash(path: str) -> tuple[int, str]:
@@ -162,11 +163,27 @@ def problem(directory: str) -> str | None:
             raise ValueError(f"not a {HASH} manifest")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its manifest {MANIFEST} cannot be read ({type(e).__name__}: {e})"
+    state = _state(directory, files)
+    if _verified.get(directory) == state:  # checked whole already by this process, and not changed since
+        return None
     for name, entry in files.items():
         found = _file_problem(directory, name, entry)
         if found:
             return found
+    _verified[directory] = state
     return None
+
+
+def _state(directory: str, files) -> tuple:
+    """What tells whether a checkpoint's files changed since they were verified: their sizes and mtimes."""
+    state = []
+    for name in files:
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            return ()
+        state.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(state)
 
 
 def has_manifest(directory: str) -> bool:
