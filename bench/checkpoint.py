@@ -16,9 +16,10 @@ Each is measured with the checkpoint's manifest (every file's size and XXH3-128 
     python bench/checkpoint.py [--models debug,small] [--modes sync,async] [--saves 4] [--steps 3] [--seq 256]
         [--batch 4] [--rounds 1]
 
-The 1b model's state (weights and AdamW's, 12 GB) on a CPU, synchronous saves only:
+The 1b model's state (its weights, 4 GB; with AdamW's too, 12 GB, it needs 20 GB of memory) on a CPU,
+synchronous saves only:
 
-    python bench/checkpoint.py --models 1b --modes sync --saves 3 --steps 0 --seq 8 --batch 1 --rounds 2
+    python bench/checkpoint.py --models 1b --optim sgd --modes sync --saves 3 --steps 0 --seq 8 --batch 1 --rounds 2
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def measure(name: str, background: bool, hashed: bool, args, device: torch.devic
     checkpoint.HASH_FILES = hashed
     torch.manual_seed(0)
     model = models.build(model_config(name)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True) if args.optim == "adamw" else \
+        torch.optim.SGD(model.parameters(), lr=1e-4)  # no state: the checkpoint holds the model's weights
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), device=device)
     train_steps(model, optimizer, tokens, 1)
     train = SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1, checkpoint_async=background)
@@ -99,6 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="debug,small")
     parser.add_argument("--modes", default="sync,async", help="sync, async or both")
+    parser.add_argument("--optim", default="adamw", choices=("adamw", "sgd"),
+                        help="sgd: no optimizer state, the checkpoint holds the model's weights alone")
     parser.add_argument("--rounds", type=int, default=1, help="measurements of each row, hashing off and on in turn")
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
