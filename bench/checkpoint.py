@@ -11,7 +11,10 @@ each mode is not counted (the staging buffers and the DCP plan are made there).
 Each is measured with the checkpoint's manifest (every file's size and XXH3-128 hash, hashed as it is written:
 `trainer.checkpoint_files`) and without (`trainer.checkpoint.HASH_FILES` off: DCP's own writer, no manifest),
 `--rounds` times in turn, so that the machine's other load falls on both alike; the medians are shown, and
-`hash +%` is what hashing adds to the write (and to the stall) of the same model and mode.
+`hash +%` is what hashing adds to the write (and to the stall) of the same model and mode. A busy disk (fsync)
+makes those differences noisy; `hash s` is the hashing itself, the CPU time XXH3-128 takes over the bytes of
+the checkpoint (read into memory first), which is what hashing while writing adds to a save, and `hash/write`
+that time against the write without hashing.
 
     python bench/checkpoint.py [--models debug,small] [--modes sync,async] [--saves 4] [--steps 3] [--seq 256]
         [--batch 4] [--rounds 1]
@@ -36,6 +39,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import xxhash
 
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 # The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
@@ -92,8 +96,9 @@ def measure(name: str, background: bool, hashed: bool, args, device: torch.devic
         if background and i:
             writes.append(time.perf_counter() - start)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    hashing = hash_seconds(checkpoint.latest(root)) if hashed else 0.0
     return {"model": name, "params": models.num_params(model), "mode": "async" if background else "sync",
-            "hash": hashed, "stall": statistics.median(stalls[1:]), "first": stalls[0],
+            "hash": hashed, "hash_s": hashing, "stall": statistics.median(stalls[1:]), "first": stalls[0],
             "write": statistics.median(writes[1:] or writes), "gb": size / 1e9}
 
 
@@ -131,7 +136,8 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\ncheckpoint stall per save on {where}, {args.steps} steps between saves")
     print(f"{'model':<8}{'params':>14}{'mode':>7}{'hash':>6}{'stall s':>10}{'first s':>10}{'write s':>10}"
-          f"{'ckpt GB':>9}{'stall vs sync':>15}{'hash +% write':>15}{'hash +% stall':>15}")
+          f"{'ckpt GB':>9}{'stall vs sync':>15}{'hash +% write':>15}{'hash +% stall':>15}{'hash s':>9}"
+          f"{'hash/write':>12}")
     sync_stall, plain = {}, {}
     for r in rows:
         sync_stall.setdefault((r["model"], r["hash"]), r["stall"])
@@ -140,12 +146,26 @@ def main() -> None:
         base = plain[r["model"], r["mode"]]
         print(f"{r['model']:<8}{r['params']:>14,}{r['mode']:>7}{'on' if r['hash'] else 'off':>6}{r['stall']:>10.3f}"
               f"{r['first']:>10.3f}{r['write']:>10.3f}{r['gb']:>9.2f}{ratio:>14.2f}x"
-              f"{100 * (r['write'] / base['write'] - 1):>+14.1f}%{100 * (r['stall'] / base['stall'] - 1):>+14.1f}%")
+              f"{100 * (r['write'] / base['write'] - 1):>+14.1f}%{100 * (r['stall'] / base['stall'] - 1):>+14.1f}%"
+              f"{r['hash_s']:>9.3f}{100 * r['hash_s'] / base['write']:>11.2f}%")
+
+
+def hash_seconds(directory: str) -> float:
+    """The CPU time of hashing the files of checkpoint `directory` as a save does, their reading not counted."""
+    spent = 0.0
+    for name in os.listdir(directory):
+        h = xxhash.xxh3_128()
+        with open(os.path.join(directory, name), "rb") as f:
+            while chunk := f.read(64 << 20):
+                start = time.perf_counter()
+                h.update(chunk)
+                spent += time.perf_counter() - start
+    return spent
 
 
 def median_row(rounds: list[dict]) -> dict:
     """One row of the table: each time the median over the rounds."""
-    return {**rounds[0], **{k: statistics.median(r[k] for r in rounds) for k in ("stall", "first", "write")}}
+    return {**rounds[0], **{k: statistics.median(r[k] for r in rounds) for k in ("stall", "first", "write", "hash_s")}}
 
 
 if __name__ == "__main__":
