@@ -8,7 +8,21 @@ loop spends in `save()`: the whole write when synchronous; with async the copy o
 its checkpoint is renamed whole (async: measured by waiting at once, after the timed saves). The first save of
 each mode is not counted (the staging buffers and the DCP plan are made there).
 
-    python bench/checkpoint.py [--models debug,small] [--saves 4] [--steps 3] [--seq 256] [--batch 4]
+Each is measured with the checkpoint's manifest (every file's size and XXH3-128 hash, hashed as it is written:
+`trainer.checkpoint_files`) and without (`trainer.checkpoint.HASH_FILES` off: DCP's own writer, no manifest),
+`--rounds` times in turn, so that the machine's other load falls on both alike; the medians are shown, and
+`hash +%` is what hashing adds to the write (and to the stall) of the same model and mode. A busy disk (fsync)
+makes those differences noisy; `hash s` is the hashing itself, the CPU time XXH3-128 takes over the bytes of
+the checkpoint (read into memory first), which is what hashing while writing adds to a save, and `hash/write`
+that time against the write without hashing.
+
+    python bench/checkpoint.py [--models debug,small] [--modes sync,async] [--saves 4] [--steps 3] [--seq 256]
+        [--batch 4] [--rounds 1]
+
+The 1b model's state (its weights, 4 GB; with AdamW's too, 12 GB, it needs 20 GB of memory) on a CPU,
+synchronous saves only:
+
+    python bench/checkpoint.py --models 1b --optim sgd --modes sync --saves 3 --steps 0 --seq 8 --batch 1 --rounds 2
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import xxhash
 
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 # The repository in place of bench/ on the path: its scripts' names (kernels, datacache, coverage) are
@@ -52,10 +67,12 @@ def train_steps(model, optimizer, tokens: torch.Tensor, steps: int) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def measure(name: str, background: bool, args, device: torch.device, root: str) -> dict:
+def measure(name: str, background: bool, hashed: bool, args, device: torch.device, root: str) -> dict:
+    checkpoint.HASH_FILES = hashed
     torch.manual_seed(0)
     model = models.build(model_config(name)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True) if args.optim == "adamw" else \
+        torch.optim.SGD(model.parameters(), lr=1e-4)  # no state: the checkpoint holds the model's weights
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), device=device)
     train_steps(model, optimizer, tokens, 1)
     train = SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1, checkpoint_async=background)
@@ -79,14 +96,19 @@ def measure(name: str, background: bool, args, device: torch.device, root: str) 
         if background and i:
             writes.append(time.perf_counter() - start)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    hashing = hash_seconds(checkpoint.latest(root)) if hashed else 0.0
     return {"model": name, "params": models.num_params(model), "mode": "async" if background else "sync",
-            "stall": statistics.median(stalls[1:]), "first": stalls[0],
+            "hash": hashed, "hash_s": hashing, "stall": statistics.median(stalls[1:]), "first": stalls[0],
             "write": statistics.median(writes[1:] or writes), "gb": size / 1e9}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="debug,small")
+    parser.add_argument("--modes", default="sync,async", help="sync, async or both")
+    parser.add_argument("--optim", default="adamw", choices=("adamw", "sgd"),
+                        help="sgd: no optimizer state, the checkpoint holds the model's weights alone")
+    parser.add_argument("--rounds", type=int, default=1, help="measurements of each row, hashing off and on in turn")
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256)
@@ -99,22 +121,51 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for name in args.models.split(","):
-            for background in (False, True):
-                root = os.path.join(tmp, f"{name}-{background}")
-                rows.append(measure(name, background, args, device, root))
-                shutil.rmtree(root, ignore_errors=True)
-                print(f"measured {name} {rows[-1]['mode']}", file=sys.stderr, flush=True)
+            for background in [m == "async" for m in args.modes.split(",")]:
+                rounds = {False: [], True: []}
+                for _ in range(args.rounds):
+                    for hashed in (False, True):
+                        root = os.path.join(tmp, f"{name}-{background}-{hashed}")
+                        rounds[hashed].append(measure(name, background, hashed, args, device, root))
+                        shutil.rmtree(root, ignore_errors=True)
+                        r = rounds[hashed][-1]
+                        print(f"measured {name} {r['mode']} hash={hashed}: stall {r['stall']:.3f} s, write "
+                              f"{r['write']:.3f} s", file=sys.stderr, flush=True)
+                rows += [median_row(rounds[hashed]) for hashed in (False, True)]
     dist.destroy_process_group()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\ncheckpoint stall per save on {where}, {args.steps} steps between saves")
-    print(f"{'model':<8}{'params':>12}{'mode':>7}{'stall s':>10}{'first s':>10}{'write s':>10}{'ckpt GB':>9}"
-          f"{'stall vs sync':>15}")
-    sync_stall = {}
+    print(f"{'model':<8}{'params':>14}{'mode':>7}{'hash':>6}{'stall s':>10}{'first s':>10}{'write s':>10}"
+          f"{'ckpt GB':>9}{'stall vs sync':>15}{'hash +% write':>15}{'hash +% stall':>15}{'hash s':>9}"
+          f"{'hash/write':>12}")
+    sync_stall, plain = {}, {}
     for r in rows:
-        sync_stall.setdefault(r["model"], r["stall"])
-        ratio = r["stall"] / sync_stall[r["model"]]
-        print(f"{r['model']:<8}{r['params']:>12,}{r['mode']:>7}{r['stall']:>10.3f}{r['first']:>10.3f}"
-              f"{r['write']:>10.3f}{r['gb']:>9.2f}{ratio:>14.2f}x")
+        sync_stall.setdefault((r["model"], r["hash"]), r["stall"])
+        plain.setdefault((r["model"], r["mode"]), r)
+        ratio = r["stall"] / sync_stall[r["model"], r["hash"]]
+        base = plain[r["model"], r["mode"]]
+        print(f"{r['model']:<8}{r['params']:>14,}{r['mode']:>7}{'on' if r['hash'] else 'off':>6}{r['stall']:>10.3f}"
+              f"{r['first']:>10.3f}{r['write']:>10.3f}{r['gb']:>9.2f}{ratio:>14.2f}x"
+              f"{100 * (r['write'] / base['write'] - 1):>+14.1f}%{100 * (r['stall'] / base['stall'] - 1):>+14.1f}%"
+              f"{r['hash_s']:>9.3f}{100 * r['hash_s'] / base['write']:>11.2f}%")
+
+
+def hash_seconds(directory: str) -> float:
+    """The CPU time of hashing the files of checkpoint `directory` as a save does, their reading not counted."""
+    spent = 0.0
+    for name in os.listdir(directory):
+        h = xxhash.xxh3_128()
+        with open(os.path.join(directory, name), "rb") as f:
+            while chunk := f.read(64 << 20):
+                start = time.perf_counter()
+                h.update(chunk)
+                spent += time.perf_counter() - start
+    return spent
+
+
+def median_row(rounds: list[dict]) -> dict:
+    """One row of the table: each time the median over the rounds."""
+    return {**rounds[0], **{k: statistics.median(r[k] for r in rounds) for k in ("stall", "first", "write", "hash_s")}}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import errno
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from trainer.preemption import EXIT_CODE, Preempted
 from trainer.preflight import check
 from trainer.run_dir import Claim, claim, let_go, node_running, remove_if_new
 from trainer.sweep.sweeper import register as register_sweeper
+from trainjob import process_tree
 from trainjob.env import (
     CACHE_ENDPOINTS_ENV,
     CACHE_EVAL_ENDPOINTS_ENV,
@@ -333,6 +335,26 @@ _FULL_ERROR_SET = False
 
 
 def main() -> None:
+    """The driver; every process it started has ended when it returns or exits, whatever the exit (a SIGTERM:
+    143, Ctrl-C: 130), as `trainjob.process_tree` sees to."""
+    process_tree.adopt_orphans()
+    process_tree.raise_on_sigterm()
+    try:
+        _drive()
+    except process_tree.Terminated:
+        print(f"error: stopped by SIGTERM (exit {EXIT_CODE}); the same command resumes from the newest checkpoint",
+              file=sys.stderr)
+        raise SystemExit(EXIT_CODE) from None
+    except KeyboardInterrupt:
+        print("error: interrupted (exit 130); the same command resumes from the newest checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second one waits for the end too
+            signal.signal(sig, signal.SIG_IGN)
+        process_tree.end_all()
+
+
+def _drive() -> None:
     global _FULL_ERROR_SET
     try:
         sys.argv[1:] = hide_secrets(plain_group_overrides(sys.argv[1:]))

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -34,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from trainer import checkpoint_files
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,8 @@ def _steps(root: str) -> list[tuple[int, str]]:
 
 def latest(root: str) -> str | None:
     """The newest complete checkpoint under `root` that can be loaded, or None; each newer one that cannot
-    (a garbage .metadata, a truncated shard) is passed over with a warning that says why."""
+    (a file that is not as written, a garbage .metadata, a truncated shard) is passed over with a warning that
+    says why."""
     for _, path in reversed(_steps(root)):
         problem = damage(path)
         if problem is None:
@@ -62,13 +65,31 @@ def latest(root: str) -> str | None:
     return None
 
 
+def set_aside_damaged(root: str) -> None:
+    """Move each checkpoint of `root` newer than its newest whole one into `root/damaged-<time>/` (never
+    deleted: a user may want to look at it), so that resume and pruning no longer meet it; a warning for each
+    says why."""
+    aside = None
+    for _, path in reversed(_steps(root)):
+        problem = damage(path)
+        if problem is None:
+            return
+        aside = aside or tempfile.mkdtemp(prefix=time.strftime("damaged-%Y%m%d-%H%M%S-", time.gmtime()), dir=root)
+        os.rename(path, os.path.join(aside, os.path.basename(path)))
+        log.warning("checkpoint %s is damaged (%s): moved to %s; resuming from an earlier one", path, problem, aside)
+
+
 def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
 def damage(path: str) -> str | None:
-    """Why checkpoint `path` cannot be loaded, or None: its .metadata does not unpickle, or a shard file is
-    missing or shorter than the metadata says (cut short by a full disk or a copy). Reads no tensor."""
+    """Why checkpoint `path` cannot be loaded, or None: a file is not as its manifest says it was written
+    (`checkpoint_files.problem`: missing, another size, other bytes), its .metadata does not unpickle, or a shard
+    file is missing or shorter than the metadata says (cut short by a full disk or a copy)."""
+    problem = checkpoint_files.problem(path)
+    if problem:
+        return problem
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # unpickling garbage raises anything: UnpicklingError, EOFError, ValueError, ...
@@ -211,6 +232,21 @@ def _state(root: str, step: int, model, optimizer, train_state: dict, device: to
     return {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
 
 
+# Whether saves write a manifest of their files' sizes and hashes (`trainer.checkpoint_files`); bench/checkpoint.py
+# turns it off to measure what hashing adds to a save.
+HASH_FILES = True
+
+
+def _writer(path: str) -> dcp.FileSystemWriter:
+    return checkpoint_files.HashingWriter(path) if HASH_FILES else dcp.FileSystemWriter(path)
+
+
+def _written(writer: dcp.FileSystemWriter, root: str, step: int) -> None:
+    """This rank's files of checkpoint `step` are closed: leave their sizes and hashes for the manifest."""
+    if isinstance(writer, checkpoint_files.HashingWriter):
+        checkpoint_files.write_part(_paths(root, step)[0], dist.get_rank(), writer.files)
+
+
 def _failed(error: BaseException, root: str, step: int) -> NoReturn:
     """A write of checkpoint `step` failed on every rank (DCP's CheckpointException reaches them all): remove
     the partial directory, and raise (a full disk as OSError ENOSPC, saying what to do; else `error` itself)."""
@@ -224,11 +260,14 @@ def _failed(error: BaseException, root: str, step: int) -> NoReturn:
     raise error
 
 
-def _complete(root: str, step: int, keep_latest_k: int) -> str:
-    """Every rank has written its part of checkpoint `step`: rename it whole, keep the newest `keep_latest_k`."""
+def _complete(root: str, step: int, keep_latest_k: int, writer: dcp.FileSystemWriter) -> str:
+    """Every rank has written its part of checkpoint `step` (with `writer`): write its manifest, rename it whole,
+    keep the newest `keep_latest_k`."""
     tmp, final = _paths(root, step)
     dist.barrier()
     if dist.get_rank() == 0:
+        if isinstance(writer, checkpoint_files.HashingWriter):
+            checkpoint_files.write_manifest(tmp)  # last, once every rank's files are closed
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         # One line per directory (set_aside_later), so the lowest steps are the oldest checkpoints.
@@ -242,11 +281,13 @@ def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_
          device: torch.device) -> str:
     """Write checkpoint `step` collectively (every rank calls this) and keep the newest `keep_latest_k`."""
     state = _state(root, step, model, optimizer, train_state, device)
+    writer = _writer(_paths(root, step)[0])
     try:
-        dcp.save(state, checkpoint_id=_paths(root, step)[0])
+        dcp.save(state, checkpoint_id=_paths(root, step)[0], storage_writer=writer)
+        _written(writer, root, step)
     except BaseException as e:  # DCP's CheckpointException (a failed write, on every rank) is a BaseException
         _failed(e, root, step)
-    return _complete(root, step, keep_latest_k)
+    return _complete(root, step, keep_latest_k, writer)
 
 
 class AsyncSaver:
@@ -264,32 +305,34 @@ class AsyncSaver:
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=cuda))
         self.group = dist.new_group(backend="gloo")  # every rank makes it, in the same order
-        self.pending: tuple | None = None  # (future, root, step, keep_latest_k) of the write in flight
+        self.pending: tuple | None = None  # (future, writer, root, step, keep_latest_k) of the write in flight
 
     def save(self, root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
              device: torch.device) -> str:
         self.wait()
         state = _state(root, step, model, optimizer, train_state, device)
+        writer = _writer(_paths(root, step)[0])
         try:
-            future = dcp.async_save(state, checkpoint_id=_paths(root, step)[0], process_group=self.group,
-                                    async_stager=self.stager)
+            future = dcp.async_save(state, checkpoint_id=_paths(root, step)[0], storage_writer=writer,
+                                    process_group=self.group, async_stager=self.stager)
         except BaseException as e:
             _failed(e, root, step)
-        self.pending = (future, root, step, keep_latest_k)
+        self.pending = (future, writer, root, step, keep_latest_k)
         return _paths(root, step)[1]
 
     def wait(self) -> str | None:
         """Complete the write in flight, if any (every rank calls this); the checkpoint it made."""
         if self.pending is None:
             return None
-        future, root, step, keep = self.pending
+        future, writer, root, step, keep = self.pending
         self.pending = None
         try:
             future.result()
+            _written(writer, root, step)
         except BaseException as e:
             log.error("the background write of checkpoint step %d failed: %s", step, e)
             _failed(e, root, step)
-        return _complete(root, step, keep)
+        return _complete(root, step, keep, writer)
 
     def close(self) -> None:
         self.stager.close()
@@ -370,3 +413,55 @@ def load(path: str, model, optimizer, train_state: dict, device: torch.device) -
             torch.cuda.set_rng_state(state[_rng_key()]["cuda"], device)
     log.info("resumed from %s (step %s)", path, state["train"]["step"])
     return state["train"]
+
+
+def _checkpoints(target: str) -> list[str]:
+    """The checkpoints `verify` looks at: `target` itself, or the `step-<N>` folders of a run directory (or of
+    its checkpoints/ folder)."""
+    if is_checkpoint(target) or checkpoint_files.has_manifest(target):
+        return [target]
+    for root in (os.path.join(target, "checkpoints"), target):
+        if os.path.isdir(root):
+            found = [os.path.join(root, n) for n in os.listdir(root) if STEP_DIR.match(n)]
+            if found:
+                return sorted(found, key=lambda p: int(STEP_DIR.match(os.path.basename(p)).group(1)))
+    return []
+
+
+def verify(target: str) -> int:
+    """`python -m trainer.checkpoint verify TARGET`: one line per checkpoint; 0 when every one is whole."""
+    found = _checkpoints(target)
+    if not found:
+        print(f"error: {target} is neither a checkpoint nor a run directory with checkpoints", file=sys.stderr)
+        return 2
+    damaged = 0
+    for path in found:
+        m = STEP_DIR.match(os.path.basename(path))
+        name = f"step {m.group(1)}" if m else path
+        problem = damage(path) if is_checkpoint(path) else "its .metadata is missing"
+        if problem:
+            damaged += 1
+            print(f"{name}: damaged: {problem} ({path})")
+        elif checkpoint_files.has_manifest(path):
+            print(f"{name}: whole ({path})")
+        else:
+            print(f"{name}: whole as far as sizes tell (no manifest: written before checkpoints recorded their "
+                  f"files' hashes) ({path})")
+    return 1 if damaged else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainjob.cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m trainer.checkpoint", description="Check checkpoints against their "
+                           "manifests.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("verify", help="say, for each checkpoint, whether its files are as written")
+    check.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)  # the lines printed here say it all
+    return verify(args.target)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -88,13 +88,16 @@ def setup_logging(run_dir: str, rank: int) -> logging.Handler:
 
 
 def resume_path(cfg: Config) -> str | None:
-    """The checkpoint to start from. Rank 0 chooses it, sets aside the checkpoints of the line it leaves
-    (see `checkpoint.set_aside_later`), and broadcasts it: the ranks never choose one each."""
+    """The checkpoint to start from. Rank 0 chooses it, sets aside the damaged checkpoints newer than it and
+    those of the line it leaves (see `checkpoint.set_aside_damaged`, `checkpoint.set_aside_later`), and
+    broadcasts it: the ranks never choose one each."""
     choice = [None]
     if dist.get_rank() == 0:
+        own = RunDir.of(cfg.run_dir).checkpoints
+        if cfg.train.resume != "never":
+            checkpoint.set_aside_damaged(own)
         choice[0] = inputs.resume_candidate(cfg)
         if choice[0] is not None:
-            own = RunDir.of(cfg.run_dir).checkpoints
             checkpoint.set_aside_later(own, choice[0])
             if choice[0] == cfg.train.resume:  # an explicit start: later restarts continue this line
                 checkpoint.record_branch(own, choice[0])

@@ -33,6 +33,7 @@ from launchers.base import (
     run_name,
     store_apart,
 )
+from trainjob import process_tree
 from trainjob.run_files import RunDir, read_progress, read_summary
 
 READY_TIMEOUT = 600.0  # a node builds the corpus before it serves
@@ -53,11 +54,12 @@ def start_rendezvous_store(spec: LaunchSpec) -> None:
     log_path = RunDir.of(spec.run_dir).rendezvous_log
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "ab") as log:
-        subprocess.Popen(
+        store = subprocess.Popen(
             [sys.executable, "-m", "launchers.rendezvous", spec.runtime.options["rdzv_endpoint"], "--run-dir",
              spec.run_dir],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
+    process_tree.detach(store.pid)
 
 
 def _utc(timestamp: float | None) -> datetime | None:
@@ -100,16 +102,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: on Linux, have the kernel send SIGTERM when the driver dies, so that a
-    driver killed outright (SIGKILL) does not leave torchrun and its ranks running."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class CacheNodeProcesses:
     """The run's data cache nodes as processes on loopback, each in a session of its own that dies with
     this process; logs in `<run_dir>/logs/cache-node-<i>.log`. `env` names them for the ranks."""
@@ -134,7 +126,7 @@ class CacheNodeProcesses:
                         stderr=subprocess.STDOUT,
                         env=env,
                         start_new_session=True,
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=process_tree.die_with_parent,
                     )
                 )
         try:
@@ -310,7 +302,7 @@ class LocalJob(Job):
                 if state.finished or (deadline is not None and time.monotonic() >= deadline):
                     return state
                 time.sleep(POLL_S)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, process_tree.Terminated):
             if self._proc is not None:  # the job of this process goes with it
                 self.cancel()
             raise
@@ -420,11 +412,13 @@ class LocalLauncher(Launcher):
                 [sys.executable, "-m", "launchers.supervise", name],
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if self.wait else None,
+                preexec_fn=process_tree.die_with_parent if self.wait else None,
                 stdin=subprocess.DEVNULL,
                 pass_fds=spec.hold_fds,
                 **({} if self.wait else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}),
             )
+            if not self.wait:  # it runs on after this process
+                process_tree.detach(proc.pid)
             deadline = time.monotonic() + 30
             while (registry.load(name) or record).pid is None:  # the supervisor puts itself on record first
                 if proc.poll() is not None or time.monotonic() > deadline:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import REPO, TINY, examples
 from trainer import checkpoint
+from trainer.checkpoint_files import MANIFEST
 from trainer.errors import ConfigError
 from trainer.run_dir import claim, note_before_making, remove_if_new
 from trainjob.run_files import RunDir
@@ -120,6 +121,7 @@ def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(
     shard = next(newest.glob("*.distcp"))
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 3)
+    cut_size = shard.stat().st_size
     rerun, seed, fallback = run_cli_batch([
         ([*STEPS, f"hydra.run.dir={trained}"], tmp_path),
         ([*STEPS, f"hydra.run.dir={trained}", "train.max_steps=3", "train.seed=5"], tmp_path),
@@ -132,8 +134,9 @@ def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(
     assert _files(trained) == before  # summary.json not rewritten by the rerun
 
     assert fallback.returncode == 0, fallback.stderr[-3000:]
-    assert (f"checkpoint {newest} cannot be loaded (its shard {shard.name} is truncated"
+    assert (f"checkpoint {newest} is damaged (its file {shard.name} is {cut_size} bytes, "
             in fallback.stdout + fallback.stderr)
+    assert [p.name for p in (damaged / "checkpoints").glob("damaged-*/*")] == ["step-2"]  # set aside, kept
     assert '"resumed_from": "' + str(damaged / "checkpoints" / "step-1") in (damaged / "summary.json").read_text()
     # Export refuses a cut checkpoint by name and writes nothing; a non-QAT one quantises post-training.
     cut_run = tmp_path / "cut-run"
@@ -145,7 +148,7 @@ def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(
                               ([str(cut_run / "checkpoints" / "step-1"), str(tmp_path / "ptq"), "--quantize"],
                                tmp_path)], module="trainer.export")
     assert cut.returncode == 2 and len(cut.stderr.strip().splitlines()) == 1, cut.stderr
-    assert f"cannot be loaded: its shard {cut_shard.name} is truncated" in cut.stderr
+    assert f"cannot be loaded: its file {cut_shard.name} is {cut_shard.stat().st_size} bytes, " in cut.stderr
     assert not (tmp_path / "cut-export").exists() and not list(tmp_path.glob(".cut-export*"))
     assert ptq.returncode == 0, ptq.stderr[-2000:]
     assert {"quantized.pt", "quantization.json", "model.safetensors"} <= set(os.listdir(tmp_path / "ptq"))
@@ -154,15 +157,21 @@ def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(
 @settings(max_examples=examples(10), deadline=None)
 @given(cut=st.floats(0, 0.999), garbage=st.binary(min_size=0, max_size=64))
 def test_any_truncated_shard_or_garbage_metadata_is_found_before_loading(trained, tmp_path_factory, cut, garbage):
+    """By the checkpoint's manifest; and, without one (a checkpoint written before them), by DCP's metadata."""
     copy = tmp_path_factory.mktemp("damaged") / "step-2"
     shutil.copytree(trained / "checkpoints" / "step-2", copy)
     assert checkpoint.damage(str(copy)) is None
     shard = next(copy.glob("*.distcp"))
+    size = shard.stat().st_size
     with open(shard, "r+b") as f:
-        f.truncate(int(shard.stat().st_size * cut))
-    assert "is truncated" in checkpoint.damage(str(copy))
+        f.truncate(int(size * cut))
+    assert checkpoint.damage(str(copy)) == f"its file {shard.name} is {int(size * cut)} bytes, {size} were written"
     (copy / ".metadata").write_bytes(garbage)
+    assert checkpoint.damage(str(copy)).startswith("its file .metadata is ")
+    os.remove(copy / MANIFEST)
     assert checkpoint.damage(str(copy)).startswith("its .metadata cannot be read")
+    shutil.copy(trained / "checkpoints" / "step-2" / ".metadata", copy / ".metadata")
+    assert "is truncated" in checkpoint.damage(str(copy))
 
 
 def test_a_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoint(run_cli, tmp_path):

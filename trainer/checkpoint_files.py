@@ -1,0 +1,190 @@
+"""What a checkpoint's files must hold: each checkpoint's manifest (`.manifest.json`), and its verification.
+
+Every rank writes its DCP files through `HashingWriter`, which hashes the bytes as they go to disk (xxHash's
+XXH3-128, at memory speed, rather than reading the files again) and notes each file's size; once its files are
+closed, the rank leaves its part of the manifest beside them (`.manifest.rank<r>.json`), and rank 0, after
+every rank is done, merges the parts, adds the `.metadata` DCP wrote, and writes `.manifest.json` last, before
+the checkpoint is renamed whole. `problem` compares a checkpoint's files with its manifest before anything
+loads it: a missing file, another size, other bytes of the same size (a flipped bit, a copy gone wrong).
+Checkpoints written before there were manifests load with a one-line notice that they cannot be verified.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import threading
+from contextlib import contextmanager
+
+import xxhash
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+log = logging.getLogger(__name__)
+MANIFEST = ".manifest.json"
+HASH = "xxh3_128"
+CHUNK = 8 << 20
+_PART = ".manifest.rank{}.json"
+_noticed: set[str] = set()
+_verified: dict[str, tuple] = {}  # directory -> its files' state when last found whole (`_state`)
+
+
+def file_hash(path: str) -> tuple[int, str]:
+    """(size, hash) of the file `path`, read in chunks."""
+    h, size = xxhash.xxh3_128(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+class _HashingStream:
+    """A file being written that hashes what goes through it. A seek makes the running hash meaningless: the
+    file is then hashed again from disk once closed."""
+
+    def __init__(self, raw, path: str, record):
+        self.raw, self.path, self.record = raw, path, record
+        self.hash, self.size, self.sequential = xxhash.xxh3_128(), 0, True
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        n = self.raw.write(data)
+        self.size += n
+        return n
+
+    def seek(self, *args) -> int:
+        self.sequential = False
+        return self.raw.seek(*args)
+
+    def close(self) -> None:
+        if not self.raw.closed:
+            self.raw.close()
+            whole = self.sequential and os.path.getsize(self.path) == self.size
+            self.record(
+                os.path.basename(self.path), *((self.size, self.hash.hexdigest()) if whole else file_hash(self.path))
+            )
+
+    def __getattr__(self, name):  # tell, flush, fileno, writable, closed: the file's own
+        return getattr(self.raw, name)
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self):
+        super().__init__()
+        self.files: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    def _record(self, name: str, size: int, digest: str) -> None:
+        with self._lock:
+            self.files[name] = (size, digest)
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as raw:
+            stream = _HashingStream(raw, str(path), self._record)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's file writer that notes the size and hash of each file it writes (`files`), as it writes it."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.fs = _HashingFileSystem()
+
+    @property
+    def files(self) -> dict[str, tuple[int, str]]:
+        return {name: v for name, v in self.fs.files.items() if not name.endswith(".tmp")}
+
+
+def write_part(directory: str, rank: int, files: dict[str, tuple[int, str]]) -> None:
+    """A rank's files are closed: leave their sizes and hashes for rank 0 to gather (`write_manifest`)."""
+    with open(os.path.join(directory, _PART.format(rank)), "w") as f:
+        json.dump({name: {"size": size, HASH: digest} for name, (size, digest) in files.items()}, f)
+
+
+def write_manifest(directory: str) -> None:
+    """Every rank has written its files and its part: gather the parts, add `.metadata`, write the manifest."""
+    files = {}
+    for part in sorted(glob.glob(os.path.join(glob.escape(directory), _PART.format("*")))):
+        with open(part) as f:
+            files.update(json.load(f))
+        os.remove(part)
+    size, digest = file_hash(os.path.join(directory, ".metadata"))
+    files[".metadata"] = {"size": size, HASH: digest}
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"hash": HASH, "files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_problem(directory: str, name: str, entry: dict) -> str | None:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        return f"its file {name} is missing"
+    size = os.path.getsize(path)
+    if size != entry["size"]:
+        return f"its file {name} is {size} bytes, {entry['size']} were written"
+    if file_hash(path)[1] != entry[HASH]:
+        return f"its file {name} does not hold the bytes written ({size} bytes, its {HASH} hash differs)"
+    return None
+
+
+def problem(directory: str) -> str | None:
+    """What is wrong with the files of checkpoint `directory` against its manifest, or None when each is as
+    written. None too for a checkpoint without a manifest (written before them), after a one-line notice."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        if directory not in _noticed:
+            _noticed.add(directory)
+            log.warning(
+                "checkpoint %s has no %s (written before checkpoints recorded their files): it cannot be verified",
+                directory,
+                MANIFEST,
+            )
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if manifest.get("hash") != HASH or not all(
+            isinstance(e, dict) and {"size", HASH} <= e.keys() for e in files.values()
+        ):
+            raise ValueError(f"not a {HASH} manifest")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its manifest {MANIFEST} cannot be read ({type(e).__name__}: {e})"
+    state = _state(directory, files)
+    if _verified.get(directory) == state:  # checked whole already by this process, and not changed since
+        return None
+    for name, entry in files.items():
+        found = _file_problem(directory, name, entry)
+        if found:
+            return found
+    _verified[directory] = state
+    return None
+
+
+def _state(directory: str, files) -> tuple:
+    """What tells whether a checkpoint's files changed since they were verified: their sizes and mtimes."""
+    state = []
+    for name in files:
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            return ()
+        state.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(state)
+
+
+def has_manifest(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, MANIFEST))
