@@ -89,6 +89,7 @@ class CacheConfig:
 
 DATASETS = ("stdlib", "parquet", "chat", "preference", "prompts")
 CHAT_MASKS = ("assistant", "last", "all")
+PACKINGS = ("padding_free", "longest", "max_length")
 
 
 @dataclass
@@ -118,8 +119,12 @@ class DataConfig:
     cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
     shuffle: bool = True
     num_workers: int = 0
-    # data=chat: pack conversations into rows (attention and positions within each) instead of padding each.
-    packing: bool = False
+    # How a micro-batch of data=chat or data=preference rows reaches the model: padding_free (TRL's: the rows'
+    # real tokens one after another in one row, positions restarting and attention never crossing from one
+    # conversation to the next), longest (padded to the micro-batch's longest row) or max_length (every row
+    # padded to data.seq_len). All give the same losses; null: padding_free, or max_length under strategy.pp > 1,
+    # whose pipeline stages take one shape.
+    packing: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     # Set by the driver where it checked the corpus (launcher=local, docker): the key of the build its ranks
@@ -129,6 +134,8 @@ class DataConfig:
     def check(self) -> None:
         one_of("data.name", self.name, DATASETS)
         self.chat.check()
+        if self.packing is not None:
+            one_of("data.packing", self.packing, PACKINGS)
         require(self.eval_percent is None or 0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent,
                 "must be in (0, 100)")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")

@@ -50,7 +50,11 @@ class Reward(Recipe):
         return reward_loss(chosen, rejected, self.cfg.recipe.center_rewards_coefficient)
 
     def micro_batches(self, batch: dict, accum: int) -> list:
-        return list(self.tokens(batch).chunk(accum))
+        tokens = self.tokens(batch)
+        lengths = batch.get("lengths")
+        real = int(lengths.sum()) if lengths is not None else tokens.numel()
+        self.count(real, real)  # every real token reaches the score
+        return list(tokens.chunk(accum))
 
     def loss(self, micro) -> torch.Tensor:
         loss, stats = self._loss(micro)
