@@ -226,5 +226,5 @@ class Trainer:
         if evaluated:
             log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
         else:
-            log.info("done: step %d, train loss %.4f (no eval split: nothing evaluated)", self.step, logger.train_loss)
+            log.info("done: step %d, train loss %.4f", self.step, logger.train_loss)  # the driver's last line: no eval
         return summary

@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import compose_refused, examples, read_metrics
+from tests.conftest import compose_refused, examples, read_metrics, read_summary
 from tests.trainer import trl_reference
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 from trainer.data import packing
@@ -103,7 +104,11 @@ def test_forty_pairs_under_the_default_eval_percent_train_without_eval_and_say_s
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "training without eval" in line]
     assert len(said) == 1, said
     assert "data.eval_percent (unset: 2) leaves the eval split of data=preference 0 row(s)" in said[0]
-    assert "final train loss (no eval split)" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("final train loss (no eval split): ") and last.endswith(" nats/token after 2 steps")
+    written = [(tmp_path / "run" / name).read_text() for name in ("metrics.jsonl", "summary.json")]
+    assert not re.search(r"\bnan\b", "\n".join([proc.stdout, proc.stderr, *written]), re.IGNORECASE)
+    assert read_summary(str(tmp_path / "run"))["final_eval_loss"] is None
     assert [m["step"] for m in read_metrics(str(tmp_path / "run"))] == [1, 2]
     assert [m.get("eval_loss") for m in read_metrics(str(tmp_path / "run"))] == [None, None]
     # An explicit share that leaves the eval split too small is still refused, in one line.
