@@ -9,7 +9,7 @@ padding_free) against TRL 1.16's SFTTrainer at its defaults (padding to the long
 Ours runs `python -m trainer` (recipe=sft, data=chat, data.shuffle=false, one metrics line a step) and reads
 the real tokens and step times of its metrics lines; TRL's trainer runs the same conversations (our train
 split, in order) with a callback that times each step, its real tokens being the rows' token counts. The
-table is in docs/performance.md.
+table is in docs/fine-tuning.md.
 """
 
 from __future__ import annotations
