@@ -123,7 +123,8 @@ class DataConfig:
     # real tokens one after another in one row, positions restarting and attention never crossing from one
     # conversation to the next), longest (padded to the micro-batch's longest row) or max_length (every row
     # padded to data.seq_len). All give the same losses; null: padding_free, or max_length under strategy.pp > 1,
-    # whose pipeline stages take one shape.
+    # whose pipeline stages take one shape. recipe=reward takes padding_free as longest (its score head reads
+    # each row's last token); grpo and rloo pad their completions to the longest row.
     packing: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)

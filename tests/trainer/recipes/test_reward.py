@@ -57,14 +57,21 @@ def test_a_reward_model_learns_a_toy_preference_and_scores_in_transformers_and_g
 
     model, pairs = preference_setup
     run = tmp_path / "run"
-    proc = run_cli("model=hf", f"model.path={model}", "recipe=reward", "data=preference", f"data.path={pairs}",
-                   "data.seq_len=40", "data.eval_percent=20", "train.global_batch_size=4", "train.progress=false",
-                   "train.log_every=1", "lr_schedule.warmup_steps=0", "optim.lr=3e-3", "train.max_steps=8",
-                   "train.eval_every=8", "train.checkpoint_every=8", f"hydra.run.dir={run}")
+    args = ["model=hf", f"model.path={model}", "recipe=reward", "data=preference", f"data.path={pairs}",
+            "data.seq_len=40", "data.eval_percent=20", "train.global_batch_size=4", "train.progress=false",
+            "train.log_every=1", "lr_schedule.warmup_steps=0", "optim.lr=3e-3", "train.max_steps=8",
+            "train.eval_every=8"]
+    proc = run_cli(*args, "train.checkpoint_every=8", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert lines[-1]["accuracy"] == 1.0 and lines[-1]["eval_accuracy"] == 1.0
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.3 and lines[-1]["margin"] > 1
+    # The rows cut to their longest conversation (data.packing unset) score as padded to data.seq_len.
+    proc = run_cli(*args, "data.packing=max_length", f"hydra.run.dir={tmp_path / 'padded'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    padded = read_metrics(str(tmp_path / "padded"))
+    for key in ("loss", "eval_loss", "tokens"):
+        assert [m.get(key) for m in padded] == pytest.approx([m.get(key) for m in lines], abs=1e-5), key
 
     out = str(tmp_path / "scorer")
     assert run_cli(str(run / "checkpoints" / "step-8"), out, module="trainer.export").returncode == 0
