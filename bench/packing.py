@@ -32,8 +32,10 @@ sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.p
 VOCAB = 1024
 SEQ_LEN = 2048
 BATCH = 8
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} <eos> "
-            "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}")
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} <eos> "
+    "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+)
 
 
 def make_model(path: str) -> None:
@@ -42,9 +44,18 @@ def make_model(path: str) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=False, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 2)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=VOCAB - 2,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     vocab = {f"w{i}": i for i in range(VOCAB - 2)} | {"<pad>": VOCAB - 2, "<eos>": VOCAB - 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -65,8 +76,9 @@ def conversations(n: int, seed: int = 0) -> list[list[dict]]:
         def words(k):
             return " ".join(f"w{rng.randrange(VOCAB - 2)}" for _ in range(k))
 
-        chats.append([{"role": "user", "content": words(user)},
-                      {"role": "assistant", "content": words(total - user - 1)}])
+        chats.append(
+            [{"role": "user", "content": words(user)}, {"role": "assistant", "content": words(total - user - 1)}]
+        )
     return chats
 
 
@@ -79,10 +91,25 @@ def train_split(chats: list[list[dict]], path: str) -> list[list[dict]]:
 def ours(model: str, data: str, packing: str, steps: int, work: str) -> tuple[int, float]:
     """(real tokens, seconds) of the steps after the first of a run of `steps` steps under data.packing=`packing`."""
     run_dir = os.path.join(work, f"run-{packing}")
-    cmd = [sys.executable, "-m", "trainer", "model=hf", f"model.path={model}", "recipe=sft", "data=chat",
-           f"data.path={data}", f"data.seq_len={SEQ_LEN}", f"data.packing={packing}", "data.shuffle=false",
-           f"data.cache_dir={os.path.join(work, 'cache')}", f"train.global_batch_size={BATCH}",
-           f"train.max_steps={steps}", "train.log_every=1", "train.progress=false", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "model=hf",
+        f"model.path={model}",
+        "recipe=sft",
+        "data=chat",
+        f"data.path={data}",
+        f"data.seq_len={SEQ_LEN}",
+        f"data.packing={packing}",
+        "data.shuffle=false",
+        f"data.cache_dir={os.path.join(work, 'cache')}",
+        f"train.global_batch_size={BATCH}",
+        f"train.max_steps={steps}",
+        "train.log_every=1",
+        "train.progress=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode:
@@ -112,17 +139,32 @@ def trl(model: str, chats: list[list[dict]], padding_free: bool, steps: int, wor
     # The word-level tokenizer as saved (AutoTokenizer would rebuild Qwen2's byte-level one from config.json).
     tok = PreTrainedTokenizerFast.from_pretrained(model)
     rows = chats[: steps * BATCH]
-    config = SFTConfig(output_dir=os.path.join(work, f"trl-{padding_free}"), per_device_train_batch_size=BATCH,
-                       max_steps=steps, padding_free=padding_free, report_to=[],
-                       # padding_free enforces no max_length; at the defaults the rows are shorter than its 1,024
-                       max_length=None if padding_free else 1024, save_strategy="no",
-                       logging_steps=steps, use_cpu=True, dataloader_drop_last=True, seed=0,
-                       train_sampling_strategy="sequential", disable_tqdm=True)
-    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model), args=config, processing_class=tok,
-                         train_dataset=Dataset.from_list([{"messages": c} for c in rows]), callbacks=[Timer()])
+    config = SFTConfig(
+        output_dir=os.path.join(work, f"trl-{padding_free}"),
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        padding_free=padding_free,
+        report_to=[],
+        # padding_free enforces no max_length; at the defaults the rows are shorter than its 1,024
+        max_length=None if padding_free else 1024,
+        save_strategy="no",
+        logging_steps=steps,
+        use_cpu=True,
+        dataloader_drop_last=True,
+        seed=0,
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model),
+        args=config,
+        processing_class=tok,
+        train_dataset=Dataset.from_list([{"messages": c} for c in rows]),
+        callbacks=[Timer()],
+    )
     lengths = [len(r) for r in trainer.train_dataset["input_ids"]]
     trainer.train()
-    return sum(lengths[BATCH:steps * BATCH]), sum(Timer.seconds[1:])
+    return sum(lengths[BATCH : steps * BATCH]), sum(Timer.seconds[1:])
 
 
 def main() -> None:
@@ -138,14 +180,18 @@ def main() -> None:
             f.writelines(json.dumps({"messages": c}) + "\n" for c in chats)
         train = train_split(chats, data)
         steps = len(train) // BATCH
-        results = {f"trainjob data.packing={p}": ours(model, data, p, steps, work)
-                   for p in ("max_length", "longest", "padding_free")}
+        results = {
+            f"trainjob data.packing={p}": ours(model, data, p, steps, work)
+            for p in ("max_length", "longest", "padding_free")
+        }
         results["TRL 1.16 SFTTrainer (defaults)"] = trl(model, train, False, steps, work)
         results["TRL 1.16 SFTTrainer padding_free=True"] = trl(model, train, True, steps, work)
     base = results["trainjob data.packing=padding_free"][0] / results["trainjob data.packing=padding_free"][1]
-    print(f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens; the first step left out), "
-          f"data.seq_len={SEQ_LEN}, CPU"
-          f"{f', OMP_NUM_THREADS={torch_threads}' if torch_threads else ''}\n")
+    print(
+        f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens; the first step left out), "
+        f"data.seq_len={SEQ_LEN}, CPU"
+        f"{f', OMP_NUM_THREADS={torch_threads}' if torch_threads else ''}\n"
+    )
     print(f"| {'run':<40} | {'real tokens':>11} | {'step s':>8} | {'real tok/s':>10} | {'padding_free is':>15} |")
     print(f"|{'-' * 42}|{'-' * 13}:|{'-' * 9}:|{'-' * 11}:|{'-' * 16}:|")
     for name, (tokens, seconds) in results.items():

@@ -51,8 +51,7 @@ class Packed:
         return None if self.documents is None else self.documents[:, :-1]
 
 
-def collate(tokens: torch.Tensor, target: torch.Tensor, real: torch.Tensor, packing: str, multiple: int = 1
-            ) -> Packed:
+def collate(tokens: torch.Tensor, target: torch.Tensor, real: torch.Tensor, packing: str, multiple: int = 1) -> Packed:
     """The micro-batch of padded rows `tokens` (rows, seq + 1) with `target` (rows, seq), whose rows hold `real`
     (rows,) real input positions each, as `packing` gives it. A packed row's width is a multiple of `multiple`
     (tensor parallelism's sequence split): the positions added attend only to themselves and count no target."""

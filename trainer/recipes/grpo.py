@@ -318,8 +318,8 @@ class GRPO(Recipe):
 
     def _rows(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, targets): each row the prompt, its completion, then padding up to the longest row; the targets
-        IGNORE but for the completion's tokens (`real_tokens`: the inputs that are not padding). The inputs' width is a multiple of the tensor-parallel degree (sequence parallelism
-        splits it evenly)."""
+        IGNORE but for the completion's tokens (`real_tokens`: the inputs that are not padding). The inputs' width
+        is a multiple of the tensor-parallel degree (sequence parallelism splits it evenly)."""
         tp = self.ctx.dims.tp
         longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
         width = -(-(longest - 1) // tp) * tp + 1
