@@ -3,7 +3,7 @@ padding_free) against TRL 1.16's SFTTrainer at its defaults (padding to the long
 `padding_free=True`: the same tiny Qwen2-shaped model, the same conversations (lengths spread from 16 to
 1,024 tokens), the same batch of rows per step, at data.seq_len=2048, on the CPU.
 
-    python bench/packing.py                    # 48 conversations, 6 steps of 8
+    python bench/packing.py                    # 64 conversations, 7 steps of 8
     python bench/packing.py --rows 96          # more
 
 Ours runs `python -m trainer` (recipe=sft, data=chat, data.shuffle=false, one metrics line a step) and reads
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,8 +89,8 @@ def train_split(chats: list[list[dict]], path: str) -> list[list[dict]]:
     return [c for i, c in enumerate(chats) if zlib.crc32(f"{name}:{i}".encode()) % 10_000 >= 200]
 
 
-def ours(model: str, data: str, packing: str, steps: int, work: str) -> tuple[int, float]:
-    """(real tokens, seconds) of the steps after the first of a run of `steps` steps under data.packing=`packing`."""
+def ours(model: str, data: str, packing: str, steps: int, work: str) -> tuple[list[int], list[float]]:
+    """(real tokens, seconds) of each step after the first of a run of `steps` steps under data.packing=`packing`."""
     run_dir = os.path.join(work, f"run-{packing}")
     cmd = [
         sys.executable,
@@ -116,11 +117,13 @@ def ours(model: str, data: str, packing: str, steps: int, work: str) -> tuple[in
         raise SystemExit(f"our run ({packing}) failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
-    return sum(m["tokens"] for m in lines[1:]), sum(m["step_time_s"] for m in lines[1:])
+    return [m["tokens"] for m in lines[1:]], [m["step_time_s"] for m in lines[1:]]
 
 
-def trl(model: str, chats: list[list[dict]], padding_free: bool, steps: int, work: str) -> tuple[int, float]:
-    """(real tokens, seconds) of the steps after the first of TRL's SFTTrainer on `chats`, in order, `steps` steps."""
+def trl(
+    model: str, chats: list[list[dict]], padding_free: bool, steps: int, work: str
+) -> tuple[list[int], list[float]]:
+    """(real tokens, seconds) of each step after the first of TRL's SFTTrainer on `chats`, in order, `steps` steps."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
@@ -164,12 +167,13 @@ def trl(model: str, chats: list[list[dict]], padding_free: bool, steps: int, wor
     )
     lengths = [len(r) for r in trainer.train_dataset["input_ids"]]
     trainer.train()
-    return sum(lengths[BATCH : steps * BATCH]), sum(Timer.seconds[1:])
+    per_step = [sum(lengths[i * BATCH : (i + 1) * BATCH]) for i in range(1, steps)]
+    return per_step, Timer.seconds[1:]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=48, help="conversations (the train split: about 98%% of them)")
+    parser.add_argument("--rows", type=int, default=64, help="conversations (the train split: about 98%% of them)")
     args = parser.parse_args()
     torch_threads = os.environ.get("OMP_NUM_THREADS")
     with tempfile.TemporaryDirectory() as work:
@@ -186,17 +190,18 @@ def main() -> None:
         }
         results["TRL 1.16 SFTTrainer (defaults)"] = trl(model, train, False, steps, work)
         results["TRL 1.16 SFTTrainer padding_free=True"] = trl(model, train, True, steps, work)
-    base = results["trainjob data.packing=padding_free"][0] / results["trainjob data.packing=padding_free"][1]
+    rates = {name: statistics.median(t / s for t, s in zip(*r, strict=True)) for name, r in results.items()}
+    base = rates["trainjob data.packing=padding_free"]
     print(
-        f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens; the first step left out), "
-        f"data.seq_len={SEQ_LEN}, CPU"
-        f"{f', OMP_NUM_THREADS={torch_threads}' if torch_threads else ''}\n"
+        f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens), data.seq_len={SEQ_LEN}, CPU"
+        f"{f', OMP_NUM_THREADS={torch_threads}' if torch_threads else ''}; the median over the steps after the "
+        "first of each step's real tokens over its time\n"
     )
-    print(f"| {'run':<40} | {'real tokens':>11} | {'step s':>8} | {'real tok/s':>10} | {'padding_free is':>15} |")
-    print(f"|{'-' * 42}|{'-' * 13}:|{'-' * 9}:|{'-' * 11}:|{'-' * 16}:|")
+    print(f"| {'run':<40} | {'real tokens':>11} | {'mean step s':>11} | {'real tok/s':>10} | {'padding_free is':>15} |")
+    print(f"|{'-' * 42}|{'-' * 12}:|{'-' * 12}:|{'-' * 11}:|{'-' * 16}:|")
     for name, (tokens, seconds) in results.items():
-        rate = tokens / seconds
-        print(f"| {name:<40} | {tokens:>11} | {seconds / (steps - 1):>8.3f} | {rate:>10.0f} | {base / rate:>14.2f}x |")
+        line = f"| {name:<40} | {sum(tokens):>11} | {statistics.mean(seconds):>11.3f} | {rates[name]:>10.0f} |"
+        print(f"{line} {base / rates[name]:>14.2f}x |")
 
 
 if __name__ == "__main__":

@@ -135,8 +135,9 @@ class DataConfig:
     def check(self) -> None:
         one_of("data.name", self.name, DATASETS)
         self.chat.check()
-        if self.packing is not None:
-            one_of("data.packing", self.packing, PACKINGS)
+        require(self.packing is None or self.packing in PACKINGS, "data.packing", self.packing,
+                f"must be one of {', '.join(PACKINGS)} (padding_free carries no padding: what data.packing=true "
+                "was for)")
         require(self.eval_percent is None or 0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent,
                 "must be in (0, 100)")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
