@@ -174,8 +174,18 @@ def trl(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64, help="conversations (the train split: about 98%% of them)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch's threads, ours and TRL's alike (on a shared "
+        "machine one thread each is the fair measure: parallel regions wait for the slowest thread)",
+    )
     args = parser.parse_args()
-    torch_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = torch_threads = str(args.threads)  # our runs' processes read it
+    import torch
+
+    torch.set_num_threads(args.threads)  # TRL's, in this process
     with tempfile.TemporaryDirectory() as work:
         model, data = os.path.join(work, "model"), os.path.join(work, "chats.jsonl")
         make_model(model)
@@ -194,7 +204,7 @@ def main() -> None:
     base = rates["trainjob data.packing=padding_free"]
     print(
         f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens), data.seq_len={SEQ_LEN}, CPU"
-        f"{f', OMP_NUM_THREADS={torch_threads}' if torch_threads else ''}; the median over the steps after the "
+        f", {torch_threads} thread(s); the median over the steps after the "
         "first of each step's real tokens over its time\n"
     )
     print(f"| {'run':<40} | {'real tokens':>11} | {'mean step s':>11} | {'real tok/s':>10} | {'padding_free is':>15} |")
