@@ -25,8 +25,9 @@ class Pretrain(Recipe):
     def _scales(self, chunks: tuple[torch.Tensor, ...]) -> list:
         return [1 / len(chunks)] * len(chunks)
 
-    def _collated(self, batch: dict) -> tuple[list[packing.Packed], torch.Tensor, torch.Tensor]:
-        """The batch's rows as the model takes them (`data.packing`), one per micro-batch of `accum`."""
+    def _collated(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's (tokens, targets, real input positions of each row: every one for token rows), which
+        `packing.collate` gives the model as `data.packing` says."""
         tokens = self.tokens(batch)
         target = self._targets(batch, tokens)
         return tokens, target, packing.input_lengths(batch.get("lengths"), *target.shape)
