@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import hydra

@@ -158,7 +158,7 @@ class Trainer:
             log.info("the run was already trained to step %d: nothing to do, %s kept", self.step,
                      RunDir.of(self.cfg.run_dir).summary)
             return done
-        logger = metrics.MetricsLogger(self.cfg, t.global_batch_size * self.cfg.data.seq_len, self.device, self.step,
+        logger = metrics.MetricsLogger(self.cfg, self.recipe.take_counts, self.device, self.step,
                                        self.flops_per_token, self.peak_flops, extras=self.recipe.record)
         start_step, eval_loss = self.step, float("nan")
         self.model.train()
@@ -188,7 +188,7 @@ class Trainer:
                 raise e.at_step(self.step + 1) from None
             finally:
                 logger.close(finished=self.step == t.max_steps)
-        if math.isnan(eval_loss):  # no step was run
+        if math.isnan(eval_loss) and self.eval_data is not None:  # no step was run
             eval_loss = self.evaluate()
         return self._summary(start_step, logger, eval_loss)
 
@@ -208,12 +208,14 @@ class Trainer:
         elapsed = time.perf_counter() - logger.started
         peaks = [None] * self.world
         dist.all_gather_object(peaks, round(metrics.peak_memory_gb(self.device), 4))
-        steps_run, tokens_per_step = self.step - start_step, self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        steps_run, tokens = self.step - start_step, logger.totals["tokens"]
+        evaluated = self.eval_data is not None
         summary = {
-            "final_eval_loss": eval_loss, "final_train_loss": logger.train_loss, "steps": self.step,
-            "steps_this_run": steps_run, "tokens": self.step * tokens_per_step,
+            "final_eval_loss": eval_loss if evaluated else None,
+            "final_train_loss": None if math.isnan(logger.train_loss) else logger.train_loss, "steps": self.step,
+            "steps_this_run": steps_run, "tokens": tokens, "trained_tokens": logger.totals["trained_tokens"],
             "train_time_s": elapsed,
-            "tokens_per_s": steps_run * tokens_per_step / elapsed if steps_run else 0.0,
+            "tokens_per_s": tokens / elapsed if steps_run else 0.0,
             "world_size": self.world, "strategy": self.cfg.strategy.name,
             "params": self._num_params(), "resumed_from": self.resumed_from,
             "peak_memory_gb_per_rank": peaks,
@@ -221,5 +223,8 @@ class Trainer:
         if self.rank == 0:
             write_summary(self.cfg.run_dir, summary)
             plots.save_loss_png(self.cfg.run_dir)
-        log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
+        if evaluated:
+            log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
+        else:
+            log.info("done: step %d, train loss %.4f", self.step, logger.train_loss)  # the driver's last line: no eval
         return summary

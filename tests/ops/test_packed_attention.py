@@ -1,4 +1,4 @@
-"""`kernels=triton` on packed rows (`data.packing=true`): the model's boolean mask, causal within each
+"""`kernels=triton` on packed rows (`data.packing=padding_free`): the model's boolean mask, causal within each
 document, reaches our attention as document ids (trainer/kernels.py), and a step gives PyTorch's loss and
 gradients. One small layer under Triton's interpreter (tests/ops/conftest.py)."""
 

@@ -140,6 +140,9 @@ def _pipeline(job, dims: Degrees, at: str = "") -> None:
     if dims.pp == 1:
         return
     s, m, t = job.strategy, job.model, job.train
+    require(job.data.packing in (None, "max_length"), "data.packing", job.data.packing,
+            f"strategy.pp={dims.pp}: pipeline stages take micro-batches of one shape; use data.packing=max_length "
+            "(or leave it unset)")
     require(job.recipe.name in PIPELINE_RECIPES, "recipe", job.recipe.name, f"strategy.pp={dims.pp} runs recipes "
             f"whose step is one forward and loss ({', '.join(PIPELINE_RECIPES)}); recipe={job.recipe.name} "
             "calls its model(s) otherwise: use strategy.pp=1")
@@ -193,8 +196,9 @@ def _recipe(job) -> None:
         require(not (c.endpoints or c.eval_endpoints or c.nodes), "data.cache", "set",
                 f"data={data} is read from its local corpus; cache nodes serve "
                 "token rows of data=stdlib or data=parquet only")
-    require(not job.data.packing or data in ("chat", "preference"), "data.packing", True,
-            f"packs conversations of data=chat or pairs of data=preference; data={data} has none to pack")
+    packing = job.data.packing
+    require(packing is None or data in ("chat", "preference"), "data.packing", packing,
+            f"batches the padded rows of data=chat and data=preference; data={data} has no padding")
 
 
 def _grpo(job) -> None:

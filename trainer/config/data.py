@@ -89,6 +89,7 @@ class CacheConfig:
 
 DATASETS = ("stdlib", "parquet", "chat", "preference", "prompts")
 CHAT_MASKS = ("assistant", "last", "all")
+PACKINGS = ("padding_free", "longest", "max_length")
 
 
 @dataclass
@@ -120,8 +121,13 @@ class DataConfig:
     cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
     shuffle: bool = True  # shuffle the training rows (a seeded order, kept across a resume)
     num_workers: int = 0  # DataLoader worker processes per rank (0: in the rank's own process)
-    # data=chat: pack conversations into rows (attention and positions within each) instead of padding each.
-    packing: bool = read_by("chat", "preference", default=False)
+    # How a micro-batch of data=chat or data=preference rows reaches the model: padding_free (TRL's: the rows'
+    # real tokens one after another in one row, positions restarting and attention never crossing from one
+    # conversation to the next), longest (padded to the micro-batch's longest row) or max_length (every row
+    # padded to data.seq_len). All give the same losses; null: padding_free, or max_length under strategy.pp > 1,
+    # whose pipeline stages take one shape. recipe=reward takes padding_free as longest (its score head reads
+    # each row's last token); grpo and rloo pad their completions to the longest row.
+    packing: str | None = read_by("chat", "preference", default=None)
     cache: CacheConfig = field(default_factory=CacheConfig)
     chat: ChatConfig = read_by("chat", "preference", default_factory=ChatConfig)
     # Set by the driver where it checked the corpus (launcher=local, docker): the key of the build its ranks
@@ -131,6 +137,9 @@ class DataConfig:
     def check(self) -> None:
         one_of("data.name", self.name, DATASETS)
         self.chat.check()
+        require(self.packing is None or self.packing in PACKINGS, "data.packing", self.packing,
+                f"must be one of {', '.join(PACKINGS)} (padding_free carries no padding: what data.packing=true "
+                "was for)")
         require(self.eval_percent is None or 0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent,
                 "must be in (0, 100)")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")

@@ -2,9 +2,10 @@
 RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused
 with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
 choose among those five (`trainer.config.TRITON_OPS`) as among the ATen ops the loop routes
-(`trainer.loop.aten_kernels`). Attention takes packed rows (`data.packing=true`) as document ids
-(`attention`). Under `model.impl=transformers`, whose modeling code these rewrites do not reach, only the loss is
-fused (`hf_transformers.apply_kernels`); its layers reach our kernels through the ATen ops the loop routes.
+(`trainer.loop.aten_kernels`). Attention takes packed rows as document ids (`attention`); one packed row
+(`data.packing=padding_free`) runs it causal over each document. Under `model.impl=transformers`, whose
+modeling code these rewrites do not reach, only the loss is fused (`hf_transformers.apply_kernels`); its layers
+reach our kernels through the ATen ops the loop routes.
 
 The families' pieces: `(1 + w)` norms are `ops.rms_norm` with the weight plus one; GeLU-tanh gates (Gemma) go to
 `ops.gelu_and_mul(approximate="tanh")` with `silu_and_mul`; an attention `scale` (Gemma's query_pre_attn_scalar,

@@ -140,10 +140,14 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv is not None:  # decoding: attend to every key so far (the cache gives the mask)
             k, v = kv.update(k, v)
-        # mask (packed rows): (batch, 1, seq, seq), causal within each document; else plain causal.
+        # mask (packed rows): (batch, 1, seq, seq) or one row's `Segments`, causal within each document; else
+        # plain causal.
         if self.softcap is not None:
             scale = self.scale if self.scale is not None else self.head_dim**-0.5
-            out = softcapped_attention(q, k, v, mask, scale, self.softcap)
+            out = softcapped_attention(q, k, v, mask.dense() if isinstance(mask, Segments) else mask, scale,
+                                       self.softcap)
+        elif isinstance(mask, Segments):
+            out = mask.attend(self.attention_fn, q, k, v, enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
         else:
             out = self.attention_fn(q, k, v, attn_mask=mask, is_causal=mask is None,
                                     enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
@@ -264,9 +268,30 @@ def _block(dim, n_heads, n_kv_heads, ffn_dim, eps, index: int, o: Options) -> Bl
                  norm_offset=o.norm_offset, residual_multiplier=o.residual_multiplier)
 
 
+class Segments:
+    """The attention mask of one packed row (`data.packing=padding_free`): documents of `lengths` one after
+    another, each attending causally within itself. Attention runs document by document (no (seq, seq) mask is
+    made, nor scores across documents computed); `dense()` is the boolean mask, for the layers that need one
+    (sliding windows, soft-capped scores)."""
+
+    def __init__(self, documents: torch.Tensor):
+        self.documents = documents
+        self.lengths = torch.unique_consecutive(documents[0], return_counts=True)[1].tolist()
+
+    def dense(self) -> torch.Tensor:
+        same = self.documents[:, :, None] == self.documents[:, None, :]
+        return (same & torch.ones_like(same[0]).tril())[:, None]
+
+    def attend(self, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+        """`fn` (scaled_dot_product_attention's signature) causal over each document of (1, heads, seq, dim)."""
+        parts = zip(q.split(self.lengths, 2), k.split(self.lengths, 2), v.split(self.lengths, 2), strict=True)
+        return torch.cat([fn(a, b, c, attn_mask=None, is_causal=True, **kw) for a, b, c in parts], dim=2)
+
+
 def _positions(seq: int, device: torch.device, documents: torch.Tensor | None, cache):
     """(positions of the `seq` tokens, positions of the keys they attend to, the attention mask or None: causal).
-    Plain rows give the slice 0..seq: the rotary tables are then read as views, with no index op."""
+    Plain rows give the slice 0..seq: the rotary tables are then read as views, with no index op. Packed rows
+    give a (batch, 1, seq, seq) mask, one packed row `Segments`."""
     if cache is not None:
         return cache.positions, cache.key_positions, cache.mask
     if documents is None:
@@ -275,6 +300,8 @@ def _positions(seq: int, device: torch.device, documents: torch.Tensor | None, c
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    if documents.shape[0] == 1:
+        return positions, positions, Segments(documents)
     same = documents[:, :, None] == documents[:, None, :]
     mask = (same & torch.ones(seq, seq, dtype=torch.bool, device=device).tril())[:, None]
     return positions, positions, mask
@@ -357,7 +384,8 @@ class Transformer(nn.Module):
         tables = {False: (self.rope_cos[positions], self.rope_sin[positions])}
         tables[True] = (self.rope_local_cos[positions], self.rope_local_sin[positions]) \
             if o.rope_local_theta is not None else tables[False]
-        masks = {False: mask, True: _window(mask, positions, keys, o.sliding_window, tokens.device) if o.sliding_window
+        dense = mask.dense() if isinstance(mask, Segments) and o.sliding_window else mask
+        masks = {False: mask, True: _window(dense, positions, keys, o.sliding_window, tokens.device) if o.sliding_window
                                  else mask}
         h = tokens if staged else self.tok_embeddings(tokens)
         if o.embedding_multiplier != 1.0 and not staged:  # in the model's dtype, as transformers scales Gemma's

@@ -85,13 +85,18 @@ class MetricsLogger:
     """Writes a metrics line every `log_every` steps, at every eval and at the last step; only a line waits
     for the device (the loss is averaged over the ranks then). Step time and throughput are the means over
     the training steps since the previous line: time spent in `paused()` (eval, checkpoints) is left out.
+    A line's `tokens` are the real input tokens of those steps on every data-parallel rank (padding is not
+    counted), `trained_tokens` the ones the loss counted (`counts()`, the recipe's); `tokens_per_s` and MFU are
+    of real tokens.
     Rank 0 writes `metrics.jsonl` (a resumed run keeps the lines up to where it goes on from) and reports to
     a TrainJob that asks; the progress bar moves every step."""
 
-    def __init__(self, cfg, tokens_per_step: int, device: torch.device, first_step: int, flops_per_token: float,
-                 peak_flops: float | None, extras: Callable[[int], dict[str, float]] | None = None):
+    def __init__(self, cfg, counts: Callable[[], dict[str, int]], device: torch.device, first_step: int,
+                 flops_per_token: float, peak_flops: float | None,
+                 extras: Callable[[int], dict[str, float]] | None = None):
         train_cfg = cfg.train
-        self.every, self.last, self.tokens_per_step = train_cfg.log_every, train_cfg.max_steps, tokens_per_step
+        self.every, self.last, self.counts = train_cfg.log_every, train_cfg.max_steps, counts
+        self.totals = {"tokens": 0, "trained_tokens": 0}  # this start's, for the run's summary
         self.device, self.flops_per_token, self.peak_flops = device, flops_per_token, peak_flops
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.trackers = self.reporter = None
@@ -126,11 +131,15 @@ class MetricsLogger:
                       "world_size": self.world, "samples_seen": step * self.samples_per_step}
             if self.extras:
                 record.update(self.extras(step - self._since_step))
+            counts = self.counts()  # real input tokens and trained tokens of the steps since the last line
             now = time.perf_counter()  # the device is done: the line waited for it
-            step_time = (now - self._since - self._paused) / (step - self._since_step)
-            tokens_per_s = self.tokens_per_step / step_time
-            record.update(step_time_s=step_time, tokens_per_s=tokens_per_s,
+            trained_s = now - self._since - self._paused
+            step_time = trained_s / (step - self._since_step)
+            tokens_per_s = counts["tokens"] / trained_s
+            record.update(step_time_s=step_time, tokens_per_s=tokens_per_s, **counts,
                           peak_memory_gb=peak_memory_gb(self.device), elapsed_s=now - self.started)
+            for key, value in counts.items():
+                self.totals[key] += value
             if self.peak_flops:
                 record["mfu"] = tokens_per_s / self.world * self.flops_per_token / self.peak_flops
             if eval_loss is not None:

@@ -38,6 +38,8 @@ TB_TAGS = {
     "lr": "optim/lr",
     "grad_norm": "optim/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",
+    "tokens": "perf/tokens",
+    "trained_tokens": "perf/trained_tokens",
     "step_time_s": "perf/step_time_s",
     "mfu": "perf/mfu",
     "peak_memory_gb": "perf/peak_memory_gb",

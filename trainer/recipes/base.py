@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.observability import metrics
@@ -36,6 +37,8 @@ class Recipe(abc.ABC):
         # The loop's iterator over the train split: a recipe that reads ahead (recipe.generation.async) takes its
         # batches from it, and asks the loop for none (`wants_batch`).
         self.source = None
+        # This rank's real (non-padding) input tokens and the tokens its loss counted, since the last metrics line.
+        self.counted: dict[str, torch.Tensor | int] = {"tokens": 0, "trained_tokens": 0}
 
     @property
     def rows_per_step(self) -> int:
@@ -75,6 +78,24 @@ class Recipe(abc.ABC):
     def add_stats(self, stats: dict[str, torch.Tensor], weight: float = 1.0) -> None:
         for key, value in stats.items():
             self.stats[key] = self.stats.get(key, 0) + value * weight
+
+    def count(self, tokens: torch.Tensor | int, trained: torch.Tensor | int) -> None:
+        """A step's real input tokens (padding left out) and the tokens its loss counts, on this rank."""
+        self.counted["tokens"] = self.counted["tokens"] + tokens
+        self.counted["trained_tokens"] = self.counted["trained_tokens"] + trained
+
+    def take_counts(self) -> dict[str, float]:
+        """The real and trained tokens of every data-parallel rank since the last call (tensor- and pipeline-
+        parallel peers hold the same rows: the mean over the world times the data-parallel degree)."""
+        values = torch.tensor([float(self.counted[k]) for k in ("tokens", "trained_tokens")], dtype=torch.float64,
+                              device=self.ctx.device)
+        self.counted = {"tokens": 0, "trained_tokens": 0}
+        dp = self.ctx.dims.data_parallel_rank()[1]
+        if dist.is_initialized():
+            dist.all_reduce(values)
+            values = values / dist.get_world_size()
+        tokens, trained = (round(float(v) * dp) for v in values)
+        return {"tokens": tokens, "trained_tokens": trained}
 
     def record(self, steps: int) -> dict[str, float]:
         """The recipe's numbers of the `steps` steps since the last metrics line, averaged over them and the

@@ -12,9 +12,9 @@ summed per sequence under the policy (pi) and the reference (ref), and d = (log 
 
 averaged over pairs. The rewards are beta * (log pi - log ref) of each answer; the margin is chosen minus
 rejected; the accuracy is the share of pairs whose chosen reward is the higher. A `data=preference` row holds the
-chosen conversation's tokens, then the rejected one's, each with its loss mask; with data.packing the rows hold
-whole pairs one after another, numbered as documents (`trainer.data.chat`), and each answer is one document. The
-log-probabilities come from the model's forward a chunk of tokens at a time (`trainer.models.chunked`).
+chosen conversation's tokens, then the rejected one's, each with its loss mask and real length; the answers reach
+the model as `data.packing` says (`trainer.data.packing`: padding_free, each answer a document of one packed row).
+The log-probabilities come from the model's forward a chunk of tokens at a time (`trainer.models.chunked`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import torch.nn.functional as F
 
 from trainer.assembly import assemble
 from trainer.config import recipe as config_recipe
+from trainer.data import packing
 from trainer.models import chunked, lora
 from trainer.models.kernels import model_ops
 from trainer.recipes.base import Recipe, local
-from trainer.recipes.sft import IGNORE, shares, targets
+from trainer.recipes.sft import IGNORE, targets
 
 LOSS_TYPES = config_recipe.LOSS_TYPES["dpo"]
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -90,58 +91,16 @@ def pair_rows(batch_tokens: torch.Tensor, batch_mask: torch.Tensor) -> tuple[tor
     return tokens, targets({"loss_mask": mask}, tokens)
 
 
-def pair_loss(model, reference, batch_tokens: torch.Tensor, batch_mask: torch.Tensor, settings: dict,
-              loss_fn=chunked.token_logps):
-    """The DPO loss of a batch of preference rows (chosen tokens, then rejected tokens); `settings` holds
-    dpo_loss's beta, loss_type and label_smoothing."""
-    tokens, target = pair_rows(batch_tokens, batch_mask)
+def pair_loss(model, reference, micro: packing.Packed, settings: dict, loss_fn=chunked.token_logps):
+    """The DPO loss of a micro-batch of pairs, its rows the chosen sequences then the rejected ones (`pair_rows`)
+    as `data.packing` gives them to the model; `settings` holds dpo_loss's beta, loss_type and label_smoothing."""
+    inputs, documents, target = micro.tokens[:, :-1], micro.inputs_documents, micro.target
     with torch.no_grad():  # first: the policy's forward is then the last before its backward
-        ref = reference(tokens[:, :-1], target, loss_fn=loss_fn).sum(-1)
-    policy = model(tokens[:, :-1], target, loss_fn=loss_fn).sum(-1)
-    counts = (target != IGNORE).sum(-1).to(policy.dtype)
+        ref = packing.unpack(reference(inputs, target, documents, loss_fn=loss_fn), micro).sum(-1)
+    policy = packing.unpack(model(inputs, target, documents, loss_fn=loss_fn), micro).sum(-1)
+    counts = packing.unpack((target != IGNORE).to(policy.dtype), micro).sum(-1)
     return dpo_loss(*policy.chunk(2), *ref.chunk(2), **settings, chosen_tokens=counts.chunk(2)[0],
                     rejected_tokens=counts.chunk(2)[1])
-
-
-def _per_document(values: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
-    """(rows, positions) sums of `values` (rows, positions) over each row's documents (numbered below positions)."""
-    rows, width = values.shape
-    index = (torch.arange(rows, device=values.device)[:, None] * width + documents).flatten()
-    return values.new_zeros(rows * width).index_add(0, index, values.flatten()).view(rows, width)
-
-
-def packed_pairs(target: torch.Tensor, documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the pairs a packed batch holds: (rows, pairs) booleans, each answer's counted targets: (rows, 2 x pairs))
-    for targets and the inputs' document numbers (rows, positions): documents 2k and 2k + 1 of a row are pair k's
-    chosen and rejected answers; padding and an unfinished pair count none."""
-    counted = _per_document((target != IGNORE).to(torch.float32), documents)
-    pairs = counted.shape[1] // 2
-    return (counted[:, 0 : 2 * pairs : 2] > 0) & (counted[:, 1 : 2 * pairs : 2] > 0), counted
-
-
-def packed_pair_loss(model, reference, tokens: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor,
-                     settings: dict, loss_fn=chunked.token_logps):
-    """The mean DPO loss over the pairs of packed rows (`data.packing`: whole pairs one after another, each answer
-    a document that attends within itself), as `pair_loss` takes it of the same pairs unpacked; 0 with none."""
-    target = targets({"loss_mask": mask}, tokens)
-    inputs, docs = tokens[:, :-1], documents[:, :-1]
-    with torch.no_grad():
-        ref = _per_document(reference(inputs, target, docs, loss_fn=loss_fn), docs)
-    policy = model(inputs, target, docs, loss_fn=loss_fn)
-    present, counted = packed_pairs(target, docs)
-    if not present.any():  # still through the model, so that every parameter's gradient hook runs
-        return policy.sum() * 0, {}
-    policy = _per_document(policy, docs)
-    n = present.shape[1]
-
-    def chosen(x):
-        return x[:, 0 : 2 * n : 2][present]
-
-    def rejected(x):
-        return x[:, 1 : 2 * n : 2][present]
-
-    return dpo_loss(chosen(policy), rejected(policy), chosen(ref), rejected(ref), **settings,
-                    chosen_tokens=chosen(counted).to(policy.dtype), rejected_tokens=rejected(counted).to(policy.dtype))
 
 
 class DPO(Recipe):
@@ -157,38 +116,35 @@ class DPO(Recipe):
         r = cfg.recipe
         self.settings = {"beta": r.beta, "loss_type": r.loss_type, "label_smoothing": r.label_smoothing}
         self.logps_fn = logps_fn(cfg.kernels)
+        self.packing = packing.choose(cfg.data.packing, ctx.pipeline is not None)
 
-    def _loss(self, tokens: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        mask = mask.to(self.ctx.device)
+    def _micro(self, tokens: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor | None) -> packing.Packed:
+        """A micro-batch of preference rows (with their two lengths each), collated as `data.packing` says."""
+        tokens, target = pair_rows(tokens, mask.to(tokens.device))
+        lengths = None if lengths is None else torch.cat([lengths[:, 0], lengths[:, 1]])
+        real = packing.input_lengths(lengths, *target.shape)
+        return packing.collate(tokens, target, real, self.packing, self.ctx.dims.tp)
+
+    def _loss(self, micro: packing.Packed) -> torch.Tensor:
         with self.ctx.autocast:
-            if documents is None:
-                loss, stats = pair_loss(self.model, self.reference, tokens, mask, self.settings, self.logps_fn)
-            else:
-                loss, stats = packed_pair_loss(self.model, self.reference, tokens, mask,
-                                               documents.to(self.ctx.device), self.settings, self.logps_fn)
+            loss, stats = pair_loss(self.model, self.reference, micro, self.settings, self.logps_fn)
         self.add_stats(stats, 1 / self.cfg.train.grad_accum_steps)
         return loss
 
-    def _pairs(self, tokens: torch.Tensor, mask: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
-        """How many pairs packed rows hold."""
-        target = targets({"loss_mask": mask}, tokens)
-        return packed_pairs(target, documents[:, :-1].to(tokens.device))[0].sum().float()
-
     def micro_batches(self, batch: dict, accum: int) -> list:
-        tokens, masks = self.tokens(batch).chunk(accum), batch["loss_mask"].chunk(accum)
-        if "documents" not in batch:
-            return [(t, m, None, 1 / accum) for t, m in zip(tokens, masks, strict=True)]
-        # Packed rows hold different numbers of pairs: each micro-batch's mean weighs by its share of the step's.
-        documents = batch["documents"].chunk(accum)
-        scales = shares(torch.stack([self._pairs(*micro) for micro in zip(tokens, masks, documents, strict=True)]))
-        return list(zip(tokens, masks, documents, scales, strict=True))
+        lengths = batch.get("lengths")
+        parts = zip(self.tokens(batch).chunk(accum), batch["loss_mask"].chunk(accum),
+                    lengths.chunk(accum) if lengths is not None else [None] * accum, strict=True)
+        micros = [self._micro(*part) for part in parts]
+        real = packing.input_lengths(None if lengths is None else lengths.flatten(), 2 * len(batch["tokens"]),
+                                     batch["tokens"].shape[1] // 2 - 1)
+        self.count(int(real.sum()), sum((m.target != IGNORE).sum() for m in micros))
+        return micros
 
     def loss(self, micro) -> torch.Tensor:
-        tokens, mask, documents, scale = micro
-        return self._loss(tokens, mask, documents) * scale
+        return self._loss(micro) / self.cfg.train.grad_accum_steps
 
     def eval_loss(self, batch: dict) -> torch.Tensor:
-        tokens, documents = self.tokens(batch), batch.get("documents")
-        scale = 1.0 if documents is None else shares(self._pairs(tokens, batch["loss_mask"], documents)[None])[0]
+        micro = self._micro(self.tokens(batch), batch["loss_mask"], batch.get("lengths"))
         with self.kept_stats(), self.ctx.loss_context():
-            return local(self._loss(tokens, batch["loss_mask"], documents)) * scale
+            return local(self._loss(micro))

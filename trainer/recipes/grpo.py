@@ -207,6 +207,7 @@ class GRPO(Recipe):
             self.buffer = self._generation_batch(batch, accum)
             self.tokens_per_rank = dapo_tokens_per_rank([micro[2] for micro in self.buffer])
         self.add_stats(self.reward_stats)
+        self.count(self.real_tokens, sum(micro[2].sum() for micro in self.buffer))  # each iteration trains again
         return self.buffer
 
     def loss(self, micro) -> torch.Tensor:
@@ -316,9 +317,9 @@ class GRPO(Recipe):
         return advantages(unique, self.G, "batch").view(self.dp_size, -1)[self.dp_rank]
 
     def _rows(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, targets): each row the prompt, its completion, then padding; the targets IGNORE but for the
-        completion's tokens. The inputs' width is a multiple of the tensor-parallel degree (sequence parallelism
-        splits it evenly)."""
+        """(tokens, targets): each row the prompt, its completion, then padding up to the longest row; the targets
+        IGNORE but for the completion's tokens (`real_tokens`: the inputs that are not padding). The inputs' width
+        is a multiple of the tensor-parallel degree (sequence parallelism splits it evenly)."""
         tp = self.ctx.dims.tp
         longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
         width = -(-(longest - 1) // tp) * tp + 1
@@ -327,6 +328,7 @@ class GRPO(Recipe):
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             tokens[i, : len(p) + len(c)] = torch.tensor(p + c)
             target[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(c)
+        self.real_tokens = sum(min(len(p) + len(c), width - 1) for p, c in zip(prompts, completions, strict=True))
         return tokens.to(self.ctx.device), target.to(self.ctx.device)
 
     def _logps(self, model, tokens: tuple, targets: tuple) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """`recipe=pretrain`: the next-token loss on every token of token rows (data=stdlib, data=parquet, cache
-nodes), packed documents attending within themselves where the batch numbers them. A mixture of experts adds
+nodes), and the base of recipe=sft and recipe=kd, whose chat rows reach the model as `data.packing` says
+(`trainer.data.packing`). A mixture of experts adds
 its router's `moe/aux_loss` and `moe/expert_load_max` (the busiest expert's share of the routed tokens, times
 the number of experts: 1 when balanced) to each metrics line."""
 
@@ -7,26 +8,42 @@ from __future__ import annotations
 
 import torch
 
+from trainer.data import packing
 from trainer.models import unwrap
+from trainer.models.chunked import IGNORE
 from trainer.recipes.base import Recipe, local
 
 
 class Pretrain(Recipe):
+    def __init__(self, cfg, model, ctx):
+        super().__init__(cfg, model, ctx)
+        self.packing = packing.choose(cfg.data.packing, ctx.pipeline is not None)
+
     def _targets(self, batch: dict, tokens: torch.Tensor) -> torch.Tensor:
         return tokens[:, 1:]
 
     def _scales(self, chunks: tuple[torch.Tensor, ...]) -> list:
         return [1 / len(chunks)] * len(chunks)
 
-    def micro_batches(self, batch: dict, accum: int) -> list:
+    def _collated(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's (tokens, targets, real input positions of each row: every one for token rows), which
+        `packing.collate` gives the model as `data.packing` says."""
         tokens = self.tokens(batch)
-        chunks = self._targets(batch, tokens).chunk(accum)
-        documents = batch["documents"].chunk(accum) if "documents" in batch else [None] * accum
-        return list(zip(tokens.chunk(accum), chunks, documents, self._scales(chunks), strict=True))
+        target = self._targets(batch, tokens)
+        return tokens, target, packing.input_lengths(batch.get("lengths"), *target.shape)
+
+    def micro_batches(self, batch: dict, accum: int) -> list:
+        tokens, target, real = self._collated(batch)
+        micros = [packing.collate(*parts, self.packing, self.ctx.dims.tp)
+                  for parts in zip(tokens.chunk(accum), target.chunk(accum), real.chunk(accum), strict=True)]
+        chunks = tuple(m.target for m in micros)
+        self.count(int(real.sum()), sum((c != IGNORE).sum() for c in chunks))
+        return [(m.tokens, m.target, m.documents, scale) for m, scale in zip(micros, self._scales(chunks),
+                                                                                strict=True)]
 
     def _forward(self, tokens: torch.Tensor, target: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
         with self.ctx.autocast:
-            if documents is not None:  # packed rows (data.packing)
+            if documents is not None:  # packed rows (data.packing=padding_free)
                 return self.model(tokens[:, :-1], target, documents[:, :-1].to(self.ctx.device))
             return self.model(tokens[:, :-1], target)
 
@@ -55,11 +72,10 @@ class Pretrain(Recipe):
         return local(loss.detach())
 
     def eval_loss(self, batch: dict) -> torch.Tensor:
-        tokens = self.tokens(batch)
-        target = self._targets(batch, tokens)
+        m = packing.collate(*self._collated(batch), self.packing, self.ctx.dims.tp)
         with self.ctx.loss_context():
-            loss = self._run(tokens, target, batch.get("documents"), 1.0, backward=False)
-        return loss * self._eval_weight(target)
+            loss = self._run(m.tokens, m.target, m.documents, 1.0, backward=False)
+        return loss * self._eval_weight(m.target)
 
     def _eval_weight(self, target: torch.Tensor):
         return 1.0

@@ -40,6 +40,7 @@ class Reward(Recipe):
     def __init__(self, cfg, model, ctx):
         super().__init__(cfg, model, ctx)
         self.pad = padding_id(HFTokenizer(cfg.model.path))  # what the preference rows are padded with
+        self.packing = cfg.data.packing or "longest"
         self.eval_pairs = torch.zeros(2, device=ctx.device)  # pairs scored right, pairs, since the last line
 
     def _loss(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -49,8 +50,21 @@ class Reward(Recipe):
         chosen, rejected = rewards.chunk(2)
         return reward_loss(chosen, rejected, self.cfg.recipe.center_rewards_coefficient)
 
+    def _rows(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        """Preference rows cut to their longest conversation (`data.packing`: longest; its score head reads each
+        conversation's last real token, which padding_free would leave in one row): the chosen halves, then the
+        rejected ones, each `width` wide. max_length keeps them as stored."""
+        if lengths is None or self.packing == "max_length":
+            return tokens
+        half, width = tokens.shape[1] // 2, int(lengths.max())
+        return torch.cat([tokens[:, :width], tokens[:, half : half + width]], dim=1)
+
     def micro_batches(self, batch: dict, accum: int) -> list:
-        return list(self.tokens(batch).chunk(accum))
+        tokens, lengths = self.tokens(batch), batch.get("lengths")
+        real = int(lengths.sum()) if lengths is not None else tokens.numel()
+        self.count(real, real)  # every real token reaches the score
+        return [self._rows(t, n) for t, n in zip(tokens.chunk(accum), lengths.chunk(accum) if lengths is not None
+                                                  else [None] * accum, strict=True)]
 
     def loss(self, micro) -> torch.Tensor:
         loss, stats = self._loss(micro)
@@ -59,7 +73,7 @@ class Reward(Recipe):
         return loss / accum
 
     def eval_loss(self, batch: dict) -> torch.Tensor:
-        loss, stats = self._loss(self.tokens(batch))
+        loss, stats = self._loss(self._rows(self.tokens(batch), batch.get("lengths")))
         pairs = batch["tokens"].shape[0]
         self.eval_pairs += torch.stack([stats["accuracy"] * pairs, torch.tensor(float(pairs), device=loss.device)])
         return loss.detach()

@@ -124,7 +124,7 @@ def _chat_cfg(tmp_path, model: str, rows: list[dict], **data):
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = OmegaConf.create({"data": {"name": "chat", "path": str(path), "seq_len": 64, "eval_percent": 25.0,
-                                     "cache_dir": str(tmp_path / "cache"), "packing": False,
+                                     "cache_dir": str(tmp_path / "cache"), "packing": None,
                                      "chat": {"mask": data.pop("mask", "assistant")}, **data},
                             "model": {"path": model}})
     return cfg, str(path)

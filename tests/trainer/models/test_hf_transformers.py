@@ -83,7 +83,7 @@ def lora_run(dirs, cache_dir):
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(48, seed=1)))
     args = ["model=hf", f"model.path={dirs['neox']}", "recipe=sft", "data=chat", f"data.path={chats}",
-            "data.packing=true", "data.seq_len=48", "data.eval_percent=25", "train.global_batch_size=4",
+            "data.seq_len=48", "data.eval_percent=25", "train.global_batch_size=4",
             "train.max_steps=4", "train.eval_every=4", "train.checkpoint_every=2", "train.progress=false",
             "train.log_every=1", "lr_schedule.warmup_steps=1", "optim.lr=0.01", "peft=lora", "peft.rank=4",
             "peft.target_modules=[query_key_value,dense]"]

@@ -21,5 +21,13 @@ def test_a_line_every_log_every_steps_and_the_bar_every_step(run_cli, tmp_path):
     # A line's step time is the mean over the steps since the previous line.
     gap = metrics[2]["elapsed_s"] - metrics[1]["elapsed_s"]
     assert 0 < metrics[2]["step_time_s"] * 5 <= gap
-    assert read_summary(str(run_dir))["final_train_loss"] == metrics[-1]["loss"]
+    summary = read_summary(str(run_dir))
+    assert summary["final_train_loss"] == metrics[-1]["loss"]
+    # Token rows have no padding: a line's real tokens are its steps' global batches of data.seq_len tokens,
+    # every one trained; tokens/s is of them, and the summary holds the totals.
+    for before, line in zip([0, 10, 20], metrics, strict=True):
+        steps = line["step"] - before
+        assert line["tokens"] == line["trained_tokens"] == steps * 8 * 32
+        assert line["tokens_per_s"] * line["step_time_s"] * steps == pytest.approx(line["tokens"], rel=1e-9)
+    assert summary["tokens"] == summary["trained_tokens"] == 25 * 8 * 32
     assert "25/25" in proc.stderr  # the progress bar counted every step

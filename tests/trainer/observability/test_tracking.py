@@ -73,7 +73,8 @@ def test_tensorboard_events_hold_every_logged_scalar_and_the_config(resumed):
     events.Reload()
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_gb"):
+    for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tokens", "trained_tokens", "step_time_s",
+                "peak_memory_gb"):
         logged = [(r["step"], r[key]) for r in records if key in r]
         read = [(e.step, e.value) for e in events.Scalars(trackers.TB_TAGS[key])]
         assert [s for s, _ in read] == [s for s, _ in logged], key

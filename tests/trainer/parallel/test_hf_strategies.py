@@ -49,7 +49,6 @@ def single(tmp_path_factory, cache_dir):
         "recipe=sft",
         "data=chat",
         f"data.path={path}",
-        "data.packing=true",
         "data.seq_len=48",
         "data.eval_percent=25",
         "train.global_batch_size=4",

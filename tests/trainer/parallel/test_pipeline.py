@@ -60,12 +60,12 @@ def reference(tmp_path_factory, cache_dir) -> str:
 
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory, cache_dir) -> tuple[list[str], str]:
-    """recipe=sft on packed chats of a Hugging Face Llama: its arguments, and its run in one process."""
+    """recipe=sft on chats of a Hugging Face Llama: its arguments, and its run in one process (padding_free)."""
     root = tmp_path_factory.mktemp("pp-sft")
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(48)))
     args = ["model=hf", f"model.path={add_tokenizer(make_llama(str(root)))}", *SFT_ARGS, f"data.path={chats}",
-            "data.packing=true", "train.max_steps=4", "train.eval_every=2"]
+            "train.max_steps=4", "train.eval_every=2"]
     proc = cli(cache_dir, root, *args, f"hydra.run.dir={root / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return args, str(root / "run")
@@ -75,7 +75,7 @@ def sft(tmp_path_factory, cache_dir) -> tuple[list[str], str]:
 def two_ranks(tmp_path_factory, cache_dir, sft) -> dict[str, str]:
     every5 = [*LONG, *DIST, *PP, "strategy.pp_microbatches=4", "train.checkpoint_every=5"]
     return _launch(cache_dir, 2, {
-        # one row per micro-batch: each counts its own assistant tokens; documents packed in rows
+        # one row per micro-batch: each counts its own assistant tokens; rows padded to data.seq_len under pp
         "sft": [*sft[0], *DIST, *PP, "strategy.pp_microbatches=4"],
         "gpipe": [*LONG, *DIST, *PP, SCHEDULE + "gpipe", "train.checkpoint_every=10"],
         "1f1b": every5,

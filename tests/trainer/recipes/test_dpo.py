@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -15,9 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import compose_refused, examples, read_metrics
+from tests.conftest import compose_refused, examples, read_metrics, read_summary
 from tests.trainer import trl_reference
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
+from trainer.data import packing
 from trainer.recipes import dpo
 from trainer.recipes.sft import IGNORE
 
@@ -31,8 +33,8 @@ class _Model:
     def __init__(self, logps: torch.Tensor):
         self.logps = logps
 
-    def __call__(self, inputs, target, loss_fn):
-        assert inputs.shape == target.shape == self.logps.shape
+    def __call__(self, inputs, target, documents, loss_fn):
+        assert inputs.shape == target.shape == self.logps.shape and documents is None
         return self.logps * (target != IGNORE)
 
 
@@ -50,7 +52,7 @@ def test_loss_gradient_and_rewards_equal_trls(pairs, length, beta, loss_type, sm
     ref = (-torch.rand(2 * pairs, length - 1, generator=gen, dtype=torch.float64) * 3)
     smoothing = smoothing if loss_type == "robust" else 0.0
     settings_ = {"beta": beta, "loss_type": loss_type, "label_smoothing": smoothing}
-    loss, stats = dpo.pair_loss(_Model(logps), _Model(ref), tokens, mask, settings_)
+    loss, stats = dpo.pair_loss(_Model(logps), _Model(ref), packing.Packed(*dpo.pair_rows(tokens, mask)), settings_)
     (grad,) = torch.autograd.grad(loss, logps)
     completion = torch.cat([mask[:, :length], mask[:, length:]])
     counted = completion[:, 1:].bool()
@@ -102,7 +104,11 @@ def test_forty_pairs_under_the_default_eval_percent_train_without_eval_and_say_s
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "training without eval" in line]
     assert len(said) == 1, said
     assert "data.eval_percent (unset: 2) leaves the eval split of data=preference 0 row(s)" in said[0]
-    assert "final train loss (no eval split)" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("final train loss (no eval split): ") and last.endswith(" nats/token after 2 steps")
+    written = [(tmp_path / "run" / name).read_text() for name in ("metrics.jsonl", "summary.json")]
+    assert not re.search(r"\bnan\b", "\n".join([proc.stdout, proc.stderr, *written]), re.IGNORECASE)
+    assert read_summary(str(tmp_path / "run"))["final_eval_loss"] is None
     assert [m["step"] for m in read_metrics(str(tmp_path / "run"))] == [1, 2]
     assert [m.get("eval_loss") for m in read_metrics(str(tmp_path / "run"))] == [None, None]
     # An explicit share that leaves the eval split too small is still refused, in one line.
@@ -134,12 +140,12 @@ def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_
     for key in ("loss", "rewards/margins", "grad_norm"):
         assert [m[key] for m in tp] == pytest.approx([m[key] for m in metrics], rel=1e-4, abs=1e-6), key
 
-    # Padding-free (data.packing): whole pairs packed into rows; it starts at the reference and learns too.
-    proc = run_cli(*args, "data.packing=true", "train.global_batch_size=2", f"hydra.run.dir={tmp_path / 'packed'}")
+    # The run above had no padding (data.packing unset: padding_free); padded to data.seq_len, the same losses.
+    proc = run_cli(*args, "data.packing=max_length", f"hydra.run.dir={tmp_path / 'padded'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    packed = read_metrics(str(tmp_path / "packed"))
-    assert packed[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert packed[-1]["rewards/margins"] > 0.1 and packed[-1]["rewards/accuracies"] == 1.0
+    padded = read_metrics(str(tmp_path / "padded"))
+    assert [m["loss"] for m in padded] == pytest.approx([m["loss"] for m in metrics], abs=1e-5)
+    assert [m["tokens"] for m in padded] == [m["tokens"] for m in metrics]  # real tokens either way
 
 
 def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_path, capsys):
@@ -165,11 +171,9 @@ def test_preference_runs_that_cannot_train_are_refused(preference_setup, tmp_pat
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_packed_pairs_give_the_loss_and_gradient_of_the_same_pairs_unpacked(loss_type):
-    """data.packing: pairs packed whole into rows (`chat.pack(pairs=True)`), each answer a document, give
-    `pair_loss`'s loss and gradient of the same pairs in padded rows; a micro-batch's share of the pairs weighs
-    its mean."""
-    from trainer.data import chat
+def test_every_packing_gives_the_loss_and_gradient_of_the_padded_pairs(loss_type):
+    """data.packing: the pairs of padded preference rows (`pair_rows`), padded to the longest answer or packed
+    into one row (each answer a document), give `pair_loss`'s loss and gradient of the rows as stored."""
     from trainer.models.llama import Transformer
 
     torch.manual_seed(0)
@@ -180,33 +184,23 @@ def test_packed_pairs_give_the_loss_and_gradient_of_the_same_pairs_unpacked(loss
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    gen, seq, pad = torch.Generator().manual_seed(1), 12, 89
-    conversations = []
-    for _ in range(5 * 2):
-        n = int(torch.randint(3, 8, (), generator=gen))
-        mask = np.zeros(n, np.int8)
-        mask[int(torch.randint(1, n - 1, (), generator=gen)):] = 1
-        conversations.append((torch.randint(0, 89, (n,), generator=gen).numpy().astype(np.int32), mask, n))
+    gen, seq, pad, pairs = torch.Generator().manual_seed(1), 12, 89, 5
+    tokens = torch.full((pairs, 2 * (seq + 1)), pad)
+    mask, lengths = torch.zeros_like(tokens), torch.randint(3, seq + 2, (pairs, 2), generator=gen)
+    for row, half in np.ndindex(pairs, 2):
+        n, at = int(lengths[row, half]), half * (seq + 1)
+        tokens[row, at : at + n] = torch.randint(0, 89, (n,), generator=gen)
+        mask[row, at + int(torch.randint(1, n - 1, (), generator=gen)) : at + n] = 1
     settings_ = {"beta": 0.2, "loss_type": loss_type, "label_smoothing": 0.0}
-
-    def padded(t, m, n):
-        return np.pad(t, (0, seq + 1 - n), constant_values=pad), np.pad(m, (0, seq + 1 - n))
-
-    rows = [[padded(*c) for c in conversations[i : i + 2]] for i in range(0, len(conversations), 2)]
-    tokens = torch.tensor(np.stack([np.concatenate([a[0], b[0]]) for a, b in rows])).long()
-    mask = torch.tensor(np.stack([np.concatenate([a[1], b[1]]) for a, b in rows]))
-    loss, _ = dpo.pair_loss(model, reference, tokens, mask, settings_)
-    expected = torch.autograd.grad(loss, list(model.parameters()))
-
-    packed = chat.pack(conversations, seq, pad, pairs=True)
-    assert 1 < len(packed) < 5 and all(len(t) == 2 * seq + 1 for t, _, _ in packed)
-    p_tokens, p_mask, p_docs = (torch.tensor(np.stack(x)).long() for x in zip(*packed, strict=True))
-    total = 0
-    for row in range(len(packed)):  # one micro-batch per packed row, each weighed by its pairs
-        part = slice(row, row + 1)
-        pairs = dpo.packed_pairs(dpo.targets({"loss_mask": p_mask[part]}, p_tokens[part]), p_docs[part, :-1])[0]
-        got, _ = dpo.packed_pair_loss(model, reference, p_tokens[part], p_mask[part], p_docs[part], settings_)
-        total = total + got * pairs.sum() / 5
-    torch.testing.assert_close(total, loss, rtol=1e-5, atol=1e-6)
-    for g, e in zip(torch.autograd.grad(total, list(model.parameters())), expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    both, target = dpo.pair_rows(tokens, mask)
+    real = packing.input_lengths(torch.cat([lengths[:, 0], lengths[:, 1]]), *target.shape)
+    results = {}
+    for way in ("max_length", "longest", "padding_free"):
+        micro = packing.collate(both, target, real, way)
+        assert (micro.documents is not None) == (way == "padding_free")
+        loss, _ = dpo.pair_loss(model, reference, micro, settings_)
+        results[way] = (loss, torch.autograd.grad(loss, list(model.parameters())))
+    for way in ("longest", "padding_free"):
+        torch.testing.assert_close(results[way][0], results["max_length"][0], rtol=1e-5, atol=1e-6)
+        for g, e in zip(results[way][1], results["max_length"][1], strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)

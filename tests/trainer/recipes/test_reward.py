@@ -51,20 +51,29 @@ def test_the_loss_and_its_gradient_are_trls(pairs, center, seed):
         assert float(stats[key]) == pytest.approx(their_stats[key], rel=1e-9, abs=1e-12), key
 
 
+@pytest.mark.timeout(600)
 def test_a_reward_model_learns_a_toy_preference_and_scores_in_transformers_and_grpo(
         preference_setup, prompts, run_cli, tmp_path):  # noqa: F811
     from transformers import AutoModelForSequenceClassification
 
     model, pairs = preference_setup
     run = tmp_path / "run"
-    proc = run_cli("model=hf", f"model.path={model}", "recipe=reward", "data=preference", f"data.path={pairs}",
-                   "data.seq_len=40", "data.eval_percent=20", "train.global_batch_size=4", "train.progress=false",
-                   "train.log_every=1", "lr_schedule.warmup_steps=0", "optim.lr=3e-3", "train.max_steps=8",
-                   "train.eval_every=8", "train.checkpoint_every=8", f"hydra.run.dir={run}")
+    args = ["model=hf", f"model.path={model}", "recipe=reward", "data=preference", f"data.path={pairs}",
+            "data.seq_len=40", "data.eval_percent=20", "train.global_batch_size=4", "train.progress=false",
+            "train.log_every=1", "lr_schedule.warmup_steps=0", "optim.lr=3e-3", "train.max_steps=8",
+            "train.eval_every=8"]
+    proc = run_cli(*args, "train.checkpoint_every=8", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert lines[-1]["accuracy"] == 1.0 and lines[-1]["eval_accuracy"] == 1.0
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.3 and lines[-1]["margin"] > 1
+    # The rows cut to their longest conversation (data.packing unset) score as padded to data.seq_len: the first
+    # two steps (the learning rate is the peak's at both, whatever train.max_steps).
+    proc = run_cli(*args, "data.packing=max_length", "train.max_steps=2", f"hydra.run.dir={tmp_path / 'padded'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    padded = read_metrics(str(tmp_path / "padded"))
+    for key in ("loss", "margin", "tokens"):
+        assert [m[key] for m in padded] == pytest.approx([m[key] for m in lines[:2]], abs=1e-5), key
 
     out = str(tmp_path / "scorer")
     assert run_cli(str(run / "checkpoints" / "step-8"), out, module="trainer.export").returncode == 0

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import compose_refused, examples, read_metrics, read_summary
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
-from trainer.data import chat
+from trainer.data import chat, packing
 from trainer.data.hf_tokenizer import HFTokenizer
 from trainer.recipes import sft
 
@@ -67,7 +67,8 @@ def test_rows_hold_the_template_tokens_and_targets_exactly_the_assistant_tokens(
     for messages in chats[:12]:
         ref = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = ref["input_ids"][: SEQ + 1], ref["assistant_masks"][: SEQ + 1]
-        tokens, loss_mask = chat.encode_row(ours, messages, SEQ, pad)
+        tokens, loss_mask, length = chat.encode_row(ours, messages, SEQ, pad)
+        assert length == min(len(ref["input_ids"]), SEQ + 1)
         assert tokens[: len(ids)].tolist() == ids and loss_mask[: len(ids)].tolist() == mask
         assert (tokens[len(ids) :] == pad).all() and not loss_mask[len(ids) :].any()
         batch = {"tokens": torch.from_numpy(tokens)[None].long(), "loss_mask": torch.from_numpy(loss_mask)[None]}
@@ -97,22 +98,27 @@ def test_weighted_micro_batch_means_give_the_mean_over_every_counted_token(count
 @pytest.mark.timeout(300)
 def test_an_sft_run_trains_on_chats(chat_setup, run_cli, tmp_path):
     model, path, _ = chat_setup
-    run_dir = tmp_path / "run"
-    proc = run_cli(
-        "model=hf",
-        f"model.path={model}",
-        *ARGS,
-        f"data.path={path}",
-        "data.packing=true",
-        "train.max_steps=6",
-        "train.eval_every=6",
-        "optim.lr=1e-2",
-        f"hydra.run.dir={run_dir}",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [m["loss"] for m in read_metrics(str(run_dir))]
+    runs = {}
+    for way in ("padding_free", "max_length"):  # padding_free: data.packing unset
+        run_dir = tmp_path / way
+        proc = run_cli("model=hf", f"model.path={model}", *ARGS, f"data.path={path}", "train.max_steps=6",
+                       "train.eval_every=6", "optim.lr=1e-2", "train.grad_accum_steps=2",
+                       *([f"data.packing={way}"] if way != "padding_free" else []), f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[way] = read_metrics(str(run_dir)), read_summary(str(run_dir))
+    (lines, summary), (padded, padded_summary) = runs["padding_free"], runs["max_length"]
+    losses = [m["loss"] for m in lines]
     assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]
-    assert np.isfinite(read_summary(str(run_dir))["final_eval_loss"])
+    assert np.isfinite(summary["final_eval_loss"])
+    # The same rows in the same order: the same losses, real tokens and trained tokens, padded or not.
+    assert [m["loss"] for m in padded] == pytest.approx(losses, abs=1e-5)
+    assert padded_summary["final_eval_loss"] == pytest.approx(summary["final_eval_loss"], abs=1e-5)
+    for key in ("tokens", "trained_tokens"):
+        assert [m[key] for m in padded] == [m[key] for m in lines]
+        assert summary[key] == sum(m[key] for m in lines)
+    for m in lines:  # throughput of real tokens: a step's tokens over its time; padding is not counted
+        assert m["tokens_per_s"] * m["step_time_s"] == pytest.approx(m["tokens"], rel=1e-9)
+        assert 0 < m["trained_tokens"] < m["tokens"] < 4 * SEQ
 
 
 def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_path, capsys):
@@ -127,8 +133,10 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in compose_refused(
         tmp_path, capsys, *ARGS, f"data.path={path}"
     )
-    assert ("data.packing=True: packs conversations of data=chat or pairs of data=preference; data=stdlib has "
-            "none to pack" in compose_refused(tmp_path, capsys, "data.packing=true"))
+    assert ("data.packing='padding_free': batches the padded rows of data=chat and data=preference; data=stdlib "
+            "has no padding" in compose_refused(tmp_path, capsys, "data.packing=padding_free"))
+    assert "data.packing='True': must be one of padding_free, longest, max_length (padding_free" in compose_refused(
+        tmp_path, capsys, *hf, *ARGS, f"data.path={path}", "data.packing=true")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}))
     err = compose_refused(tmp_path, capsys, *hf, *ARGS, f"data.path={bad}")
@@ -167,20 +175,56 @@ def test_a_packed_row_gives_each_conversation_the_logits_it_has_alone(chat_setup
     assert (unpacked - alone).abs().max() > 1e-2  # without the documents, later ones see earlier ones
 
 
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_every_packing_gives_the_padded_rows_loss_and_gradient(chat_setup, impl):
+    """data.packing on a micro-batch of chat rows: padded to the longest row, or packed into one row (positions
+    restarting, attention within each conversation), the loss and gradient of the rows padded to data.seq_len;
+    natively and through transformers' own modeling code (its packed `position_ids` on CPU SDPA)."""
+    from trainer.models import from_hf, hf_transformers
+
+    path, _, chats = chat_setup
+    model = (from_hf(path) if impl == "native" else hf_transformers.from_hf(path)).eval()
+    tok = HFTokenizer(path)
+    rows = [chat.encode_row(tok, c, SEQ, tok.token_id("pad_token")) for c in chats[:6]]
+    tokens = torch.tensor(np.stack([r[0] for r in rows])).long()
+    batch = {"tokens": tokens, "loss_mask": torch.tensor(np.stack([r[1] for r in rows]))}
+    target = sft.targets(batch, tokens)
+    real = packing.input_lengths(torch.tensor([r[2] for r in rows]), *target.shape)
+    assert real.max() > real.min()
+    results = {}
+    for way in ("max_length", "longest", "padding_free"):
+        micro = packing.collate(tokens, target, real, way, multiple=4)
+        assert micro.tokens.shape[1] == {"max_length": SEQ, "longest": int(real.max()),
+                                         "padding_free": -(-int(real.sum()) // 4) * 4}[way] + 1
+        loss = model(micro.tokens[:, :-1], micro.target, micro.inputs_documents)
+        results[way] = loss, torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    for way in ("longest", "padding_free"):
+        torch.testing.assert_close(results[way][0], results["max_length"][0], rtol=1e-5, atol=1e-6)
+        for g, e in zip(results[way][1], results["max_length"][1], strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
 @settings(max_examples=examples(40))
-@given(st.lists(st.integers(1, 12), min_size=1, max_size=12), st.booleans())
-def test_packing_keeps_every_conversation_whole_and_in_order(lengths, pairs):
-    """data=chat packs conversations; data=preference (pairs) packs (chosen, rejected) pairs, each in one row."""
-    seq, pad = 12, 99
-    lengths = (lengths[: len(lengths) // 2 * 2] or [3, 4]) if pairs else lengths
-    rows = [(np.arange(n, dtype=np.int32) + 100 * i, np.ones(n, np.int8), n) for i, n in enumerate(lengths)]
-    packed = chat.pack(rows, seq, pad, pairs=pairs)
-    found = []
-    for tokens, mask, documents in packed:
-        assert len(tokens) == len(mask) == len(documents) == (2 * seq if pairs else seq) + 1
-        assert not pairs or documents[tokens != pad].max() % 2 == 1  # whole pairs: an even number of documents
-        real = tokens != pad  # the generated ids are never the pad id
-        assert list(documents) == sorted(documents) and not mask[~real].any()
-        assert (documents[~real] == documents[real].max() + 1).all()  # padding: a document of its own
-        found += [tokens[real & (documents == d)].tolist() for d in range(int(documents[real].max()) + 1)]
-    assert found == [r[0].tolist() for r in rows]
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(1, 4))
+def test_a_packed_row_holds_every_rows_real_inputs_in_order(lengths, multiple):
+    """padding_free: each row's real inputs and their targets, one row after another, a document each; the
+    positions added for `multiple` count no target; `unpack` puts per-token values back where the rows hold them."""
+    seq, rows = 12, len(lengths)
+    tokens = torch.arange(rows * (seq + 1)).view(rows, seq + 1)
+    target = tokens[:, 1:] + 1000
+    real = packing.input_lengths(torch.tensor(lengths), rows, seq)
+    micro = packing.collate(tokens, target, real, "padding_free", multiple)
+    total = sum(min(n, seq) for n in lengths)
+    if min(lengths) >= seq:  # no padding to leave out: the rows as they are
+        assert micro.documents is None and micro.tokens is tokens
+        return
+    inputs, docs = micro.tokens[0, :-1], micro.inputs_documents[0]
+    assert inputs.numel() % multiple == 0 and inputs.numel() - total < multiple
+    assert inputs[:total].tolist() == [t for r, n in enumerate(lengths) for t in tokens[r, : min(n, seq)].tolist()]
+    assert micro.target[0, :total].tolist() == [t for r, n in enumerate(lengths)
+                                                for t in target[r, : min(n, seq)].tolist()]
+    assert (micro.target[0, total:] == sft.IGNORE).all() and (docs[total:] == rows).all()
+    assert docs[:total].tolist() == [r for r, n in enumerate(lengths) for _ in range(min(n, seq))]
+    back = packing.unpack(micro.target.float(), micro)
+    keep = torch.arange(seq)[None] < real[:, None]
+    assert (back[keep] == target[keep].float()).all() and (back[~keep] == 0).all()
