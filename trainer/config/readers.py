@@ -25,6 +25,7 @@ from trainer.config.checks import READ_BY
 from trainer.config.compose import CONF_DIR
 from trainer.config.schema import SCHEMAS, Config, _kind
 from trainer.errors import ConfigError
+from trainjob import runtimes
 
 EVERY = None  # a key every option of its group reads
 
@@ -67,11 +68,13 @@ def table() -> dict[str, tuple[str, tuple[str, ...]]]:
         every = options(group)
         for key, readers in _fields(schema, f"{group}.", EVERY).items():
             rows[key] = (group, every if readers is EVERY else tuple(readers))
-    launcher_keys: dict[str, list[str]] = {}
-    for name, schema in LAUNCHER_SCHEMAS.items():
-        for key in _fields(schema, "launcher.", EVERY):
-            launcher_keys.setdefault(key, []).append(name)
-    rows.update({key: ("launcher", tuple(names)) for key, names in launcher_keys.items()})
+    # The launchers' and the runtimes' keys: each read by the options whose own schema has it.
+    for group, own in (("launcher", LAUNCHER_SCHEMAS), ("runtime", runtimes.schemas())):
+        keys: dict[str, list[str]] = {}
+        for name, schema in own.items():
+            for key in _fields(schema, f"{group}.", EVERY):
+                keys.setdefault(key, []).append(name)
+        rows.update({key: (group, tuple(names)) for key, names in keys.items()})
     return rows
 
 
@@ -94,7 +97,7 @@ def _readers_of(key: str) -> tuple[str, tuple[str, ...]] | None:
 def unread(key: str, chosen: Mapping[str, str | None]) -> str | None:
     """Why the options `chosen` (group -> option, None where the group has none) never read `key`, naming the
     options that do; None where the chosen option reads it, or `key` is no section's."""
-    row = _readers_of(key)
+    row = _readers_of(key) if "." in key else None  # a bare group name is its option's choice, not a key
     if row is None:
         return None
     group, readers = row

@@ -37,7 +37,7 @@ AGENT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1
 
 @dataclass
 class MPIConfig:
-    name: str = "mpi"
+    name: str = "mpi"  # the runtime chosen (mpi: OpenMPI's mpirun starts the ranks)
     # null: the GPU count on this machine, or 2 without GPUs (Kubeflow's numProcPerNode: the hostfile's slots).
     nproc_per_node: int | None = None
     # A node count: MPI jobs are fixed-size.

@@ -28,7 +28,7 @@ ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=
 class TorchDistributedConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
     POSITIVE: ClassVar[tuple[str, ...]] = ("last_call_timeout", "rdzv_timeout", "monitor_interval")
-    name: str = "torch-distributed"
+    name: str = "torch-distributed"  # the runtime chosen (torch-distributed: torchrun starts the ranks)
     # null: the GPU count on this machine, or 2 without GPUs.
     nproc_per_node: int | None = None
     # N nodes, or MIN:MAX for an elastic job (torchrun's elastic rendezvous: it goes on when nodes are lost, down
