@@ -103,6 +103,7 @@ def damage(path: str) -> str | None:
             return f"its shard {name} is missing"
         if os.path.getsize(shard) < end:
             return f"its shard {name} is truncated ({os.path.getsize(shard)} of {end} bytes)"
+    checkpoint_files.notice_unverifiable(path)  # only for one that loads: a damaged one gets its one error line
     return None
 
 

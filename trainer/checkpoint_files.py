@@ -140,18 +140,23 @@ def _file_problem(directory: str, name: str, entry: dict) -> str | None:
     return None
 
 
+def notice_unverifiable(directory: str) -> None:
+    """Once per process: say that checkpoint `directory`, loadable but written before manifests, cannot be
+    verified."""
+    if directory not in _noticed and not has_manifest(directory):
+        _noticed.add(directory)
+        log.warning(
+            "checkpoint %s has no %s (written before checkpoints recorded their files): it cannot be verified",
+            directory,
+            MANIFEST,
+        )
+
+
 def problem(directory: str) -> str | None:
     """What is wrong with the files of checkpoint `directory` against its manifest, or None when each is as
-    written. None too for a checkpoint without a manifest (written before them), after a one-line notice."""
+    written. None too for a checkpoint without a manifest (written before them): see `notice_unverifiable`."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
-        if directory not in _noticed:
-            _noticed.add(directory)
-            log.warning(
-                "checkpoint %s has no %s (written before checkpoints recorded their files): it cannot be verified",
-                directory,
-                MANIFEST,
-            )
         return None
     try:
         with open(path) as f:
