@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -144,3 +146,41 @@ def read_metrics(run_dir: str) -> list[dict]:
 def read_summary(run_dir: str) -> dict:
     with open(RunDir.of(run_dir).summary) as f:
         return json.load(f)
+
+
+def rank_pids(config_path: str) -> list[int]:
+    """The pids of the ranks that train from `config_path`: python processes whose module (`-m`) is
+    trainer.worker, whatever started them (torchrun's agent, whose own module is launchers.torchrun, or mpirun)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (os.path.basename(args[0]).startswith(b"python") and b"-m" in args[:-1]
+                and args[args.index(b"-m") + 1] == b"trainer.worker" and config_path.encode() in args):
+            pids.append(int(pid))
+    return sorted(pids)
+
+
+def kill_a_rank_at_first_checkpoint(args: list[str], run_dir, cache_dir: str, first_step: int,
+                                    timeout: float) -> tuple[int, str]:
+    """Run `python -m trainer *args` into `run_dir`, SIGKILL its second rank once checkpoint `first_step` is
+    written, and return the driver's exit code and output (within `timeout` seconds of the kill)."""
+    driver = subprocess.Popen([sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
+                              env={**os.environ, "TRAINJOB_CACHE": cache_dir}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        first = run_dir / "checkpoints" / f"step-{first_step}" / ".metadata"
+        deadline = time.time() + 240
+        while not first.exists() and driver.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        victims = rank_pids(str(run_dir / "config.yaml"))
+        assert len(victims) == 2, victims
+        os.kill(victims[1], signal.SIGKILL)
+        out, _ = driver.communicate(timeout=timeout)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    return driver.returncode, out

@@ -361,6 +361,13 @@ def _drive() -> None:
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    # `--cfg job` prints the config without running the app: an override it would show but no option reads is
+    # refused here, as a run would refuse it.
+    if any(a in ("-c", "--cfg") or a.startswith("--cfg=") for a in sys.argv[1:]):
+        unread = readers.explain(sys.argv[1:])
+        if unread:
+            print(f"error: {unread}", file=sys.stderr)
+            raise SystemExit(2)
     # Until the job starts, Hydra's errors (a bad override) come here rather than as its several lines.
     _FULL_ERROR_SET = FULL_ERROR_ENV not in os.environ
     if _FULL_ERROR_SET:

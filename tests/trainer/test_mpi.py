@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.conftest import DIST, REFERENCE, TINY, read_metrics, read_summary
+from tests.conftest import DIST, REFERENCE, TINY, kill_a_rank_at_first_checkpoint, rank_pids, read_metrics, read_summary
 
 pytestmark = pytest.mark.slow
 
@@ -58,20 +54,6 @@ def test_mpi_fsdp2_gives_torchruns_losses_and_tp_and_fsdp2_tp_run(run_cli, tmp_p
         assert summary["steps"] == 3 and summary["world_size"] == 2 and summary["strategy"] == strategy
 
 
-def _ranks(config_path: str) -> list[int]:
-    """The pids of the ranks (not mpirun) that train from `config_path`."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"trainer.worker" in args and config_path.encode() in args and b"mpirun" not in args[0]:
-            pids.append(int(pid))
-    return sorted(pids)
-
-
 @pytest.mark.e2e  # three runs of 24 steps on two ranks
 def test_a_killed_rank_ends_the_job_with_its_exit_code_and_the_relaunch_ends_at_the_same_loss(
         run_cli, tmp_path, cache_dir):
@@ -82,25 +64,11 @@ def test_a_killed_rank_ends_the_job_with_its_exit_code_and_the_relaunch_ends_at_
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     run_dir = tmp_path / "killed"
-    driver = subprocess.Popen([sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                              env={**os.environ, "TRAINJOB_CACHE": cache_dir}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        first = run_dir / "checkpoints" / "step-8" / ".metadata"
-        deadline = time.time() + 240
-        while not first.exists() and driver.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        victims = _ranks(str(run_dir / "config.yaml"))
-        assert len(victims) == 2, victims
-        os.kill(victims[1], signal.SIGKILL)
-        out, _ = driver.communicate(timeout=120)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
+    code, out = kill_a_rank_at_first_checkpoint(args, run_dir, cache_dir, first_step=8, timeout=120)
     # mpirun stops the job, its exit code the killed rank's (128 + SIGKILL); the driver says so, and fails.
-    assert driver.returncode == 1, out[-3000:]
+    assert code == 1, out[-3000:]
     assert "exited on signal 9" in out and "with exit code 137" in out, out[-3000:]
-    assert not _ranks(str(run_dir / "config.yaml"))  # nothing left running
+    assert not rank_pids(str(run_dir / "config.yaml"))  # nothing left running
 
     again = run_cli(*args, f"hydra.run.dir={run_dir}")
     assert again.returncode == 0, again.stderr[-3000:]

@@ -53,6 +53,9 @@ REFUSED = [
     (["trian.max_steps=1"], "trian.max_steps=1: there is no section trian; did you mean train?"),
     (["data=parket"], "data='parket': no such option; did you mean data=parquet? data has chat, parquet, preference, "
      "prompts, stdlib"),
+    (["data.path=/nonexistent", "--cfg", "job"],  # printing the config refuses what a run would
+     "data.path='/nonexistent': data=stdlib reads no path; data=parquet, chat, preference or prompts do"),
+    (["train.max_step=1", "--cfg=job"], "train.max_step=1: train has no key max_step; did you mean train.max_steps?"),
     (["-m", "recipe.beta=0.2,0.3"], "sweep job 0 (recipe.beta=0.2), before any job ran: invalid config: "
      "recipe.beta=0.2: recipe=pretrain reads no beta"),
 ]

@@ -6,15 +6,9 @@ All of it runs real torchrun processes with gloo collectives on the CPU.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.conftest import DIST, REFERENCE, TINY, read_metrics, read_summary
+from tests.conftest import DIST, REFERENCE, TINY, kill_a_rank_at_first_checkpoint, read_metrics, read_summary
 
 pytestmark = pytest.mark.slow
 
@@ -88,21 +82,6 @@ def test_checkpoint_from_fsdp2_on_two_ranks_resumes_under_ddp_on_one(run_cli, tm
                                                                                   rel=RTOL)
 
 
-def _worker_pids(config_path: str) -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"trainer.worker" in args and config_path.encode() in args and b"launchers.torchrun" not in args:
-            pids.append(int(pid))
-    return sorted(pids)
-
-
 def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_no_batch_lost_or_repeated(
         run_cli, tmp_path, cache_dir):
     steps = 24
@@ -112,23 +91,9 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_no_batch_lost_o
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     run_dir = tmp_path / "killed"
-    driver = subprocess.Popen([sys.executable, "-m", "trainer", *args, "runtime.max_restarts=1",
-                               f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                              env={**os.environ, "TRAINJOB_CACHE": cache_dir}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        first = run_dir / "checkpoints" / "step-8" / ".metadata"
-        deadline = time.time() + 240
-        while not first.exists() and driver.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        victims = _worker_pids(str(run_dir / "config.yaml"))
-        assert len(victims) == 2, victims
-        os.kill(victims[1], signal.SIGKILL)
-        out, _ = driver.communicate(timeout=300)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-    assert driver.returncode == 0, out[-3000:]
+    code, out = kill_a_rank_at_first_checkpoint([*args, "runtime.max_restarts=1"], run_dir, cache_dir, first_step=8,
+                                                timeout=300)
+    assert code == 0, out[-3000:]
     # torchrun saw a worker fail (the killed one, or its peer whose collective broke) and restarted both.
     assert "failed (exitcode" in out and "resumed from" in out, out[-3000:]
 
