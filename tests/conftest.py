@@ -120,13 +120,15 @@ def ddp_reference(tmp_path_factory, cache_dir) -> str:
 
 
 def compose_run(tmp_path, *overrides: str):
-    """A prepared `Run` (validated, resolved, saved under tmp_path/run) for `python -m trainer *overrides`."""
+    """A prepared `Run` (validated, resolved, saved under tmp_path/run) for `python -m trainer *overrides`: the
+    keys set there are checked as the command line's are (read by the chosen options)."""
     from trainer.__main__ import prepare_run
+    from trainer.config import readers
     from trainer.config.compose import compose
 
     cfg = compose(overrides)
     cfg.run_dir = str(tmp_path / "run")
-    return prepare_run(cfg)
+    return prepare_run(cfg, readers.given_keys(overrides))
 
 
 def compose_refused(tmp_path, capsys, *overrides: str) -> str:

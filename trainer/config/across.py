@@ -196,9 +196,6 @@ def _recipe(job) -> None:
         require(not (c.endpoints or c.eval_endpoints or c.nodes), "data.cache", "set",
                 f"data={data} is read from its local corpus; cache nodes serve "
                 "token rows of data=stdlib or data=parquet only")
-    packing = job.data.packing
-    require(packing is None or data in ("chat", "preference"), "data.packing", packing,
-            f"batches the padded rows of data=chat and data=preference; data={data} has no padding")
 
 
 def _grpo(job) -> None:

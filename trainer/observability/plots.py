@@ -7,6 +7,7 @@ import logging
 import math
 import os
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
@@ -44,7 +45,8 @@ def _run_config(run_dir: str):
 
 
 def tokens_per_step(run_dir: str) -> int | None:
-    """Tokens one step trains on (global batch x sequence length), from the run's config.yaml."""
+    """Positions one step takes (global batch x sequence length), from the run's config.yaml: the tokens axis of
+    a run whose metrics predate their real-token counts."""
     cfg = _run_config(run_dir)
     try:
         return None if cfg is None else int(cfg.train.global_batch_size) * int(cfg.data.seq_len)
@@ -88,10 +90,30 @@ def _label_axes(ax, values: list[float], label: str = TOKEN_LOSS[0]) -> None:
     ax.set_ylabel(label + (", log scale" if ax.get_yscale() == "log" else ""))
 
 
+def _tokens_seen(records: list[dict], tokens_per_step: int | None):
+    """(step -> real input tokens trained on by then, and back) from the lines' `tokens` (those since the line
+    before; padding never counts), straight on past the last line; a constant `tokens_per_step` for lines
+    without them; None when neither is known."""
+    lines = [r for r in records if "loss" in r]
+    if not lines or any("tokens" not in r for r in lines):
+        return (lambda s: s * tokens_per_step, lambda t: t / tokens_per_step) if tokens_per_step else None
+    steps, seen = [0.0], [0.0]
+    for r in lines:
+        if r["step"] > steps[-1] and r["tokens"] > 0:
+            steps.append(float(r["step"]))
+            seen.append(seen[-1] + r["tokens"])
+    if len(steps) < 2:
+        return None
+    rate = seen[-1] / steps[-1]
+    far = max(steps[-1], 1.0) * 1e6  # past the last line at the run's mean rate, for the axis' margins
+    steps, seen = np.array([*steps, far]), np.array([*seen, seen[-1] + (far - steps[-1]) * rate])
+    return lambda s: np.interp(s, steps, seen), lambda t: np.interp(t, seen, steps)
+
+
 def loss_figure(records: list[dict], tokens_per_step: int | None = None, title: str | None = None,
                 recipe: str | None = None) -> Figure:
-    """Train and eval loss against step, with tokens seen on the top axis when `tokens_per_step` is known; under
-    it, the recipe's own quantity where it has one (RECIPE_AXES)."""
+    """Train and eval loss against step, with the real tokens trained on by then on the top axis (`_tokens_seen`);
+    under it, the recipe's own quantity where it has one (RECIPE_AXES)."""
     loss_label, extra = RECIPE_AXES.get(recipe or "", TOKEN_LOSS)
     extra_steps, extra_values = _series(records, extra[0]) if extra else ([], [])
     fig = Figure(figsize=(8, 7 if extra_values else 5), dpi=110)
@@ -103,8 +125,9 @@ def loss_figure(records: list[dict], tokens_per_step: int | None = None, title: 
     _plot(ax, eval_steps, evals, label="eval loss", color="tab:orange")
     _step_axis(ax, train_steps + eval_steps)
     _label_axes(ax, train + evals, loss_label)
-    if tokens_per_step:
-        top = ax.secondary_xaxis("top", functions=(lambda s: s * tokens_per_step, lambda t: t / tokens_per_step))
+    tokens = _tokens_seen(records, tokens_per_step)
+    if tokens:
+        top = ax.secondary_xaxis("top", functions=tokens)
         top.set_xlabel("tokens")
         top.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.2M
     ax.grid(True, which="both", alpha=0.3)

@@ -159,8 +159,23 @@ def test_loss_png_is_drawn_from_the_runs_own_numbers(resumed):
     ]
     assert ax.get_xlabel() == "step" and ax.get_ylabel().startswith("loss")
     (tokens,) = ax.child_axes
-    assert tokens.get_xlabel() == "tokens" and plots.tokens_per_step(run_dir) == 8 * 32
-    assert tokens.get_xlim() == pytest.approx([x * 8 * 32 for x in ax.get_xlim()])
+    assert tokens.get_xlabel() == "tokens" and all(r["tokens"] == 8 * 32 for r in records)  # no padding
+    low, high = ax.get_xlim()
+    assert tokens.get_xlim() == pytest.approx([max(low, 0) * 8 * 32, high * 8 * 32])
+
+
+def test_the_tokens_axis_counts_the_real_tokens_of_each_line_not_batch_times_length():
+    """Rows of different lengths: the tokens trained on by a step are the sum of its lines' real tokens, padding
+    left out; a run whose lines predate the counts falls back to the config's positions per step."""
+    records = [{"step": 2, "loss": 3.0, "tokens": 100}, {"step": 4, "loss": 2.5, "tokens": 300},
+               {"step": 6, "loss": 2.0, "tokens": 200}]
+    forward, inverse = plots._tokens_seen(records, tokens_per_step=999)
+    assert [float(forward(s)) for s in (0, 1, 2, 4, 5, 6)] == [0, 50, 100, 400, 500, 600]
+    assert float(forward(8)) == pytest.approx(800)  # on at the run's mean rate past the last line
+    assert [float(inverse(t)) for t in (100, 400, 600)] == [2, 4, 6]
+    old_forward, _ = plots._tokens_seen([{"step": 1, "loss": 3.0}], tokens_per_step=256)
+    assert old_forward(3) == 768
+    assert plots._tokens_seen([{"step": 1, "loss": 3.0}], tokens_per_step=None) is None
 
 
 @pytest.mark.timeout(120)
