@@ -31,7 +31,8 @@ def test_every_runtime_is_one_module_whose_name_is_its_runtime_and_whose_yaml_ex
         unit = runtimes.get(name)
         assert unit.name == name and unit.schema().name == name
         assert (conf / f"{name}.yaml").read_text().count(f"runtime_schema_{name}@_here_") == 1
-    with pytest.raises(OptionError, match="runtime.name='jax': must be one of torch-distributed, mpi, deepspeed-distributed"):
+    with pytest.raises(OptionError, match="runtime.name='jax': must be one of torch-distributed, mpi, "
+                                          "deepspeed-distributed"):
         runtimes.get("jax")
 
 
