@@ -36,13 +36,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer import checkpoint_files
+from trainer.config.train import DEEPSPEED_FILE
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# What marks a checkpoint that DeepSpeed wrote (strategy=deepspeed: `trainer.parallel.deepspeed`): its model's
-# parameter shapes and data order, written last; DCP's is its .metadata.
-DEEPSPEED_FILE = "deepspeed.json"
+
 
 
 def _steps(root: str) -> list[tuple[int, str]]:

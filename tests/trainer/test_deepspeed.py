@@ -34,9 +34,10 @@ def runs(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("deepspeed")
 
     @functools.cache
-    def run(stage: int | None) -> str:
-        run_dir = root / f"zero-{stage}"
-        extra = [] if stage is None else [*DEEPSPEED, f"strategy.zero_stage={stage}"]
+    def run(stage: int | None, offload: str = "none") -> str:
+        run_dir = root / f"zero-{stage}-{offload}"
+        extra = [] if stage is None else [*DEEPSPEED, f"strategy.zero_stage={stage}",
+                                          f"strategy.offload_optimizer={offload}"]
         proc = cli(cache_dir, root, *RUN, *extra, f"hydra.run.dir={run_dir}", timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return str(run_dir)
@@ -44,9 +45,9 @@ def runs(tmp_path_factory, cache_dir):
     return run
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_each_zero_stage_on_two_ranks_gives_one_process_losses(runs, stage):
-    run_dir, single = runs(stage), runs(None)
+@pytest.mark.parametrize(("stage", "offload"), [(1, "none"), (2, "none"), (3, "none"), (2, "cpu")])
+def test_each_zero_stage_on_two_ranks_gives_one_process_losses(runs, stage, offload):
+    run_dir, single = runs(stage, offload), runs(None)
     summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["strategy"] == "deepspeed" and summary["steps"] == STEPS
     assert summary["params"] == read_summary(single)["params"]  # counted whole, before ZeRO partitions them
@@ -68,7 +69,7 @@ def test_deepspeeds_own_checkpoint_resumes_to_the_same_next_losses(runs, run_cli
     assert summary["resumed_from"] == start and summary["steps_this_run"] == STEPS - 10
     assert [m["step"] for m in read_metrics(str(tmp_path / "resumed"))] == list(range(11, STEPS + 1))
     assert _losses(tmp_path / "resumed") == pytest.approx(_losses(whole)[10:], rel=RTOL)
-    verify = run_cli("verify", whole, module="trainer.checkpoint")
+    verify = run_cli("verify", whole, module="trainer.checkpoint")  # the manifest of DeepSpeed's files
     assert verify.returncode == 0 and verify.stdout.count(": whole (") == 2, verify.stdout
 
 
