@@ -36,10 +36,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer import checkpoint_files
+from trainer.config.train import DEEPSPEED_FILE
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
+
 
 
 def _steps(root: str) -> list[tuple[int, str]]:
@@ -80,7 +82,17 @@ def set_aside_damaged(root: str) -> None:
 
 
 def is_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ".metadata"))
+    return os.path.isfile(os.path.join(path, ".metadata")) or is_deepspeed(path)
+
+
+def is_deepspeed(path: str) -> bool:
+    """Whether checkpoint `path` is DeepSpeed's (strategy=deepspeed)."""
+    return os.path.isfile(os.path.join(path, DEEPSPEED_FILE))
+
+
+def _deepspeed_record(path: str) -> dict:
+    with open(os.path.join(path, DEEPSPEED_FILE)) as f:
+        return json.load(f)
 
 
 def damage(path: str) -> str | None:
@@ -88,7 +100,7 @@ def damage(path: str) -> str | None:
     (`checkpoint_files.problem`: missing, another size, other bytes), its .metadata does not unpickle, or a shard
     file is missing or shorter than the metadata says (cut short by a full disk or a copy)."""
     problem = checkpoint_files.problem(path)
-    if problem:
+    if problem or is_deepspeed(path):  # DeepSpeed's files are known by its manifest alone
         return problem
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
@@ -153,11 +165,20 @@ def check_model(path: str, model_cfg, key: str, value) -> None:
     from trainer import models
 
     with torch.device("meta"):
-        wanted = {name: tuple(t.shape) for name, t in models.build(model_cfg).state_dict().items()}
+        built = models.build(model_cfg)
+    if is_deepspeed(path):  # its parameters' shapes, as recorded
+        wanted = {name: tuple(p.shape) for name, p in built.named_parameters()}
+        saved = {k: tuple(v) for k, v in _deepspeed_record(path)["model"].items() if ".lora_" not in k}
+        return _same_tensors(path, saved, wanted, key, value)
+    wanted = {name: tuple(t.shape) for name, t in built.state_dict().items()}
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # LoRA adapters (peft=lora) come on top of the model's own tensors; DCP checks them when loading.
     saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata) and ".lora_" not in k}
+    _same_tensors(path, saved, wanted, key, value)
+
+
+def _same_tensors(path: str, saved: dict, wanted: dict, key: str, value) -> None:
     for name in sorted(saved.keys() | wanted.keys()):
         if saved.get(name) != wanted.get(name):
             raise ConfigError(key, value, f"the checkpoint {path} holds model tensor {name} of shape "
@@ -182,9 +203,12 @@ def check_data_order(path: str, cfg) -> None:
 
     wanted = data_order(cfg)
     saved = {"train": {"data": {k: -1 for k in wanted}}}
-    with warnings.catch_warnings():  # that it reads in this process alone, which is the intent
-        warnings.simplefilter("ignore")
-        dcp.load(saved, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    if is_deepspeed(path):
+        saved["train"]["data"].update(_deepspeed_record(path)["data"])
+    else:
+        with warnings.catch_warnings():  # that it reads in this process alone, which is the intent
+            warnings.simplefilter("ignore")
+            dcp.load(saved, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     for name, value in saved["train"]["data"].items():
         if value != -1 and value != wanted[name]:
             key = _ORDER_KEYS[name]
@@ -264,11 +288,23 @@ def _failed(error: BaseException, root: str, step: int) -> NoReturn:
 def _complete(root: str, step: int, keep_latest_k: int, writer: dcp.FileSystemWriter) -> str:
     """Every rank has written its part of checkpoint `step` (with `writer`): write its manifest, rename it whole,
     keep the newest `keep_latest_k`."""
+    return complete(root, step, keep_latest_k, checkpoint_files.write_manifest
+                    if isinstance(writer, checkpoint_files.HashingWriter) else None)
+
+
+def temporary(root: str, step: int) -> str:
+    """Where checkpoint `step` is written before it is whole."""
+    return _paths(root, step)[0]
+
+
+def complete(root: str, step: int, keep_latest_k: int, manifest=None) -> str:
+    """Every rank has written its part of checkpoint `step`: rank 0 writes its manifest (`manifest(directory)`,
+    where one is kept), renames it whole and keeps the newest `keep_latest_k`."""
     tmp, final = _paths(root, step)
     dist.barrier()
     if dist.get_rank() == 0:
-        if isinstance(writer, checkpoint_files.HashingWriter):
-            checkpoint_files.write_manifest(tmp)  # last, once every rank's files are closed
+        if manifest is not None and HASH_FILES:
+            manifest(tmp)  # last, once every rank's files are closed
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         # One line per directory (set_aside_later), so the lowest steps are the oldest checkpoints.
@@ -364,11 +400,13 @@ class Checkpointer:
     """Decides when this run saves (every `train.checkpoint_every` steps and at the last step) and saves the
     model, the optimizer and the train state `train_state()` gives into `root`."""
 
-    def __init__(self, root: str, train_cfg, model, optimizer, train_state, device: torch.device):
+    def __init__(self, root: str, train_cfg, model, optimizer, train_state, device: torch.device, writer=None):
         self.root, self.every, self.last, self.keep = root, train_cfg.checkpoint_every, train_cfg.max_steps, \
             train_cfg.keep_latest_k
         self.model, self.optimizer, self.train_state, self.device = model, optimizer, train_state, device
         self.background = AsyncSaver(device) if train_cfg.checkpoint_async else None
+        # Another engine's own save (strategy=deepspeed): writer(root, step, train_state, keep_latest_k) -> path.
+        self.writer = writer
 
     def step(self, step: int) -> str | None:
         """Step `step` is done: save it when due (every rank calls this); the checkpoint written, if any."""
@@ -379,6 +417,8 @@ class Checkpointer:
     def save(self, step: int) -> str:
         """Save step `step` now, due or not (every rank calls this). With train.checkpoint_async, the write goes on
         in the background: the path is where it will be once `wait` has completed it."""
+        if self.writer is not None:
+            return self.writer(self.root, step, self.train_state(), self.keep)
         writer = self.background.save if self.background is not None else save
         return writer(self.root, step, self.model, self.optimizer, self.train_state(), self.keep, self.device)
 

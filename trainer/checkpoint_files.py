@@ -113,19 +113,32 @@ def write_part(directory: str, rank: int, files: dict[str, tuple[int, str]]) -> 
         json.dump({name: {"size": size, HASH: digest} for name, (size, digest) in files.items()}, f)
 
 
-def write_manifest(directory: str) -> None:
-    """Every rank has written its files and its part: gather the parts, add `.metadata`, write the manifest."""
+def write_manifest(directory: str, last: str = ".metadata") -> None:
+    """Every rank has written its files and its part: gather the parts, add `last` (the file that makes it a
+    checkpoint, written last), write the manifest."""
     files = {}
     for part in sorted(glob.glob(os.path.join(glob.escape(directory), _PART.format("*")))):
         with open(part) as f:
             files.update(json.load(f))
         os.remove(part)
-    size, digest = file_hash(os.path.join(directory, ".metadata"))
-    files[".metadata"] = {"size": size, HASH: digest}
+    size, digest = file_hash(os.path.join(directory, last))
+    files[last] = {"size": size, HASH: digest}
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump({"hash": HASH, "files": dict(sorted(files.items()))}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_manifest_of_all(directory: str, last: str) -> None:
+    """A checkpoint whose writer records nothing (DeepSpeed's): hash every file it holds, then `write_manifest`."""
+    files = {}
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name != last and not name.startswith(".manifest"):
+                files[os.path.relpath(path, directory)] = file_hash(path)
+    write_part(directory, 0, files)
+    write_manifest(directory, last)
 
 
 def _file_problem(directory: str, name: str, entry: dict) -> str | None:

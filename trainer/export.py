@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import models
-from trainer.checkpoint import damage
+from trainer.checkpoint import damage, is_checkpoint, is_deepspeed
 from trainer.config.hf_impl import choose
 from trainer.errors import ConfigError
 from trainer.models import hf, hf_transformers, lora, score
@@ -53,11 +53,12 @@ TOKENIZER_FILES = (
 
 def run_config(checkpoint: str) -> DictConfig:
     """The resolved config of the run that wrote `checkpoint` (`<run_dir>/checkpoints/step-<N>`)."""
-    if not os.path.isfile(os.path.join(checkpoint, ".metadata")):
+    if not is_checkpoint(checkpoint):
         raise ConfigError(
             "CHECKPOINT",
             checkpoint,
-            "must be a checkpoint directory such as <run_dir>/checkpoints/step-100 (it holds a .metadata file)",
+            "must be a checkpoint directory such as <run_dir>/checkpoints/step-100 (it holds a .metadata file, or "
+            "DeepSpeed's deepspeed.json)",
         )
     path = RunDir.of(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))).config
     if not os.path.isfile(path):
@@ -89,6 +90,15 @@ def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
             score.attach(model)
         model = lora.apply(model, _peft(cfg))
     model.to_empty(device="cpu")
+    if is_deepspeed(checkpoint):  # strategy=deepspeed: its ZeRO partitions gathered (DeepSpeed's zero_to_fp32)
+        from trainer.parallel import deepspeed
+
+        missing = model.load_state_dict(deepspeed.full_state_dict(checkpoint), strict=False).missing_keys
+        absent = sorted({name for name, _ in model.named_parameters()} & set(missing))
+        if absent:
+            raise ConfigError("CHECKPOINT", checkpoint, f"holds no {absent[0]} of the run's model")
+        model.init_buffers()
+        return model
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -91,6 +91,11 @@ def check(cfg: Config, dims: Degrees) -> Checked:
         if problem:
             raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} cannot be loaded: "
                               f"{problem}; give another")
+        deepspeed = cfg.strategy.data_parallel == "deepspeed"
+        if checkpoint.is_deepspeed(start) != deepspeed:
+            raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} was written by "
+                              f"{'DCP' if deepspeed else 'DeepSpeed'}, which strategy={cfg.strategy.name} does not "
+                              f"load: resume it with {'another strategy' if deepspeed else 'strategy=deepspeed'}")
         checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
         if start != cfg.train.resume:  # going on along this run's line; an explicit train.resume branches anew
             checkpoint.check_data_order(start, cfg)

@@ -23,7 +23,7 @@ from trainer.config import ConfigError, aten_ops, torch_dtype
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
 from trainer.observability import metrics, plots
-from trainer.parallel import ParallelDims
+from trainer.parallel import ParallelDims, deepspeed
 from trainer.recipes.base import Context
 from trainjob.run_files import RunDir, read_summary, write_summary
 
@@ -49,12 +49,18 @@ class Trainer:
         dp_rank, dp_size = dims.data_parallel_rank()
         self.optimizer = optimizer.build_optimizer(cfg.optim, model, cfg.kernels.name)
         self.lr_schedule = optimizer.build_lr_schedule(cfg.lr_schedule, self.optimizer, t.max_steps)
+        self.pipeline = getattr(model, "pipeline", None)  # strategy.pp > 1: the schedule over this rank's stages
+        self.params = {e: self._num_params(e) for e in (False, True)}  # counted before an engine partitions them
+        # strategy=deepspeed: the engine runs the model, the backward and the optimizer's step (ZeRO).
+        self.engine = deepspeed.initialize(model, self.optimizer, cfg, device.type) if dims.deepspeed else None
+        self.model = model = self.engine or model
         self.loss_context = (loss_parallel if parallel.uses_loss_parallel(cfg.strategy, cfg.model.vocab_size, dims)
                              else contextlib.nullcontext)
         bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        self.pipeline = getattr(model, "pipeline", None)  # strategy.pp > 1: the schedule over this rank's stages
-        self.recipe = recipes.build(cfg, model, Context(device, dims, autocast, self.loss_context, self.pipeline))
+        backward = deepspeed.backward(self.engine) if self.engine else torch.Tensor.backward
+        self.recipe = recipes.build(cfg, model, Context(device, dims, autocast, self.loss_context, self.pipeline,
+                                                        backward))
         shard = {"global_batch_size": self.recipe.rows_per_step, "seed": t.seed, "rank": dp_rank,
                  "world_size": dp_size}
         self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
@@ -63,11 +69,13 @@ class Trainer:
         self.step = 0
         self.resumed_from: str | None = None
         self.flops_per_token = metrics.flops_per_token(
-            self._num_params(exclude_embeddings=True), cfg.model.n_layers, cfg.model.n_heads,
+            self.params[True], cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.head_dim or cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
+        writer = None if self.engine is None else lambda root, step, state, keep: deepspeed.save(
+            root, step, self.engine, state, keep, checkpoint.data_order(cfg))
         self.checkpointer = checkpoint.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t, model, self.optimizer,
-                                                    self._train_state, device)
+                                                    self._train_state, device, writer)
 
     def _num_params(self, exclude_embeddings: bool = False) -> int:
         """The whole model's parameter count (under pp, the sum over the pipeline's stages)."""
@@ -87,7 +95,8 @@ class Trainer:
         configured = optimizer.settings(self.optimizer)
         template = self._train_state()  # the data order is checked before (a checkpoint may predate it)
         template["data"] = {k: v for k, v in template["data"].items() if k not in checkpoint.data_order(self.cfg)}
-        state = checkpoint.load(path, self.model, self.optimizer, template, self.device)
+        state = (deepspeed.load(path, self.engine) if self.engine else
+                 checkpoint.load(path, self.model, self.optimizer, template, self.device))
         self.step = int(state["step"])
         seen, batch = int(state["data"]["samples_seen"]), self.cfg.train.global_batch_size
         if self.step and seen != self.step * batch:  # the data position is step x batch: it would move
@@ -109,9 +118,15 @@ class Trainer:
         accum = self.cfg.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(self.recipe.micro_batches(batch, accum)):
-            sync = contextlib.nullcontext() if i == accum - 1 else parallel.no_grad_sync(self.model)
+            last = i == accum - 1 or self.engine is not None  # DeepSpeed knows its accumulation boundary
+            sync = contextlib.nullcontext() if last else parallel.no_grad_sync(self.model)
             with sync, self.loss_context():
                 total += self.recipe.step(micro)
+            if self.engine is not None:  # it counts the micro-batches, and steps (clipping first) after the last
+                self.engine.step()
+        if self.engine is not None:
+            self.lr_schedule.step()
+            return total, deepspeed.grad_norm(self.engine)
         clip = self.cfg.optim.grad_clip
         grad_norm = parallel.clip_grad_norm_(self.model.parameters(), clip if clip else math.inf, self.pipeline)
         self.optimizer.step()
@@ -217,7 +232,7 @@ class Trainer:
             "train_time_s": elapsed,
             "tokens_per_s": tokens / elapsed if steps_run else 0.0,
             "world_size": self.world, "strategy": self.cfg.strategy.name,
-            "params": self._num_params(), "resumed_from": self.resumed_from,
+            "params": self.params[False], "resumed_from": self.resumed_from,
             "peak_memory_gb_per_rank": peaks,
         }
         if self.rank == 0:

@@ -80,3 +80,27 @@ def test_dry_run_prints_the_mpi_trainjob(tmp_path, cache_dir):
     assert [d["kind"] for d in docs] == ["TrainingRuntime", "ConfigMap", "TrainJob"]
     assert docs[0]["spec"]["mlPolicy"]["mpi"]["numProcPerNode"] == 4
     assert not (tmp_path / "run").exists()
+
+
+def test_a_deepspeed_job_derives_its_runtime_from_the_shipped_deepspeed_runtime_and_the_dry_run_prints_it(
+        tmp_path, cache_dir):
+    args = ["launcher=kubernetes", "runtime=deepspeed-distributed", "strategy=deepspeed", "strategy.zero_stage=3",
+            "runtime.nproc_per_node=2", "runtime.nnodes=2", "launcher.run_claim=runs"]
+    proc = subprocess.run([sys.executable, "-m", "trainer", *args, "launcher.dry_run=true",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "TRAINJOB_CACHE": cache_dir}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert [d["kind"] for d in docs] == ["TrainingRuntime", "ConfigMap", "TrainJob"]
+    runtime, config, trainjob = docs
+    for m in (runtime, trainjob):
+        crds.validate(m)
+    assert runtime["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "deepspeed"
+    assert runtime["spec"]["mlPolicy"]["mpi"]["numProcPerNode"] == 2 and trainjob["spec"]["trainer"]["numNodes"] == 2
+    assert trainjob["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
+    assert trainjob["spec"]["trainer"]["command"][0] == "mpirun"
+    assert "zero_stage: 3" in next(iter(config["data"].values()))
+    run = compose_run(tmp_path / "c", *args)
+    from launchers.kubernetes.manifests import cluster_runtime
+
+    assert cluster_runtime(run.spec, run.launcher) == _shipped("deepspeed-distributed")["metadata"]["name"]

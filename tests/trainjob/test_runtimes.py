@@ -31,7 +31,8 @@ def test_every_runtime_is_one_module_whose_name_is_its_runtime_and_whose_yaml_ex
         unit = runtimes.get(name)
         assert unit.name == name and unit.schema().name == name
         assert (conf / f"{name}.yaml").read_text().count(f"runtime_schema_{name}@_here_") == 1
-    with pytest.raises(OptionError, match="runtime.name='jax': must be one of torch-distributed, mpi"):
+    with pytest.raises(OptionError, match="runtime.name='jax': must be one of torch-distributed, mpi, "
+                                          "deepspeed-distributed"):
         runtimes.get("jax")
 
 
@@ -110,3 +111,17 @@ def test_a_missing_mpirun_is_named_with_the_debian_package_that_holds_it(monkeyp
     monkeypatch.setenv("PATH", "/nonexistent")
     assert runtimes.get("mpi").missing() == ("runtime=mpi needs OpenMPI's mpirun, which is not on PATH: install the "
                                              "Debian package openmpi-bin (apt-get install -y openmpi-bin, as root)")
+
+
+def test_deepspeed_distributed_starts_its_ranks_as_mpi_does_under_kubeflows_deepspeed_runtime(monkeypatch):
+    unit, options = runtimes.get("deepspeed-distributed"), _options("deepspeed-distributed", master_port=29511)
+    nodes = Nodes(WORKER, python="py", nproc_per_node=2)
+    assert unit.node_command(options, nodes) == runtimes.get("mpi").node_command(options, nodes)
+    assert unit.kubeflow_command(options, nodes) == runtimes.get("mpi").kubeflow_command(options, nodes)
+    assert unit.rank_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "h"})["RANK"] == "1"
+    assert (unit.runtime_ref, unit.framework, unit.strategies, unit.owns) == (
+        "deepspeed-distributed", "deepspeed", ("deepspeed",), ("deepspeed",))
+    assert unit.ml_policy(options, 2, 4)["mpi"]["numProcPerNode"] == 4
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert unit.missing() == ("runtime=deepspeed-distributed needs the deepspeed package, which is not installed: "
+                              "install trainjob's deepspeed extra (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')")

@@ -17,6 +17,7 @@ from trainer.config.strategy import MULTI_STAGE_SCHEDULES
 from trainer.config.tracker import require_tracker_package
 from trainer.errors import ConfigError
 from trainer.families import BY_NAME
+from trainjob import runtimes
 from trainjob.run_files import RunDir
 
 
@@ -87,8 +88,26 @@ def _model_and_data(job, offers) -> None:
             f"{job.launcher.name}), or data.cache.backend=trainjob")
 
 
+def _strategy_runtime(job) -> None:
+    """A strategy that one runtime owns runs under it alone, and a runtime that runs only some strategies runs
+    no other (strategy=deepspeed and runtime=deepspeed-distributed: `Runtime.owns`, `Runtime.strategies`, each
+    naming strategy.data_parallel values)."""
+    s, r = job.strategy, job.runtime
+    owners = [name for name in runtimes.NAMES if s.data_parallel in runtimes.get(name).owns]
+    name = r.name if r is not None else None
+    if owners:
+        require(name in owners, "strategy", s.name, f"strategy.data_parallel={s.data_parallel} runs under "
+                f"runtime={owners[0]} only (runtime is {name or 'null'}): add runtime={owners[0]}")
+    require(s.data_parallel != "deepspeed" or not job.train.checkpoint_async, "train.checkpoint_async", True,
+            "strategy=deepspeed saves with DeepSpeed's own save_checkpoint, which writes in the step: give false")
+    allowed = runtime.unit(r).strategies if r is not None else None
+    require(allowed is None or s.data_parallel in allowed, "strategy", s.name, f"runtime={name} runs "
+            f"strategy.data_parallel={' or '.join(allowed or ())} only: add strategy={(allowed or ('',))[0]}")
+
+
 def _runtime(job, shape: JobShape, gpus: int) -> None:
     r, counts, offers = job.runtime, shape.counts, shape.offers
+    _strategy_runtime(job)
     if r is None:
         return
     if offers.runs_here:  # what the runtime's agent needs on this machine (mpirun, ...)

@@ -72,6 +72,11 @@ class Degrees:
         return self.data_parallel == "fsdp" and self.dp_size > 1
 
     @property
+    def deepspeed(self) -> bool:
+        """The DeepSpeed engine (ZeRO) holds the model over the data-parallel ranks (strategy=deepspeed)."""
+        return self.data_parallel == "deepspeed"
+
+    @property
     def ddp(self) -> bool:
         """DistributedDataParallel averages the gradients of whole copies over dp_replicate."""
         return self.data_parallel == "ddp" and self.dp_replicate > 1

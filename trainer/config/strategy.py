@@ -8,11 +8,13 @@ from typing import ClassVar
 
 from omegaconf import MISSING
 
-from trainer.config.checks import one_of, require
+from trainer.config.checks import one_of, read_by, require
 from trainer.config.precision import AUTO, DTYPES
 
 AC_MODES = ("none", "full", "selective")
-DATA_PARALLEL = ("fsdp", "ddp")
+DATA_PARALLEL = ("fsdp", "ddp", "deepspeed")
+ZERO_STAGES = (1, 2, 3)
+OFFLOAD = ("none", "cpu")
 # Pipeline schedules (torch.distributed.pipelining): one stage per rank, or several (interleaved).
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b",)
@@ -42,9 +44,15 @@ class StrategyConfig:
     pp_stages_per_rank: int | None = None
     # The first block of each stage but the first (stages - 1 increasing block indices); empty: an even split.
     pp_split_points: list[int] = field(default_factory=list)
-    # How data-parallel ranks hold the model: fsdp (FSDP2 over dp_shard, HSDP over dp_replicate x dp_shard)
-    # or ddp (a whole, plain copy per rank: DistributedDataParallel over dp_replicate; no dp_shard, no tp).
+    # How data-parallel ranks hold the model: fsdp (FSDP2 over dp_shard, HSDP over dp_replicate x dp_shard),
+    # ddp (a whole, plain copy per rank: DistributedDataParallel over dp_replicate; no dp_shard, no tp) or
+    # deepspeed (the DeepSpeed engine's ZeRO over dp_replicate, under runtime=deepspeed-distributed).
     data_parallel: str = "fsdp"
+    # deepspeed: ZeRO's stage: 1 partitions the optimizer's state over the ranks, 2 the gradients too, 3 the
+    # parameters too (gathered for each layer's forward and backward).
+    zero_stage: int = read_by("deepspeed", default=1)
+    # deepspeed: none, or cpu (the optimizer's state and step in CPU memory: ZeRO-Offload).
+    offload_optimizer: str = read_by("deepspeed", default="none")
     # ddp
     bucket_cap_mb: int = 25
     # fsdp (auto: bf16 parameters on CUDA, fp32 on CPU; gradients reduced in reduce_dtype)
@@ -62,12 +70,17 @@ class StrategyConfig:
         one_of("strategy.activation_checkpointing", self.activation_checkpointing, AC_MODES)
         one_of("strategy.param_dtype", self.param_dtype, (AUTO, *DTYPES))
         one_of("strategy.reduce_dtype", self.reduce_dtype, DTYPES)
+        require(self.zero_stage in ZERO_STAGES, "strategy.zero_stage", self.zero_stage,
+                "must be 1, 2 or 3 (ZeRO's stages: the optimizer's state, the gradients too, the parameters too)")
+        one_of("strategy.offload_optimizer", self.offload_optimizer, OFFLOAD)
         self._check_pipeline()
-        if self.data_parallel == "ddp":
+        if self.data_parallel in ("ddp", "deepspeed"):
+            holds = {"ddp": "a whole, plain copy of the model on every rank",
+                     "deepspeed": "the model in the DeepSpeed engine, which partitions it by strategy.zero_stage"}
             for name in ("dp_shard", "tp"):
                 require(getattr(self, name) == 1, f"strategy.{name}", getattr(self, name),
                         f"strategy={self.name} uses only strategy.dp_replicate; this must be 1 "
-                        "(strategy.data_parallel=ddp keeps a whole, plain copy of the model on every rank)")
+                        f"(strategy.data_parallel={self.data_parallel} keeps {holds[self.data_parallel]})")
 
     def _check_pipeline(self) -> None:
         one_of("strategy.pp_schedule", self.pp_schedule, PP_SCHEDULES)
@@ -82,9 +95,10 @@ class StrategyConfig:
             require(stages in (None, 1), "strategy.pp_stages_per_rank", stages,
                     f"strategy.pp_schedule={self.pp_schedule} runs one stage per rank: must be 1 (or use "
                     "strategy.pp_schedule=interleaved_1f1b)")
-        if self.data_parallel == "ddp":
-            require(self.pp == 1, "strategy.pp", self.pp, f"strategy={self.name} (data_parallel=ddp) does not "
-                    "compose with pipeline parallelism: use strategy=fsdp2_pp, or strategy=pp")
+        if self.data_parallel in ("ddp", "deepspeed"):
+            require(self.pp == 1, "strategy.pp", self.pp, f"strategy={self.name} (data_parallel="
+                    f"{self.data_parallel}) does not compose with pipeline parallelism: use strategy=fsdp2_pp, or "
+                    "strategy=pp")
 
     def stages_per_rank(self) -> int:
         """How many pipeline stages each rank runs."""

@@ -15,6 +15,11 @@ from trainer.config.precision import AUTO, DTYPES
 QAT_SCHEMES = ("none", "int8_dynamic_act_int4_weight")
 
 
+# What marks a checkpoint that DeepSpeed wrote (strategy=deepspeed: `trainer.parallel.deepspeed`): its model's
+# parameter shapes and data order, written last; DCP's is its .metadata.
+DEEPSPEED_FILE = "deepspeed.json"
+
+
 @dataclass
 class TrainConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
@@ -52,9 +57,9 @@ class TrainConfig:
         one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
         require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
         if self.resume not in ("auto", "never"):
-            require(os.path.isfile(os.path.join(self.resume, ".metadata")), "train.resume", self.resume,
-                    "must be auto, never, or a checkpoint directory (such as <run_dir>/checkpoints/step-100, "
-                    "which holds a .metadata file)")
+            require(any(os.path.isfile(os.path.join(self.resume, f)) for f in (".metadata", DEEPSPEED_FILE)),
+                    "train.resume", self.resume, "must be auto, never, or a checkpoint directory (such as "
+                    f"<run_dir>/checkpoints/step-100, which holds a .metadata file, or DeepSpeed's {DEEPSPEED_FILE})")
         one_of("train.qat", self.qat, QAT_SCHEMES)
         if self.qat != "none":
             require(self.qat_group_size > 0, "train.qat_group_size", self.qat_group_size, "must be > 0")

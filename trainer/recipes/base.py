@@ -26,6 +26,8 @@ class Context:
     autocast: contextlib.AbstractContextManager  # bf16 autocast, or nothing (reusable)
     loss_context: Callable[[], contextlib.AbstractContextManager]  # loss parallelism under tp, else nothing
     pipeline: Any = None  # strategy.pp > 1: the `trainer.parallel.pipeline.Pipeline` that runs the model's stages
+    # A micro-batch loss's backward: the tensor's own, or the DeepSpeed engine's (strategy=deepspeed).
+    backward: Callable[[torch.Tensor], Any] = torch.Tensor.backward
 
 
 class Recipe(abc.ABC):
@@ -64,7 +66,7 @@ class Recipe(abc.ABC):
     def step(self, micro) -> torch.Tensor:
         """A micro-batch's forward and backward (the loop holds `loss_context()`); its part of the loss, detached."""
         loss = self.loss(micro)
-        loss.backward()
+        self.ctx.backward(loss)
         return local(loss.detach())
 
     @abc.abstractmethod

@@ -68,7 +68,7 @@ class Pretrain(Recipe):
             return self.ctx.pipeline.run(tokens[:, :-1], target, documents, scale, backward)
         loss = self.loss((tokens, target, documents, scale))
         if backward:
-            loss.backward()
+            self.ctx.backward(loss)
         return local(loss.detach())
 
     def eval_loss(self, batch: dict) -> torch.Tensor:

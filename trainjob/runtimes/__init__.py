@@ -4,6 +4,7 @@ ranks start on its nodes and find each other (`base.Runtime`). Adding one is a m
 
 torch_distributed   torchrun (Kubeflow's torch-distributed)
 mpi                 OpenMPI's mpirun (Kubeflow's MPI plugin)
+deepspeed_distributed   mpirun, the ranks training with DeepSpeed (Kubeflow's deepspeed-distributed)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 from trainjob.options import OptionError
 from trainjob.runtimes.base import Nodes, Offers, Runtime
 
-_MODULES = {"torch-distributed": "torch_distributed", "mpi": "mpi"}
+_MODULES = {"torch-distributed": "torch_distributed", "mpi": "mpi", "deepspeed-distributed": "deepspeed_distributed"}
 NAMES = tuple(_MODULES)
 
 

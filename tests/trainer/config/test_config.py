@@ -70,6 +70,8 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
                  ("strategy", "fsdp2_tp"): distributed,
                  ("strategy", "pp"): distributed,
                  ("strategy", "fsdp2_pp"): distributed,
+                 ("strategy", "deepspeed"): ["runtime=deepspeed-distributed", "runtime.nproc_per_node=2"],
+                 ("runtime", "deepspeed-distributed"): ["strategy=deepspeed"],
                  ("launcher", "docker"): distributed,
                  ("launcher", "kubernetes"): distributed,
                  }.get((group, option), [])
@@ -205,7 +207,7 @@ CLI_BAD = [
     (["optim.lr=abc"], "Value 'abc' of type 'str' could not be converted to Float"),
     (["optim.foo=1"], "invalid config: optim.foo=1: optim has no key foo; optim has betas, eps, grad_clip"),
     (["+optim.foo=1"], "invalid config: optim.foo=1: optim has no key foo; optim has betas, eps, grad_clip"),
-    (["strategy=nope"], "invalid config: strategy='nope': no such option; strategy has ddp, fsdp2, fsdp2_pp"),
+    (["strategy=nope"], "invalid config: strategy='nope': no such option; strategy has ddp, deepspeed, fsdp2"),
     (["train.global_batch_size=10", "train.grad_accum_steps=4"], "must be divisible by data-parallel size"),
     (["strategy=tp"], "strategy=tp needs more than one process"),
 ]

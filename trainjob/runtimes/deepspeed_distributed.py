@@ -1,0 +1,45 @@
+"""`runtime=deepspeed-distributed`: Kubeflow Trainer's DeepSpeed runtime, which is its MPI plugin
+(`mlPolicy.mpi`) under the `deepspeed` framework label: OpenMPI's `mpirun` starts every rank from one launcher,
+as under `runtime=mpi` (the same node command, rank environment and Kubeflow command), and the ranks train
+with the DeepSpeed engine (`strategy=deepspeed`, the one strategy it runs and that runs only here).
+
+It needs mpirun (Debian's openmpi-bin) and the `deepspeed` package (the `deepspeed` extra of trainjob) where it
+starts: without either, the run is refused before anything starts."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import ClassVar
+
+from trainjob.runtimes.mpi import MPI, MPIConfig
+
+# The pip extra that installs the DeepSpeed engine (pyproject.toml), with its compiled ops left out: none is
+# used (the optimizer is torch's), so no compiler is needed.
+INSTALL = "DS_BUILD_OPS=0 pip install -e '.[deepspeed]'"
+
+
+@dataclass
+class DeepSpeedDistributedConfig(MPIConfig):
+    name: str = "deepspeed-distributed"  # the runtime chosen (mpirun starts the ranks; DeepSpeed trains)
+
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+
+
+class DeepSpeedDistributed(MPI):
+    name = "deepspeed-distributed"
+    schema = DeepSpeedDistributedConfig
+    runtime_ref = "deepspeed-distributed"
+    framework = "deepspeed"
+    strategies = ("deepspeed",)
+    owns = ("deepspeed",)
+
+    def missing(self) -> str | None:
+        lacking = super().missing()
+        if lacking is None and importlib.util.find_spec("deepspeed") is None:
+            return (f"runtime={self.name} needs the deepspeed package, which is not installed: install trainjob's "
+                    f"deepspeed extra ({INSTALL})")
+        return lacking
+
+
+RUNTIME = DeepSpeedDistributed()
