@@ -7,6 +7,7 @@ starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -56,9 +57,9 @@ def jax_job(out):
     print(f"process {rank} of {world}: psum {float(total[0]):g}", flush=True)
     if rank == 0:
         with open(out, "w") as f:
+            env = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
             json.dump({"psum": float(total[0]), "w": np.asarray(params["w"][0]).tolist(),
-                       "b": float(params["b"][0]), "env": {k: v for k, v in os.environ.items() if k.startswith("JAX_")}},
-                      f)
+                       "b": float(params["b"][0]), "env": env}, f)
     jax.distributed.shutdown()
 
 
@@ -96,10 +97,13 @@ def mlx_job(out):
     import mlx.core as mx
     import numpy as np
 
-    group = mx.distributed.init(strict=True, backend="mpi")
+    started = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    # strict: no silent world of 1. One rank alone is a singleton group: MLX's MPI backend leaves a world of 1
+    # without MPI_Finalize, which mpirun counts as a failure.
+    group = mx.distributed.init(strict=True, backend="mpi") if started > 1 else mx.distributed.init(backend="ring")
     rank, world = group.rank(), group.size()
-    if world != int(os.environ["OMPI_COMM_WORLD_SIZE"]):
-        raise RuntimeError(f"MPI world of {world}, not {os.environ['OMPI_COMM_WORLD_SIZE']}")
+    if world != started:
+        raise RuntimeError(f"MPI world of {world}, not {started}")
     total = mx.distributed.all_sum(mx.array([rank + 1.0]), group=group)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 3)).astype(np.float32)
@@ -171,3 +175,123 @@ def test_xgboost_on_two_workers_builds_the_one_worker_model(home, tmp_path):
     assert two["env"]["DMLC_TRACKER_URI"] == "127.0.0.1" and two["env"]["DMLC_TRACKER_PORT"].isdigit()
     assert two["trees"] == one["trees"]
     assert max(abs(a - b) for a, b in zip(two["pred"], one["pred"], strict=True)) < 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_mlx_on_two_mpi_ranks_sums_and_trains_as_one(home, tmp_path):
+    pytest.importorskip("mlx.core")
+    lacking = runtimes.get("mlx-distributed").missing()
+    if lacking:  # CI installs libopenmpi-dev (.ci/run): there this runs
+        pytest.skip(lacking)
+    client = Client("local")
+    two = _run(client, mlx_job, tmp_path / "two.json", runtime="mlx-distributed", num_nodes=2)
+    one = _run(client, mlx_job, tmp_path / "one.json", runtime="mlx-distributed", num_nodes=1)
+    assert two["sum"] == 3.0 and one["sum"] == 1.0
+    assert max(abs(a - b) for a, b in zip(two["w"] + two["b"], one["w"] + one["b"], strict=True)) < 1e-5
+    assert abs(two["w"][0] - 1.5) < 0.05
+
+
+def _wheel(folder, name: str, word: str) -> None:
+    """A one-module wheel, `name` 0.1, whose module says `word` (pip installs it from `folder`, no index)."""
+    dist = f"{name}-0.1.dist-info"
+    files = {f"{name}.py": f"WORD = {word!r}\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{p},,\n" for p in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{name}-0.1-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+@pytest.mark.timeout(120)
+def test_packages_to_install_go_into_the_jobs_own_environment_and_a_pip_failure_fails_the_job(home, tmp_path,
+                                                                                              monkeypatch):
+    pytest.importorskip("xgboost")
+    _wheel(tmp_path, "trainjob_probe", "hello")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no network: pip finds the wheel here, and nothing else
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    client = Client("local")
+    ok = client.train(func=uses_package, runtime="xgboost-distributed", num_nodes=2,
+                      packages_to_install=["trainjob_probe"], run_dir=str(tmp_path / "ok"))
+    bad = client.train(func=uses_package, runtime="xgboost-distributed", packages_to_install=["no-such-dist-xyz"],
+                       run_dir=str(tmp_path / "bad"))
+    assert client.wait_for_job_status(ok, status={"Complete", "Failed"}, timeout=90).state == JobState.COMPLETE
+    assert [line for r in (0, 1) for line in client.get_job_logs(ok, rank=r)] == ["probe says hello"] * 2
+    assert (tmp_path / "ok" / "venv" / "bin" / "python").exists()
+    with pytest.raises(ImportError):
+        __import__("trainjob_probe")  # this environment is untouched
+    assert client.wait_for_job_status(bad, status={"Complete", "Failed"}, timeout=90).state == JobState.FAILED
+    said = [line for line in client.get_job_logs(bad) if line.startswith("error:")]
+    assert said == ["error: pip could not install no-such-dist-xyz: Could not find a version that satisfies the "
+                    "requirement no-such-dist-xyz (from versions: none)"]
+
+
+def make_adder(n):
+    def add(x):
+        return x + n
+    return add
+
+
+@pytest.mark.timeout(60)
+def test_bad_function_jobs_are_refused_in_one_line_before_anything_is_written(home, tmp_path):
+    client = Client("local")
+    cases = [
+        (dict(runtime="tensorflow"), "runtime='tensorflow': no such runtime; the runtimes are torch-distributed, mpi, "
+                                     "jax-distributed, xgboost-distributed, mlx-distributed, deepspeed-distributed"),
+        (dict(runtime="jax-distributed", num_nodes=0), "num_nodes=0: must be a whole number >= 1"),
+        (dict(runtime="jax-distributed", packages_to_install="numpy"), "packages_to_install='numpy': must be a list"),
+        (dict(runtime="jax-distributed", resources_per_node={"tpu": 1}), "resources_per_node: tpu: the keys are"),
+        (dict(func=lambda: None, runtime="jax-distributed"), "func=<lambda>: give a function defined with def"),
+        (dict(func=make_adder(1), runtime="jax-distributed"), "func=add: a closure over n, which its source alone"),
+    ]
+    if runtimes.get("deepspeed-distributed").missing():
+        cases.append((dict(runtime="deepspeed-distributed"), "pip install 'trainjob[deepspeed]'"))
+    for i, (kwargs, message) in enumerate(cases):
+        kwargs = {"func": uses_package, **kwargs}
+        with pytest.raises(ValueError, match=None) as e:
+            client.train(run_dir=str(tmp_path / str(i)), **kwargs)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert not (tmp_path / str(i)).exists()
+    refused = subprocess.run([sys.executable, "-m", "trainer", "runtime=jax-distributed"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        "runtime='jax-distributed': runs a user's function, not a trainer run: Client.train(func=..., "
+        "runtime='jax-distributed') or python -m launchers train --runtime jax-distributed script.py")
+
+
+def test_the_runtime_verbs_list_all_six_with_kubeflows_framework_labels(home):
+    client = Client("local")
+    listed = {r.name: r.trainer.framework for r in client.list_runtimes()}
+    assert listed == {"torch-distributed": "torch", "mpi": "mpi", "jax-distributed": "jax",
+                      "xgboost-distributed": "xgboost", "mlx-distributed": "mlx", "deepspeed-distributed": "deepspeed"}
+    jax = client.get_runtime("jax-distributed")
+    assert (jax.trainer.image, jax.trainer.num_nodes, jax.function_only) == ("local", 1, True)
+    k8s = Client("kubernetes").get_runtime("xgboost-distributed")
+    assert k8s.trainer.image == "ghcr.io/kubeflow/trainer/xgboost-runtime"
+    packages = client.get_runtime_packages("xgboost-distributed")
+    assert packages.startswith(f"Python: {sys.version}") and "xgboost" in packages
+    shown = subprocess.run([sys.executable, "-m", "launchers", "runtimes"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert [line.split()[:2] for line in shown.stdout.splitlines()[1:]] == [[n, f] for n, f in listed.items()]
+    one = subprocess.run([sys.executable, "-m", "launchers", "runtimes", "jax-distributed", "--packages"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0 and "framework: jax" in one.stdout and "Python: " in one.stdout, one.stderr
+    bad = subprocess.run([sys.executable, "-m", "launchers", "runtimes", "tensorflow"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: runtime='tensorflow': no such runtime")
+
+
+def test_mlx_without_libmpi_is_refused_naming_the_debian_package(home, tmp_path, monkeypatch):
+    from trainjob.runtimes import mlx_distributed
+
+    monkeypatch.setattr(mlx_distributed, "has_libmpi", lambda: False)
+    lacking = runtimes.get("mlx-distributed").missing()
+    if importlib.util.find_spec("mlx") is not None:
+        assert lacking == ("runtime=mlx-distributed needs OpenMPI's libmpi.so, which MLX loads (without it every rank "
+                           "sees a world of 1): install the Debian package libopenmpi-dev (apt-get install -y "
+                           "libopenmpi-dev, as root)")
+    with pytest.raises(ValueError, match="^runtime=mlx-distributed needs "):
+        Client("local").train(func=uses_package, runtime="mlx-distributed", num_nodes=2, run_dir=str(tmp_path / "r"))
+    assert not (tmp_path / "r").exists()
