@@ -275,8 +275,8 @@ class Client:
             raise ValueError(f"resources_per_node: {', '.join(sorted(unknown))}: the keys are cpu, memory, gpu")
         if self.launcher == "local":
             if job.runtime == "torch-distributed" and job.num_nodes != 1:
-                raise ValueError(f"num_nodes={job.num_nodes}: launcher=local runs one node under torch-distributed (use "
-                                 "nproc_per_node)")
+                raise ValueError(f"num_nodes={job.num_nodes}: launcher=local runs one node under "
+                                 "torch-distributed (use nproc_per_node)")
             lacking = unit.missing()
             if lacking:
                 raise ValueError(lacking)
