@@ -1,10 +1,13 @@
-"""`python -m launchers list|get|logs|wait|delete ...`: the Client's verbs from a terminal.
+"""`python -m launchers list|get|logs|wait|delete|train|runtimes ...`: the Client's verbs from a terminal.
 
     python -m launchers list                                    jobs on this machine (launcher local)
     python -m launchers --launcher kubernetes --namespace team-a get tj-run-1234abcd
     python -m launchers logs tj-run-1234abcd --rank 0 --follow
     python -m launchers wait tj-run-1234abcd --status Complete --timeout 3600
     python -m launchers delete tj-run-1234abcd
+    python -m launchers train --runtime jax-distributed --num-nodes 2 fit.py --func fit --args '{"lr": 0.1}'
+    python -m launchers runtimes                                the runtimes: framework, image, device
+    python -m launchers runtimes xgboost-distributed --packages what its environment holds
 
 Exit codes: 0 done; 1 the launcher said no (no such job, an API error) or `wait` saw the job end
 otherwise or time out; 2 bad arguments.
@@ -60,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     k8s.add_argument("--namespace")
     k8s.add_argument("--kubeconfig")
     k8s.add_argument("--context")
-    verbs = p.add_subparsers(dest="verb", required=True, metavar="{list,get,logs,wait,delete}")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="{list,get,logs,wait,delete,train,runtimes}")
     ls = verbs.add_parser("list", help="the jobs on the launcher")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     get = verbs.add_parser("get", help="a job's state, step, losses and times")
@@ -82,7 +85,78 @@ def parser() -> argparse.ArgumentParser:
     wait.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
     delete = verbs.add_parser("delete", help="stop the job and forget it (its run directory stays)")
     delete.add_argument("name")
+    train = verbs.add_parser("train", help="run a function of a script on a runtime (Client.train(func=...))")
+    train.add_argument("script", help="the Python file defining the function (imported here, so guard its own "
+                       "top-level work with if __name__ == '__main__')")
+    train.add_argument("--func", default="main", help="the function to run (default main)")
+    train.add_argument("--args", default=None, help="its keyword arguments, as a JSON object")
+    train.add_argument("--runtime", default="torch-distributed")
+    train.add_argument("--num-nodes", type=int, default=1)
+    train.add_argument("--nproc-per-node", type=int, default=1)
+    train.add_argument("--packages", nargs="+", default=None, metavar="REQ", help="pip requirements to install first")
+    train.add_argument("--run-dir", default=None)
+    train.add_argument("--follow", "-f", action="store_true", help="print rank 0's log until the job ends; exit 1 "
+                       "if it fails")
+    rts = verbs.add_parser("runtimes", help="the runtimes, or one runtime's details")
+    rts.add_argument("name", nargs="?")
+    rts.add_argument("--packages", action="store_true", help="what the runtime's environment holds (pip list)")
     return p
+
+
+def load_function(script: str, name: str):
+    """Function `name` of the Python file `script` (imported as a module of its own)."""
+    import importlib.util
+    import os
+
+    if not os.path.isfile(script):
+        raise ValueError(f"{script}: no such file")
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(script))[0], script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    func = getattr(module, name, None)
+    if func is None:
+        raise ValueError(f"--func {name}: {script} defines no {name}")
+    return func
+
+
+def train(client: Client, args: argparse.Namespace) -> int:
+    try:
+        func_args = json.loads(args.args) if args.args is not None else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--args {args.args}: not JSON ({e})") from None
+    if func_args is not None and not isinstance(func_args, dict):
+        raise ValueError(f"--args {args.args}: must be a JSON object")
+    name = client.train(func=load_function(args.script, args.func), func_args=func_args, runtime=args.runtime,
+                        num_nodes=args.num_nodes, nproc_per_node=args.nproc_per_node,
+                        packages_to_install=args.packages, run_dir=args.run_dir)
+    print(name, flush=True)
+    if not args.follow:
+        return 0
+    for line in client.get_job_logs(name, follow=True):
+        print(line, flush=True)
+    state = client.wait_for_job_status(name, status={s.value for s in JobState if s.finished}).state
+    print(f"{name} {state.value}")
+    return 0 if state == JobState.COMPLETE else 1
+
+
+def show_runtimes(client: Client, args: argparse.Namespace) -> int:
+    if args.name is None:
+        if args.packages:
+            raise ValueError("--packages shows one runtime's environment: give its NAME")
+        rows = [("name", "framework", "image", "device", "count", "runs")] + [
+            (r.name, r.trainer.framework, r.trainer.image, r.trainer.device, r.trainer.device_count,
+             "functions" if r.function_only else "functions, trainer runs") for r in client.list_runtimes()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        return 0
+    r = client.get_runtime(args.name)
+    print(f"name: {r.name}\nkind: {r.kind}\nframework: {r.trainer.framework}\nimage: {r.trainer.image}\n"
+          f"num_nodes: {r.trainer.num_nodes}\ndevice: {r.trainer.device}\ndevice_count: {r.trainer.device_count}\n"
+          f"function_only: {str(r.function_only).lower()}")
+    if args.packages:
+        print(client.get_runtime_packages(args.name), end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "delete":
             client.delete_job(args.name)
             print(f"deleted {args.name}")
+        elif args.verb == "train":
+            return train(client, args)
+        elif args.verb == "runtimes":
+            return show_runtimes(client, args)
     except (OptionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -129,6 +129,9 @@ class LaunchSpec:
     hold_fds: tuple[int, ...] = ()
     min_nodes: int | None = None
     node: int | None = None
+    # pip requirements installed where the ranks run before they start (a function job's packages_to_install):
+    # locally into a virtual environment of the job's own (`launchers.packages`), on Kubernetes once per node.
+    packages: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -3,6 +3,8 @@
     client = Client("kubernetes", namespace="team-a")         # or Client("local"), Client("docker", image=...)
     name = client.train("model=1b", "+runtime=torch-distributed")   # python -m trainer, not waiting
     name = client.train(func=my_train, func_args={"lr": 3e-4}, num_nodes=2)
+    name = client.train(func=fit, runtime="jax-distributed", num_nodes=2, packages_to_install=["optax"])
+    client.list_runtimes(); client.get_runtime("xgboost-distributed"); client.get_runtime_packages("mpi")
     client.list_jobs(); client.get_job(name)
     for line in client.get_job_logs(name, rank=0, follow=True): print(line)
     client.wait_for_job_status(name, status="Complete", timeout=3600)
@@ -10,7 +12,8 @@
 
 `train(*overrides)` runs `python -m trainer` in a subprocess (the same Hydra composition, validation and
 run directory as the command line; this package never imports the trainer). `train(func=...)` ships the
-function's source with the job as Kubeflow's CustomTrainer does, and runs it under torchrun on every node.
+function's source with the job as Kubeflow's CustomTrainer does, and runs it on every node under the runtime
+it names (torchrun by default; `trainjob.runtimes`: JAX, XGBoost, MLX, DeepSpeed, MPI).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from launchers import runtime_info
 from launchers.base import JobInfo, JobState, LauncherError, LaunchSpec, OptionError, RuntimeSpec
 from launchers.options import LAUNCHER_SCHEMAS, get
+from trainjob import runtimes
 from trainjob.run_files import RunDir
 
 FUNC_FILE = os.path.basename(RunDir.of("").func_script)  # the name it is shipped under
@@ -47,10 +52,12 @@ class _Tee:
         return len(text)
     def flush(self):
         for s in self.streams: s.flush()
+_RANK = next((_os.environ[k] for k in ("RANK", "OMPI_COMM_WORLD_RANK", "JAX_PROCESS_ID", "DMLC_TASK_ID")
+              if k in _os.environ), "0")
 try:
     _logs = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "logs")
     _os.makedirs(_logs, exist_ok=True)
-    _log = open(_os.path.join(_logs, f"rank-{_os.environ.get('RANK', '0')}.log"), "a")
+    _log = open(_os.path.join(_logs, f"rank-{_RANK}.log"), "a")
     _sys.stdout, _sys.stderr = _Tee(_sys.stdout, _log), _Tee(_sys.stderr, _log)
 except OSError:
     pass
@@ -67,12 +74,23 @@ def _run(func, kwargs):
         frames = [f for f in _tb.extract_tb(e.__traceback__)[1:] if not f.filename.startswith(ours)]
         detail = " ".join(str(e).split())
         print(f"error: {func.__name__} raised {type(e).__name__}{': ' + detail if detail else ''} on rank "
-              f"{_os.environ.get('RANK', '0')}", file=_sys.stderr)
+              f"{_RANK}", file=_sys.stderr)
         if frames:
             print("Traceback (your code, most recent call last):\\n" + "".join(_tb.format_list(frames)).rstrip(),
                   file=_sys.stderr)
         _sys.exit(1)
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class FuncJob:
+    """A function job's settings (Client.train's keywords, as Kubeflow's CustomTrainer has them)."""
+
+    runtime: str
+    num_nodes: int
+    nproc_per_node: int
+    resources_per_node: dict[str, Any] | None
+    packages_to_install: list[str] | None
 
 
 def _defaults(schema: type) -> dict[str, Any]:
@@ -108,6 +126,9 @@ def function_script(func: Callable, func_args: dict[str, Any] | None) -> str:
     """The source that runs `func(**func_args)`: its definition (dedented), then the call."""
     if not callable(func) or not inspect.isfunction(func):
         raise ValueError(f"func must be a plain function (def ...), not {type(func).__name__}")
+    if func.__name__ != "<lambda>" and func.__code__.co_freevars:
+        raise ValueError(f"func={func.__name__}: a closure over {', '.join(func.__code__.co_freevars)}, which its "
+                         "source alone does not hold: define it at the top of a file and pass values in func_args")
     if func.__name__ == "<lambda>":
         raise ValueError("func=<lambda>: give a function defined with def; a lambda's source is the whole line "
                          "around it, which would not run on its own")
@@ -155,23 +176,32 @@ class Client:
         *overrides: str,
         func: Callable | None = None,
         func_args: dict[str, Any] | None = None,
+        runtime: str = "torch-distributed",
         num_nodes: int = 1,
         nproc_per_node: int = 1,
+        resources_per_node: dict[str, Any] | None = None,
+        packages_to_install: list[str] | None = None,
         run_dir: str | None = None,
     ) -> str:
         """Start a job and return its name (it runs on; nothing waits for it).
 
         With `overrides`: `python -m trainer <overrides>` on this launcher, composed and checked as on the
         command line (a config that cannot run raises ValueError with the trainer's one-line message).
-        With `func`: the function, called with `func_args`, under torchrun on `num_nodes` nodes of
-        `nproc_per_node` processes each, RANK / WORLD_SIZE / LOCAL_RANK set; its files in `run_dir`
-        (default `outputs/<date>/<time>-<function>`)."""
+        With `func`: the function, called with `func_args`, on `num_nodes` nodes under `runtime` (Kubeflow's
+        runtime names: torch-distributed, mpi, jax-distributed, xgboost-distributed, mlx-distributed,
+        deepspeed-distributed; each sets the environment its framework reads), `nproc_per_node` processes per
+        node where the runtime starts several (torchrun, mpirun); `resources_per_node` ({"cpu", "memory",
+        "gpu"}: a Kubernetes node's requests and limits); `packages_to_install` pip-installed first (locally
+        into the job's own environment, which inherits this one); its files in `run_dir` (default
+        `outputs/<date>/<time>-<function>`). Locally a job's nodes are processes on this machine."""
         if func is not None:
             if overrides:
                 raise ValueError("give either trainer overrides or func=..., not both")
-            return self._train_func(func, func_args, num_nodes, nproc_per_node, run_dir)
-        if func_args is not None:
-            raise ValueError("func_args needs func=...")
+            return self._train_func(func, func_args, FuncJob(runtime, num_nodes, nproc_per_node,
+                                                             resources_per_node, packages_to_install), run_dir)
+        if func_args is not None or packages_to_install is not None or resources_per_node is not None:
+            raise ValueError("func_args, resources_per_node and packages_to_install need func=... (a trainer run "
+                             "takes them as overrides)")
         if run_dir is not None and "${" in str(run_dir):
             raise ValueError(f"run_dir={run_dir!r}: holds '${{', which the run's config would read as an "
                              "interpolation: choose a path without it")
@@ -200,19 +230,8 @@ class Client:
             raise LauncherError(f"python -m trainer {' '.join(overrides)} exited with code {proc.returncode}: {tail}")
         return found.group(1)
 
-    def _train_func(
-        self, func: Callable, func_args: dict[str, Any] | None, num_nodes: int, nproc_per_node: int, run_dir: str | None
-    ) -> str:
-        for key, value in (("num_nodes", num_nodes), ("nproc_per_node", nproc_per_node)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key}={value!r}: must be a whole number >= 1")
-        if self.launcher == "local" and num_nodes != 1:
-            raise ValueError(f"num_nodes={num_nodes}: launcher=local runs one node (use nproc_per_node)")
-        if self.launcher != "local" and not self.options.get("image"):
-            raise ValueError(
-                f"image=None: launcher={self.launcher} runs the function in a container: give "
-                f"Client({self.launcher!r}, image='...'), an image with torch"
-            )
+    def _train_func(self, func: Callable, func_args: dict[str, Any] | None, job: FuncJob, run_dir: str | None) -> str:
+        self._check_func_job(job)
         script = function_script(func, func_args)
         if run_dir is None:
             run_dir = os.path.join(
@@ -230,13 +249,87 @@ class Client:
         spec = LaunchSpec(
             run_dir=run_dir,
             command=[path],
-            nnodes=num_nodes,
-            nproc_per_node=nproc_per_node,
-            runtime=RuntimeSpec.of(),
+            nnodes=job.num_nodes,
+            nproc_per_node=job.nproc_per_node,
+            runtime=RuntimeSpec.of(job.runtime),
             env={"PYTHONUNBUFFERED": "1"},
             files={FUNC_FILE: script},
+            packages=tuple(job.packages_to_install or ()),
         )
-        return self._backend.launch(spec).name
+        return self._backend_for(job).launch(spec).name
+
+    def _check_func_job(self, job: FuncJob) -> None:
+        """A function job's settings, refused in one line before anything is written or started."""
+        unit = runtime_info.unit(job.runtime)
+        if not unit.function_jobs:
+            raise ValueError(f"runtime={job.runtime!r} runs trainer runs only (python -m trainer runtime=...)")
+        for key, value in (("num_nodes", job.num_nodes), ("nproc_per_node", job.nproc_per_node)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}={value!r}: must be a whole number >= 1")
+        packages = job.packages_to_install
+        if packages is not None and (isinstance(packages, str) or not all(
+                isinstance(p, str) and p.strip() and not p.startswith("-") for p in packages)):
+            raise ValueError(f"packages_to_install={packages!r}: must be a list of pip requirements (strings)")
+        unknown = set(job.resources_per_node or {}) - {"cpu", "memory", "gpu"}
+        if unknown:
+            raise ValueError(f"resources_per_node: {', '.join(sorted(unknown))}: the keys are cpu, memory, gpu")
+        if self.launcher == "local":
+            if job.runtime == "torch-distributed" and job.num_nodes != 1:
+                raise ValueError(f"num_nodes={job.num_nodes}: launcher=local runs one node under "
+                                 "torch-distributed (use nproc_per_node)")
+            lacking = unit.missing()
+            if lacking:
+                raise ValueError(lacking)
+            return
+        if self.launcher == "docker" and unit.function_only:
+            raise ValueError(f"runtime={job.runtime!r}: launcher=docker runs function jobs on torch-distributed; "
+                             f"run {job.runtime} on launcher=local or kubernetes")
+        if unit.derives_runtime and not self.options.get("image"):
+            raise ValueError(
+                f"image=None: launcher={self.launcher} runs the function in a container: give "
+                f"Client({self.launcher!r}, image='...'), an image with torch"
+            )
+
+    def _backend_for(self, job: FuncJob):
+        """This client's launcher, with the job's resources per node where it has its own."""
+        if not job.resources_per_node or self.launcher != "kubernetes":
+            return self._backend
+        res = {"cpu": None, "memory": None, "gpu": 0, **(self.options.get("resources_per_node") or {})}
+        res.update({k: (int(v) if k == "gpu" else str(v)) for k, v in job.resources_per_node.items()})
+        schema = LAUNCHER_SCHEMAS[self.launcher]
+        return get({**_defaults(schema), **self.options, "resources_per_node": res, "name": self.launcher,
+                    "wait": False})
+
+    # --- runtimes ------------------------------------------------------------------------------------
+
+    def list_runtimes(self) -> list[runtime_info.Runtime]:
+        """Every runtime, as it runs on this launcher (Kubeflow's `list_runtimes`)."""
+        return [runtime_info.describe(name, self.launcher, self.options) for name in runtimes.NAMES]
+
+    def get_runtime(self, name: str) -> runtime_info.Runtime:
+        """Runtime `name`: its framework label, nodes, device and count, and the image it runs here."""
+        return runtime_info.describe(name, self.launcher, self.options)
+
+    def get_runtime_packages(self, name: str) -> str:
+        """What runtime `name`'s environment holds on this launcher: Python's version, `pip list`, and
+        `nvidia-smi` where there is a GPU. Locally this machine's environment; on Docker a one-off container of
+        the launcher's image; on Kubernetes a one-node job of the runtime that prints them (waited for, its log
+        returned, then deleted), as Kubeflow's SDK does."""
+        unit = runtime_info.unit(name)
+        if self.launcher == "local":
+            return runtime_info.local_packages(name)
+        if self.launcher == "docker":
+            if not self.options.get("image"):
+                raise ValueError("image=None: launcher=docker shows the packages of its image: give Client('docker', "
+                                 "image='...')")
+            return runtime_info.docker_packages(self.options["image"])
+        job = self.train(func=runtime_info.print_packages, runtime=name, num_nodes=1,
+                         resources_per_node=None if unit.function_only else {"cpu": 1})
+        try:
+            self.wait_for_job_status(job, timeout=600)
+            return "\n".join(self.get_job_logs(job)) + "\n"
+        finally:
+            self.delete_job(job)
 
     # --- following -----------------------------------------------------------------------------------
 

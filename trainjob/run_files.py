@@ -9,6 +9,7 @@ loss.png             train and eval loss against step, drawn from metrics.jsonl 
 tb/, mlruns/         TensorBoard's events, MLflow's file store (tracker.report_to; W&B writes wandb/ itself)
 tracking.json        the MLflow and W&B run ids a resumed run goes on with
 train_func.py        a function job's script (`launchers.Client.train(func=...)`)
+venv/                a local function job's own environment, holding its packages_to_install
 manifests.yaml       what a Kubernetes run submitted
 checkpoints/step-N/  DCP checkpoints
 logs/rank-R.log      each rank's log
@@ -58,6 +59,7 @@ class RunDir:
         self.mlruns = os.path.join(root, "mlruns")
         self.tracking = os.path.join(root, "tracking.json")
         self.func_script = os.path.join(root, "train_func.py")
+        self.venv = os.path.join(root, "venv")
         self.manifests = os.path.join(root, "manifests.yaml")
         self.checkpoints = os.path.join(root, "checkpoints")
         self.logs = os.path.join(root, "logs")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -180,6 +181,12 @@ def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any],
             )
         return {"kind": "ClusterTrainingRuntime", "name": lc.get("runtime_ref") or KUBEFLOW_CACHE_RUNTIME}
     unit, options = spec.runtime.unit, spec.runtime.options
+    if not unit.derives_runtime:  # the shipped runtime itself, by name, as Kubeflow's SDK submits a function job
+        if sc["name"] in schedulers.NEEDS_RUNTIME:
+            raise LauncherError(f"runtime={unit.name} runs on the cluster's {unit.runtime_ref} runtime itself, and "
+                                f"scheduler={sc['name']} would derive a runtime of its own: use scheduler=none or "
+                                "kueue")
+        return {"kind": "ClusterTrainingRuntime", "name": lc.get("runtime_ref") or unit.runtime_ref}
     # The job's own settings of the runtime's mlPolicy where they go beyond the torch plugin's (which reads the
     # TrainJob's numNodes and numProcPerNode): MPI's hostfile slots, implementation and SSH key path.
     policy = {k: v for k, v in unit.ml_policy(options, spec.nnodes, spec.nproc_per_node).items()
@@ -201,7 +208,7 @@ def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any],
 def cluster_runtime(spec: LaunchSpec, lc: Mapping[str, Any]) -> str | None:
     """The ClusterTrainingRuntime a job's runtime is derived from; None where the job runs on Kubeflow's cache
     runtime itself."""
-    if spec.cache_nodes and spec.cache_nodes.kubeflow is not None:
+    if (spec.cache_nodes and spec.cache_nodes.kubeflow is not None) or not spec.runtime.unit.derives_runtime:
         return None
     return lc.get("runtime_ref") or spec.runtime.unit.runtime_ref
 
@@ -209,16 +216,21 @@ def cluster_runtime(spec: LaunchSpec, lc: Mapping[str, Any]) -> str | None:
 def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env: dict[str, str],
              secret_env: list[dict[str, Any]]) -> dict[str, Any]:
     """The TrainJob's `trainer`: the runtime's agent (torchrun on every node, mpirun from the launcher), with the
-    run's environment and resources."""
+    run's environment and resources; a function-only runtime's shipped image unless the launcher names one."""
+    unit = spec.runtime.unit
+    # Restarts are the JobSet's (the derived runtime's failurePolicy), each pod resuming from the claim; on
+    # Kubeflow's cache runtime runtime.max_restarts is refused (0), so torchrun in a pod restarts nothing.
+    command = unit.kubeflow_command(spec.runtime.options, Nodes(pod_command(spec), nproc_per_node=spec.nproc_per_node,
+                                                                env_names=(*env, *sorted(spec.secrets))))
+    if spec.packages:  # installed once per node before the ranks start
+        command = ["bash", "-c", f"{shlex.join(unit.install_command(list(spec.packages), 'python'))} && exec "
+                   f"{shlex.join(command)}"]
     trainer: dict[str, Any] = {
-        "image": lc["image"],
-        # Restarts are the JobSet's (the derived runtime's failurePolicy), each pod resuming from the claim; on
-        # Kubeflow's cache runtime runtime.max_restarts is refused (0), so torchrun in a pod restarts nothing.
-        "command": spec.runtime.unit.kubeflow_command(
-            spec.runtime.options, Nodes(pod_command(spec), nproc_per_node=spec.nproc_per_node,
-                                        env_names=(*env, *sorted(spec.secrets)))),
+        **({"image": lc["image"]} if lc.get("image") or unit.derives_runtime else {}),
+        "command": command,
         "numNodes": spec.nnodes,
-        "numProcPerNode": spec.nproc_per_node,
+        # One process per node under the JAX and XGBoost plugins; the others' processes per node.
+        **({} if unit.function_only and not unit.hosts_over_ssh else {"numProcPerNode": spec.nproc_per_node}),
         "env": [{"name": k, "value": v} for k, v in env.items()] + secret_env,
     }
     resources = _resources(lc.get("resources_per_node") or {})

@@ -383,6 +383,10 @@ class LocalLauncher(Launcher):
     def command(self, spec: LaunchSpec) -> list[str]:
         if spec.runtime is None:
             return [sys.executable, *spec.command]
+        if spec.packages:  # the ranks run the job's own environment, made and filled first
+            venv = RunDir.of(spec.run_dir).venv
+            return [sys.executable, "-m", "launchers.packages", venv, *spec.packages, "--",
+                    *node_command(spec, os.path.join(venv, "bin", "python"))]
         return node_command(spec, sys.executable)
 
     def render(self, spec: LaunchSpec) -> str:

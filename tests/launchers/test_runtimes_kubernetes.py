@@ -15,6 +15,7 @@ import yaml
 from launchers import get as get_launcher
 from tests.conftest import compose_run
 from tests.launchers import crds
+from trainjob import runtimes
 
 RUNTIMES = os.path.join(os.path.dirname(crds.DEFAULT_DIR), "runtimes")
 MPI = ["launcher=kubernetes", "runtime=mpi", "runtime.nproc_per_node=4", "runtime.nnodes=2",
@@ -104,3 +105,70 @@ def test_a_deepspeed_job_derives_its_runtime_from_the_shipped_deepspeed_runtime_
     from launchers.kubernetes.manifests import cluster_runtime
 
     assert cluster_runtime(run.spec, run.launcher) == _shipped("deepspeed-distributed")["metadata"]["name"]
+# --- function jobs on every runtime (Client("kubernetes").train(func=...)) ------------------------------------
+
+def _sum_ranks(lr):
+    import os
+
+    print(os.environ.get("JAX_PROCESS_ID"), lr)
+
+
+# What each function-only runtime's TrainJob runs: the SDK 0.5.0 templates' entrypoints (RUNTIMES.md §7), on our
+# shipped file (deepspeed-distributed, which trains too, derives its runtime as mpi does).
+FUNCTION_COMMANDS = {
+    "jax-distributed": ["python", "/etc/trainjob/train_func.py"],
+    "xgboost-distributed": ["python", "/etc/trainjob/train_func.py"],
+    "mlx-distributed": ["mpirun", "--hostfile", "/etc/mpi/hostfile", "python", "/etc/trainjob/train_func.py"],
+}
+
+
+def test_function_jobs_on_every_kubeflow_runtime_name_the_shipped_runtime_and_validate(tmp_path):
+    from launchers import Client
+    from tests.launchers.fake_apiserver import FakeApiServer
+
+    with FakeApiServer() as server:
+        for name in FUNCTION_COMMANDS:
+            server.objects[("clustertrainingruntimes", "", name)] = _shipped(name)
+        kubeconfig = server.kubeconfig(str(tmp_path / "kubeconfig"))
+        client = Client("kubernetes", namespace="ml", kubeconfig=kubeconfig)
+        for name, command in FUNCTION_COMMANDS.items():
+            job = client.train(func=_sum_ranks, func_args={"lr": 0.1}, runtime=name, num_nodes=2,
+                               resources_per_node={"cpu": 2, "memory": "4Gi"}, run_dir=str(tmp_path / name))
+            trainjob = server.objects[("trainjobs", "ml", job)]  # the double validated it against the CRD
+            crds.validate(trainjob)
+            ref = trainjob["spec"]["runtimeRef"]
+            shipped = server.objects[("clustertrainingruntimes", "", ref["name"])]
+            assert ref == {"kind": "ClusterTrainingRuntime", "name": name}
+            assert shipped["metadata"]["labels"]["trainer.kubeflow.org/framework"] == runtimes.get(name).framework
+            trainer = trainjob["spec"]["trainer"]
+            assert trainer["command"] == command and "image" not in trainer  # the shipped runtime's image
+            assert trainer["numNodes"] == 2
+            assert trainer["resourcesPerNode"] == {"limits": {"cpu": 2.0, "memory": "4Gi"},
+                                                   "requests": {"cpu": 2.0, "memory": "4Gi"}}
+            # The plugins set their own variables (DMLC_* are reserved: a TrainJob setting one is refused).
+            assert not {e["name"] for e in trainer["env"]} & {"JAX_PROCESS_ID", "DMLC_TASK_ID", "DMLC_TRACKER_URI",
+                                                              "OMPI_MCA_orte_default_hostfile"}
+            shipped_file = server.objects[("configmaps", "ml", f"{job}-config")]["data"]["train_func.py"]
+            assert shipped_file.rstrip().endswith("_run(_sum_ranks, {'lr': 0.1})")
+            patched = trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+            jobs = {j["name"] for j in shipped["spec"]["template"]["spec"]["replicatedJobs"]}
+            assert {j["name"] for j in patched["replicatedJobs"]} <= jobs  # patches only jobs the runtime has
+
+        installing = client.train(func=_sum_ranks, func_args={"lr": 0.1}, runtime="mlx-distributed", num_nodes=2,
+                                  packages_to_install=["mlx-lm==0.1"], run_dir=str(tmp_path / "pkgs"))
+        command = server.objects[("trainjobs", "ml", installing)]["spec"]["trainer"]["command"]
+        assert command[:2] == ["bash", "-c"] and command[2] == (
+            "mpirun --hostfile /etc/mpi/hostfile --map-by ppr:1:node python -m pip install --quiet "
+            "--no-warn-script-location --user mlx-lm==0.1 && exec mpirun --hostfile /etc/mpi/hostfile python "
+            "/etc/trainjob/train_func.py")
+
+
+def test_each_runtime_sets_kubeflows_plugin_environment():
+    job = "tj"
+    assert runtimes.get("jax-distributed").plugin_env(job, 2) == {
+        "JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "tj-node-0-0.tj:29500", "JAX_PROCESS_ID": "0"}
+    assert runtimes.get("xgboost-distributed").plugin_env(job, 2, gpus_per_node=4) == {
+        "DMLC_TRACKER_URI": "tj-node-0-0.tj", "DMLC_TRACKER_PORT": "29500", "DMLC_NUM_WORKER": "8", "DMLC_TASK_ID": "0"}
+    assert runtimes.get("mlx-distributed").plugin_env(job, 2) == {
+        "OMPI_MCA_orte_default_hostfile": "/etc/mpi/hostfile", "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+        "OMPI_MCA_orte_set_default_slots": "1", "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}

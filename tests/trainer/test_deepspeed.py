@@ -110,9 +110,8 @@ def _without_deepspeed(tmp_path) -> dict:
                                           "none, cpu"),
     (["train.checkpoint_async=true"], "error: invalid config: train.checkpoint_async=True: strategy=deepspeed saves "
                                       "with DeepSpeed's own save_checkpoint, which writes in the step: give false"),
-    ([], "error: invalid config: runtime='deepspeed-distributed': runtime=deepspeed-distributed needs the deepspeed "
-         "package, which is not installed: install trainjob's deepspeed extra (DS_BUILD_OPS=0 pip install -e "
-         "'.[deepspeed]')"),
+    ([], "error: invalid config: runtime='deepspeed-distributed': runtime=deepspeed-distributed needs deepspeed, "
+         "not installed here: install trainjob's deepspeed extra (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')"),
     (["PATH=/nonexistent"], "error: invalid config: runtime='deepspeed-distributed': runtime=deepspeed-distributed "
                             "needs OpenMPI's mpirun, which is not on PATH: install the Debian package openmpi-bin "
                             "(apt-get install -y openmpi-bin, as root)"),

@@ -32,6 +32,7 @@ def test_every_runtime_is_one_module_whose_name_is_its_runtime_and_whose_yaml_ex
         assert unit.name == name and unit.schema().name == name
         assert (conf / f"{name}.yaml").read_text().count(f"runtime_schema_{name}@_here_") == 1
     with pytest.raises(OptionError, match="runtime.name='jax': must be one of torch-distributed, mpi, "
+                                          "jax-distributed, xgboost-distributed, mlx-distributed, "
                                           "deepspeed-distributed"):
         runtimes.get("jax")
 
@@ -123,5 +124,5 @@ def test_deepspeed_distributed_starts_its_ranks_as_mpi_does_under_kubeflows_deep
         "deepspeed-distributed", "deepspeed", ("deepspeed",), ("deepspeed",))
     assert unit.ml_policy(options, 2, 4)["mpi"]["numProcPerNode"] == 4
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    assert unit.missing() == ("runtime=deepspeed-distributed needs the deepspeed package, which is not installed: "
+    assert unit.missing() == ("runtime=deepspeed-distributed needs deepspeed and mpi4py, not installed here: "
                               "install trainjob's deepspeed extra (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')")

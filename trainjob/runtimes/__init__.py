@@ -5,6 +5,9 @@ ranks start on its nodes and find each other (`base.Runtime`). Adding one is a m
 torch_distributed   torchrun (Kubeflow's torch-distributed)
 mpi                 OpenMPI's mpirun (Kubeflow's MPI plugin)
 deepspeed_distributed   mpirun, the ranks training with DeepSpeed (Kubeflow's deepspeed-distributed)
+jax_distributed, xgboost_distributed, mlx_distributed
+                    a user's function only (Client.train(func=...)): Kubeflow's JAX, XGBoost and MLX runtimes
+                    (function.py: what they share)
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import importlib
 from trainjob.options import OptionError
 from trainjob.runtimes.base import Nodes, Offers, Runtime
 
-_MODULES = {"torch-distributed": "torch_distributed", "mpi": "mpi", "deepspeed-distributed": "deepspeed_distributed"}
+_MODULES = {"torch-distributed": "torch_distributed", "mpi": "mpi", "jax-distributed": "jax_distributed",
+            "xgboost-distributed": "xgboost_distributed", "mlx-distributed": "mlx_distributed",
+            "deepspeed-distributed": "deepspeed_distributed"}
 NAMES = tuple(_MODULES)
 
 

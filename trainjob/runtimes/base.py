@@ -94,6 +94,13 @@ class Runtime(ABC):
     strategies: ClassVar[tuple[str, ...] | None] = None
     owns: ClassVar[tuple[str, ...]] = ()
     hosts_over_ssh: ClassVar[bool] = False  # one launcher starts every node's ranks over SSH (MPI)
+    # It runs a user's function only (no `python -m trainer` run): `check` refuses a trainer run.
+    function_only: ClassVar[bool] = False
+    # Kubernetes: the TrainJob runs on a TrainingRuntime derived from the cluster's (the failure policies, a
+    # gang scheduler's pod group); False: it names the shipped ClusterTrainingRuntime itself, as the SDK does.
+    derives_runtime: ClassVar[bool] = True
+    # The image of the shipped ClusterTrainingRuntime's trainer container (its kustomize overlay tags it v2.3.0).
+    kubeflow_image: ClassVar[str] = ""
 
     @abstractmethod
     def check(self, options: Any) -> None:
@@ -120,6 +127,11 @@ class Runtime(ABC):
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         """Environment for the agent `node_command` starts."""
         return {}
+
+    def install_command(self, packages: list[str], python: str) -> list[str]:
+        """A Kubeflow node's command that pip-installs `packages` for the user once per node (every pod runs it
+        before the ranks; under MPI the launcher runs it once on each host)."""
+        return [python, "-m", "pip", "install", "--quiet", "--no-warn-script-location", "--user", *packages]
 
     def rank_env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The rank's place in the job from the runtime's own variables, as torch.distributed's env:// names

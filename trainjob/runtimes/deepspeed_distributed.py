@@ -36,8 +36,10 @@ class DeepSpeedDistributed(MPI):
 
     def missing(self) -> str | None:
         lacking = super().missing()
-        if lacking is None and importlib.util.find_spec("deepspeed") is None:
-            return (f"runtime={self.name} needs the deepspeed package, which is not installed: install trainjob's "
+        # mpi4py: a function's deepspeed.init_distributed() reads its rank from MPI with it.
+        absent = [m for m in ("deepspeed", "mpi4py") if importlib.util.find_spec(m) is None]
+        if lacking is None and absent:
+            return (f"runtime={self.name} needs {' and '.join(absent)}, not installed here: install trainjob's "
                     f"deepspeed extra ({INSTALL})")
         return lacking
 

@@ -66,6 +66,8 @@ class MPI(Runtime):
     runtime_ref = "deepspeed-distributed"  # the ClusterTrainingRuntime Kubeflow ships with mlPolicy.mpi
     framework = "mpi"
     hosts_over_ssh = True
+    function_jobs = True
+    kubeflow_image = "ghcr.io/kubeflow/trainer/deepspeed-runtime"
 
     def check(self, options: MPIConfig) -> None:
         require(":" not in str(options.nnodes), "runtime.nnodes", options.nnodes,

@@ -65,6 +65,7 @@ class TorchDistributed(Runtime):
     schema = TorchDistributedConfig
     runtime_ref = "torch-distributed"
     framework = "torch"
+    kubeflow_image = "pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime"
     elastic = True
     restarts = True
     function_jobs = True

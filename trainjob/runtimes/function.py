@@ -1,0 +1,132 @@
+"""What the runtimes that run a user's function only have in common (`FunctionRuntime`): Kubeflow Trainer's
+`jax-distributed`, `xgboost-distributed` and `mlx-distributed`, whose frameworks are not
+the trainer's (`Client.train(func=..., runtime=NAME)`, `python -m launchers train --runtime NAME script.py`).
+A `python -m trainer` run on one is refused; the framework not installed here is named with its pip extra; on
+Kubernetes the TrainJob names the shipped ClusterTrainingRuntime itself (as Kubeflow's SDK does), whose plugin
+sets the environment.
+
+Locally a job's "nodes" are processes on this machine: `ProcessPerNode` starts one per node under
+`launchers.procs` with the environment Kubeflow's plugin gives each pod (JAX, XGBoost), `MPIFunction` starts
+every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI plugin sets (MLX).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from trainjob.options import OptionError
+from trainjob.runtimes import mpi
+from trainjob.runtimes.base import Nodes, Offers, Runtime
+
+# Kubeflow Trainer's port for every plugin's coordinator (its ContainerTrainerPort): on a cluster; locally a
+# free port (29500 may be taken on this machine).
+KUBEFLOW_PORT = 29500
+LOCALHOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOCALHOST, 0))
+        return s.getsockname()[1]
+
+
+def node_host(job: str) -> str:
+    """Node 0's host name in a Kubeflow TrainJob `job` (JobSet's `<job>-node-0-0.<job>`)."""
+    return f"{job}-node-0-0.{job}"
+
+
+class FunctionRuntime(Runtime):
+    """A runtime that runs a user's function only; subclasses name their framework's modules and pip extra."""
+
+    function_jobs = True
+    function_only = True
+    derives_runtime = False
+    extra: ClassVar[str]  # the optional extra of pyproject.toml that installs the framework
+    imports: ClassVar[tuple[str, ...]]  # the modules the ranks import (the pip distributions' import names)
+
+    def check(self, options: Any) -> None:
+        raise OptionError("runtime", self.name, f"runs a user's function, not a trainer run: "
+                          f"Client.train(func=..., runtime={self.name!r}) or python -m launchers train "
+                          f"--runtime {self.name} script.py")
+
+    def check_job(self, options: Any, counts: range, offers: Offers) -> None:
+        self.check(options)
+
+    def missing(self) -> str | None:
+        absent = [m for m in self.imports if importlib.util.find_spec(m) is None]
+        if not absent:
+            return None
+        return (f"runtime={self.name} needs {', '.join(absent)}, which is not installed here: "
+                f"pip install 'trainjob[{self.extra}]'")
+
+    def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        # The SDK's DEFAULT_COMMAND's entrypoint: python runs the function's file on every node.
+        return [nodes.python, *nodes.command]
+
+    def plugin_env(self, job: str, nnodes: int, gpus_per_node: int = 0) -> dict[str, str]:
+        """The environment Kubeflow's plugin gives node 0's container of TrainJob `job` (the index is each
+        pod's own: its Job completion index)."""
+        return {}
+
+
+class ProcessPerNode(FunctionRuntime):
+    """One process per node, which the framework joins at node 0's coordinator (JAX, XGBoost)."""
+
+    index_env: ClassVar[str]  # the variable that holds the node's index (the pod's Job completion index)
+
+    @abstractmethod
+    def node_env(self, host: str, port: int, nnodes: int, workers_per_node: int = 1) -> dict[str, str]:
+        """Every node's environment but its index, with the coordinator at host:port (its plugin's variables)."""
+
+    def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        host, port = (nodes.endpoint.rsplit(":", 1) if nodes.endpoint else (LOCALHOST, free_port()))
+        env = self.node_env(host, int(port), nodes.nnodes)
+        return [nodes.python, "-m", "launchers.procs", "--count", str(nodes.nnodes), "--index", self.index_env,
+                *(a for k, v in env.items() for a in ("--env", f"{k}={v}")), "--", nodes.python, *nodes.command]
+
+    def plugin_env(self, job: str, nnodes: int, gpus_per_node: int = 0) -> dict[str, str]:
+        return {**self.node_env(node_host(job), KUBEFLOW_PORT, nnodes, gpus_per_node or 1), self.index_env: "0"}
+
+
+class MPIFunction(FunctionRuntime):
+    """Every rank started by `mpirun` from one launcher (MLX: Kubeflow's MPI plugin, `mlPolicy.mpi`).
+    Locally mpirun forks `nodes x processes per node` ranks on this machine, with the `OMPI_MCA_*` settings the
+    plugin gives its launcher; on a cluster `mpirun --hostfile /etc/mpi/hostfile` (the SDK's MPI_COMMAND)."""
+
+    hosts_over_ssh = True
+
+    def missing(self) -> str | None:
+        return mpi.RUNTIME.missing() or super().missing()
+
+    def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        ranks = nodes.nnodes * nodes.nproc_per_node
+        env = {k: v for k, v in mpi_env(ranks).items() if k != mpi.HOSTFILE_ENV}  # one host: no hostfile
+        return ["env", *(f"{k}={v}" for k, v in env.items()), "mpirun", "-np", str(ranks), "--bind-to", "none",
+                "--oversubscribe", nodes.python, *nodes.command]
+
+    def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        return ["mpirun", "--hostfile", mpi.KUBEFLOW_HOSTFILE, nodes.python, *nodes.command]
+
+    def install_command(self, packages: list[str], python: str) -> list[str]:
+        # Once on each host of the hostfile, not once per rank.
+        return ["mpirun", "--hostfile", mpi.KUBEFLOW_HOSTFILE, "--map-by", "ppr:1:node",
+                *super().install_command(packages, python)]
+
+    def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        return dict(mpi.AGENT_ENV)
+
+    def ml_policy(self, options: Mapping[str, Any], nnodes: int, nproc_per_node: int) -> dict[str, Any]:
+        return {"numNodes": nnodes, "mpi": {"numProcPerNode": nproc_per_node}}
+
+    def plugin_env(self, job: str, nnodes: int, gpus_per_node: int = 0) -> dict[str, str]:
+        return mpi_env(max(1, gpus_per_node))
+
+
+def mpi_env(slots: int) -> dict[str, str]:
+    """What Kubeflow's MPI plugin sets on the launcher for OpenMPI (RUNTIMES.md §1)."""
+    return {mpi.HOSTFILE_ENV: mpi.KUBEFLOW_HOSTFILE, "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+            "OMPI_MCA_orte_set_default_slots": str(slots), "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
