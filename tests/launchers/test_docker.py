@@ -81,7 +81,8 @@ def test_an_mpi_job_is_a_launcher_and_ssh_hosts_as_kubeflow_lays_them_out(tmp_pa
         assert [c[c.index("--name") + 1] for c in runs] == [*(f"{name}-node-{i}" for i in range(nodes)),
                                                             f"{name}-launcher"]
         for cmd in runs[:-1]:
-            assert cmd[cmd.index("me/trainjob:1") + 1:] == ["/usr/sbin/sshd", "-D", "-e", "-f", f"{HOME}/.ssh/sshd_config"]
+            sshd = ["/usr/sbin/sshd", "-D", "-e", "-f", f"{HOME}/.ssh/sshd_config"]
+            assert cmd[cmd.index("me/trainjob:1") + 1:] == sshd
         for cmd in runs:
             assert f"{keys}:{HOME}/.ssh:ro" in cmd and f"{keys}/passwd:/etc/passwd:ro" in cmd
         launcher = runs[-1]
