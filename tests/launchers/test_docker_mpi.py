@@ -19,7 +19,7 @@ from launchers.docker import ssh
 from tests.conftest import REFERENCE, TINY, read_metrics, read_summary
 from tests.launchers.test_docker_engine import IMAGE, docker, engine, job_name_of, leftovers, losses  # noqa: F401
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # each test runs two Docker jobs of two nodes
+pytestmark = pytest.mark.slow
 
 MPI_DOCKER = ["launcher=docker", "runtime=mpi", "runtime.nnodes=2", "runtime.nproc_per_node=1",
               f"launcher.image={IMAGE}"]
@@ -51,6 +51,7 @@ def _public_key(name: str) -> str | None:
         return None
 
 
+@pytest.mark.e2e  # a local run and two Docker jobs of two nodes
 def test_two_nodes_reached_over_ssh_with_the_jobs_own_keys_train_as_the_local_mpi_run(run_cli, cache_dir, tmp_path):
     """2 nodes x 1 rank give the losses of the local 2-rank mpirun. While the job runs, its key pair (made at
     launch, not in the image) is what node 0's sshd on 2222 accepts from the launcher's mpirun, and the hostfile
@@ -92,6 +93,7 @@ def test_two_nodes_reached_over_ssh_with_the_jobs_own_keys_train_as_the_local_mp
     assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
 
 
+@pytest.mark.e2e  # two Docker jobs of two nodes
 def test_a_killed_node_container_ends_the_job_in_one_line_naming_it_and_the_relaunch_resumes(cache_dir, tmp_path):
     """Node 0's container killed mid-run: the driver exits non-zero within 60 s, its one error line naming the
     container, and nothing of the job is left (no container, network, key or process); the same command
@@ -123,3 +125,25 @@ def test_a_killed_node_container_ends_the_job_in_one_line_naming_it_and_the_rela
     assert summary["steps"] == steps
     assert [m["step"] for m in read_metrics(str(run_dir)) if "loss" in m] == list(range(1, steps + 1))
     assert leftovers(name) == []
+
+
+def test_an_image_without_sshd_is_refused_in_one_line_before_anything_starts(run_cli, tmp_path):
+    """The image every container runs must hold OpenMPI and sshd (`docker build --build-arg MPI=1`): one without
+    sshd is refused by the job's first container, which makes its keys, and nothing of the job is left."""
+    image = "trainjob-test:no-sshd"
+    maker = f"trainjob-test-no-sshd-{os.getpid()}"
+    assert docker("run", "--name", maker, "--user", "0:0", IMAGE, "rm", "/usr/sbin/sshd").returncode == 0
+    try:
+        assert docker("commit", maker, image).returncode == 0
+        run_dir = tmp_path / "run"
+        proc = run_cli(*TINY, "train.max_steps=2", *MPI_DOCKER, f"launcher.image={image}", f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: launcher.image={image} holds no OpenMPI or no sshd, which runtime=mpi runs in every container: "
+            "build it with docker build --build-arg MPI=1")
+        name = job_name_of(str(run_dir))
+        assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
+        assert not os.path.exists(run_dir / "metrics.jsonl")
+    finally:
+        docker("rm", "--force", maker)
+        docker("rmi", "--force", image)
