@@ -216,7 +216,7 @@ class DockerJob(PollingJob):
         if failed:
             _, name, s = min(failed)
             self.exit_code = int(s[1]) if s[1].lstrip("-").isdigit() else None
-            how = "is gone" if s[0] == "missing" else f"{s[0]} with exit code {s[1]}" + (
+            how = "is gone" if s[0] == "missing" else f"{s[0]} with code {s[1]}" + (
                 " (killed)" if s[1] == "137" else "")
             self.failure = f"container {name} {how}"
         return JobState.FAILED
@@ -364,8 +364,7 @@ class DockerLauncher(Launcher):
         job's keys (an image without OpenMPI or sshd refuses there, before anything else starts), then the nodes'
         sshd, then the launcher, whose mpirun passes the environment on to every rank and reaches the hosts over
         SSH; the first `nnodes` hosts that mpirun fills run the ranks, each on its own CPUs."""
-        name, image = job_name(spec), self.options["image"]
-        lay = ssh.layout(name, spec.nnodes, bool(spec.runtime.options.get("run_launcher_as_node")))
+        name, image, lay = job_name(spec), self.options["image"], _mpi_layout(spec)
         placed = mpi.placement(lay.hosts, lay.launcher)
         cmds.insert(0, ssh.keygen_command(name, image, user, HOME))
         for cname in [*lay.nodes, lay.launcher]:
@@ -443,8 +442,8 @@ class DockerLauncher(Launcher):
                 "stop it first (docker rm -f ...)"
             )
         _remove(name, [c["name"] for c in leftovers], own_network)
-        if spec.runtime.unit.hosts_over_ssh:
-            lay = ssh.layout(name, spec.nnodes, bool(spec.runtime.options.get("run_launcher_as_node")))
+        lay = _mpi_layout(spec)
+        if lay:
             ssh.make_key_dir(name, lay.hosts, spec.nproc_per_node, HOME)
         started: list[str] = []
         caches = self.cache_containers(spec)
@@ -459,7 +458,7 @@ class DockerLauncher(Launcher):
             proc = _docker(*cmd[1:], env=spec.secrets, check=False)
             if proc.returncode != 0:
                 _remove(name, started, own_network)  # nothing half-started stays behind
-                if proc.returncode == 3 and container == f"{name}-ssh-keys":  # the image has no OpenMPI or sshd
+                if proc.returncode == ssh.NO_MPI and container == ssh.keys_container(name):
                     raise LauncherError(_reason(proc.stderr))
                 what = f"container {container}" if container else f"network {cmd[-1]}"
                 raise LauncherError(
@@ -467,10 +466,8 @@ class DockerLauncher(Launcher):
                 )
             if container and "--rm" not in cmd:
                 started.append(container)
-        mpi_launcher = spec.runtime.unit.hosts_over_ssh
-        nnodes = mpi.node_hosts(spec.nnodes, bool(spec.runtime.options.get("run_launcher_as_node"))) \
-            if mpi_launcher else spec.nnodes
-        return DockerJob(name, spec.run_dir, nnodes, own_network, caches, spec.elastic, mpi_launcher)
+        return DockerJob(name, spec.run_dir, len(lay.nodes) if lay else spec.nnodes, own_network, caches, spec.elastic,
+                         lay is not None)
 
     def _jobs(self) -> dict[str, DockerJob]:
         found: dict[str, list[dict[str, str]]] = {}
@@ -499,6 +496,13 @@ class DockerLauncher(Launcher):
         if name not in jobs:
             raise LauncherError(f"no docker job {name!r} on this host (docker ps --all --filter label={RUN_LABEL})")
         return jobs[name]
+
+
+def _mpi_layout(spec: LaunchSpec) -> ssh.Layout | None:
+    """The containers of a job whose runtime starts its ranks from one launcher over SSH; None for another."""
+    if not spec.runtime.unit.hosts_over_ssh:
+        return None
+    return ssh.layout(job_name(spec), spec.nnodes, bool(spec.runtime.options.get("run_launcher_as_node")))
 
 
 def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> DockerLauncher:

@@ -24,12 +24,13 @@ from launchers.base import LauncherError
 from trainjob.runtimes import mpi
 
 HOSTFILE = mpi.KUBEFLOW_HOSTFILE
+NO_MPI = 3  # the key container's exit code where the image lacks OpenMPI or sshd (its one line says so)
 # Run as root by a container of the image with the key directory at /ssh: what an MPI host needs is there, the
 # image's passwd with the invoking user's entry, the key pair, all of it the user's.
 _KEYS = ("sh", "-euc", (
     'if ! command -v mpirun >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keygen >/dev/null; then '
     'echo "launcher.image=$6 holds no OpenMPI or no sshd, which runtime=mpi runs in every container: build it with '
-    'docker build --build-arg MPI=1" >&2; exit 3; fi; '
+    f'docker build --build-arg MPI=1" >&2; exit {NO_MPI}; fi; '
     'grep -v "^[^:]*:[^:]*:$3:" /etc/passwd >/ssh/passwd; echo "$2:x:$3:$4::$5:/bin/sh" >>/ssh/passwd; '
     f'set -- /ssh "$1"; {mpi.KEYGEN}; chown "$(stat -c %u:%g /ssh)" /ssh/*'), "sh")
 
@@ -54,9 +55,13 @@ def key_dir(name: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"trainjob-ssh-{os.getuid()}", name)
 
 
+def keys_container(name: str) -> str:
+    return f"{name}-ssh-keys"
+
+
 def keygen_command(name: str, image: str, user: str, home: str) -> list[str]:
-    """The `docker run` that makes job `name`'s key pair and passwd in its `key_dir` (made first: `make_keys`)."""
-    return ["docker", "run", "--rm", "--name", f"{name}-ssh-keys", "--network", "none", "--user", "0:0",
+    """The `docker run` that makes job `name`'s key pair and passwd in its `key_dir` (made first: `make_key_dir`)."""
+    return ["docker", "run", "--rm", "--name", keys_container(name), "--network", "none", "--user", "0:0",
             "--volume", f"{key_dir(name)}:/ssh", "--entrypoint", "", image, *_KEYS, name, user, str(os.getuid()),
             str(os.getgid()), home, image]
 

@@ -111,7 +111,7 @@ def test_a_killed_node_container_ends_the_job_in_one_line_naming_it_and_the_rela
     assert time.monotonic() - killed < 60
     assert driver.returncode == 1, (out + err)[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: run {run_dir} ({name}) ended Failed: container {name}-node-0 exited with exit code "
+    assert errors == [f"error: run {run_dir} ({name}) ended Failed: container {name}-node-0 exited with code "
                       f"137 (killed); see its logs: python -m launchers logs {name}"], err[-3000:]
     assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
     assert max(m["step"] for m in read_metrics(str(run_dir))) < steps

@@ -51,7 +51,8 @@ class MPIConfig:
     nnodes: Any = 1
     # Kubeflow's mlPolicy.mpi: OpenMPI is the one implementation its MPI plugin supports.
     mpi_implementation: str = "OpenMPI"
-    # Where every node's SSH key pair is mounted (mlPolicy.mpi.sshAuthMountPath).
+    # Where every node's SSH key pair is mounted (mlPolicy.mpi.sshAuthMountPath); Docker mounts the job's pair at
+    # its containers' ~/.ssh.
     ssh_auth_mount_path: str = "/root/.ssh"
     # The launcher is an MPI host too, node 0 (mlPolicy.mpi.runLauncherAsNode).
     run_launcher_as_node: bool = True
