@@ -6,12 +6,14 @@
 # a base it makes itself (.ci/docker-image: `--build-arg BASE=trainjob-base:bookworm`).
 ARG BASE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 FROM ${BASE}
-# runtime=mpi (Kubeflow's MPI runtimes) starts the ranks with mpirun from the launcher pod over SSH to sshd on
-# every node: `--build-arg MPI=1` adds OpenMPI and sshd (its host keys made by the package; Kubeflow mounts the
-# job's own key pair); the torch-distributed image holds neither.
+# runtime=mpi (Kubeflow's MPI runtimes) starts the ranks with mpirun from the launcher over SSH to sshd on every
+# node: `--build-arg MPI=1` adds OpenMPI and sshd (installed where the base lacks them; the job's key pair is made
+# at launch and mounted, never in the image); the torch-distributed image holds neither.
 ARG MPI=0
-RUN if [ "$MPI" = 1 ]; then apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        openssh-server openmpi-bin && rm -rf /var/lib/apt/lists/* && mkdir -p /run/sshd; fi
+RUN if [ "$MPI" = 1 ]; then \
+        if ! command -v mpirun >/dev/null || [ ! -x /usr/sbin/sshd ]; then apt-get update \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openssh-server openmpi-bin \
+            && rm -rf /var/lib/apt/lists/*; fi && mkdir -p /run/sshd; fi
 WORKDIR /opt/trainjob
 COPY pyproject.toml README.md ./
 COPY conf conf

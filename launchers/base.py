@@ -199,6 +199,9 @@ class Job(ABC):
 
     name: str
     run_dir: str | None = None
+    # What ended a failed job, on one line naming the node (container, pod) that failed first, where the
+    # launcher can tell.
+    failure: str | None = None
 
     @abstractmethod
     def status(self) -> JobState: ...

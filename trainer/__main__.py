@@ -279,9 +279,9 @@ def _app(cfg: DictConfig) -> float:
         print(report, file=sys.stderr)
         raise SystemExit(2 if code == 2 else 1)
     if state != launchers.JobState.COMPLETE:
-        print(f"error: run {run.spec.run_dir} ({job.name}) ended {state.value}"
-              f"{'' if code is None else f' with exit code {code}'}; see its logs: python -m launchers logs "
-              f"{job.name}", file=sys.stderr)
+        how = f": {job.failure}" if job.failure else "" if code is None else f" with exit code {code}"
+        print(f"error: run {run.spec.run_dir} ({job.name}) ended {state.value}{how}; see its logs: python -m "
+              f"launchers logs {job.name}", file=sys.stderr)
         raise SystemExit(1)
     summary = job.result() or {}
     loss, train = (float("nan") if summary.get(k) is None else float(summary[k])

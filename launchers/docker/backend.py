@@ -15,6 +15,10 @@ in `ps` or in the printed commands. A relaunch of the same run
 directory first removes the last attempt's stopped containers and network; a launch that fails half way
 removes what it started; containers are removed once the job has finished (the logs are in the run
 directory). It drives the `docker` CLI; `launcher.dry_run=true` prints the commands instead.
+
+A runtime that starts every node's ranks from one launcher over SSH (runtime=mpi) runs as Kubeflow lays it out
+(`launchers.docker.ssh`): sshd in the node containers, mpirun in `<job>-launcher`, the job's own key pair made at
+launch and removed with it; the job ends as its launcher does, or fails as soon as a node's container stops.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from launchers.base import (
     node_command,
     run_name,
 )
+from launchers.docker import ssh
 from launchers.docker.options import image_ok
 from trainjob.run_files import read_progress
+from trainjob.runtimes import mpi
 
 RDZV_PORT = 29400
 HOME = "/home/trainjob"  # each container's HOME
@@ -138,11 +144,12 @@ def _reason(stderr: str) -> str:
 
 
 def _remove(name: str, containers: list[str], own_network: bool) -> None:
-    """Remove `containers`, and the job's own network once nothing uses it."""
+    """Remove `containers`, and the job's own network once nothing uses it, and its SSH keys where it has any."""
     if containers:
         _docker("rm", "--force", *containers, check=False)
     if own_network:
         _docker("network", "rm", name, check=False)
+    ssh.remove_key_dir(name)
 
 
 def _containers(name: str | None = None) -> list[dict[str, str]]:
@@ -157,21 +164,29 @@ def _containers(name: str | None = None) -> list[dict[str, str]]:
 
 class DockerJob(PollingJob):
     """The containers of run `name`: nodes `<name>-node-<i>`, cache nodes `<name>-cache-<i>`, an elastic
-    run's rendezvous store `<name>-rdzv`, on the job's own network unless `own_network` is false."""
+    run's rendezvous store `<name>-rdzv`, an MPI run's launcher `<name>-launcher` (`mpi_launcher`: its
+    nodes run sshd, and the job is the launcher's), on the job's own network unless `own_network` is false."""
 
     def __init__(self, name: str, run_dir: str | None, nnodes: int, own_network: bool, caches: list[str],
-                 elastic: bool = False):
+                 elastic: bool = False, mpi_launcher: bool = False):
         self.name, self.run_dir, self.nnodes, self._own_network = name, run_dir, nnodes, own_network
         self._caches = list(caches) + ([f"{name}-rdzv"] if elastic else [])
-        self.elastic = elastic
+        self.elastic, self.mpi_launcher = elastic, mpi_launcher
         self._cancelled = False
         self._final: JobState | None = None
+        self.exit_code: int | None = None
+        self.failure: str | None = None
 
     def _container(self, node: int) -> str:
         return f"{self.name}-node-{node}"
 
+    def _names(self) -> list[str]:
+        """The containers whose states make the job's: the nodes, then an MPI run's launcher."""
+        return [self._container(n) for n in range(self.nnodes)] + ([f"{self.name}-launcher"] if self.mpi_launcher
+                                                                  else [])
+
     def _cleanup(self) -> None:
-        _remove(self.name, [self._container(n) for n in range(self.nnodes)] + self._caches, self._own_network)
+        _remove(self.name, self._names() + self._caches, self._own_network)
 
     def wait(self, timeout: float | None = None) -> JobState:
         state = super().wait(timeout)
@@ -181,18 +196,40 @@ class DockerJob(PollingJob):
         return state
 
     def _inspect(self) -> list[list[str]]:
-        """[status, exit code, started, finished] of each node's container."""
+        """[status, exit code, started, finished] of each container of `_names()`."""
         states = []
-        for node in range(self.nnodes):
+        for container in self._names():
             out = _docker(
                 "inspect",
                 "--format",
                 "{{.State.Status}} {{.State.ExitCode}} {{.State.StartedAt}} {{.State.FinishedAt}}",
-                self._container(node),
+                container,
                 check=False,
             )
             states.append(out.stdout.split() if out.returncode == 0 else ["missing", "1"])
         return states
+
+    def _failed(self, inspected: list[list[str]]) -> JobState:
+        """FAILED, with `exit_code` and `failure` (one line naming it) of the container that failed first."""
+        failed = [(s[3] if len(s) > 3 else "", name, s) for name, s in zip(self._names(), inspected, strict=True)
+                  if s[0] != "running" and _state(*s[:2]) != JobState.COMPLETE]
+        if failed:
+            _, name, s = min(failed)
+            self.exit_code = int(s[1]) if s[1].lstrip("-").isdigit() else None
+            how = "is gone" if s[0] == "missing" else f"{s[0]} with code {s[1]}" + (
+                " (killed)" if s[1] == "137" else "")
+            self.failure = f"container {name} {how}"
+        return JobState.FAILED
+
+    def _mpi_status(self, inspected: list[list[str]]) -> JobState:
+        """An MPI run's state: its launcher's (mpirun), or failed as soon as a node stops (its sshd serves until
+        the job is removed)."""
+        launcher = _state(*inspected[-1][:2])
+        if launcher == JobState.COMPLETE:
+            return launcher
+        if launcher == JobState.FAILED or any(s[0] != "running" for s in inspected[:-1]):
+            return self._failed(inspected)
+        return launcher
 
     def _status(self, inspected: list[list[str]]) -> JobState:
         """The job's state from its nodes' `_inspect()`: failed when one failed, complete when all are; an
@@ -201,13 +238,15 @@ class DockerJob(PollingJob):
             return JobState.CANCELLED
         if self._final is not None:
             return self._final
+        if self.mpi_launcher:
+            return self._mpi_status(inspected)
         states = [_state(*s[:2]) for s in inspected]
         if self.elastic and JobState.RUNNING not in states:  # a lost node is no failure while others finish
             return JobState.COMPLETE if JobState.COMPLETE in states else JobState.FAILED
         if self.elastic:
             return JobState.RUNNING
         if JobState.FAILED in states:
-            return JobState.FAILED
+            return self._failed(inspected)
         if all(s == JobState.COMPLETE for s in states):
             return JobState.COMPLETE
         return JobState.RUNNING if JobState.RUNNING in states else JobState.CREATED
@@ -232,8 +271,9 @@ class DockerJob(PollingJob):
         )
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
-        """Lines of node `rank`'s container."""
-        args = ["docker", "logs", *(["--follow"] if follow else []), self._container(rank)]
+        """Lines of node `rank`'s container; of an MPI run's launcher, whose mpirun prints every rank's."""
+        container = f"{self.name}-launcher" if self.mpi_launcher else self._container(rank)
+        args = ["docker", "logs", *(["--follow"] if follow else []), container]
         with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             for line in proc.stdout:
                 yield line.rstrip("\n")
@@ -303,13 +343,44 @@ class DockerLauncher(Launcher):
         shares = cpu_shares(spec.nnodes, lc.get("cpus_per_node"), host_cpus())
         # Each rank's threads: its share of its node's CPUs (launcher.env may set its own).
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(shares[0]) // spec.nproc_per_node)))
+        if spec.runtime.unit.hosts_over_ssh:
+            return self._mpi_commands(spec, cmds, container, shares, env, user_env["USER"])
         for node in range(spec.nnodes):
-            cmd = container(f"{name}-node-{node}", "node")
-            at = cmd.index("--shm-size")
-            cmd[at:at] = ["--cpuset-cpus", ",".join(map(str, shares[node]))]
-            if lc.get("gpus_per_node"):
-                cmd[at:at] = ["--gpus", gpu_devices(node, int(lc["gpus_per_node"]))]
+            cmd = self._host(container(f"{name}-node-{node}", "node"), node, shares)
             cmds.append([*cmd, lc["image"], *node_command(spec, "python", endpoint=endpoint)])
+        return cmds
+
+    def _host(self, cmd: list[str], host: int, shares: list[list[int]]) -> list[str]:
+        """`cmd` (a `docker run` of the `host`-th container that runs ranks) given that host's CPUs and GPUs."""
+        at = cmd.index("--shm-size")
+        cmd[at:at] = ["--cpuset-cpus", ",".join(map(str, shares[host]))]
+        if self.options.get("gpus_per_node"):
+            cmd[at:at] = ["--gpus", gpu_devices(host, int(self.options["gpus_per_node"]))]
+        return cmd
+
+    def _mpi_commands(self, spec: LaunchSpec, cmds: list[list[str]], container: Any, shares: list[list[int]],
+                      env: dict[str, str], user: str) -> list[list[str]]:
+        """`cmds` with an MPI run's containers, as Kubeflow lays them out (`launchers.docker.ssh`): first the
+        job's keys (an image without OpenMPI or sshd refuses there, before anything else starts), then the nodes'
+        sshd, then the launcher, whose mpirun passes the environment on to every rank and reaches the hosts over
+        SSH; the first `nnodes` hosts that mpirun fills run the ranks, each on its own CPUs."""
+        name, image, lay = job_name(spec), self.options["image"], _mpi_layout(spec)
+        placed = mpi.placement(lay.hosts, lay.launcher)
+        cmds.insert(0, ssh.keygen_command(name, image, user, HOME))
+        for cname in [*lay.nodes, lay.launcher]:
+            launcher = cname == lay.launcher
+            cmd = container(cname, "launcher" if launcher else "node")
+            host = placed.index(cname) if cname in placed else spec.nnodes
+            if host < spec.nnodes:
+                cmd = self._host(cmd, host, shares)
+            at = cmd.index("--shm-size")
+            cmd[at:at] = ssh.volumes(name, HOME, launcher)
+            if launcher:
+                names = (*env, *sorted(spec.secrets), "PATH")  # the remote ranks inherit nothing of the launcher
+                run = node_command(spec, "python", hosts=tuple(placed), hostfile=ssh.HOSTFILE, env_names=names)
+            else:
+                run = mpi.sshd_command(f"{HOME}/.ssh")
+            cmds.append([*cmd, image, *run])
         return cmds
 
     def render(self, spec: LaunchSpec) -> str:
@@ -371,6 +442,9 @@ class DockerLauncher(Launcher):
                 "stop it first (docker rm -f ...)"
             )
         _remove(name, [c["name"] for c in leftovers], own_network)
+        lay = _mpi_layout(spec)
+        if lay:
+            ssh.make_key_dir(name, lay.hosts, spec.nproc_per_node, HOME)
         started: list[str] = []
         caches = self.cache_containers(spec)
         for cmd in cmds:
@@ -384,13 +458,16 @@ class DockerLauncher(Launcher):
             proc = _docker(*cmd[1:], env=spec.secrets, check=False)
             if proc.returncode != 0:
                 _remove(name, started, own_network)  # nothing half-started stays behind
+                if proc.returncode == ssh.NO_MPI and container == ssh.keys_container(name):
+                    raise LauncherError(_reason(proc.stderr))
                 what = f"container {container}" if container else f"network {cmd[-1]}"
                 raise LauncherError(
                     f"docker could not start {what}: {_reason(proc.stderr)}; removed what this launch had started"
                 )
-            if container:
+            if container and "--rm" not in cmd:
                 started.append(container)
-        return DockerJob(name, spec.run_dir, spec.nnodes, own_network, caches, spec.elastic)
+        return DockerJob(name, spec.run_dir, len(lay.nodes) if lay else spec.nnodes, own_network, caches, spec.elastic,
+                         lay is not None)
 
     def _jobs(self) -> dict[str, DockerJob]:
         found: dict[str, list[dict[str, str]]] = {}
@@ -405,6 +482,7 @@ class DockerLauncher(Launcher):
                 own,
                 sorted(c["name"] for c in cs if c.get("role") == "cache"),
                 any(c.get("role") == "rendezvous" for c in cs),
+                any(c.get("role") == "launcher" for c in cs),
             )
             for name, cs in sorted(found.items())
         }
@@ -418,6 +496,13 @@ class DockerLauncher(Launcher):
         if name not in jobs:
             raise LauncherError(f"no docker job {name!r} on this host (docker ps --all --filter label={RUN_LABEL})")
         return jobs[name]
+
+
+def _mpi_layout(spec: LaunchSpec) -> ssh.Layout | None:
+    """The containers of a job whose runtime starts its ranks from one launcher over SSH; None for another."""
+    if not spec.runtime.unit.hosts_over_ssh:
+        return None
+    return ssh.layout(job_name(spec), spec.nnodes, bool(spec.runtime.options.get("run_launcher_as_node")))
 
 
 def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> DockerLauncher:

@@ -30,8 +30,10 @@ def image_ok(image: Any) -> bool:
 
 
 def offers(options: Mapping[str, Any]) -> Offers:
-    """Containers on this host: the GPUs each is given, this machine's disk mounted (not read by a dry run)."""
-    return Offers(gpus_per_node=int(options["gpus_per_node"]), reads_disk_here=not options.get("dry_run"))
+    """Containers on this host: the GPUs each is given, this machine's disk mounted (not read by a dry run), and
+    an MPI job's launcher and SSH hosts (`launchers.docker.ssh`)."""
+    return Offers(gpus_per_node=int(options["gpus_per_node"]), reads_disk_here=not options.get("dry_run"),
+                  ssh_hosts=True)
 
 
 def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:
@@ -47,7 +49,7 @@ def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, st
         nnodes is not None,
         "runtime",
         None,
-        "launcher=docker runs torchrun on every node: add +runtime=torch-distributed",
+        "launcher=docker runs a runtime's ranks in its containers: add +runtime=torch-distributed (or runtime=mpi)",
     )
     require(options["gpus_per_node"] >= 0, "launcher.gpus_per_node", options["gpus_per_node"], "must be >= 0")
     cpus = options.get("cpus_per_node")

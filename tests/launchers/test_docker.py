@@ -18,6 +18,7 @@ import pytest
 
 from launchers import JobState, LauncherError
 from launchers import get as get_launcher
+from launchers.docker import ssh
 from launchers.docker.backend import HOME, RDZV_PORT, cpu_shares, host_cpus, job_name
 from tests.conftest import compose_run
 
@@ -62,6 +63,40 @@ def test_one_container_per_node_on_the_jobs_network(tmp_path):
         assert f"--rdzv-endpoint={name}-node-0:{RDZV_PORT}" in tail and "--rdzv-backend=c10d" in tail
         assert tail[-3:] == ["-m", "trainer.worker", run.spec.config_path]
     assert os.path.isfile(run.spec.config_path)
+
+
+def test_an_mpi_job_is_a_launcher_and_ssh_hosts_as_kubeflow_lays_them_out(tmp_path):
+    """runtime=mpi: the job's keys made first (by the image, which must hold OpenMPI and sshd), then sshd in each
+    node container and mpirun in the launcher's, over the hostfile Kubeflow mounts; the ranks run on the first
+    `nnodes` hosts, each on its own CPUs, and get the containers' environment through mpirun."""
+    for as_node, nodes in (("true", 1), ("false", 2)):
+        run = compose_run(tmp_path, "launcher=docker", "runtime=mpi", "runtime.nnodes=2", "runtime.nproc_per_node=1",
+                          "launcher.image=me/trainjob:1", f"runtime.run_launcher_as_node={as_node}")
+        name, keys = job_name(run.spec), ssh.key_dir(job_name(run.spec))
+        cmds = commands(run)
+        assert cmds[0][:9] == ["docker", "run", "--rm", "--name", f"{name}-ssh-keys", "--network", "none", "--user",
+                               "0:0"] and f"{keys}:/ssh" in cmds[0]
+        assert cmds[1][:3] == ["docker", "network", "create"]
+        runs = cmds[2:]
+        assert [c[c.index("--name") + 1] for c in runs] == [*(f"{name}-node-{i}" for i in range(nodes)),
+                                                            f"{name}-launcher"]
+        for cmd in runs[:-1]:
+            sshd = ["/usr/sbin/sshd", "-D", "-e", "-f", f"{HOME}/.ssh/sshd_config"]
+            assert cmd[cmd.index("me/trainjob:1") + 1:] == sshd
+        for cmd in runs:
+            assert f"{keys}:{HOME}/.ssh:ro" in cmd and f"{keys}/passwd:/etc/passwd:ro" in cmd
+        launcher = runs[-1]
+        assert f"{keys}/hostfile:/etc/mpi/hostfile:ro" in launcher
+        tail = launcher[launcher.index("me/trainjob:1") + 1:]
+        assert tail[:3] == ["mpirun", "-np", "2"] and tail[tail.index("--hostfile") + 1] == "/etc/mpi/hostfile"
+        # Rank 0 runs where mpirun fills slots first: its own host, where the launcher is one.
+        first = f"{name}-launcher" if as_node == "true" else f"{name}-node-0"
+        assert f"MASTER_ADDR={first}" in tail and all(f in tail for f in ("HOME", "PATH", "OMP_NUM_THREADS"))
+        assert tail[-3:] == ["-m", "trainer.worker", run.spec.config_path]
+        shares = [",".join(map(str, s)) for s in cpu_shares(2, None, host_cpus())]
+        ranks = [runs[-1], runs[0]] if as_node == "true" else runs[:-1]
+        assert [c[c.index("--cpuset-cpus") + 1] for c in ranks] == shares
+        assert as_node == "true" or "--cpuset-cpus" not in launcher  # mpirun alone, no rank
 
 
 def test_each_node_gets_its_own_cpus_and_runs_as_the_invoking_user(tmp_path):

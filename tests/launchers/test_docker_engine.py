@@ -107,10 +107,14 @@ def test_two_nodes_train_as_local_torchrun_each_on_its_own_cpus_and_a_relaunch_r
     assert leftovers(name) == []
 
 
-def test_the_containers_run_as_the_invoking_user_who_can_delete_the_run(tmp_path):
+@pytest.mark.parametrize("runtime", [["+runtime=torch-distributed", "runtime.nnodes=1"],
+                                     ["runtime=mpi", "runtime.nnodes=2", "runtime.nproc_per_node=1"]],
+                         ids=["torchrun", "mpi"])
+def test_the_containers_run_as_the_invoking_user_who_can_delete_the_run(tmp_path, runtime):
     """A driver run by user 65534 (in a container of the image, with the docker CLI and the engine's socket:
     this host's interpreter lies where only root may read) starts ranks that write the run directory as
-    65534, who can then delete all of it."""
+    65534, who can then delete all of it. Under mpirun, ssh and sshd run as that user too (whose entry in the
+    image names no shell: the job's passwd gives one), with keys in its own temporary directory."""
     top = tempfile.mkdtemp(prefix="trainjob-docker-", dir="/tmp")  # outside pytest's root-only directories
     try:
         source, run_dir = os.path.join(top, "docs.parquet"), os.path.join(top, "run")
@@ -118,19 +122,21 @@ def test_the_containers_run_as_the_invoking_user_who_can_delete_the_run(tmp_path
         os.chown(top, NOBODY, NOBODY)
         os.chown(source, NOBODY, NOBODY)
         socket = "/var/run/docker.sock"
-        driver = ["python", "-m", "trainer", *TINY, *DOCKER, "runtime.nnodes=1", "data=parquet", f"data.path={source}",
+        driver = ["python", "-m", "trainer", *TINY, "launcher=docker", f"launcher.image={IMAGE}", *runtime,
+                  "data=parquet", f"data.path={source}",
                   "data.eval_percent=20", "train.max_steps=2", "train.checkpoint_every=1",
                   f"hydra.run.dir={run_dir}"]
         cli = shutil.which("docker")
         proc = docker("run", "--rm", "--user", f"{NOBODY}:{NOBODY}", "--group-add", str(os.stat(socket).st_gid),
                       "--volume", f"{socket}:{socket}", "--volume", f"{cli}:/usr/local/bin/docker:ro",
-                      "--volume", f"{top}:{top}", "--workdir", top, "--env", f"HOME={top}",
+                      "--volume", f"{top}:{top}", "--workdir", top, "--env", f"HOME={top}", "--env", f"TMPDIR={top}",
                       "--env", f"TRAINJOB_CACHE={top}/cache", IMAGE, "sh", "-c",
                       f"{shlex.join(driver)} && ls -ln {run_dir}/checkpoints && rm -r {run_dir}")
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert "final eval loss:" in proc.stdout
         assert re.search(rf"\S+ +\d+ {NOBODY} +{NOBODY} .* step-2$", proc.stdout, re.MULTILINE), proc.stdout[-2000:]
         assert not os.path.exists(run_dir)  # the user deleted all of it, checkpoints and logs included
+        assert not glob.glob(f"{top}/trainjob-ssh-{NOBODY}/*")  # an MPI job's keys went with it
         assert {p: os.lstat(p).st_uid for p in glob.glob(f"{top}/cache/**", recursive=True)
                 if os.lstat(p).st_uid != NOBODY} == {}
         assert leftovers(job_name_of(run_dir)) == []

@@ -72,6 +72,21 @@ def test_mpirun_across_nodes_reads_a_hostfile_and_reaches_sshd_on_2222_passing_t
     assert mpi.hostfile(["job-node-0", "job-node-1"], 2) == "job-node-0 slots=2\njob-node-1 slots=2\n"
 
 
+def test_mpis_ssh_hosts_are_laid_out_as_kubeflows_plugin_does():
+    # runLauncherAsNode: the launcher is the last host and one node fewer starts; never fewer than one node.
+    assert [mpi.node_hosts(n, True) for n in (1, 2, 3)] == [1, 1, 2]
+    assert [mpi.node_hosts(n, False) for n in (1, 2, 3)] == [1, 2, 3]
+    assert mpi.hosts(["j-node-0"], "j-launcher", True) == ["j-node-0", "j-launcher"]
+    assert mpi.hosts(["j-node-0", "j-node-1"], "j-launcher", False) == ["j-node-0", "j-node-1"]
+    # mpirun fills its own host's slots first (OpenMPI's daemon 0), wherever the hostfile lists it.
+    assert mpi.placement(["j-node-0", "j-launcher"], "j-launcher") == ["j-launcher", "j-node-0"]
+    assert mpi.placement(["j-node-0", "j-node-1"], "j-launcher") == ["j-node-0", "j-node-1"]
+    config = mpi.sshd_config("/home/u/.ssh", "/home/u/sshd.pid").splitlines()
+    assert {"Port 2222", "HostKey /home/u/.ssh/id_rsa", "AuthorizedKeysFile /home/u/.ssh/authorized_keys",
+            "PasswordAuthentication no", "StrictModes no"} <= set(config)
+    assert mpi.sshd_command("/home/u/.ssh") == ["/usr/sbin/sshd", "-D", "-e", "-f", "/home/u/.ssh/sshd_config"]
+
+
 def test_an_mpi_rank_reads_openmpis_variables_as_torch_distributeds(tmp_path):
     unit = runtimes.get("mpi")
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",

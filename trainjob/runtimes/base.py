@@ -38,7 +38,7 @@ class Offers:
     `kubeflow_cache`: Kubeflow Trainer's data cache runs there;
     `nodes_started_here`: a multi-node run is started once per node on this machine;
     `ssh_hosts`: it lays out a job as one launcher and hosts it reaches over SSH (what an MPI job needs:
-    Kubeflow's MPI plugin writes the hostfile and the job's keys)."""
+    the hostfile and the job's keys, as Kubeflow's MPI plugin writes them and the docker launcher does)."""
 
     runs_here: bool = False
     gpus_per_node: int | None = 0
@@ -56,8 +56,9 @@ class Nodes:
     """A job's layout as one node's agent starts it: `command` (the interpreter's arguments every rank
     runs, such as `-m trainer.worker <config>`) run by `python`, `nproc_per_node` processes on each of
     `nnodes` nodes (`min_nodes`: an elastic range's fewest); `endpoint` is where the ranks meet (host:port of
-    node 0, or of a store apart from the nodes, `store_apart`); `hosts` the nodes' host names and `hostfile`
-    where they are written, where the runtime starts every node's ranks from one launcher (MPI)."""
+    node 0, or of a store apart from the nodes, `store_apart`); `hosts` the nodes' host names, in the order the
+    ranks are placed on them (rank 0's first), and `hostfile` where they are written, where the runtime starts
+    every node's ranks from one launcher (MPI)."""
 
     command: list[str]
     python: str = "python"

@@ -5,7 +5,14 @@ per node>` per host, as Kubeflow writes it). Each rank reads OMPI_COMM_WORLD_RAN
 OMPI_COMM_WORLD_LOCAL_RANK and joins torch.distributed at MASTER_ADDR:MASTER_PORT, which the launcher sets.
 
 MPI jobs are fixed-size: no elastic range, no restarts (a failed rank ends the job with its exit code; the
-same command resumes from the newest checkpoint)."""
+same command resumes from the newest checkpoint).
+
+The SSH hosts of a job, for a launcher that lays them out itself (Docker; on Kubernetes Kubeflow's plugin does):
+`node_hosts` and `hosts` (how many node hosts start beside the launcher, the hostfile's order), `placement`
+(which hosts run the ranks, rank 0's first), `sshd_config` and
+`sshd_command` (every host's sshd on port 2222, its host key the job's own key, as Kubeflow's images run it) and
+`KEYGEN` (the job's key pair in Kubeflow's file names, made at launch). Every runtime whose ranks mpirun starts
+(`hosts_over_ssh`) uses them."""
 
 from __future__ import annotations
 
@@ -44,7 +51,8 @@ class MPIConfig:
     nnodes: Any = 1
     # Kubeflow's mlPolicy.mpi: OpenMPI is the one implementation its MPI plugin supports.
     mpi_implementation: str = "OpenMPI"
-    # Where every node's SSH key pair is mounted (mlPolicy.mpi.sshAuthMountPath).
+    # Where every node's SSH key pair is mounted (mlPolicy.mpi.sshAuthMountPath); Docker mounts the job's pair at
+    # its containers' ~/.ssh.
     ssh_auth_mount_path: str = "/root/.ssh"
     # The launcher is an MPI host too, node 0 (mlPolicy.mpi.runLauncherAsNode).
     run_launcher_as_node: bool = True
@@ -84,10 +92,11 @@ class MPI(Runtime):
         over_ssh = f"runtime={self.name} starts every node's ranks from one launcher over SSH"
         if offers.runs_here:
             require(counts[-1] == 1 or offers.ssh_hosts, "runtime.nnodes", options.nnodes,
-                    f"{over_ssh}: on this machine it runs one node; several nodes run with launcher=kubernetes")
+                    f"{over_ssh}: on this machine it runs one node; several nodes run with launcher=docker or "
+                    "launcher=kubernetes")
         require(offers.runs_here or offers.ssh_hosts, "runtime", self.name,
-                f"{over_ssh}, which this launcher does not lay out: run it on this machine (launcher=local) or "
-                "with launcher=kubernetes")
+                f"{over_ssh}, which this launcher does not lay out: run it on this machine (launcher=local), with "
+                "launcher=docker or with launcher=kubernetes")
 
     def missing(self) -> str | None:
         if shutil.which("mpirun"):
@@ -140,6 +149,45 @@ def _exports(nodes: Nodes, values: dict[str, str]) -> list[str]:
         values = {**values, "OMP_NUM_THREADS": "1"}
     return [arg for key, value in values.items() for arg in ("-x", f"{key}={value}")] + [
         arg for key in nodes.env_names for arg in ("-x", key)]
+
+
+def node_hosts(nnodes: int, run_launcher_as_node: bool) -> int:
+    """How many node hosts Kubeflow's MPI plugin starts beside the launcher for a job of `nnodes` nodes: one fewer
+    where the launcher is a host too (runLauncherAsNode), and at least one."""
+    return max(nnodes - 1, 1) if run_launcher_as_node else nnodes
+
+
+def hosts(nodes: list[str], launcher: str, run_launcher_as_node: bool) -> list[str]:
+    """The hostfile's hosts in Kubeflow's order: the nodes, then the launcher where it is a host (its
+    deepspeed and mlx runtimes list `node` before `launcher`), so that rank 0 runs on the first node."""
+    return [*nodes, *([launcher] if run_launcher_as_node else [])]
+
+
+def placement(hosts: list[str], launcher: str) -> list[str]:
+    """The hostfile's `hosts` in the order mpirun fills their slots: its own host (the launcher) first where it is
+    one (OpenMPI's daemon 0, whichever line of the hostfile names it), then the others as listed; so rank 0, whose
+    host the ranks meet at, runs on the launcher where it is a host."""
+    return [*(h for h in hosts if h == launcher), *(h for h in hosts if h != launcher)]
+
+
+# The job's key pair in a directory of its own, named as Kubeflow's plugin mounts its Secret (id_rsa: the private
+# key, also every sshd's host key; id_rsa.pub and authorized_keys: the public key). Run with that directory as $1
+# and the key's comment (the job's name) as $2.
+KEYGEN = ('ssh-keygen -q -t ecdsa -b 521 -N "" -C "$2" -f "$1/id_rsa" && cp "$1/id_rsa.pub" "$1/authorized_keys" '
+          '&& chmod 0600 "$1/id_rsa"')
+
+
+def sshd_config(ssh_dir: str, pid_file: str) -> str:
+    """The sshd configuration of every host of a job whose keys are in `ssh_dir` (Kubeflow's images: the job's
+    private key is the host key, port 2222, no strict modes); it runs as the user the ranks run as."""
+    return (f"Port {SSH_PORT}\nHostKey {ssh_dir}/id_rsa\nAuthorizedKeysFile {ssh_dir}/authorized_keys\n"
+            f"PidFile {pid_file}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n")
+
+
+def sshd_command(ssh_dir: str) -> list[str]:
+    """A node host's command: sshd in the foreground, logging to stderr, as Kubeflow's node pods run it."""
+    return ["/usr/sbin/sshd", "-D", "-e", "-f", f"{ssh_dir}/sshd_config"]
 
 
 def first_host(path: str) -> str:

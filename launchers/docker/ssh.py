@@ -1,0 +1,94 @@
+"""The SSH hosts of a job on Docker whose runtime starts every node's ranks from one launcher over SSH
+(`hosts_over_ssh`: runtime=mpi), laid out as Kubeflow's MPI plugin lays out its pods: node containers
+`<job>-node-<i>` running sshd on port 2222, and a launcher container `<job>-launcher` running mpirun over the
+hostfile it mounts at /etc/mpi/hostfile (`<host> slots=<processes per node>`), itself a host where
+runtime.run_launcher_as_node (`trainjob.runtimes.mpi` says how many nodes, in which order, and how sshd runs).
+
+The job's key pair is made at launch by a container of the job's own image (its ssh-keygen), in a directory of
+this host that only the invoking user reads (`key_dir`: `<tmp>/trainjob-ssh-<uid>/<job>`, 0700), mounted read-only
+at every container's ~/.ssh: never in the image, never another job's (a relaunch makes a new pair), and removed
+with the job's containers. The containers run as the invoking user, whom the image need not know while ssh and
+sshd do: the same container writes the image's /etc/passwd with that user's entry (home: the containers' HOME),
+which the job's containers mount over their own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+
+from launchers.base import LauncherError
+from trainjob.runtimes import mpi
+
+HOSTFILE = mpi.KUBEFLOW_HOSTFILE
+NO_MPI = 3  # the key container's exit code where the image lacks OpenMPI or sshd (its one line says so)
+# Run as root by a container of the image with the key directory at /ssh: what an MPI host needs is there, the
+# image's passwd with the invoking user's entry, the key pair, all of it the user's.
+_KEYS = ("sh", "-euc", (
+    'if ! command -v mpirun >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keygen >/dev/null; then '
+    'echo "launcher.image=$6 holds no OpenMPI or no sshd, which runtime=mpi runs in every container: build it with '
+    f'docker build --build-arg MPI=1" >&2; exit {NO_MPI}; fi; '
+    'grep -v "^[^:]*:[^:]*:$3:" /etc/passwd >/ssh/passwd; echo "$2:x:$3:$4::$5:/bin/sh" >>/ssh/passwd; '
+    f'set -- /ssh "$1"; {mpi.KEYGEN}; chown "$(stat -c %u:%g /ssh)" /ssh/*'), "sh")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The containers of an MPI job: `nodes` (sshd), the `launcher` (mpirun), and the hostfile's `hosts`."""
+
+    nodes: list[str]
+    launcher: str
+    hosts: list[str]
+
+
+def layout(name: str, nnodes: int, run_launcher_as_node: bool) -> Layout:
+    nodes = [f"{name}-node-{i}" for i in range(mpi.node_hosts(nnodes, run_launcher_as_node))]
+    launcher = f"{name}-launcher"
+    return Layout(nodes, launcher, mpi.hosts(nodes, launcher, run_launcher_as_node))
+
+
+def key_dir(name: str) -> str:
+    """This host's directory of job `name`'s keys."""
+    return os.path.join(tempfile.gettempdir(), f"trainjob-ssh-{os.getuid()}", name)
+
+
+def keys_container(name: str) -> str:
+    return f"{name}-ssh-keys"
+
+
+def keygen_command(name: str, image: str, user: str, home: str) -> list[str]:
+    """The `docker run` that makes job `name`'s key pair and passwd in its `key_dir` (made first: `make_key_dir`)."""
+    return ["docker", "run", "--rm", "--name", keys_container(name), "--network", "none", "--user", "0:0",
+            "--volume", f"{key_dir(name)}:/ssh", "--entrypoint", "", image, *_KEYS, name, user, str(os.getuid()),
+            str(os.getgid()), home, image]
+
+
+def volumes(name: str, home: str, launcher: bool) -> list[str]:
+    """A container's mounts of the job's keys (its ~/.ssh), its passwd and, on the launcher, the hostfile."""
+    keys = key_dir(name)
+    out = ["--volume", f"{keys}:{home}/.ssh:ro", "--volume", f"{keys}/passwd:/etc/passwd:ro"]
+    return out + (["--volume", f"{keys}/hostfile:{HOSTFILE}:ro"] if launcher else [])
+
+
+def make_key_dir(name: str, hosts: list[str], slots: int, home: str) -> None:
+    """Job `name`'s key directory, new and empty but for the hostfile and sshd's configuration (the keys come from
+    `keygen_command`); the directory above it is the user's alone, or this refuses."""
+    top = os.path.dirname(key_dir(name))
+    os.makedirs(top, mode=0o700, exist_ok=True)
+    st = os.lstat(top)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise LauncherError(f"{top} (where the jobs' SSH keys are made) is not a directory that only this user "
+                            "may read: remove it")
+    remove_key_dir(name)
+    os.mkdir(key_dir(name), 0o700)
+    for file, text in (("hostfile", mpi.hostfile(hosts, slots)),
+                       ("sshd_config", mpi.sshd_config(f"{home}/.ssh", f"{home}/sshd.pid"))):
+        with open(os.path.join(key_dir(name), file), "w") as f:
+            f.write(text)
+
+
+def remove_key_dir(name: str) -> None:
+    shutil.rmtree(key_dir(name), ignore_errors=True)
