@@ -97,7 +97,11 @@ def test_an_mpi_rank_reads_openmpis_variables_as_torch_distributeds(tmp_path):
     hostfile.write_text("# Kubeflow's\njob-node-0-0.job slots=2\njob-launcher-0-0.job slots=2\n")
     kubeflow = {k: v for k, v in env.items() if not k.startswith("MASTER")}
     got = unit.rank_env({**kubeflow, "OMPI_MCA_orte_default_hostfile": str(hostfile)})
-    assert got["MASTER_ADDR"] == "job-node-0-0.job" and got["MASTER_PORT"] == "29500"
+    # The launcher is a host (runLauncherAsNode): mpirun fills its own host's slots first, so rank 0 runs there.
+    assert got["MASTER_ADDR"] == "job-launcher-0-0.job" and got["MASTER_PORT"] == "29500"
+    hostfile.write_text("job-node-0-0.job slots=2\njob-node-0-1.job slots=2\n")  # the launcher runs no rank
+    assert unit.rank_env({**kubeflow, "OMPI_MCA_orte_default_hostfile": str(hostfile)})["MASTER_ADDR"] == (
+        "job-node-0-0.job")
     assert unit.rank_env({"RANK": "0"}) == {}  # not started by mpirun
 
 

@@ -130,8 +130,8 @@ class MPI(Runtime):
         if CONTRACT["RANK"] not in environ:
             return {}
         env = {name: environ[ompi] for name, ompi in CONTRACT.items() if ompi in environ}
-        if "MASTER_ADDR" not in environ:  # under Kubeflow: rank 0 runs on the hostfile's first host
-            env["MASTER_ADDR"] = first_host(environ.get(HOSTFILE_ENV, KUBEFLOW_HOSTFILE))
+        if "MASTER_ADDR" not in environ:  # under Kubeflow: rank 0's host, from the hostfile its plugin wrote
+            env["MASTER_ADDR"] = rank0_host(environ.get(HOSTFILE_ENV, KUBEFLOW_HOSTFILE))
         env.setdefault("MASTER_PORT", environ.get("MASTER_PORT", str(MASTER_PORT)))
         return env
 
@@ -190,10 +190,14 @@ def sshd_command(ssh_dir: str) -> list[str]:
     return ["/usr/sbin/sshd", "-D", "-e", "-f", f"{ssh_dir}/sshd_config"]
 
 
-def first_host(path: str) -> str:
-    """The first host an OpenMPI hostfile names."""
+def rank0_host(path: str) -> str:
+    """The host rank 0 runs on under Kubeflow's MPI plugin, from its hostfile at `path`: the launcher pod
+    (`<job>-launcher-0-0.<job>`, where mpirun runs: `placement`) when the hostfile names it (runLauncherAsNode),
+    else the first host."""
     with open(path) as f:
-        return next(line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#"))
+        listed = [line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#")]
+    launcher = next((h for h in listed if h.split(".")[0].endswith("-launcher-0-0")), None)
+    return placement(listed, launcher)[0]
 
 
 def hostfile(hosts: list[str], slots: int) -> str:
