@@ -45,7 +45,12 @@ def runs(tmp_path_factory, cache_dir):
     return run
 
 
-@pytest.mark.parametrize(("stage", "offload"), [(1, "none"), (2, "none"), (3, "none"), (2, "cpu")])
+# ZeRO-2 and ZeRO-Offload, and the resume, in CI's end-to-end step (each run is a minute, mostly the ranks' start).
+E2E = pytest.mark.e2e
+
+
+@pytest.mark.parametrize(("stage", "offload"), [(1, "none"), (3, "none"), pytest.param(2, "none", marks=E2E),
+                                                pytest.param(2, "cpu", marks=E2E)])
 def test_each_zero_stage_on_two_ranks_gives_one_process_losses(runs, stage, offload):
     run_dir, single = runs(stage, offload), runs(None)
     summary = read_summary(run_dir)
@@ -59,6 +64,7 @@ def test_each_zero_stage_on_two_ranks_gives_one_process_losses(runs, stage, offl
     assert sum(name.endswith("optim_states.pt") for name in files) == 2  # a partition per rank
 
 
+@pytest.mark.e2e
 def test_deepspeeds_own_checkpoint_resumes_to_the_same_next_losses(runs, run_cli, tmp_path):
     whole = runs(2)
     start = os.path.join(whole, "checkpoints", "step-10")
