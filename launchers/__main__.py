@@ -30,6 +30,7 @@ COLUMNS = ("name", "state", "step", "loss", "eval_loss", "start_time", "end_time
 def _plain(info: JobInfo) -> dict:
     out = dataclasses.asdict(info)
     out["state"] = info.state.value
+    out["steps"] = [{**step, "status": step["status"].value} for step in out["steps"]]
     for key in ("start_time", "end_time"):
         out[key] = out[key].isoformat() if out[key] else None
     return out
@@ -69,9 +70,10 @@ def parser() -> argparse.ArgumentParser:
     get = verbs.add_parser("get", help="a job's state, step, losses and times")
     get.add_argument("name")
     get.add_argument("--json", action="store_true")
-    logs = verbs.add_parser("logs", help="a rank's log")
+    logs = verbs.add_parser("logs", help="a rank's log, or a step's")
     logs.add_argument("name")
     logs.add_argument("--rank", type=int, default=0)
+    logs.add_argument("--step", help="a step of `get` (node-<i>; an MPI job's node-0 holds every rank's output)")
     logs.add_argument("--follow", "-f", action="store_true", help="until the job ends")
     wait = verbs.add_parser("wait", help="until the job reaches a state")
     wait.add_argument("name")
@@ -186,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(job))
             else:
-                print("\n".join(f"{k}: {_cell(v)}" for k, v in job.items() if k != "events"))
+                print("\n".join(f"{k}: {_cell(v)}" for k, v in job.items() if k not in ("events", "steps")))
+                for step in job["steps"]:  # Kubeflow's node-<i>: `logs --step`
+                    print(f"step {step['name']}: {step['status']}" + (f" ({step['pod_name']})" if step["pod_name"]
+                                                                       else ""))
                 for event in job["events"]:  # resumes, re-formations, preemptions, oldest first
                     print(event_line(event))
         elif args.verb == "logs":
-            for line in client.get_job_logs(args.name, rank=args.rank, follow=args.follow):
+            for line in client.get_job_logs(args.name, rank=args.rank, follow=args.follow, step=args.step):
                 print(line, flush=True)
         elif args.verb == "wait":
             info = client.wait_for_job_status(

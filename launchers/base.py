@@ -22,7 +22,7 @@ from trainjob.files import write_whole
 from trainjob.options import OptionError as OptionError
 from trainjob.options import require as require
 from trainjob.run_files import read_summary
-from trainjob.runtimes import Nodes
+from trainjob.runtimes import Nodes, mpi
 
 
 class LauncherError(RuntimeError):
@@ -175,6 +175,49 @@ def run_name(run_dir: str, max_len: int = 52) -> str:
     return f"tj-{base}"[: max_len - len(suffix) - 1].rstrip("-") + "-" + suffix
 
 
+UNKNOWN = "Unknown"  # Kubeflow SDK's word for what a launcher cannot say
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of a job as Kubeflow's SDK lists it (`TrainJob.steps`, `get_job_logs(step=...)`): `node-<i>` for
+    node i; under an MPI runtime (mpirun starts every rank from one launcher) `node-0` is the launcher, whose log
+    holds every rank's output, and node host i is `node-<i+1>`. `pod_name`: the container or pod it runs in
+    (None locally: processes here)."""
+
+    name: str
+    status: JobState
+    pod_name: str | None = None
+    device: str = UNKNOWN
+    device_count: str = UNKNOWN
+
+
+def step_ranks(spec: LaunchSpec) -> dict[str, list[int] | None]:
+    """The steps of the job `spec` starts, with the ranks each runs (in rank order); None for a step whose log is
+    the job's whole output: an MPI job's launcher (mpirun prints every rank's), a one-node job's node. Under MPI
+    the hosts mpirun fills are the launcher first where it is a host (runLauncherAsNode), then the node hosts."""
+    per_node = spec.nproc_per_node
+
+    def ranks(host: int) -> list[int]:
+        return list(range(host * per_node, (host + 1) * per_node)) if host < spec.nnodes else []
+
+    if spec.node is not None:  # one node of a run started node by node
+        return {f"node-{spec.node}": ranks(spec.node)}
+    unit = spec.runtime.unit if spec.runtime else None
+    if unit is None or not unit.hosts_over_ssh:
+        return {"node-0": None} if spec.nnodes == 1 else {f"node-{i}": ranks(i) for i in range(spec.nnodes)}
+    as_node = bool(spec.runtime.options.get("run_launcher_as_node", True))
+    hosts = mpi.node_hosts(spec.nnodes, as_node)
+    return {"node-0": None, **{f"node-{i + 1}": ranks(i + as_node) for i in range(hosts)}}
+
+
+def check_step(step: str, steps: list[str], job: str) -> int:
+    """The index of `step` among the job's `steps`; LauncherError listing them where it is none of them."""
+    if step not in steps:
+        raise LauncherError(f"step={step!r}: job {job} has steps {', '.join(steps)}")
+    return steps.index(step)
+
+
 @dataclass
 class JobInfo:
     """What `Client.get_job` says of a job: its state, its progress (the last logged step and loss, the
@@ -192,6 +235,8 @@ class JobInfo:
     # The run's events (`read_events`), oldest first: {"event": "resume" | "reformation" | "preemption",
     # "time", ...}; a re-formation's "world_size_before", "world_size_after", "resumed_from_step".
     events: list[dict[str, Any]] = field(default_factory=list)
+    # Its nodes, as Kubeflow's SDK names them (`Step`).
+    steps: list[Step] = field(default_factory=list)
 
 
 class Job(ABC):
@@ -208,6 +253,10 @@ class Job(ABC):
 
     @abstractmethod
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]: ...
+
+    @abstractmethod
+    def step_logs(self, step: str, follow: bool = False) -> Iterator[str]:
+        """Lines of step `step`'s log (`Step`): an MPI job's `node-0` holds every rank's output."""
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> JobState: ...

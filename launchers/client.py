@@ -7,6 +7,7 @@
     client.list_runtimes(); client.get_runtime("xgboost-distributed"); client.get_runtime_packages("mpi")
     client.list_jobs(); client.get_job(name)
     for line in client.get_job_logs(name, rank=0, follow=True): print(line)
+    client.get_job(name).steps; client.get_job_logs(name, step="node-0")   # Kubeflow's steps: node-<i>
     client.wait_for_job_status(name, status="Complete", timeout=3600)
     client.delete_job(name)
 
@@ -46,12 +47,19 @@ FUNC_FILE = os.path.basename(RunDir.of("").func_script)  # the name it is shippe
 _TEE = """\
 import os as _os, sys as _sys
 class _Tee:
-    def __init__(self, *streams): self.streams = streams
+    # Whole lines at a time: print's text and its newline come as two writes, which another rank's output (mpirun
+    # forwards every rank's to the launcher's log) would otherwise come between.
+    def __init__(self, *streams): self.streams, self.pending = streams, ""
     def write(self, text):
-        for s in self.streams: s.write(text); s.flush()
+        self.pending += text
+        if "\\n" in self.pending:
+            lines, self.pending = self.pending.rsplit("\\n", 1)
+            self._out(lines + "\\n")
         return len(text)
+    def _out(self, text):
+        for s in self.streams: s.write(text); s.flush()
     def flush(self):
-        for s in self.streams: s.flush()
+        if self.pending: self._out(self.pending); self.pending = ""
 _RANK = next((_os.environ[k] for k in ("RANK", "OMPI_COMM_WORLD_RANK", "JAX_PROCESS_ID", "DMLC_TASK_ID")
               if k in _os.environ), "0")
 try:
@@ -281,13 +289,14 @@ class Client:
             if lacking:
                 raise ValueError(lacking)
             return
-        if self.launcher == "docker" and unit.function_only:
-            raise ValueError(f"runtime={job.runtime!r}: launcher=docker runs function jobs on torch-distributed; "
-                             f"run {job.runtime} on launcher=local or kubernetes")
-        if unit.derives_runtime and not self.options.get("image"):
+        if self.launcher == "docker" and not (unit.hosts_over_ssh or unit.name == "torch-distributed"):
+            raise ValueError(f"runtime={job.runtime!r}: launcher=docker runs function jobs on torch-distributed and "
+                             f"the MPI runtimes (mpi, mlx-distributed, deepspeed-distributed), not one process per "
+                             f"node that its framework joins: run {job.runtime} on launcher=local or kubernetes")
+        if (unit.derives_runtime or self.launcher == "docker") and not self.options.get("image"):
             raise ValueError(
                 f"image=None: launcher={self.launcher} runs the function in a container: give "
-                f"Client({self.launcher!r}, image='...'), an image with torch"
+                f"Client({self.launcher!r}, image='...'), an image with {unit.framework}"
             )
 
     def _backend_for(self, job: FuncJob):
@@ -339,8 +348,14 @@ class Client:
     def get_job(self, name: str) -> JobInfo:
         return self._backend.job(name).info()
 
-    def get_job_logs(self, name: str, rank: int = 0, follow: bool = False) -> Iterator[str]:
-        return self._backend.job(name).logs(rank=rank, follow=follow)
+    def get_job_logs(self, name: str, rank: int = 0, follow: bool = False, step: str | None = None) -> Iterator[str]:
+        """Lines of rank `rank`'s log, or of step `step`'s (Kubeflow's `node-<i>`, `get_job(name).steps`: under an
+        MPI runtime `node-0` is the launcher, whose log holds every rank's output)."""
+        if step is None:
+            return self._backend.job(name).logs(rank=rank, follow=follow)
+        if rank != 0:
+            raise ValueError(f"rank={rank}, step={step!r}: give a rank or a step, not both")
+        return self._backend.job(name).step_logs(step, follow=follow)
 
     def wait_for_job_status(
         self, name: str, status: str | Iterable[str] = "Complete", timeout: float = 600, polling_interval: float = 2

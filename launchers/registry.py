@@ -59,6 +59,8 @@ class JobRecord:
     exit_code: int | None = None
     cancelled: bool = False
     own_group: bool = True  # the pid leads a process group of the job's own (else: a driver running it in process)
+    # Its steps (Kubeflow's node-<i>) and the ranks each runs; null: the step's log is the job's console.
+    steps: dict[str, list[int] | None] = field(default_factory=lambda: {"node-0": None})
 
     @property
     def path(self) -> str:
@@ -117,7 +119,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(JobRecord)}
 # The JSON types each key of a record takes (bool is no number here: json gives True for true only).
 _TYPES = {"name": (str,), "run_dir": (str,), "command": (list,), "pid": (int, type(None)),
           "pid_start": (str, type(None)), "created": (int, float), "ended": (int, float, type(None)),
-          "exit_code": (int, type(None)), "cancelled": (bool,), "own_group": (bool,)}
+          "exit_code": (int, type(None)), "cancelled": (bool,), "own_group": (bool,),
+          "steps": (dict,)}
 _warned: set[str] = set()  # the records whose unknown keys this process has warned of (once each)
 
 
@@ -135,7 +138,9 @@ def read(name: str) -> JobRecord | None:
                      and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
     wrong = sorted(k for k, types in _TYPES.items() if isinstance(data, dict) and k in data and (
         not isinstance(data[k], types) or (isinstance(data[k], bool) and bool not in types)
-        or (k == "command" and not all(isinstance(a, str) for a in data[k]))))
+        or (k == "command" and not all(isinstance(a, str) for a in data[k]))
+        or (k == "steps" and not all(r is None or (isinstance(r, list) and all(type(i) is int for i in r))
+                                     for r in data[k].values()))))
     if not isinstance(data, dict) or missing or wrong or data.get("name") != name:
         what = (f"a JSON {type(data).__name__}, not an object" if not isinstance(data, dict)
                 else f"no {missing}" if missing else f"{wrong} of the wrong type" if wrong

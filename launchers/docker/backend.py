@@ -40,6 +40,8 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
+    Step,
+    check_step,
     node_command,
     run_name,
 )
@@ -268,11 +270,26 @@ class DockerJob(PollingJob):
             **progress,
             start_time=min(starts, default=None),
             end_time=max(ends, default=None) if state.finished else None,
+            steps=sorted((Step(step, _state(*s[:2]), container) for step, container, s in
+                          zip(self._steps(), self._names(), inspected, strict=True)), key=lambda s: int(s.name[5:])),
         )
+
+    def _steps(self) -> list[str]:
+        """Kubeflow's step of each of `_names()`: node-<i>, or under MPI the launcher node-0 and node i node-<i+1>."""
+        shift = 1 if self.mpi_launcher else 0
+        return [f"node-{n + shift}" for n in range(self.nnodes)] + (["node-0"] if self.mpi_launcher else [])
+
+    def step_logs(self, step: str, follow: bool = False) -> Iterator[str]:
+        """Lines of step `step`'s container (an MPI run's node-0: its launcher, whose mpirun prints every rank's)."""
+        steps = self._steps()
+        check_step(step, sorted(steps, key=lambda s: int(s[5:])), self.name)
+        return self._container_logs(self._names()[steps.index(step)], follow)
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
         """Lines of node `rank`'s container; of an MPI run's launcher, whose mpirun prints every rank's."""
-        container = f"{self.name}-launcher" if self.mpi_launcher else self._container(rank)
+        return self._container_logs(f"{self.name}-launcher" if self.mpi_launcher else self._container(rank), follow)
+
+    def _container_logs(self, container: str, follow: bool) -> Iterator[str]:
         args = ["docker", "logs", *(["--follow"] if follow else []), container]
         with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             for line in proc.stdout:
@@ -366,7 +383,7 @@ class DockerLauncher(Launcher):
         SSH; the first `nnodes` hosts that mpirun fills run the ranks, each on its own CPUs."""
         name, image, lay = job_name(spec), self.options["image"], _mpi_layout(spec)
         placed = mpi.placement(lay.hosts, lay.launcher)
-        cmds.insert(0, ssh.keygen_command(name, image, user, HOME))
+        cmds.insert(0, ssh.keygen_command(name, image, user, HOME, spec.runtime.unit))
         for cname in [*lay.nodes, lay.launcher]:
             launcher = cname == lay.launcher
             cmd = container(cname, "launcher" if launcher else "node")

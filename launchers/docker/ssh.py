@@ -21,16 +21,27 @@ import tempfile
 from dataclasses import dataclass
 
 from launchers.base import LauncherError
-from trainjob.runtimes import mpi
+from trainjob.runtimes import Runtime, mpi
 
 HOSTFILE = mpi.KUBEFLOW_HOSTFILE
-NO_MPI = 3  # the key container's exit code where the image lacks OpenMPI or sshd (its one line says so)
-# Run as root by a container of the image with the key directory at /ssh: what an MPI host needs is there, the
-# image's passwd with the invoking user's entry, the key pair, all of it the user's.
+# The key container's exit code where the image lacks what the job's containers run: OpenMPI, sshd, or the runtime's
+# modules and libraries (its one line says which).
+NO_MPI = 3
+# Run as root by a container of the image with the key directory at /ssh: what an MPI host needs is there (and what
+# the runtime's ranks import and load: $8, $9), the image's passwd with the invoking user's entry, the key pair, all of
+# it the user's.
+_CHECK = ("import ctypes, importlib.util as u, sys\n"
+          "lacking = [m for m in sys.argv[1].split() if u.find_spec(m) is None]\n"
+          "for lib in sys.argv[2].split():\n"
+          "    try:\n        ctypes.CDLL(lib)\n    except OSError:\n        lacking.append(lib)\n"
+          "sys.exit(' and '.join(lacking) if lacking else 0)")
 _KEYS = ("sh", "-euc", (
     'if ! command -v mpirun >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keygen >/dev/null; then '
-    'echo "launcher.image=$6 holds no OpenMPI or no sshd, which runtime=mpi runs in every container: build it with '
+    'echo "launcher.image=$6 holds no OpenMPI or no sshd, which runtime=$7 runs in every container: build it with '
     f'docker build --build-arg MPI=1" >&2; exit {NO_MPI}; fi; '
+    f'if ! lacking=$(python -c "{_CHECK}" "$8" "$9" 2>&1); then '
+    'echo "launcher.image=$6 holds no $lacking, which runtime=$7 runs in every container: build it with ${10}" >&2; '
+    f'exit {NO_MPI}; fi; '
     'grep -v "^[^:]*:[^:]*:$3:" /etc/passwd >/ssh/passwd; echo "$2:x:$3:$4::$5:/bin/sh" >>/ssh/passwd; '
     f'set -- /ssh "$1"; {mpi.KEYGEN}; chown "$(stat -c %u:%g /ssh)" /ssh/*'), "sh")
 
@@ -59,11 +70,16 @@ def keys_container(name: str) -> str:
     return f"{name}-ssh-keys"
 
 
-def keygen_command(name: str, image: str, user: str, home: str) -> list[str]:
-    """The `docker run` that makes job `name`'s key pair and passwd in its `key_dir` (made first: `make_key_dir`)."""
+def keygen_command(name: str, image: str, user: str, home: str, runtime: Runtime) -> list[str]:
+    """The `docker run` that makes job `name`'s key pair and passwd in its `key_dir` (made first: `make_key_dir`),
+    once it has found in the image what `runtime`'s containers run."""
+    build = f"trainjob's {runtime.extra} extra (pip install 'trainjob[{runtime.extra}]')" if runtime.extra else ""
+    if "libmpi.so" in runtime.libraries:
+        build += f"{' and ' if build else ''}Debian's libopenmpi-dev (its libmpi.so)"
     return ["docker", "run", "--rm", "--name", keys_container(name), "--network", "none", "--user", "0:0",
             "--volume", f"{key_dir(name)}:/ssh", "--entrypoint", "", image, *_KEYS, name, user, str(os.getuid()),
-            str(os.getgid()), home, image]
+            str(os.getgid()), home, image, runtime.name, " ".join(runtime.imports), " ".join(runtime.libraries),
+            build or "what it imports"]
 
 
 def volumes(name: str, home: str, launcher: bool) -> list[str]:

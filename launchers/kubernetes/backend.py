@@ -29,6 +29,8 @@ from launchers.base import (
     LauncherError,
     LaunchSpec,
     PollingJob,
+    Step,
+    check_step,
     run_name,
     write_private,
 )
@@ -112,6 +114,26 @@ class Api:
 
 def _plural(kind: str) -> str:
     return {"TrainJob": "trainjobs", "TrainingRuntime": "trainingruntimes"}[kind]
+
+
+# A pod's phase as a step's state, and the JobSet labels that say which replicated job and index a pod is.
+PHASES = {"Pending": JobState.CREATED, "Running": JobState.RUNNING, "Succeeded": JobState.COMPLETE,
+          "Failed": JobState.FAILED}
+REPLICATED_JOB, JOB_INDEX = "jobset.sigs.k8s.io/replicatedjob-name", "jobset.sigs.k8s.io/job-index"
+
+
+def pod_steps(pods: list) -> dict[str, Any]:
+    """Each step's pod, as Kubeflow's SDK names them (get_trainjob_node_step): the launcher pod of an MPI job is
+    node-0 and its node pod i node-<i+1>; another job's node pod i is node-<i>. Initializers are no steps."""
+    mpi_run = any((p.metadata.labels or {}).get(REPLICATED_JOB) == "launcher" for p in pods)
+    steps: dict[str, Any] = {}
+    for pod in pods:
+        labels = pod.metadata.labels or {}
+        role = labels.get(REPLICATED_JOB, "node")
+        if role in ("launcher", "node"):
+            index = 0 if role == "launcher" else int(labels.get(JOB_INDEX, 0)) + mpi_run
+            steps.setdefault(f"node-{index}", pod)
+    return dict(sorted(steps.items(), key=lambda item: int(item[0][5:])))
 
 
 def _time(text: str | None) -> datetime | None:
@@ -203,14 +225,24 @@ class KubernetesJob(PollingJob):
             **progress,
             start_time=_time(trainjob["metadata"].get("creationTimestamp")),
             end_time=_time(ends[0]) if ends else None,
+            steps=[Step(name, PHASES.get(pod.status.phase, JobState.CREATED), pod.metadata.name)
+                   for name, pod in pod_steps(self._pods()).items()],
         )
+
+    def step_logs(self, step: str, follow: bool = False) -> Iterator[str]:
+        """Lines of step `step`'s pod (container `node`; an MPI job's node-0: its launcher, with every rank's)."""
+        steps = pod_steps(self._pods())
+        check_step(step, list(steps), self.name)
+        return self._pod_logs(steps[step].metadata.name, follow)
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
         """Lines of node `rank`'s pod (`<job>-node-<rank>-...`, container `node`)."""
         pods = self._pods(rank)
         if not pods:
             raise LauncherError(f"TrainJob {self.name!r} has no pod for node {rank} (yet)")
-        pod = pods[0].metadata.name
+        return self._pod_logs(pods[0].metadata.name, follow)
+
+    def _pod_logs(self, pod: str, follow: bool) -> Iterator[str]:
         stream = self.api.call(
             "read logs of",
             "Pod",

@@ -29,8 +29,11 @@ from launchers.base import (
     Launcher,
     LauncherError,
     LaunchSpec,
+    Step,
+    check_step,
     node_command,
     run_name,
+    step_ranks,
     store_apart,
 )
 from trainjob import process_tree
@@ -181,6 +184,10 @@ class InProcessJob(Job):
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
         return rank_logs(self.run_dir, rank, False, lambda: True)
 
+    def step_logs(self, step: str, follow: bool = False) -> Iterator[str]:
+        check_step(step, ["node-0"], self.name)
+        return self.logs()
+
     def wait(self, timeout: float | None = None) -> JobState:
         return self._state
 
@@ -199,6 +206,7 @@ class InProcessJob(Job):
             **read_progress(self.run_dir),
             start_time=_utc(self._started),
             end_time=_utc(self._ended),
+            steps=[Step("node-0", self._state)],
         )
 
 
@@ -211,7 +219,7 @@ def _register(spec: LaunchSpec, command: list[str]) -> registry.JobRecord:
             f"an earlier attempt of this run ({name}, pid {earlier.pid}) is still running: "
             f"python -m launchers delete {name}"
         )
-    record = registry.JobRecord(name=name, run_dir=spec.run_dir, command=command)
+    record = registry.JobRecord(name=name, run_dir=spec.run_dir, command=command, steps=step_ranks(spec))
     record.save()
     return record
 
@@ -294,6 +302,19 @@ class LocalJob(Job):
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
         return rank_logs(self.run_dir, rank, follow, lambda: self.status().finished, self._record.console)
 
+    def step_logs(self, step: str, follow: bool = False) -> Iterator[str]:
+        """Step `step`'s lines: the job's console where the step's log is the whole job's (an MPI launcher, a
+        one-node job), else its ranks' logs, one after the other."""
+        steps = self._record.steps
+        ranks = steps[list(steps)[check_step(step, list(steps), self.name)]]
+
+        def finished() -> bool:
+            return self.status().finished
+
+        if ranks is None:
+            return _read_log(self._record.console, follow, finished)
+        return (line for rank in ranks for line in rank_logs(self.run_dir, rank, follow, finished))
+
     def wait(self, timeout: float | None = None) -> JobState:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -345,6 +366,7 @@ class LocalJob(Job):
             **read_progress(self.run_dir),
             start_time=_utc(r.created),
             end_time=_utc(ended),
+            steps=[Step(step, state) for step in r.steps],
         )
 
 
@@ -359,6 +381,9 @@ class DamagedJob(Job):
         raise self.error
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
+        raise self.error
+
+    def step_logs(self, step: str, follow: bool = False) -> Iterator[str]:
         raise self.error
 
     def wait(self, timeout: float | None = None) -> JobState:

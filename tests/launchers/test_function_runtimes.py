@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 
-from launchers import Client, JobState, registry
+from launchers import Client, JobState, LauncherError, registry
 from tests.conftest import REPO
 from trainjob import runtimes
 
@@ -149,6 +149,12 @@ def deepspeed_job(out):
     dist.destroy_process_group()
 
 
+def says_rank():
+    import os
+
+    print(f"rank {os.environ['OMPI_COMM_WORLD_RANK']} of {os.environ['OMPI_COMM_WORLD_SIZE']}", flush=True)
+
+
 def uses_package():
     import trainjob_probe
 
@@ -224,6 +230,32 @@ def test_deepspeed_on_two_mpi_ranks_joins_from_mpis_environment(home, tmp_path):
     assert two == {"sum": 3.0, "world": 2}
 
 
+@pytest.mark.timeout(60)
+def test_an_mpi_jobs_steps_are_kubeflows_and_its_launcher_node_0_holds_every_ranks_output(home, tmp_path):
+    """Kubeflow's SDK names an MPI job's launcher step node-0 and node pod i node-<i+1>: on 2 nodes of 2 ranks
+    (the launcher a node: runLauncherAsNode) node-0's log is mpirun's, with all 4 ranks' lines, and node-1's holds
+    the ranks placed on it (2 and 3); `python -m launchers get` and `logs --step` say the same."""
+    if runtimes.get("mpi").missing():
+        pytest.skip(runtimes.get("mpi").missing())
+    client = Client("local")
+    name = client.train(func=says_rank, runtime="mpi", num_nodes=2, nproc_per_node=2, run_dir=str(tmp_path / "r"))
+    assert client.wait_for_job_status(name, status={"Complete", "Failed"}, timeout=50).state == JobState.COMPLETE
+    assert [(s.name, s.status, s.pod_name) for s in client.get_job(name).steps] == [
+        ("node-0", JobState.COMPLETE, None), ("node-1", JobState.COMPLETE, None)]
+    assert sorted(client.get_job_logs(name, step="node-0")) == [f"rank {r} of 4" for r in range(4)]
+    assert list(client.get_job_logs(name, step="node-1")) == ["rank 2 of 4", "rank 3 of 4"]
+    with pytest.raises(LauncherError, match=rf"^step='node-2': job {name} has steps node-0, node-1$"):
+        client.get_job_logs(name, step="node-2")
+    with pytest.raises(ValueError, match="^rank=1, step='node-0': give a rank or a step, not both$"):
+        client.get_job_logs(name, rank=1, step="node-0")
+    cli = [sys.executable, "-m", "launchers"]
+    got = subprocess.run([*cli, "get", name], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert got.stdout.splitlines()[-2:] == ["step node-0: Complete", "step node-1: Complete"], got.stderr
+    logs = subprocess.run([*cli, "logs", name, "--step", "node-1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=30)
+    assert logs.stdout == "rank 2 of 4\nrank 3 of 4\n", logs.stderr
+
+
 def _wheel(folder, name: str, word: str) -> None:
     """A one-module wheel, `name` 0.1, whose module says `word` (pip installs it from `folder`, no index)."""
     dist = f"{name}-0.1.dist-info"
@@ -250,6 +282,9 @@ def test_packages_to_install_go_into_the_jobs_own_environment_and_a_pip_failure_
                        run_dir=str(tmp_path / "bad"))
     assert client.wait_for_job_status(ok, status={"Complete", "Failed"}, timeout=90).state == JobState.COMPLETE
     assert [line for r in (0, 1) for line in client.get_job_logs(ok, rank=r)] == ["probe says hello"] * 2
+    assert [(s.name, s.status) for s in client.get_job(ok).steps] == [("node-0", JobState.COMPLETE),
+                                                                      ("node-1", JobState.COMPLETE)]
+    assert list(client.get_job_logs(ok, step="node-1")) == ["probe says hello"]  # node 1's process: rank 1
     assert (tmp_path / "ok" / "venv" / "bin" / "python").exists()
     with pytest.raises(ImportError):
         __import__("trainjob_probe")  # this environment is untouched

@@ -102,6 +102,12 @@ class Runtime(ABC):
     derives_runtime: ClassVar[bool] = True
     # The image of the shipped ClusterTrainingRuntime's trainer container (its kustomize overlay tags it v2.3.0).
     kubeflow_image: ClassVar[str] = ""
+    # What its ranks import (the pip distributions' import names) and load by name (shared libraries), beyond
+    # torch, and the optional extra of pyproject.toml that installs them: a launcher that runs an image checks the
+    # image holds them before the job starts.
+    imports: ClassVar[tuple[str, ...]] = ()
+    libraries: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[str] = ""
 
     @abstractmethod
     def check(self, options: Any) -> None:

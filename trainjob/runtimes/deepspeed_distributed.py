@@ -33,11 +33,13 @@ class DeepSpeedDistributed(MPI):
     framework = "deepspeed"
     strategies = ("deepspeed",)
     owns = ("deepspeed",)
+    # mpi4py: a function's deepspeed.init_distributed() reads its rank from MPI with it.
+    imports = ("deepspeed", "mpi4py")
+    extra = "deepspeed"
 
     def missing(self) -> str | None:
         lacking = super().missing()
-        # mpi4py: a function's deepspeed.init_distributed() reads its rank from MPI with it.
-        absent = [m for m in ("deepspeed", "mpi4py") if importlib.util.find_spec(m) is None]
+        absent = [m for m in self.imports if importlib.util.find_spec(m) is None]
         if lacking is None and absent:
             return (f"runtime={self.name} needs {' and '.join(absent)}, not installed here: install trainjob's "
                     f"deepspeed extra ({INSTALL})")

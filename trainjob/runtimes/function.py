@@ -45,8 +45,6 @@ class FunctionRuntime(Runtime):
     function_jobs = True
     function_only = True
     derives_runtime = False
-    extra: ClassVar[str]  # the optional extra of pyproject.toml that installs the framework
-    imports: ClassVar[tuple[str, ...]]  # the modules the ranks import (the pip distributions' import names)
 
     def check(self, options: Any) -> None:
         raise OptionError("runtime", self.name, f"runs a user's function, not a trainer run: "
@@ -103,6 +101,8 @@ class MPIFunction(FunctionRuntime):
         return mpi.RUNTIME.missing() or super().missing()
 
     def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        if nodes.hosts:  # across hosts (Docker): as runtime=mpi reaches them, over SSH with the job's hostfile
+            return mpi.RUNTIME.node_command(options, nodes)
         ranks = nodes.nnodes * nodes.nproc_per_node
         env = {k: v for k, v in mpi_env(ranks).items() if k != mpi.HOSTFILE_ENV}  # one host: no hostfile
         return ["env", *(f"{k}={v}" for k, v in env.items()), "mpirun", "-np", str(ranks), "--bind-to", "none",

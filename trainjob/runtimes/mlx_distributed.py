@@ -35,6 +35,7 @@ class MLXDistributed(MPIFunction):
     kubeflow_image = "ghcr.io/kubeflow/trainer/mlx-runtime"
     extra = "mlx"
     imports = ("mlx",)
+    libraries = ("libmpi.so",)
 
     def missing(self) -> str | None:
         lacking = super().missing()
