@@ -182,15 +182,16 @@ class FakeApiServer:
             )
         return path
 
-    def add_pod(self, namespace: str, job: str, node: int, phase: str, log: str = "") -> None:
-        name = f"{job}-node-{node}-0-abcde"
+    def add_pod(self, namespace: str, job: str, node: int, phase: str, log: str = "", role: str = "node") -> None:
+        name = f"{job}-{role}-{node}-0-abcde"
         self.objects[("pods", namespace, name)] = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {
                 "name": name,
                 "namespace": namespace,
-                "labels": {"jobset.sigs.k8s.io/jobset-name": job, "jobset.sigs.k8s.io/job-index": str(node)},
+                "labels": {"jobset.sigs.k8s.io/jobset-name": job, "jobset.sigs.k8s.io/job-index": str(node),
+                           "jobset.sigs.k8s.io/replicatedjob-name": role},
             },
             "status": {"phase": phase},
         }

@@ -7,6 +7,7 @@ resumes. They skip or fail on a missing engine or image as tests/launchers/test_
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+from launchers import Client, JobState, LauncherError
 from launchers.docker import ssh
 from tests.conftest import REFERENCE, TINY, read_metrics, read_summary
 from tests.launchers.test_docker_engine import IMAGE, docker, engine, job_name_of, leftovers, losses  # noqa: F401
@@ -125,6 +127,72 @@ def test_a_killed_node_container_ends_the_job_in_one_line_naming_it_and_the_rela
     assert summary["steps"] == steps
     assert [m["step"] for m in read_metrics(str(run_dir)) if "loss" in m] == list(range(1, steps + 1))
     assert leftovers(name) == []
+
+
+def allreduce_ranks(out):
+    """torch.distributed over gloo with its rank from MPI's environment and rank 0's host from the launcher's
+    (MASTER_ADDR); every rank prints its host and the sum, rank 0 writes them to `out`."""
+    import json
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=world)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    print(f"rank {rank} of {world}: sum {total.item():g}", flush=True)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"sum": total.item(), "hosts": hosts}, f)
+    dist.destroy_process_group()
+
+
+def test_an_mpi_function_job_runs_on_two_docker_nodes_and_its_launcher_step_holds_every_ranks_output(tmp_path):
+    """Client("docker").train(func=..., runtime="mpi", num_nodes=2): mpirun in the launcher container reaches the
+    node container's sshd with the job's keys; the 2 ranks (one a container each) all-reduce to 3; the steps are
+    Kubeflow's (node-0 the launcher, node-1 the node) and node-0's log holds both ranks' lines."""
+    client = Client("docker", image=IMAGE)
+    out = tmp_path / "run" / "out.json"
+    name = client.train(func=allreduce_ranks, func_args={"out": str(out)}, runtime="mpi", num_nodes=2,
+                        run_dir=str(out.parent))
+    try:
+        info = client.wait_for_job_status(name, status={"Complete", "Failed"}, timeout=120, polling_interval=0.5)
+        assert info.state == JobState.COMPLETE, "\n".join(client.get_job_logs(name, step="node-0"))
+        with open(out) as f:
+            got = json.load(f)
+        assert got == {"sum": 3.0, "hosts": [f"{name}-launcher", f"{name}-node-0"]}
+        assert [(s.name, s.status, s.pod_name) for s in info.steps] == [
+            ("node-0", JobState.COMPLETE, f"{name}-launcher"), ("node-1", JobState.RUNNING, f"{name}-node-0")]
+        assert sorted(line for line in client.get_job_logs(name, step="node-0") if line.startswith("rank ")) == [
+            "rank 0 of 2: sum 3", "rank 1 of 2: sum 3"]
+        assert "Server listening on 0.0.0.0 port 2222." in "\n".join(client.get_job_logs(name, step="node-1"))
+    finally:
+        client.delete_job(name)
+    assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
+
+
+@pytest.mark.parametrize("runtime, lacking, build", [
+    ("mlx-distributed", "mlx and libmpi.so", "trainjob's mlx extra (pip install 'trainjob[mlx]') and Debian's "
+                                             "libopenmpi-dev (its libmpi.so)"),
+    ("deepspeed-distributed", "deepspeed and mpi4py", "trainjob's deepspeed extra (pip install 'trainjob[deepspeed]')"),
+])
+def test_an_mpi_runtime_whose_framework_the_image_lacks_is_refused_in_one_line(tmp_path, runtime, lacking, build):
+    """The job's first container (the one that makes its keys) finds what the runtime's ranks import and load
+    missing from the image: one line naming them and how to build an image with them; nothing of the job is left."""
+    run_dir = tmp_path / runtime
+    with pytest.raises(LauncherError) as e:
+        Client("docker", image=IMAGE).train(func=allreduce_ranks, func_args={"out": "x"}, runtime=runtime,
+                                            num_nodes=2, run_dir=str(run_dir))
+    assert str(e.value) == (f"launcher.image={IMAGE} holds no {lacking}, which runtime={runtime} runs in every "
+                            f"container: build it with {build}")
+    name = job_name_of(str(run_dir))
+    assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
 
 
 def test_an_image_without_sshd_is_refused_in_one_line_before_anything_starts(run_cli, tmp_path):

@@ -224,6 +224,13 @@ def test_submit_status_logs_cancel_and_list_through_the_kubernetes_client(tmp_pa
     server.add_pod("ml", name, 1, "Pending")
     assert job.status() == JobState.RUNNING
     assert list(job.logs(0)) == ["step 1 loss 5.5", "step 2 loss 4.8"]
+    assert [(s.name, s.status, s.pod_name) for s in job.info().steps] == [
+        ("node-0", JobState.RUNNING, f"{name}-node-0-0-abcde"), ("node-1", JobState.CREATED, f"{name}-node-1-0-abcde")]
+    assert list(job.step_logs("node-0")) == ["step 1 loss 5.5", "step 2 loss 4.8"]
+    server.add_pod("ml", name, 0, "Running", log="rank 0\nrank 1\n", role="launcher")  # as an MPI job's
+    assert [s.name for s in job.info().steps] == ["node-0", "node-1", "node-2"]
+    assert list(job.step_logs("node-0")) == ["rank 0", "rank 1"]  # the launcher: every rank's output
+    assert list(job.step_logs("node-1")) == ["step 1 loss 5.5", "step 2 loss 4.8"]  # node pod 0
     server.set_conditions("ml", name, Suspended="True")
     assert job.status() == JobState.CREATED
     server.set_conditions("ml", name, Complete="True")
