@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ops import activations, embedding, foreach, indexing, multi_tensor, norms, reductions, scans
+from ops import activations, embedding, foreach, indexing, multi_tensor, norms, reductions, scans, sorting
 from ops import pointwise_ops as pointwise
 from ops.blas import matmul
 from ops.softmax import softmax_backward, softmax_forward
@@ -134,7 +134,7 @@ TABLE = [
     ("stack", "stack", _stack),
     ("vector_norm", "linalg_vector_norm", _vector_norm),
     ("foreach_mul_", "_foreach_mul_.Tensor", _foreach_mul_),
-    *pointwise.ATEN, *reductions.ATEN, *scans.ATEN, *norms.ATEN, *indexing.ATEN, *foreach.ATEN,
+    *pointwise.ATEN, *reductions.ATEN, *scans.ATEN, *sorting.ATEN, *norms.ATEN, *indexing.ATEN, *foreach.ATEN,
 ]
 OPS = {aten: fn for _, aten, fn in TABLE}
 # A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).

@@ -190,10 +190,26 @@ CALLS = {  # op: (the call, its inputs from (dtype) -> list, whether it has a ba
         make("odd", d), torch.randn(2, 3, 4, device=DEVICE, dtype=d), torch.randn(2, 5, 4, device=DEVICE,
                                                                                    dtype=d).transpose(1, 2)], False),
     "mv": (torch.mv, lambda d: [make("odd", d), make("odd", d, seed=1)[0]], False),
+    "native_group_norm": (lambda x, w, b: (torch.nn.functional.group_norm(x, 3, w, b),
+                                           torch.nn.functional.group_norm(x.transpose(1, 2)[:, :4], 2)),
+                          lambda d: [torch.randn(2, 6, 5, device=DEVICE, dtype=d), make("odd", d, seed=1).reshape(-1)[:6],
+                                     make("odd", d, seed=2).reshape(-1)[:6]], True),
+    "sort": (lambda x: (*x.sort(dim=1, descending=True, stable=True), *x.sort(0)), lambda d: [make("transposed", d)],
+             True),
+    "topk": (lambda x: x.topk(2, 1)[0], lambda d: [make("odd", d)], True),
+    # Composite ops: PyTorch decomposes them into routed ones before any backend.
+    "argsort": (lambda x: (x.argsort(1), x.argsort(dim=0, descending=True, stable=True)),
+                lambda d: [make("transposed", d)], False),
+    "outer": (torch.outer, lambda d: [make("odd", d)[0], make("odd", d, seed=1)[1]], True),
+    "isfinite": (lambda x: torch.isfinite(x.log()), lambda d: [make("odd", d)], False),
+    "cross_entropy": (lambda x, t: torch.nn.functional.cross_entropy(x, t, label_smoothing=0.1),
+                      lambda d: [make("odd", d), torch.tensor([0, 1, 4], device=DEVICE)], True),
 }
 # The ATen name each case is routed by.
 ROUTES = {"nll_loss": ["nll_loss_forward", "nll_loss_backward", "_log_softmax"], "mse_loss": ["mse_loss",
-                                                                                               "mse_loss_backward"]}
+                                                                                               "mse_loss_backward"],
+          "argsort": ["sort"], "outer": ["mul"], "isfinite": ["abs", "eq", "ne", "mul"],
+          "cross_entropy": ["log_softmax", "nll_loss", "sum", "mean", "mul", "div", "add", "neg", "sub"]}
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=FLOAT_IDS)
@@ -205,7 +221,8 @@ def test_other_ops_match_torch_forward_and_backward(name, dtype):
     expected = fn(*args)
     got = routed(include, fn, *args)
     reduced = 5 if name in ("baddbmm", "mv", "linalg_vector_norm", "logsumexp", "var", "std", "sum", "mean",
-                            "prod", "cumsum", "native_layer_norm", "nll_loss", "mse_loss") else 1
+                            "prod", "cumsum", "native_layer_norm", "nll_loss", "mse_loss", "native_group_norm",
+                            "cross_entropy") else 1
     close(got, expected, dtype, reduced)
     if not backward:
         return
@@ -224,6 +241,37 @@ def _backward(out):
     total = sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)).sum() for o in outs
                 if o.is_floating_point() and o.requires_grad)
     total.backward()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [*FLOATS, torch.float64, torch.int32, torch.int64, torch.bool],
+                         ids=[*FLOAT_IDS, "fp64", "int32", "int64", "bool"])
+def test_sort_argsort_and_topk_match_torch(dtype, layout):
+    """Values and indices exactly: the sort is stable (ties in input order, as PyTorch's stable sort), NaN
+    last ascending and first descending, -0.0 equal to 0.0; topk's values exactly, its indices pointing at
+    them (PyTorch does not promise which of equal values topk returns)."""
+    x = make(layout, dtype, seed=3)
+    if dtype.is_floating_point and x.numel() > 4:  # NaN, signed zeros, -inf and ties, in the same layout
+        base = {"transposed": x.t(), "expanded": x[:1]}.get(layout, x).contiguous()
+        base.view(-1)[:4] = torch.tensor([float("nan"), -0.0, 0.0, float("-inf")])
+        base.view(-1)[-2:] = base.view(-1)[1]
+        x = base.t() if layout == "transposed" else base.expand(3, 5) if layout == "expanded" else base
+    elif not dtype.is_floating_point and dtype != torch.bool:
+        x = x % 4  # ties
+    for dim in range(-1, max(x.dim(), 1) - 1):
+        for descending in (False, True):
+            close(routed("sort", lambda t: torch.sort(t, dim=dim, descending=descending, stable=True), x),
+                  torch.sort(x, dim=dim, descending=descending, stable=True), dtype)
+            close(routed("sort", lambda t: torch.argsort(t, dim=dim, descending=descending, stable=True), x),
+                  torch.argsort(x, dim=dim, descending=descending, stable=True), dtype)
+            if dtype == torch.bool:
+                continue  # PyTorch has no topk of bools
+            k = min(2, x.shape[dim] if x.dim() else 1)
+            values, index = routed("topk", lambda t: torch.topk(t, k, dim, largest=descending), x)
+            expected = torch.topk(x, k, dim, largest=descending)[0]
+            close(values, expected, dtype)
+            if x.dim():
+                close(x.gather(dim, index), expected, dtype)
 
 
 # A GPU's dropout is native_dropout; on the CPU PyTorch composes it of bernoulli_, div_ and mul.
