@@ -388,6 +388,42 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
     return put(zero, classes, safe.unsqueeze(classes), g.unsqueeze(classes).to(self.dtype), True, False)
 
 
+def select_backward(grad_output, input_sizes, dim, index):
+    """The gradient of `x.select(dim, index)`: zeros, the row's gradient copied into its place."""
+    out = _full(list(input_sizes), 0, dtype=grad_output.dtype, device=grad_output.device)
+    if grad_output.numel():
+        pw.OPS["copy"](grad_output, out=out.select(dim, index))
+    return out
+
+
+def histc(self, bins=100, min=0, max=0):
+    """`torch.histc`: each element's bin from its value (the top edge in the last bin, values outside left
+    out), counted by the add kernel; min == max takes the data's own range."""
+    lo, hi = float(min), float(max)
+    if lo == hi and self.numel():
+        lo, hi = reductions.reduce(self, None, False, "min").item(), reductions.reduce(self, None, False, "max").item()
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    flat = self.reshape(-1)
+    inside = pw.OPS["logical_and"](pw.OPS["ge"](flat, lo), pw.OPS["le"](flat, hi))
+    where = pw.OPS["clamp"](pw.OPS["floor"](pw.mul(pw.sub(flat, lo), bins / (hi - lo))), 0, bins - 1).to(torch.int64)
+    counts = _full([bins + 1], 0, dtype=torch.float32, device=self.device)
+    if flat.numel():  # the ones outside go to a spare bin past the end
+        counts = put(counts, 0, pw.where(inside, where, bins), _full([flat.numel()], 1.0, dtype=torch.float32,
+                                                                        device=self.device), False, True)
+    return counts[:bins].to(self.dtype)
+
+
+def slice_backward(grad_output, input_sizes, dim, start, end, step):
+    """The gradient of `x[..., start:end:step]`: zeros, the slice's gradient copied into its place."""
+    out = _full(list(input_sizes), 0, dtype=grad_output.dtype, device=grad_output.device)
+    index = [slice(None)] * len(input_sizes)
+    index[dim] = slice(start, end, step)
+    if grad_output.numel():
+        pw.OPS["copy"](grad_output, out=out[tuple(index)])
+    return out
+
+
 def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
     if dtype is None:
         dtype = torch.bool if isinstance(fill_value, bool) else torch.int64 if isinstance(
@@ -402,6 +438,8 @@ ATEN = [
     ("scatter", "scatter.src", lambda self, dim, index, src: put(self, dim, index, src, True, False)),
     ("scatter", "scatter.value", lambda self, dim, index, value: put(
         self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False)),
+    ("scatter", "scatter_.value", lambda self, dim, index, value: put(
+        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False, out=self)),
     ("scatter", "scatter_.src", lambda self, dim, index, src: put(self, dim, index, src, True, False, out=self)),
     ("scatter_add", "scatter_add", lambda self, dim, index, src: put(self, dim, index, src, True, True)),
     ("scatter_add", "scatter_add_", lambda self, dim, index, src: put(self, dim, index, src, True, True, out=self)),
@@ -449,6 +487,9 @@ ATEN = [
     ("dropout", "native_dropout", native_dropout),
     ("dropout", "native_dropout_backward", lambda grad_output, mask, scale: pw.OPS["dropout_backward"](
         grad_output, mask, scale).to(grad_output.dtype)),
+    ("slice_backward", "slice_backward", slice_backward),
+    ("histc", "histc", histc),
+    ("select_backward", "select_backward", select_backward),
     ("mse_loss", "mse_loss", mse_loss), ("mse_loss", "mse_loss_backward", mse_loss_backward),
     ("nll_loss", "nll_loss_forward", nll_loss_forward), ("nll_loss", "nll_loss_backward", nll_loss_backward),
 ]

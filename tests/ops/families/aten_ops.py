@@ -192,11 +192,31 @@ CALLS = {  # op: (the call, its inputs from (dtype) -> list, whether it has a ba
     "mv": (torch.mv, lambda d: [make("odd", d), make("odd", d, seed=1)[0]], False),
     "native_group_norm": (lambda x, w, b: (torch.nn.functional.group_norm(x, 3, w, b),
                                            torch.nn.functional.group_norm(x.transpose(1, 2)[:, :4], 2)),
-                          lambda d: [torch.randn(2, 6, 5, device=DEVICE, dtype=d), make("odd", d, seed=1).reshape(-1)[:6],
-                                     make("odd", d, seed=2).reshape(-1)[:6]], True),
+                          lambda d: [torch.randn(2, 6, 5, device=DEVICE, dtype=d),
+                                     make("odd", d, seed=1).reshape(-1)[:6], make("odd", d, seed=2).reshape(-1)[:6]],
+                          True),
     "sort": (lambda x: (*x.sort(dim=1, descending=True, stable=True), *x.sort(0)), lambda d: [make("transposed", d)],
              True),
     "topk": (lambda x: x.topk(2, 1)[0], lambda d: [make("odd", d)], True),
+    "histc": (lambda x: (torch.histc(x, 7), torch.histc(x, 4, -1, 1)), lambda d: [make("transposed", d)], False),
+    "scatter_": (lambda x, i: x.clone().scatter_(1, i, 2.5), lambda d: [make("odd", d), torch.tensor(
+        [[0, 4], [1, 2], [3, 2]], device=DEVICE)], False),
+    # A mixture of experts' grouped matmul (transformers' MoE layers): forward and both weight gradients.
+    "_grouped_mm": (lambda a, w, offs: torch._grouped_mm(a, w, offs), lambda d: [
+        torch.randn(10, 8, device=DEVICE, dtype=d), torch.randn(3, 8, 8, device=DEVICE, dtype=d),
+        torch.tensor([3, 3, 10], dtype=torch.int32, device=DEVICE)], True),
+    "log_sigmoid_forward": (torch.nn.functional.logsigmoid, lambda d: [make("transposed", d) * 10], True),
+    "select_backward": (lambda x: x[1] * 2, lambda d: [make("transposed", d)], True),
+    "slice_backward": (lambda x: x[1:, ::2] * 2, lambda d: [make("transposed", d)], True),
+    # The CPU's attention op (F.scaled_dot_product_attention, transformers' sdpa), with each kind of mask.
+    "_scaled_dot_product_flash_attention_for_cpu": (lambda q, k, v, m: (
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+        torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.zeros(m.shape, dtype=q.dtype).masked_fill(m.logical_not(), float("-inf")),
+            scale=0.3, enable_gqa=True)),
+        lambda d: [torch.randn(2, 4, 5, 8, dtype=d), torch.randn(2, 2, 6, 8, dtype=d).transpose(1, 2).contiguous()
+                   .transpose(1, 2), torch.randn(2, 2, 6, 8, dtype=d), torch.rand(5, 6) > 0.3], True),
     # Composite ops: PyTorch decomposes them into routed ones before any backend.
     "argsort": (lambda x: (x.argsort(1), x.argsort(dim=0, descending=True, stable=True)),
                 lambda d: [make("transposed", d)], False),
@@ -208,13 +228,17 @@ CALLS = {  # op: (the call, its inputs from (dtype) -> list, whether it has a ba
 # The ATen name each case is routed by.
 ROUTES = {"nll_loss": ["nll_loss_forward", "nll_loss_backward", "_log_softmax"], "mse_loss": ["mse_loss",
                                                                                                "mse_loss_backward"],
-          "argsort": ["sort"], "outer": ["mul"], "isfinite": ["abs", "eq", "ne", "mul"],
+          "slice_backward": ["slice_backward", "mul"], "scatter_": ["scatter"],
+          "log_sigmoid_forward": ["log_sigmoid"], "select_backward": ["select_backward", "mul"], "argsort": ["sort"],
+          "outer": ["mul"], "isfinite": ["abs", "eq", "ne", "mul"],
           "cross_entropy": ["log_softmax", "nll_loss", "sum", "mean", "mul", "div", "add", "neg", "sub"]}
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=FLOAT_IDS)
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_other_ops_match_torch_forward_and_backward(name, dtype):
+    if name.endswith("_for_cpu") and DEVICE != "cpu":
+        pytest.skip("the CPU's own op: a GPU's attention reaches other ATen ops")
     fn, inputs, backward = CALLS[name]
     args = inputs(dtype)
     include = ROUTES.get(name, [name])
@@ -222,7 +246,7 @@ def test_other_ops_match_torch_forward_and_backward(name, dtype):
     got = routed(include, fn, *args)
     reduced = 5 if name in ("baddbmm", "mv", "linalg_vector_norm", "logsumexp", "var", "std", "sum", "mean",
                             "prod", "cumsum", "native_layer_norm", "nll_loss", "mse_loss", "native_group_norm",
-                            "cross_entropy") else 1
+                            "cross_entropy", "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm") else 1
     close(got, expected, dtype, reduced)
     if not backward:
         return
@@ -260,14 +284,13 @@ def test_sort_argsort_and_topk_match_torch(dtype, layout):
         x = x % 4  # ties
     for dim in range(-1, max(x.dim(), 1) - 1):
         for descending in (False, True):
-            close(routed("sort", lambda t: torch.sort(t, dim=dim, descending=descending, stable=True), x),
-                  torch.sort(x, dim=dim, descending=descending, stable=True), dtype)
-            close(routed("sort", lambda t: torch.argsort(t, dim=dim, descending=descending, stable=True), x),
-                  torch.argsort(x, dim=dim, descending=descending, stable=True), dtype)
+            options = {"dim": dim, "descending": descending, "stable": True}
+            close(routed("sort", lambda t, o=options: torch.sort(t, **o), x), torch.sort(x, **options), dtype)
+            close(routed("sort", lambda t, o=options: torch.argsort(t, **o), x), torch.argsort(x, **options), dtype)
             if dtype == torch.bool:
                 continue  # PyTorch has no topk of bools
             k = min(2, x.shape[dim] if x.dim() else 1)
-            values, index = routed("topk", lambda t: torch.topk(t, k, dim, largest=descending), x)
+            values, index = routed("topk", lambda t, a=(k, dim, descending): torch.topk(t, *a), x)
             expected = torch.topk(x, k, dim, largest=descending)[0]
             close(values, expected, dtype)
             if x.dim():
