@@ -79,8 +79,9 @@ def _env(**changes) -> dict:
     return env
 
 
+@pytest.mark.e2e  # about 660 specialisations x 2 architectures: 10 to 25 minutes on two cores
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the op tests compile every kernel for this GPU")
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_every_launched_kernel_compiles_for_sm90_and_sm80(request, launch_record, tmp_path):
     """Every Triton kernel specialisation the op tests above launch compiles for Hopper (sm_90) and Ampere
     (sm_80), on a machine without a GPU: the launches they made under the interpreter were recorded
