@@ -388,6 +388,37 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
     return put(zero, classes, safe.unsqueeze(classes), g.unsqueeze(classes).to(self.dtype), True, False)
 
 
+def repeat_interleave(repeats, *, output_size=None):
+    """`torch.repeat_interleave(repeats)`: i repeated repeats[i] times. A 1 is added at each row's end in a
+    zero tensor (the add kernel), and the running sum of those is each position's row."""
+    ends = scans.scan(repeats.reshape(-1), 0, False)
+    total = output_size if output_size is not None else int(ends[-1].item()) if ends.numel() else 0
+    marks = _full([total + 1], 0, dtype=torch.int64, device=repeats.device)
+    if total:
+        marks = put(marks, 0, ends, _full([ends.numel()], 1, dtype=torch.int64, device=repeats.device), False, True)
+    return scans.scan(marks[:total], 0, False)
+
+
+def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
+    """`torch.unique_consecutive` of the flattened input: a run starts where an element differs from the one
+    before; the running count of starts is each element's run (`inverse`), the starts' elements the output,
+    and each run's length is counted by the add kernel."""
+    if dim is not None and self.dim() > 1:
+        raise ValueError("unique_consecutive: the routed kernels take dim=None (the flattened input)")
+    flat = self.reshape(-1)
+    n = flat.numel()
+    starts = _full([n], True, dtype=torch.bool, device=self.device)
+    if n > 1:
+        pw.OPS["ne"](flat[1:], flat[:-1], out=starts[1:])
+    run = pw.sub(scans.scan(starts, 0, False), 1)
+    output = masked_select(flat, starts)
+    counts = _full([output.numel()], 0, dtype=torch.int64, device=self.device)
+    if n:
+        counts = put(counts, 0, run, _full([n], 1, dtype=torch.int64, device=self.device), False, True)
+    empty = torch.empty(0, dtype=torch.int64, device=self.device)
+    return output, run.view(self.shape) if return_inverse else empty, counts if return_counts else empty
+
+
 def select_backward(grad_output, input_sizes, dim, index):
     """The gradient of `x.select(dim, index)`: zeros, the row's gradient copied into its place."""
     out = _full(list(input_sizes), 0, dtype=grad_output.dtype, device=grad_output.device)
@@ -489,6 +520,8 @@ ATEN = [
         grad_output, mask, scale).to(grad_output.dtype)),
     ("slice_backward", "slice_backward", slice_backward),
     ("histc", "histc", histc),
+    ("repeat_interleave", "repeat_interleave.Tensor", repeat_interleave),
+    ("unique_consecutive", "unique_consecutive", unique_consecutive),
     ("select_backward", "select_backward", select_backward),
     ("mse_loss", "mse_loss", mse_loss), ("mse_loss", "mse_loss_backward", mse_loss_backward),
     ("nll_loss", "nll_loss_forward", nll_loss_forward), ("nll_loss", "nll_loss_backward", nll_loss_backward),

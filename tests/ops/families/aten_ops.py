@@ -162,6 +162,8 @@ CALLS = {  # op: (the call, its inputs from (dtype) -> list, whether it has a ba
                                       torch.linalg.vector_norm(x, float("inf"))), lambda d: [make("odd", d)], True),
     "cumsum": (lambda x: (x.cumsum(0), x.cumsum(1)), lambda d: [make("transposed", d)], True),
     "cumprod": (lambda x: x.cumprod(1), lambda d: [make("odd", d)], False),
+    "cummax": (lambda x: (*x.cummax(0), *x.cummax(1)), lambda d: [make("transposed", d)], True),
+    "cummin": (lambda x: x.cummin(1), lambda d: [make("odd", d)], True),
     "index_select": (lambda x, i: x.index_select(1, i), lambda d: [make("transposed", d),
                                                                   torch.tensor([2, 0, 2], device=DEVICE)], True),
     "gather": (lambda x, i: x.gather(1, i), lambda d: [make("odd", d), torch.tensor(
@@ -295,6 +297,24 @@ def test_sort_argsort_and_topk_match_torch(dtype, layout):
             close(values, expected, dtype)
             if x.dim():
                 close(x.gather(dim, index), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool], ids=["int64", "fp32", "bool"])
+def test_run_length_ops_match_torch(dtype):
+    """What packed rows are built with: runs (`unique_consecutive`), positions restarting at each document
+    (`cummax` of starts) and document ids from lengths (`repeat_interleave`); empty and 0-dim inputs too."""
+    runs = torch.tensor([3, 3, 1, 1, 1, 0, 3, 3, 2], device=DEVICE).to(dtype)
+    for x in (runs, runs.view(3, 3).t(), runs[:0], runs[4]):
+        for inverse in (False, True):
+            expected = torch.unique_consecutive(x, return_inverse=inverse, return_counts=True)
+            close(routed("unique_consecutive", lambda t, i=inverse: torch.unique_consecutive(
+                t, return_inverse=i, return_counts=True), x), expected, dtype)
+        if x.dim():
+            close(routed("cummax", lambda t: t.cummax(-1), x), x.cummax(-1), dtype)
+    for lengths in ([2, 0, 3, 1], [], [0, 0], [5]):
+        repeats = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+        close(routed("repeat_interleave", torch.repeat_interleave, repeats), torch.repeat_interleave(repeats),
+              torch.int64)
 
 
 # A GPU's dropout is native_dropout; on the CPU PyTorch composes it of bernoulli_, div_ and mul.
