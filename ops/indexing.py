@@ -400,23 +400,31 @@ def repeat_interleave(repeats, *, output_size=None):
 
 
 def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
-    """`torch.unique_consecutive` of the flattened input: a run starts where an element differs from the one
-    before; the running count of starts is each element's run (`inverse`), the starts' elements the output,
-    and each run's length is counted by the add kernel."""
-    if dim is not None and self.dim() > 1:
-        raise ValueError("unique_consecutive: the routed kernels take dim=None (the flattened input)")
-    flat = self.reshape(-1)
-    n = flat.numel()
+    """`torch.unique_consecutive`, of the flattened input or of the slices along `dim`: a run starts where an
+    element (a slice) differs from the one before; the running count of starts is each one's run (`inverse`),
+    the starts the output, and each run's length is counted by the add kernel."""
+    along = dim is not None and self.dim() > 0
+    d = dim % self.dim() if along else 0
+    rows = self.movedim(d, 0).reshape(self.shape[d], -1) if along else self.reshape(-1, 1)
+    n = rows.shape[0]
     starts = _full([n], True, dtype=torch.bool, device=self.device)
-    if n > 1:
-        pw.OPS["ne"](flat[1:], flat[:-1], out=starts[1:])
+    if n > 1 and rows.shape[1]:
+        step = reductions.all_any(pw.OPS["ne"](rows[1:], rows[:-1]), 1, False, True)
+        pw.OPS["copy"](step, out=starts[1:])
+    elif n > 1:  # empty slices are all equal
+        pw.OPS["fill"](starts[1:], False, out=starts[1:])
     run = pw.sub(scans.scan(starts, 0, False), 1)
-    output = masked_select(flat, starts)
-    counts = _full([output.numel()], 0, dtype=torch.int64, device=self.device)
+    if along:
+        output = take(self, d, nonzero(starts).reshape(-1), per_element=False)
+    else:
+        output = masked_select(self.reshape(-1), starts)
+    groups = output.shape[d] if along else output.numel()
+    counts = _full([groups], 0, dtype=torch.int64, device=self.device)
     if n:
         counts = put(counts, 0, run, _full([n], 1, dtype=torch.int64, device=self.device), False, True)
     empty = torch.empty(0, dtype=torch.int64, device=self.device)
-    return output, run.view(self.shape) if return_inverse else empty, counts if return_counts else empty
+    inverse = run if along else run.view(self.shape)
+    return output, inverse if return_inverse else empty, counts if return_counts else empty
 
 
 def select_backward(grad_output, input_sizes, dim, index):

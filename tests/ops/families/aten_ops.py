@@ -304,13 +304,18 @@ def test_run_length_ops_match_torch(dtype):
     """What packed rows are built with: runs (`unique_consecutive`), positions restarting at each document
     (`cummax` of starts) and document ids from lengths (`repeat_interleave`); empty and 0-dim inputs too."""
     runs = torch.tensor([3, 3, 1, 1, 1, 0, 3, 3, 2], device=DEVICE).to(dtype)
-    for x in (runs, runs.view(3, 3).t(), runs[:0], runs[4]):
+    for x in (runs, runs.view(3, 3).t(), runs[:0], runs[4], runs[[0, 1, 2, 0, 1, 2, 3, 4, 5]].view(3, 3)):
         for inverse in (False, True):
             expected = torch.unique_consecutive(x, return_inverse=inverse, return_counts=True)
             close(routed("unique_consecutive", lambda t, i=inverse: torch.unique_consecutive(
                 t, return_inverse=i, return_counts=True), x), expected, dtype)
         if x.dim():
             close(routed("cummax", lambda t: t.cummax(-1), x), x.cummax(-1), dtype)
+        if x.dim() == 2:  # runs of equal slices along a dimension
+            for dim in (0, 1):
+                close(routed("unique_consecutive", lambda t, d=dim: torch.unique_consecutive(
+                    t, return_inverse=True, return_counts=True, dim=d), x),
+                    torch.unique_consecutive(x, return_inverse=True, return_counts=True, dim=dim), dtype)
     for lengths in ([2, 0, 3, 1], [], [0, 0], [5]):
         repeats = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
         close(routed("repeat_interleave", torch.repeat_interleave, repeats), torch.repeat_interleave(repeats),
