@@ -55,7 +55,7 @@ WHY = {
 EXCLUDED = {
     "allocation": {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "scalar_tensor",
                    "zeros", "zeros_like", "ones_like", "new_zeros", "new_ones", "full", "full_like", "fill_",
-                   "zero_"},
+                   "zero_", "new_full"},
     "copy": {"copy_", "_to_copy", "clone", "detach", "_local_scalar_dense", "lift_fresh", "lift_fresh_copy"},
     "metadata": {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
                  "_has_compatible_shallow_copy_type", "_record_function_enter_new", "_record_function_exit",

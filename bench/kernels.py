@@ -312,7 +312,7 @@ def aten_cases(tokens: int, dtype: torch.dtype, device: str):
     y = torch.randn(DIM, device=device, dtype=dtype)
     positive = x.abs() + 0.1
     reductions = {"sum", "mean", "amax", "amin", "prod", "var", "std", "logsumexp", "argmax", "argmin", "all", "any",
-                  "nansum", "count_nonzero", "cumsum", "cumprod"}
+                  "nansum", "count_nonzero", "cumsum", "cumprod", "cummax", "cummin", "sort"}
     arity = {name: len(inspect.signature(body.fn).parameters) for name, (body, _) in SPECS.items()}
     cases = []
     for row in rows():
@@ -321,6 +321,8 @@ def aten_cases(tokens: int, dtype: torch.dtype, device: str):
             continue
         if row.op in reductions:
             cases.append((row.op, lambda t, fn=fn: fn(t, -1), [x]))
+        elif row.op == "topk":  # a sampler's top-k over the last dimension
+            cases.append((row.op, lambda t: torch.topk(t, 50, -1), [x]))
         elif arity.get(row.op) == 1 and not row.op.startswith("bitwise"):
             cases.append((row.op, fn, [positive]))
         elif arity.get(row.op) == 2 and not row.op.startswith("bitwise"):

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ops import activations, embedding, foreach, indexing, multi_tensor, norms, reductions, scans
+from ops import activations, attention, embedding, foreach, indexing, multi_tensor, norms, reductions, scans, sorting
 from ops import pointwise_ops as pointwise
 from ops.blas import matmul
 from ops.softmax import softmax_backward, softmax_forward
@@ -109,6 +109,34 @@ def _baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     return product if beta == 0 else pointwise.add(pointwise.mul(self, beta) if beta != 1 else self, product)
 
 
+def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    """A mixture of experts' grouped matmul: one routed matmul per group of rows (or, both operands 2-D, of
+    the shared dimension: the experts' weight gradients), the groups' ends read from `offs`."""
+    if bias is not None:
+        raise ValueError("_grouped_mm: the routed kernel takes no bias")
+    dtype = out_dtype or self.dtype
+    if offs is None:
+        return matmul(self, mat2).to(dtype)
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if self.dim() == 2 and mat2.dim() == 3:
+        out = torch.empty(self.shape[0], mat2.shape[-1], dtype=dtype, device=self.device)
+        parts = [(out[s:e], self[s:e], mat2[g]) for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+    elif self.dim() == 3 and mat2.dim() == 2:
+        out = torch.empty(self.shape[1], mat2.shape[-1], dtype=dtype, device=self.device)
+        parts = [(out[:, s:e], self[g], mat2[:, s:e]) for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+    else:
+        out = torch.empty(len(ends), self.shape[0], mat2.shape[-1], dtype=dtype, device=self.device)
+        parts = [(out[g], self[:, s:e], mat2[s:e]) for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+    for target, a, b in parts:
+        if target.numel():
+            if a.shape[-1]:
+                pointwise.OPS["copy"](matmul(a, b), out=target)
+            else:  # an empty group of the shared dimension: its product is zeros
+                pointwise.OPS["fill"](target, 0, out=target)
+    return out
+
+
 # (our public op, the ATen op it routes, our function with the ATen op's signature)
 TABLE = [
     ("silu", "silu", lambda self: activations.silu_fwd(self)),
@@ -125,6 +153,7 @@ TABLE = [
     ("mm", "mm.out", _mm_out),
     ("bmm", "bmm", lambda self, mat2: matmul(self, mat2)),
     ("baddbmm", "baddbmm", _baddbmm),
+    ("_grouped_mm", "_grouped_mm", _grouped_mm),
     ("mv", "mv", lambda self, vec: matmul(self, vec[:, None])[:, 0]),
     ("dot", "dot", lambda self, tensor: reductions.reduce(pointwise.mul(self, tensor), None, False, "sum")),
     ("embedding", "embedding", _embedding),
@@ -134,7 +163,8 @@ TABLE = [
     ("stack", "stack", _stack),
     ("vector_norm", "linalg_vector_norm", _vector_norm),
     ("foreach_mul_", "_foreach_mul_.Tensor", _foreach_mul_),
-    *pointwise.ATEN, *reductions.ATEN, *scans.ATEN, *norms.ATEN, *indexing.ATEN, *foreach.ATEN,
+    *attention.ATEN, *pointwise.ATEN, *reductions.ATEN, *scans.ATEN, *sorting.ATEN, *norms.ATEN, *indexing.ATEN,
+    *foreach.ATEN,
 ]
 OPS = {aten: fn for _, aten, fn in TABLE}
 # A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).

@@ -329,3 +329,62 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     documents = attn_mask.to(device=query.device, dtype=torch.int32).contiguous() if attn_mask is not None else None
     return _Attention.apply(query, key, value, documents, bool(is_causal), scale)
+
+
+def _math_probabilities(q, k, attn_mask, is_causal, scale):
+    """fp32 scores of (batch, heads, seq_q, seq_k) with the masks applied, their log-sum-exp, the probabilities
+    (0 where a row sees no key), in routed ATen ops; K's heads repeated for grouped queries."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    kf = k.float()
+    if group > 1:
+        kf = kf.repeat_interleave(group, 1)
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if is_causal:
+        seen = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(seen.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(attn_mask.logical_not(), float("-inf")) if attn_mask.dtype == torch.bool else \
+            s + attn_mask.float()
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return p, lse, kf, scale, group
+
+
+def _grouped(t, group, heads):
+    """A gradient of repeated K/V heads summed back onto each shared head."""
+    if group == 1:
+        return t
+    return t.view(t.shape[0], heads, group, *t.shape[2:]).sum(2)
+
+
+def _flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """PyTorch's CPU attention op (what `F.scaled_dot_product_attention` and transformers' sdpa reach on the
+    CPU, any mask: sliding windows, padding) in routed ATen ops: the matmuls, masks, log-sum-exp and softmax
+    in fp32. On a GPU, the model's attention is `ops.scaled_dot_product_attention` (the kernels above)."""
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p}: the routed attention has no attention dropout; use 0")
+    p, lse, _, _, group = _math_probabilities(query, key, attn_mask, is_causal, scale)
+    vf = value.float().repeat_interleave(group, 1) if group > 1 else value.float()
+    return torch.matmul(p, vf).to(query.dtype), lse
+
+
+def _flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                            scale=None):
+    p, _, kf, scale, group = _math_probabilities(query, key, attn_mask, is_causal, scale)
+    vf = value.float().repeat_interleave(group, 1) if group > 1 else value.float()
+    do = grad_out.float()
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+    dq = torch.matmul(ds, kf)
+    dk = torch.matmul(ds.transpose(-1, -2), query.float())
+    heads = key.shape[1]
+    return (dq.to(query.dtype), _grouped(dk, group, heads).to(key.dtype), _grouped(dv, group, heads).to(value.dtype))
+
+
+ATEN = [
+    ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu", _flash_for_cpu),
+    ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+     _flash_for_cpu_backward),
+]

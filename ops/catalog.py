@@ -11,7 +11,9 @@ FLOATS = "fp32,bf16,fp16,fp64"
 ALL = FLOATS + ",int,bool"
 # Ops whose kernels take only floating dtypes (the rest: integers and bools too).
 _FLOAT_ONLY = {"softmax", "log_softmax", "_softmax", "_log_softmax", "gelu", "silu", "mm", "addmm", "bmm", "baddbmm",
-               "mv", "native_layer_norm", "_fused_rms_norm", "mean", "var", "std", "var_mean", "std_mean",
+               "mv", "native_layer_norm", "native_group_norm", "_fused_rms_norm", "mean", "var", "std", "var_mean",
+               "std_mean", "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm", "histc", "log_sigmoid_forward",
+               "log_sigmoid_backward", "native_group_norm_backward",
                "logsumexp", "norm", "linalg_vector_norm", "uniform_", "normal_", "multinomial", "native_dropout",
                "mse_loss", "nll_loss_forward", "nll_loss_backward", "embedding_dense_backward", "_foreach_norm"}
 

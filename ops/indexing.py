@@ -388,6 +388,81 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
     return put(zero, classes, safe.unsqueeze(classes), g.unsqueeze(classes).to(self.dtype), True, False)
 
 
+def repeat_interleave(repeats, *, output_size=None):
+    """`torch.repeat_interleave(repeats)`: i repeated repeats[i] times. A 1 is added at each row's end in a
+    zero tensor (the add kernel), and the running sum of those is each position's row."""
+    ends = scans.scan(repeats.reshape(-1), 0, False)
+    total = output_size if output_size is not None else int(ends[-1].item()) if ends.numel() else 0
+    marks = _full([total + 1], 0, dtype=torch.int64, device=repeats.device)
+    if total:
+        marks = put(marks, 0, ends, _full([ends.numel()], 1, dtype=torch.int64, device=repeats.device), False, True)
+    return scans.scan(marks[:total], 0, False)
+
+
+def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
+    """`torch.unique_consecutive`, of the flattened input or of the slices along `dim`: a run starts where an
+    element (a slice) differs from the one before; the running count of starts is each one's run (`inverse`),
+    the starts the output, and each run's length is counted by the add kernel."""
+    along = dim is not None and self.dim() > 0
+    d = dim % self.dim() if along else 0
+    rows = self.movedim(d, 0).reshape(self.shape[d], -1) if along else self.reshape(-1, 1)
+    n = rows.shape[0]
+    starts = _full([n], True, dtype=torch.bool, device=self.device)
+    if n > 1 and rows.shape[1]:
+        step = reductions.all_any(pw.OPS["ne"](rows[1:], rows[:-1]), 1, False, True)
+        pw.OPS["copy"](step, out=starts[1:])
+    elif n > 1:  # empty slices are all equal
+        pw.OPS["fill"](starts[1:], False, out=starts[1:])
+    run = pw.sub(scans.scan(starts, 0, False), 1)
+    if along:
+        output = take(self, d, nonzero(starts).reshape(-1), per_element=False)
+    else:
+        output = masked_select(self.reshape(-1), starts)
+    groups = output.shape[d] if along else output.numel()
+    counts = _full([groups], 0, dtype=torch.int64, device=self.device)
+    if n:
+        counts = put(counts, 0, run, _full([n], 1, dtype=torch.int64, device=self.device), False, True)
+    empty = torch.empty(0, dtype=torch.int64, device=self.device)
+    inverse = run if along else run.view(self.shape)
+    return output, inverse if return_inverse else empty, counts if return_counts else empty
+
+
+def select_backward(grad_output, input_sizes, dim, index):
+    """The gradient of `x.select(dim, index)`: zeros, the row's gradient copied into its place."""
+    out = _full(list(input_sizes), 0, dtype=grad_output.dtype, device=grad_output.device)
+    if grad_output.numel():
+        pw.OPS["copy"](grad_output, out=out.select(dim, index))
+    return out
+
+
+def histc(self, bins=100, min=0, max=0):
+    """`torch.histc`: each element's bin from its value (the top edge in the last bin, values outside left
+    out), counted by the add kernel; min == max takes the data's own range."""
+    lo, hi = float(min), float(max)
+    if lo == hi and self.numel():
+        lo, hi = reductions.reduce(self, None, False, "min").item(), reductions.reduce(self, None, False, "max").item()
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    flat = self.reshape(-1)
+    inside = pw.OPS["logical_and"](pw.OPS["ge"](flat, lo), pw.OPS["le"](flat, hi))
+    where = pw.OPS["clamp"](pw.OPS["floor"](pw.mul(pw.sub(flat, lo), bins / (hi - lo))), 0, bins - 1).to(torch.int64)
+    counts = _full([bins + 1], 0, dtype=torch.float32, device=self.device)
+    if flat.numel():  # the ones outside go to a spare bin past the end
+        counts = put(counts, 0, pw.where(inside, where, bins), _full([flat.numel()], 1.0, dtype=torch.float32,
+                                                                        device=self.device), False, True)
+    return counts[:bins].to(self.dtype)
+
+
+def slice_backward(grad_output, input_sizes, dim, start, end, step):
+    """The gradient of `x[..., start:end:step]`: zeros, the slice's gradient copied into its place."""
+    out = _full(list(input_sizes), 0, dtype=grad_output.dtype, device=grad_output.device)
+    index = [slice(None)] * len(input_sizes)
+    index[dim] = slice(start, end, step)
+    if grad_output.numel():
+        pw.OPS["copy"](grad_output, out=out[tuple(index)])
+    return out
+
+
 def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
     if dtype is None:
         dtype = torch.bool if isinstance(fill_value, bool) else torch.int64 if isinstance(
@@ -402,6 +477,8 @@ ATEN = [
     ("scatter", "scatter.src", lambda self, dim, index, src: put(self, dim, index, src, True, False)),
     ("scatter", "scatter.value", lambda self, dim, index, value: put(
         self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False)),
+    ("scatter", "scatter_.value", lambda self, dim, index, value: put(
+        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False, out=self)),
     ("scatter", "scatter_.src", lambda self, dim, index, src: put(self, dim, index, src, True, False, out=self)),
     ("scatter_add", "scatter_add", lambda self, dim, index, src: put(self, dim, index, src, True, True)),
     ("scatter_add", "scatter_add_", lambda self, dim, index, src: put(self, dim, index, src, True, True, out=self)),
@@ -449,6 +526,11 @@ ATEN = [
     ("dropout", "native_dropout", native_dropout),
     ("dropout", "native_dropout_backward", lambda grad_output, mask, scale: pw.OPS["dropout_backward"](
         grad_output, mask, scale).to(grad_output.dtype)),
+    ("slice_backward", "slice_backward", slice_backward),
+    ("histc", "histc", histc),
+    ("repeat_interleave", "repeat_interleave.Tensor", repeat_interleave),
+    ("unique_consecutive", "unique_consecutive", unique_consecutive),
+    ("select_backward", "select_backward", select_backward),
     ("mse_loss", "mse_loss", mse_loss), ("mse_loss", "mse_loss_backward", mse_loss_backward),
     ("nll_loss", "nll_loss_forward", nll_loss_forward), ("nll_loss", "nll_loss_backward", nll_loss_backward),
 ]

@@ -265,6 +265,60 @@ def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, ou
     return dx.view(input.shape) if output_mask[0] else None, gw if output_mask[1] else None
 
 
+@triton.jit
+def _group_affine(x, mean, rstd, w, b):
+    return (x - mean) * rstd * w + b
+
+
+@triton.jit
+def _group_xhat_grad(g, x, mean, rstd):
+    return g * (x - mean) * rstd
+
+
+def _group_ops():
+    from ops.pointwise import pointwise
+
+    return pointwise()(_group_affine), pointwise(promote="float")(_group_xhat_grad)
+
+
+def _native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    """GroupNorm: the statistics of each (sample, group) row by the LayerNorm kernel, then one pointwise pass
+    (x - mean) * rstd * weight[c] + bias[c] from the input and the fp32 statistics."""
+    rows = input.reshape(N * group, (C // group) * HxW) if N * group else input.reshape(0, max(1, C // group * HxW))
+    y, mean, rstd, _ = norm_forward(rows, (rows.shape[1],), None, None, float(eps), False)
+    if weight is not None or bias is not None:
+        affine, _ = _group_ops()
+        shape = (N, group, C // group, HxW)
+        w = weight.reshape(1, group, C // group, 1) if weight is not None else 1.0
+        b = bias.reshape(1, group, C // group, 1) if bias is not None else 0.0
+        y = affine(input.reshape(shape), mean.view(N, group, 1, 1), rstd.view(N, group, 1, 1), w, b,
+                   out=torch.empty(shape, dtype=input.dtype, device=input.device))
+    return y.view(input.shape), mean.to(input.dtype).view(N, group), rstd.to(input.dtype).view(N, group)
+
+
+def _native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    """dx by the LayerNorm backward kernel on each (sample, group) row of grad * weight[c]; the weight and bias
+    gradients as sums over samples and positions (fp32) of grad * x̂ and grad."""
+    from ops import reductions
+    from ops.pointwise_ops import OPS
+
+    shape = (N, group, C // group, HxW)
+    g4, x4 = grad_out.reshape(shape), input.reshape(shape)
+    m4, r4 = mean.float().reshape(N, group, 1, 1), rstd.float().reshape(N, group, 1, 1)
+    dx = dw = db = None
+    if output_mask[0]:
+        g = OPS["mul"](g4, weight.float().reshape(1, group, C // group, 1)) if weight is not None else g4
+        rows = input.reshape(N * group, -1) if N * group else input.reshape(0, 1)
+        dx = norm_backward(g, rows, None, None, m4.reshape(-1), r4.reshape(-1), False)[0].view(input.shape)
+    if output_mask[1] and weight is not None:
+        _, xhat_grad = _group_ops()
+        dw = reductions.reduce(xhat_grad(g4, x4, m4, r4), [0, 3], False, "sum", torch.float32)
+        dw = dw.reshape(C).to(weight.dtype)
+    if output_mask[2]:
+        db = reductions.reduce(g4, [0, 3], False, "sum", torch.float32).reshape(C).to(grad_out.dtype)
+    return dx, dw, db
+
+
 # On CPU, `rms_norm` is decomposed by PyTorch before any backend (into pow, mean, rsqrt, mul: all routed);
 # on CUDA it reaches `_fused_rms_norm`.
 ATEN = [
@@ -272,4 +326,6 @@ ATEN = [
     ("native_layer_norm", "native_layer_norm_backward", _native_layer_norm_backward),
     ("_fused_rms_norm", "_fused_rms_norm", _fused_rms_norm),
     ("_fused_rms_norm", "_fused_rms_norm_backward", _fused_rms_norm_backward),
+    ("native_group_norm", "native_group_norm", _native_group_norm),
+    ("native_group_norm", "native_group_norm_backward", _native_group_norm_backward),
 ]

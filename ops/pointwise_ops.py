@@ -305,6 +305,19 @@ def _softplus_backward(g, x, beta, threshold):
 
 
 @triton.jit
+def _log_sigmoid(x):
+    # min(x, 0) - log(1 + e^-|x|): no overflow either side.
+    return tl.minimum(x, 0.0) - _log1p(tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _log_sigmoid_backward(g, x):
+    # g * sigmoid(-x), from e^-|x|.
+    e = tl.exp(-tl.abs(x))
+    return g * tl.where(x < 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def _hardsigmoid(x):
     return tl.minimum(tl.maximum(x / 6.0 + 0.5, 0.0), 1.0)
 
@@ -637,7 +650,7 @@ SPECS = {
         "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos", "tan", "sinh",
         "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf", "erfc", "reciprocal", "deg2rad", "rad2deg",
         "sinc", "div", "copysign", "hypot", "xlogy", "logaddexp", "logaddexp2", "lerp", "addcdiv", "logit",
-        "logit_backward", "hardsigmoid", "hardswish", "mish", "elu", "softplus")},
+        "logit_backward", "hardsigmoid", "hardswish", "mish", "elu", "softplus", "log_sigmoid")},
     **{name: (globals()[f"_{name}"], "default") for name in (
         "abs", "neg", "sign", "floor", "ceil", "trunc", "round", "frac", "relu", "bitwise_not", "hardtanh",
         "leaky_relu", "threshold", "add", "sub", "mul", "div_trunc", "floor_divide", "remainder", "fmod",
@@ -645,7 +658,7 @@ SPECS = {
         "addcmul", "clamp", "clamp_min", "clamp_max", "nan_to_num", "fill", "copy", "mse", "hardtanh_backward",
         "leaky_relu_backward", "elu_backward", "elu_backward_result", "softplus_backward",
         "hardsigmoid_backward", "hardswish_backward", "threshold_backward", "sigmoid_backward", "tanh_backward",
-        "mse_backward", "dropout_backward", "left_shift", "right_shift")},
+        "mse_backward", "dropout_backward", "left_shift", "right_shift", "log_sigmoid_backward")},
     **{name: (globals()[f"_{name}"], "bool") for name in (
         "logical_not", "isnan", "isinf", "isposinf", "isneginf", "signbit", "eq", "ne", "lt", "le", "gt", "ge",
         "logical_and", "logical_or", "logical_xor")},
@@ -908,6 +921,10 @@ def _rows_with_options() -> list[tuple[str, str, object]]:
         ("elu", "elu_backward", _aten_elu_backward),
         ("softplus", "softplus", lambda self, beta=1, threshold=20: op["softplus"](self, beta, threshold)),
         ("softplus", "softplus_backward", _grad("softplus_backward")),
+        # The buffer PyTorch's CPU forward returns is its own backward's; ours recomputes from the input.
+        ("log_sigmoid", "log_sigmoid_forward", lambda self: (op["log_sigmoid"](self), self.new_empty(0))),
+        ("log_sigmoid", "log_sigmoid_backward", lambda grad_output, self, buffer: op["log_sigmoid_backward"](
+            grad_output, self).to(grad_output.dtype)),
         ("hardsigmoid", "hardsigmoid_backward", _grad("hardsigmoid_backward")),
         ("hardswish", "hardswish_backward", _grad("hardswish_backward")),
         ("threshold", "threshold", lambda self, threshold, value: op["threshold"](self, threshold, value)),

@@ -79,8 +79,9 @@ def _env(**changes) -> dict:
     return env
 
 
+@pytest.mark.e2e  # about 660 specialisations x 2 architectures: 10 to 25 minutes on two cores
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the op tests compile every kernel for this GPU")
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_every_launched_kernel_compiles_for_sm90_and_sm80(request, launch_record, tmp_path):
     """Every Triton kernel specialisation the op tests above launch compiles for Hopper (sm_90) and Ampere
     (sm_80), on a machine without a GPU: the launches they made under the interpreter were recorded
@@ -116,7 +117,7 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80(request, launch_record
                  "_matmul", "_pw_T_o1_r1", "_pw_TTT_o2_r1", "_attn_fwd", "_attn_delta", "_attn_bwd_dkdv",
                  "_attn_bwd_dq", "_embedding_fwd", "_embedding_bwd", "_adamw", "_row_reduce", "_row_arg",
                  "_row_moments", "_row_scan", "_take", "_put", "_arange", "_random", "_sumsq_blocks",
-                 "_segment_norms", "_scale_", "_stack"):
+                 "_segment_norms", "_scale_", "_stack", "_sort_keys", "_merge_pass", "_row_scan_arg"):
         assert name in kernels, f"{name} was never launched by the op tests"
     built = subprocess.run([sys.executable, "-m", "tests.ops.launches", str(record), *ARCHS], cwd=REPO, env=_env(),
                            capture_output=True, text=True, timeout=900)

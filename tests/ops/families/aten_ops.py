@@ -162,6 +162,8 @@ CALLS = {  # op: (the call, its inputs from (dtype) -> list, whether it has a ba
                                       torch.linalg.vector_norm(x, float("inf"))), lambda d: [make("odd", d)], True),
     "cumsum": (lambda x: (x.cumsum(0), x.cumsum(1)), lambda d: [make("transposed", d)], True),
     "cumprod": (lambda x: x.cumprod(1), lambda d: [make("odd", d)], False),
+    "cummax": (lambda x: (*x.cummax(0), *x.cummax(1)), lambda d: [make("transposed", d)], True),
+    "cummin": (lambda x: x.cummin(1), lambda d: [make("odd", d)], True),
     "index_select": (lambda x, i: x.index_select(1, i), lambda d: [make("transposed", d),
                                                                   torch.tensor([2, 0, 2], device=DEVICE)], True),
     "gather": (lambda x, i: x.gather(1, i), lambda d: [make("odd", d), torch.tensor(
@@ -190,22 +192,63 @@ CALLS = {  # op: (the call, its inputs from (dtype) -> list, whether it has a ba
         make("odd", d), torch.randn(2, 3, 4, device=DEVICE, dtype=d), torch.randn(2, 5, 4, device=DEVICE,
                                                                                    dtype=d).transpose(1, 2)], False),
     "mv": (torch.mv, lambda d: [make("odd", d), make("odd", d, seed=1)[0]], False),
+    "native_group_norm": (lambda x, w, b: (torch.nn.functional.group_norm(x, 3, w, b),
+                                           torch.nn.functional.group_norm(x.transpose(1, 2)[:, :4], 2)),
+                          lambda d: [torch.randn(2, 6, 5, device=DEVICE, dtype=d),
+                                     make("odd", d, seed=1).reshape(-1)[:6], make("odd", d, seed=2).reshape(-1)[:6]],
+                          True),
+    "sort": (lambda x: (*x.sort(dim=1, descending=True, stable=True), *x.sort(0)), lambda d: [make("transposed", d)],
+             True),
+    "topk": (lambda x: x.topk(2, 1)[0], lambda d: [make("odd", d)], True),
+    "histc": (lambda x: (torch.histc(x, 7), torch.histc(x, 4, -1, 1)), lambda d: [make("transposed", d)], False),
+    "scatter_": (lambda x, i: x.clone().scatter_(1, i, 2.5), lambda d: [make("odd", d), torch.tensor(
+        [[0, 4], [1, 2], [3, 2]], device=DEVICE)], False),
+    # A mixture of experts' grouped matmul (transformers' MoE layers): forward and both weight gradients.
+    "_grouped_mm": (lambda a, w, offs: torch._grouped_mm(a, w, offs), lambda d: [
+        torch.randn(10, 8, device=DEVICE, dtype=d), torch.randn(3, 8, 8, device=DEVICE, dtype=d),
+        torch.tensor([3, 3, 10], dtype=torch.int32, device=DEVICE)], True),
+    "log_sigmoid_forward": (torch.nn.functional.logsigmoid, lambda d: [make("transposed", d) * 10], True),
+    "select_backward": (lambda x: x[1] * 2, lambda d: [make("transposed", d)], True),
+    "slice_backward": (lambda x: x[1:, ::2] * 2, lambda d: [make("transposed", d)], True),
+    # The CPU's attention op (F.scaled_dot_product_attention, transformers' sdpa), with each kind of mask.
+    "_scaled_dot_product_flash_attention_for_cpu": (lambda q, k, v, m: (
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+        torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.zeros(m.shape, dtype=q.dtype).masked_fill(m.logical_not(), float("-inf")),
+            scale=0.3, enable_gqa=True)),
+        lambda d: [torch.randn(2, 4, 5, 8, dtype=d), torch.randn(2, 2, 6, 8, dtype=d).transpose(1, 2).contiguous()
+                   .transpose(1, 2), torch.randn(2, 2, 6, 8, dtype=d), torch.rand(5, 6) > 0.3], True),
+    # Composite ops: PyTorch decomposes them into routed ones before any backend.
+    "argsort": (lambda x: (x.argsort(1), x.argsort(dim=0, descending=True, stable=True)),
+                lambda d: [make("transposed", d)], False),
+    "outer": (torch.outer, lambda d: [make("odd", d)[0], make("odd", d, seed=1)[1]], True),
+    "isfinite": (lambda x: torch.isfinite(x.log()), lambda d: [make("odd", d)], False),
+    "cross_entropy": (lambda x, t: torch.nn.functional.cross_entropy(x, t, label_smoothing=0.1),
+                      lambda d: [make("odd", d), torch.tensor([0, 1, 4], device=DEVICE)], True),
 }
 # The ATen name each case is routed by.
 ROUTES = {"nll_loss": ["nll_loss_forward", "nll_loss_backward", "_log_softmax"], "mse_loss": ["mse_loss",
-                                                                                               "mse_loss_backward"]}
+                                                                                               "mse_loss_backward"],
+          "slice_backward": ["slice_backward", "mul"], "scatter_": ["scatter"],
+          "log_sigmoid_forward": ["log_sigmoid"], "select_backward": ["select_backward", "mul"], "argsort": ["sort"],
+          "outer": ["mul"], "isfinite": ["abs", "eq", "ne", "mul"],
+          "cross_entropy": ["log_softmax", "nll_loss", "sum", "mean", "mul", "div", "add", "neg", "sub"]}
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=FLOAT_IDS)
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_other_ops_match_torch_forward_and_backward(name, dtype):
+    if name.endswith("_for_cpu") and DEVICE != "cpu":
+        pytest.skip("the CPU's own op: a GPU's attention reaches other ATen ops")
     fn, inputs, backward = CALLS[name]
     args = inputs(dtype)
     include = ROUTES.get(name, [name])
     expected = fn(*args)
     got = routed(include, fn, *args)
     reduced = 5 if name in ("baddbmm", "mv", "linalg_vector_norm", "logsumexp", "var", "std", "sum", "mean",
-                            "prod", "cumsum", "native_layer_norm", "nll_loss", "mse_loss") else 1
+                            "prod", "cumsum", "native_layer_norm", "nll_loss", "mse_loss", "native_group_norm",
+                            "cross_entropy", "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm") else 1
     close(got, expected, dtype, reduced)
     if not backward:
         return
@@ -224,6 +267,59 @@ def _backward(out):
     total = sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)).sum() for o in outs
                 if o.is_floating_point() and o.requires_grad)
     total.backward()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [*FLOATS, torch.float64, torch.int32, torch.int64, torch.bool],
+                         ids=[*FLOAT_IDS, "fp64", "int32", "int64", "bool"])
+def test_sort_argsort_and_topk_match_torch(dtype, layout):
+    """Values and indices exactly: the sort is stable (ties in input order, as PyTorch's stable sort), NaN
+    last ascending and first descending, -0.0 equal to 0.0; topk's values exactly, its indices pointing at
+    them (PyTorch does not promise which of equal values topk returns)."""
+    x = make(layout, dtype, seed=3)
+    if dtype.is_floating_point and x.numel() > 4:  # NaN, signed zeros, -inf and ties, in the same layout
+        base = {"transposed": x.t(), "expanded": x[:1]}.get(layout, x).contiguous()
+        base.view(-1)[:4] = torch.tensor([float("nan"), -0.0, 0.0, float("-inf")])
+        base.view(-1)[-2:] = base.view(-1)[1]
+        x = base.t() if layout == "transposed" else base.expand(3, 5) if layout == "expanded" else base
+    elif not dtype.is_floating_point and dtype != torch.bool:
+        x = x % 4  # ties
+    for dim in range(-1, max(x.dim(), 1) - 1):
+        for descending in (False, True):
+            options = {"dim": dim, "descending": descending, "stable": True}
+            close(routed("sort", lambda t, o=options: torch.sort(t, **o), x), torch.sort(x, **options), dtype)
+            close(routed("sort", lambda t, o=options: torch.argsort(t, **o), x), torch.argsort(x, **options), dtype)
+            if dtype == torch.bool:
+                continue  # PyTorch has no topk of bools
+            k = min(2, x.shape[dim] if x.dim() else 1)
+            values, index = routed("topk", lambda t, a=(k, dim, descending): torch.topk(t, *a), x)
+            expected = torch.topk(x, k, dim, largest=descending)[0]
+            close(values, expected, dtype)
+            if x.dim():
+                close(x.gather(dim, index), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool], ids=["int64", "fp32", "bool"])
+def test_run_length_ops_match_torch(dtype):
+    """What packed rows are built with: runs (`unique_consecutive`), positions restarting at each document
+    (`cummax` of starts) and document ids from lengths (`repeat_interleave`); empty and 0-dim inputs too."""
+    runs = torch.tensor([3, 3, 1, 1, 1, 0, 3, 3, 2], device=DEVICE).to(dtype)
+    for x in (runs, runs.view(3, 3).t(), runs[:0], runs[4], runs[[0, 1, 2, 0, 1, 2, 3, 4, 5]].view(3, 3)):
+        for inverse in (False, True):
+            expected = torch.unique_consecutive(x, return_inverse=inverse, return_counts=True)
+            close(routed("unique_consecutive", lambda t, i=inverse: torch.unique_consecutive(
+                t, return_inverse=i, return_counts=True), x), expected, dtype)
+        if x.dim():
+            close(routed("cummax", lambda t: t.cummax(-1), x), x.cummax(-1), dtype)
+        if x.dim() == 2:  # runs of equal slices along a dimension
+            for dim in (0, 1):
+                close(routed("unique_consecutive", lambda t, d=dim: torch.unique_consecutive(
+                    t, return_inverse=True, return_counts=True, dim=d), x),
+                    torch.unique_consecutive(x, return_inverse=True, return_counts=True, dim=dim), dtype)
+    for lengths in ([2, 0, 3, 1], [], [0, 0], [5]):
+        repeats = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+        close(routed("repeat_interleave", torch.repeat_interleave, repeats), torch.repeat_interleave(repeats),
+              torch.int64)
 
 
 # A GPU's dropout is native_dropout; on the CPU PyTorch composes it of bernoulli_, div_ and mul.
