@@ -907,6 +907,14 @@ def _rows_with_options() -> list[tuple[str, str, object]]:
         ("fill", "fill_.Scalar", _fill_), ("fill", "fill_.Tensor", _fill_),
         ("zero_", "zero_", lambda self: _fill_(self, 0)),
         ("copy_", "copy_", _copy_), ("_to_copy", "_to_copy", _to_copy), ("clone", "clone", _clone),
+        *_activation_rows(),
+    ]
+
+
+def _activation_rows() -> list[tuple[str, str, object]]:
+    """The activations' rows with options (slopes, thresholds), their in-place forms and their backwards."""
+    op = OPS
+    return [
         ("hardtanh", "hardtanh", lambda self, min_val=-1, max_val=1: op["hardtanh"](self, min_val, max_val)),
         ("hardtanh", "hardtanh_", lambda self, min_val=-1, max_val=1: op["hardtanh"](self, min_val, max_val,
                                                                                     out=self)),
