@@ -105,8 +105,9 @@ def test_the_exported_model_gives_our_logits_in_transformers_and_peft(smollm2, s
     base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     with torch.no_grad():
         assert (base(tokens).logits - ours).abs().max() > 1e-3  # the adapters trained
+        # Logits of magnitude up to ~10 in fp32 through 30 layers: a few parts in 1e5 apart.
         torch.testing.assert_close(PeftModel.from_pretrained(base, adapters).eval()(tokens).logits, ours,
-                                   rtol=0, atol=1e-4)
+                                   rtol=5e-5, atol=1e-4)
     assert export.main([checkpoint, merged, "--merge"]) == 0
     with torch.no_grad():
         full = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
