@@ -197,7 +197,17 @@ def _closure(module: str) -> set[str]:
 # The driver's modules that join the trainer to the launchers: composing a config with the launchers' schemas,
 # checking it by their rules, documenting their keys, and launching the job.
 DRIVER_JOINS = {"trainer.__main__", "trainer.config.compose", "trainer.config.validate", "trainer.config.reference",
-                "trainer.config.readers"}
+                "trainer.config.readers", "trainer.sweep.sweeper", "trainer.sweep.settings", "trainer.sweep.trials"}
+
+
+def test_the_trainer_compares_no_launcher_name_it_reads_what_the_launcher_offers():
+    """What a launcher can do is data on it (`trainjob.runtimes.Offers`): no module of trainer/ names one."""
+    import re
+
+    named = [f"{path.relative_to(REPO)}:{n}" for path in (REPO / "trainer").rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"""["'](local|docker|kubernetes)["']""", line)]
+    assert named == []
 
 
 def test_the_packages_are_layers_trainjob_at_the_bottom_and_launchers_apart_from_the_trainer():

@@ -33,7 +33,7 @@ def offers(options: Mapping[str, Any]) -> Offers:
     """Containers on this host: the GPUs each is given, this machine's disk mounted (not read by a dry run), and
     an MPI job's launcher and SSH hosts (`launchers.docker.ssh`)."""
     return Offers(gpus_per_node=int(options["gpus_per_node"]), reads_disk_here=not options.get("dry_run"),
-                  ssh_hosts=True)
+                  ssh_hosts=True, cpus_here=True)
 
 
 def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:

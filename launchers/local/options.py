@@ -24,7 +24,7 @@ def offers(options: Mapping[str, Any]) -> Offers:
     """This machine: its GPUs, its disk, its packages; a job without a runtime in the driver's own process (when
     the driver waits for it); a multi-node run started once per node."""
     return Offers(runs_here=True, gpus_per_node=None, reads_disk_here=True,
-                  in_process=bool(options.get("wait", True)), nodes_started_here=True)
+                  in_process=bool(options.get("wait", True)), nodes_started_here=True, cpus_here=True)
 
 
 def check(options: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from launchers.options import offers
 from trainer.errors import ConfigError
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
@@ -122,7 +123,7 @@ def check_launcher(launcher: Any) -> None:
     Kubernetes the pods' run directory is mounted here (launcher.local_run_root)."""
     if not launcher.get("wait", True):
         raise ConfigError("launcher.wait", False, "a sweep reads each trial's metrics as it runs: launcher.wait=true")
-    if launcher["name"] == "kubernetes" and not launcher.get("local_run_root"):
+    if not offers(launcher).reads_disk_here and not launcher.get("local_run_root"):
         raise ConfigError(
             "launcher.local_run_root",
             None,

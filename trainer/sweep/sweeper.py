@@ -18,6 +18,7 @@ from typing import Any
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
+from launchers.options import offers
 from trainer.errors import ConfigError
 from trainer.sweep import settings as sweep_settings
 from trainer.sweep.space import Space, as_override, parse
@@ -94,7 +95,7 @@ class _Run:
     def __init__(self, study, s, space: Space, sweep_dir: str, launcher: Any, hydra_overrides: list[str]):
         self.study, self.s, self.space, self.sweep_dir, self.launcher = study, s, space, sweep_dir, launcher
         self.hydra_overrides = hydra_overrides
-        self.free = cpu_shares(s.n_jobs) if launcher["name"] in ("local", "docker") else [None] * s.n_jobs
+        self.free = cpu_shares(s.n_jobs) if offers(launcher).cpus_here else [None] * s.n_jobs
         self.running: dict[int, tuple[Any, TrialProcess, Any]] = {}
         self.failed: tuple[int, str] | None = None  # the exit code the sweep ends with, and why
         self.results: list[dict] = []

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from launchers.options import offers
 from trainjob.run_files import RunDir, read_metrics, read_summary, write_event
 
 PR_SET_PDEATHSIG = 1
@@ -63,7 +64,7 @@ class TrialProcess:
         self.run_dir = os.path.abspath(os.path.join(sweep_dir, str(number)))
         self.overrides = [*overrides, f"hydra.run.dir={self.run_dir}"]
         self.metrics_dir, self.job_name = self.run_dir, None
-        if launcher["name"] == "kubernetes":
+        if not offers(launcher).reads_disk_here:  # the pods write to shared storage, mounted here
             self.job_name = job_name(sweep_dir, number)
             self.overrides.append(f"launcher.job_name={self.job_name}")
             root = os.path.expanduser(launcher["local_run_root"])
@@ -146,7 +147,7 @@ class TrialProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait()
-        if self.launcher["name"] in ("docker", "kubernetes"):
+        if not offers(self.launcher).runs_here:  # containers, TrainJobs: they outlive the driver's processes
             self._delete_job()
 
     def _delete_job(self) -> None:
@@ -155,7 +156,7 @@ class TrialProcess:
         options = [
             f"--{k}={self.launcher[k]}"
             for k in ("namespace", "kubeconfig", "context")
-            if self.launcher["name"] == "kubernetes" and self.launcher.get(k)
+            if self.launcher.get(k)
         ]
         base = [sys.executable, "-m", "launchers", f"--launcher={self.launcher['name']}", *options]
         names = [self.job_name] if self.job_name else []

@@ -38,7 +38,8 @@ class Offers:
     `kubeflow_cache`: Kubeflow Trainer's data cache runs there;
     `nodes_started_here`: a multi-node run is started once per node on this machine;
     `ssh_hosts`: it lays out a job as one launcher and hosts it reaches over SSH (what an MPI job needs:
-    the hostfile and the job's keys, as Kubeflow's MPI plugin writes them and the docker launcher does)."""
+    the hostfile and the job's keys, as Kubeflow's MPI plugin writes them and the docker launcher does);
+    `cpus_here`: its ranks share this machine's CPUs (a sweep gives each trial running at once its own share)."""
 
     runs_here: bool = False
     gpus_per_node: int | None = 0
@@ -49,6 +50,7 @@ class Offers:
     kubeflow_cache: bool = False
     nodes_started_here: bool = False
     ssh_hosts: bool = False
+    cpus_here: bool = False
 
 
 @dataclass(frozen=True)
