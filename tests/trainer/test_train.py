@@ -186,7 +186,7 @@ def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, tmp_path):
 
 
 def test_killing_the_driver_stops_torchrun_and_its_ranks(tmp_path, cache_dir):
-    from tests.trainer.parallel.test_strategies import _worker_pids
+    from tests.conftest import rank_pids
 
     run_dir = tmp_path / "run"
     driver = subprocess.Popen([sys.executable, "-m", "trainer", *TINY, "train.max_steps=100000",
@@ -197,10 +197,10 @@ def test_killing_the_driver_stops_torchrun_and_its_ranks(tmp_path, cache_dir):
     deadline = time.time() + 120
     while not (log.exists() and "model" in log.read_text()) and time.time() < deadline:
         time.sleep(0.1)
-    assert len(_worker_pids(str(run_dir / "config.yaml"))) == 2
+    assert len(rank_pids(str(run_dir / "config.yaml"))) == 2
     driver.kill()
     driver.wait()
     deadline = time.time() + 60
-    while _worker_pids(str(run_dir / "config.yaml")) and time.time() < deadline:
+    while rank_pids(str(run_dir / "config.yaml")) and time.time() < deadline:
         time.sleep(0.2)
-    assert _worker_pids(str(run_dir / "config.yaml")) == []
+    assert rank_pids(str(run_dir / "config.yaml")) == []

@@ -13,6 +13,7 @@ from trainer import config
 from trainer.config.compose import compose, plain_group_overrides
 from trainer.config.hf_impl import fill_config
 from trainer.config.validate import validate
+from trainjob import runtimes
 
 CONF = os.path.join(REPO, "conf")
 
@@ -82,6 +83,10 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
             fill_config(cfg.model)
         if group != "train":
             assert OmegaConf.select(cfg, f"{group}.name") == option
+        if group == "runtime" and runtimes.get(option).function_only:  # runs functions (Client.train) only
+            with pytest.raises(config.ConfigError, match=f"runtime='{option}': runs a user's function"):
+                validate(cfg)
+            continue
         validate(cfg)
 
 
