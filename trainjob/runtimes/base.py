@@ -15,10 +15,23 @@ Nothing here imports torch or the rest of the project: the driver, the launchers
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+# Kubeflow Trainer's port for every runtime's coordinator (its ContainerTrainerPort): on a cluster; on this
+# machine a free port instead (29500 may be taken here).
+KUBEFLOW_PORT = 29500
+LOCALHOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on this machine's loopback now."""
+    with socket.socket() as s:
+        s.bind((LOCALHOST, 0))
+        return s.getsockname()[1]
 
 # The interpreter's arguments of a trainer rank: its agent passes the rank's own exit code on.
 TRAINER_WORKER = ["-m", "trainer.worker"]

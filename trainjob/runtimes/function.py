@@ -13,25 +13,13 @@ every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI plugin s
 from __future__ import annotations
 
 import importlib.util
-import socket
 from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from trainjob.options import OptionError
 from trainjob.runtimes import mpi
-from trainjob.runtimes.base import Nodes, Offers, Runtime
-
-# Kubeflow Trainer's port for every plugin's coordinator (its ContainerTrainerPort): on a cluster; locally a
-# free port (29500 may be taken on this machine).
-KUBEFLOW_PORT = 29500
-LOCALHOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOCALHOST, 0))
-        return s.getsockname()[1]
+from trainjob.runtimes.base import KUBEFLOW_PORT, LOCALHOST, Nodes, Offers, Runtime, free_port
 
 
 def node_host(job: str) -> str:

@@ -17,17 +17,15 @@ The SSH hosts of a job, for a launcher that lays them out itself (Docker; on Kub
 from __future__ import annotations
 
 import shutil
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from trainjob.options import require
-from trainjob.runtimes.base import Nodes, Offers, Runtime
+from trainjob.runtimes.base import KUBEFLOW_PORT, LOCALHOST, Nodes, Offers, Runtime, free_port
 from trainjob.runtimes.torch_distributed import check_counts
 
-# Kubeflow Trainer's port for every runtime's coordinator (its ContainerTrainerPort), and its MPI sshd's.
-MASTER_PORT = 29500
+# Kubeflow's MPI sshd port.
 SSH_PORT = 2222
 INSTALL = "apt-get install -y openmpi-bin"
 # ssh to a node's sshd (Kubeflow's MPI runtimes listen on 2222), whose host key is the job's own.
@@ -60,12 +58,6 @@ class MPIConfig:
     master_port: int | None = None
 
     POSITIVE: ClassVar[tuple[str, ...]] = ()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MPI(Runtime):
@@ -111,15 +103,15 @@ class MPI(Runtime):
             cmd += ["--hostfile", nodes.hostfile, "--mca", "plm_rsh_args", RSH_ARGS]
         else:
             cmd += ["--oversubscribe"]  # one machine: its slots are its cores, which the ranks share
-        master = nodes.hosts[0] if across else "127.0.0.1"
-        port = options.get("master_port") or (MASTER_PORT if across else free_port())
+        master = nodes.hosts[0] if across else LOCALHOST
+        port = options.get("master_port") or (KUBEFLOW_PORT if across else free_port())
         return [*cmd, *_exports(nodes, {"MASTER_ADDR": master, "MASTER_PORT": str(port)}), nodes.python,
                 *nodes.command]
 
     def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
         # Kubeflow's MPI plugin mounts the hostfile (OMPI_MCA_orte_default_hostfile) and sets the slots; the ranks
         # meet at its first host (`rank_env`), on the runtime's master_port.
-        port = str(options.get("master_port") or MASTER_PORT)
+        port = str(options.get("master_port") or KUBEFLOW_PORT)
         return ["mpirun", "--bind-to", "none", "--mca", "plm_rsh_args", RSH_ARGS,
                 *_exports(nodes, {"MASTER_PORT": port}), nodes.python, *nodes.command]
 
@@ -132,7 +124,7 @@ class MPI(Runtime):
         env = {name: environ[ompi] for name, ompi in CONTRACT.items() if ompi in environ}
         if "MASTER_ADDR" not in environ:  # under Kubeflow: rank 0's host, from the hostfile its plugin wrote
             env["MASTER_ADDR"] = rank0_host(environ.get(HOSTFILE_ENV, KUBEFLOW_HOSTFILE))
-        env.setdefault("MASTER_PORT", environ.get("MASTER_PORT", str(MASTER_PORT)))
+        env.setdefault("MASTER_PORT", environ.get("MASTER_PORT", str(KUBEFLOW_PORT)))
         return env
 
     def ml_policy(self, options: Mapping[str, Any], nnodes: int, nproc_per_node: int) -> dict[str, Any]:
