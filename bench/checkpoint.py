@@ -10,11 +10,11 @@ each mode is not counted (the staging buffers and the DCP plan are made there).
 
 Each is measured with the checkpoint's manifest (every file's size and XXH3-128 hash, hashed as it is written:
 `trainer.checkpoint_files`) and without (`trainer.checkpoint.HASH_FILES` off: DCP's own writer, no manifest),
-`--rounds` times in turn, so that the machine's other load falls on both alike; the medians are shown, and
-`hash +%` is what hashing adds to the write (and to the stall) of the same model and mode. A busy disk (fsync)
-makes those differences noisy; `hash s` is the hashing itself, the CPU time XXH3-128 takes over the bytes of
-the checkpoint (read into memory first), which is what hashing while writing adds to a save, and `hash/write`
-that time against the write without hashing.
+`--rounds` times in turn (off then on, on then off, ...), so that the machine's other load and a disk's drift
+fall on both alike; the medians are shown, and `hash +%` is what hashing adds to the write (and to the stall) of
+the same model and mode. A busy disk (fsync) makes those differences noisy; `hash s` is the hashing itself, the
+CPU time XXH3-128 takes over the bytes of the checkpoint (read into memory first), which is what hashing while
+writing adds to a save, and `hash/write` that time against the write without hashing.
 
     python bench/checkpoint.py [--models debug,small] [--modes sync,async] [--saves 4] [--steps 3] [--seq 256]
         [--batch 4] [--rounds 1]
@@ -108,7 +108,8 @@ def main() -> None:
     parser.add_argument("--modes", default="sync,async", help="sync, async or both")
     parser.add_argument("--optim", default="adamw", choices=("adamw", "sgd"),
                         help="sgd: no optimizer state, the checkpoint holds the model's weights alone")
-    parser.add_argument("--rounds", type=int, default=1, help="measurements of each row, hashing off and on in turn")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measurements of each row, hashing off and on in turn, the order swapped each round")
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256)
@@ -123,8 +124,8 @@ def main() -> None:
         for name in args.models.split(","):
             for background in [m == "async" for m in args.modes.split(",")]:
                 rounds = {False: [], True: []}
-                for _ in range(args.rounds):
-                    for hashed in (False, True):
+                for i in range(args.rounds):
+                    for hashed in (False, True) if i % 2 == 0 else (True, False):  # a drifting disk falls on both
                         root = os.path.join(tmp, f"{name}-{background}-{hashed}")
                         rounds[hashed].append(measure(name, background, hashed, args, device, root))
                         shutil.rmtree(root, ignore_errors=True)
