@@ -114,7 +114,8 @@ def image_without_frameworks():
     """The image without the runtimes' frameworks (mlx, jax, xgboost, deepspeed, mpi4py) and libmpi.so."""
     image, maker = "trainjob-test:no-frameworks", f"trainjob-test-no-frameworks-{os.getpid()}"
     # mlx-cpu leaves files of its own in mlx/, which would still import as a namespace package.
-    strip = ("pip uninstall --yes --quiet mlx mlx-cpu jax jaxlib xgboost-cpu deepspeed mpi4py && rm /usr/lib/*/libmpi.so "
+    strip = ("pip uninstall --yes --quiet mlx mlx-cpu jax jaxlib xgboost-cpu deepspeed mpi4py "
+             "&& rm /usr/lib/*/libmpi.so "
              "&& rm -r \"$(python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')/mlx\"")
     made = docker("run", "--name", maker, "--user", "0:0", "--entrypoint", "", IMAGE, "sh", "-c", strip)
     try:
