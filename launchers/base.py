@@ -156,13 +156,14 @@ def store_apart(spec: LaunchSpec) -> bool:
 
 
 def node_command(spec: LaunchSpec, python: str, endpoint: str | None = None, hosts: tuple[str, ...] = (),
-                 hostfile: str | None = None, env_names: tuple[str, ...] = ()) -> list[str]:
+                 env_names: tuple[str, ...] = (), node: int | None = None) -> list[str]:
     """The command that starts one node's ranks of `spec` (or, under a runtime that reaches every node from one
     launcher, all of them), as its runtime builds it: `python` runs the ranks, `endpoint` is where they meet,
-    `hosts` (written to `hostfile`) are the nodes a launcher reaches, `env_names` the variables it passes on."""
+    `hosts` are the nodes a launcher reaches, `env_names` the variables it passes on; `node`: the node it starts,
+    where each runs on a host of its own."""
     nodes = Nodes(command=list(spec.command), python=python, nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
                   min_nodes=spec.min_nodes, endpoint=endpoint, store_apart=store_apart(spec), hosts=hosts,
-                  hostfile=hostfile, env_names=env_names)
+                  env_names=env_names, node=node)
     return spec.runtime.unit.node_command(spec.runtime.options, nodes)
 
 

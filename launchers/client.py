@@ -289,10 +289,6 @@ class Client:
             if lacking:
                 raise ValueError(lacking)
             return
-        if self.launcher == "docker" and not (unit.hosts_over_ssh or unit.name == "torch-distributed"):
-            raise ValueError(f"runtime={job.runtime!r}: launcher=docker runs function jobs on torch-distributed and "
-                             f"the MPI runtimes (mpi, mlx-distributed, deepspeed-distributed), not one process per "
-                             f"node that its framework joins: run {job.runtime} on launcher=local or kubernetes")
         if (unit.derives_runtime or self.launcher == "docker") and not self.options.get("image"):
             raise ValueError(
                 f"image=None: launcher={self.launcher} runs the function in a container: give "

@@ -33,6 +33,7 @@ from datetime import datetime
 from typing import Any
 
 from launchers.base import (
+    UNKNOWN,
     Job,
     JobInfo,
     JobState,
@@ -92,16 +93,16 @@ def cpu_shares(nnodes: int, per_node: int | None, cpus: list[int]) -> list[list[
     return [[cpus[(node * per_node + i) % len(cpus)] for i in range(per_node)] for node in range(nnodes)]
 
 
-def _user() -> tuple[str, dict[str, str], list[str]]:
+def _user(home: str) -> tuple[str, dict[str, str], list[str]]:
     """`--user`, the environment and the options that make a container run as the invoking user, with a
-    HOME of its own that it can write (a tmpfs: the image has no home for an arbitrary uid)."""
+    HOME of its own at `home` that it can write (a tmpfs: the image has no home for an arbitrary uid)."""
     uid, gid = os.getuid(), os.getgid()
     try:
         user = getpass.getuser()  # torch and triton name their caches after it; the image has no passwd entry
     except (KeyError, OSError):
         user = f"uid{uid}"
-    opts = ["--tmpfs", f"{HOME}:uid={uid},gid={gid},mode=0700"]
-    return f"{uid}:{gid}", {"HOME": HOME, "USER": user}, opts
+    opts = ["--tmpfs", f"{home}:uid={uid},gid={gid},mode=0700"]
+    return f"{uid}:{gid}", {"HOME": home, "USER": user}, opts
 
 
 def host_gpus() -> int | None:
@@ -118,6 +119,19 @@ def _time(text: str) -> datetime | None:
     if not text or text.startswith("0001-"):
         return None
     return datetime.fromisoformat(text[:19] + "+00:00")
+
+
+def _device(limits: list[str]) -> tuple[str, str]:
+    """A container's device and count from its `cpus=<cpuset>` and `gpus=<ids>` (`_inspect`), as Kubeflow's SDK reads
+    a pod's from its limits: its GPUs, else its CPUs; Unknown where it has neither of its own (an MPI launcher that
+    runs no rank)."""
+    found = dict(f.split("=", 1) for f in limits if "=" in f)
+    if found.get("gpus"):
+        return "gpu", str(len(found["gpus"].split(",")))
+    if found.get("cpus"):
+        ranges = [r.split("-") for r in found["cpus"].split(",")]
+        return "cpu", str(sum(int(r[-1]) - int(r[0]) + 1 for r in ranges))
+    return UNKNOWN, UNKNOWN
 
 
 def _state(status: str, code: str) -> JobState:
@@ -198,13 +212,15 @@ class DockerJob(PollingJob):
         return state
 
     def _inspect(self) -> list[list[str]]:
-        """[status, exit code, started, finished] of each container of `_names()`."""
+        """[status, exit code, started, finished, cpus=<its CPUs>, gpus=<its GPUs>] of each container of `_names()`."""
         states = []
         for container in self._names():
             out = _docker(
                 "inspect",
                 "--format",
-                "{{.State.Status}} {{.State.ExitCode}} {{.State.StartedAt}} {{.State.FinishedAt}}",
+                "{{.State.Status}} {{.State.ExitCode}} {{.State.StartedAt}} {{.State.FinishedAt}} "
+                "cpus={{.HostConfig.CpusetCpus}} gpus={{range .HostConfig.DeviceRequests}}{{join .DeviceIDs \",\"}}"
+                "{{end}}",
                 container,
                 check=False,
             )
@@ -270,7 +286,7 @@ class DockerJob(PollingJob):
             **progress,
             start_time=min(starts, default=None),
             end_time=max(ends, default=None) if state.finished else None,
-            steps=sorted((Step(step, _state(*s[:2]), container) for step, container, s in
+            steps=sorted((Step(step, _state(*s[:2]), container, *_device(s[4:])) for step, container, s in
                           zip(self._steps(), self._names(), inspected, strict=True)), key=lambda s: int(s.name[5:])),
         )
 
@@ -331,7 +347,8 @@ class DockerLauncher(Launcher):
         if spec.cache_dir:
             env["TRAINJOB_CACHE"] = spec.cache_dir
         cmds = [] if lc.get("network") else [["docker", "network", "create", "--label", f"{RUN_LABEL}={name}", network]]
-        user, user_env, user_opts = _user()
+        lay = _mpi_layout(spec)
+        user, user_env, user_opts = _user(lay.home if lay else HOME)
         env = {**user_env, **env}
 
         def container(cname: str, role: str) -> list[str]:
@@ -360,11 +377,13 @@ class DockerLauncher(Launcher):
         shares = cpu_shares(spec.nnodes, lc.get("cpus_per_node"), host_cpus())
         # Each rank's threads: its share of its node's CPUs (launcher.env may set its own).
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(shares[0]) // spec.nproc_per_node)))
-        if spec.runtime.unit.hosts_over_ssh:
-            return self._mpi_commands(spec, cmds, container, shares, env, user_env["USER"])
+        if lay:
+            return self._mpi_commands(spec, lay, cmds, container, shares, env, user_env["USER"])
+        if spec.runtime.unit.imports or spec.runtime.unit.libraries:  # what its ranks need, found in the image first
+            cmds.insert(0, ssh.check_command(name, lc["image"], spec.runtime.unit))
         for node in range(spec.nnodes):
             cmd = self._host(container(f"{name}-node-{node}", "node"), node, shares)
-            cmds.append([*cmd, lc["image"], *node_command(spec, "python", endpoint=endpoint)])
+            cmds.append([*cmd, lc["image"], *node_command(spec, "python", endpoint=endpoint, node=node)])
         return cmds
 
     def _host(self, cmd: list[str], host: int, shares: list[list[int]]) -> list[str]:
@@ -375,15 +394,16 @@ class DockerLauncher(Launcher):
             cmd[at:at] = ["--gpus", gpu_devices(host, int(self.options["gpus_per_node"]))]
         return cmd
 
-    def _mpi_commands(self, spec: LaunchSpec, cmds: list[list[str]], container: Any, shares: list[list[int]],
-                      env: dict[str, str], user: str) -> list[list[str]]:
+    def _mpi_commands(self, spec: LaunchSpec, lay: ssh.Layout, cmds: list[list[str]], container: Any,
+                      shares: list[list[int]], env: dict[str, str], user: str) -> list[list[str]]:
         """`cmds` with an MPI run's containers, as Kubeflow lays them out (`launchers.docker.ssh`): first the
         job's keys (an image without OpenMPI or sshd refuses there, before anything else starts), then the nodes'
-        sshd, then the launcher, whose mpirun passes the environment on to every rank and reaches the hosts over
-        SSH; the first `nnodes` hosts that mpirun fills run the ranks, each on its own CPUs."""
-        name, image, lay = job_name(spec), self.options["image"], _mpi_layout(spec)
+        sshd, then the launcher, whose mpirun reads Kubeflow's OMPI_MCA_* settings from its environment, passes the
+        environment on to every rank and reaches the hosts over SSH; the first `nnodes` hosts that mpirun fills run
+        the ranks, each on its own CPUs."""
+        name, image = job_name(spec), self.options["image"]
         placed = mpi.placement(lay.hosts, lay.launcher)
-        cmds.insert(0, ssh.keygen_command(name, image, user, HOME, spec.runtime.unit))
+        cmds.insert(0, ssh.keygen_command(name, image, user, lay.home, spec.runtime.unit))
         for cname in [*lay.nodes, lay.launcher]:
             launcher = cname == lay.launcher
             cmd = container(cname, "launcher" if launcher else "node")
@@ -391,12 +411,14 @@ class DockerLauncher(Launcher):
             if host < spec.nnodes:
                 cmd = self._host(cmd, host, shares)
             at = cmd.index("--shm-size")
-            cmd[at:at] = ssh.volumes(name, HOME, launcher)
+            cmd[at:at] = ssh.volumes(name, lay.ssh_dir, launcher)
             if launcher:
+                kubeflow = mpi.launcher_env(spec.nproc_per_node)
+                cmd[at:at] = [a for k, v in kubeflow.items() for a in ("--env", f"{k}={v}")]
                 names = (*env, *sorted(spec.secrets), "PATH")  # the remote ranks inherit nothing of the launcher
-                run = node_command(spec, "python", hosts=tuple(placed), hostfile=ssh.HOSTFILE, env_names=names)
+                run = node_command(spec, "python", hosts=tuple(placed), env_names=names)
             else:
-                run = mpi.sshd_command(f"{HOME}/.ssh")
+                run = mpi.sshd_command(lay.ssh_dir)
             cmds.append([*cmd, image, *run])
         return cmds
 
@@ -461,7 +483,7 @@ class DockerLauncher(Launcher):
         _remove(name, [c["name"] for c in leftovers], own_network)
         lay = _mpi_layout(spec)
         if lay:
-            ssh.make_key_dir(name, lay.hosts, spec.nproc_per_node, HOME)
+            ssh.make_key_dir(name, lay.hosts, spec.nproc_per_node, lay.ssh_dir, lay.home)
         started: list[str] = []
         caches = self.cache_containers(spec)
         for cmd in cmds:
@@ -475,7 +497,7 @@ class DockerLauncher(Launcher):
             proc = _docker(*cmd[1:], env=spec.secrets, check=False)
             if proc.returncode != 0:
                 _remove(name, started, own_network)  # nothing half-started stays behind
-                if proc.returncode == ssh.NO_MPI and container == ssh.keys_container(name):
+                if proc.returncode == ssh.NO_MPI and container in (ssh.keys_container(name), ssh.check_container(name)):
                     raise LauncherError(_reason(proc.stderr))
                 what = f"container {container}" if container else f"network {cmd[-1]}"
                 raise LauncherError(
@@ -519,7 +541,9 @@ def _mpi_layout(spec: LaunchSpec) -> ssh.Layout | None:
     """The containers of a job whose runtime starts its ranks from one launcher over SSH; None for another."""
     if not spec.runtime.unit.hosts_over_ssh:
         return None
-    return ssh.layout(job_name(spec), spec.nnodes, bool(spec.runtime.options.get("run_launcher_as_node")))
+    options = spec.runtime.options  # a function-only MPI runtime (mlx-distributed) has no SSH keys of its own
+    return ssh.layout(job_name(spec), spec.nnodes, bool(options.get("run_launcher_as_node")),
+                      options.get("ssh_auth_mount_path") or f"{HOME}/.ssh", HOME)
 
 
 def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> DockerLauncher:

@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from launchers.base import (
+    UNKNOWN,
     Job,
     JobInfo,
     JobState,
@@ -136,6 +137,33 @@ def pod_steps(pods: list) -> dict[str, Any]:
     return dict(sorted(steps.items(), key=lambda item: int(item[0][5:])))
 
 
+# The resource limits Kubeflow's SDK reads a device from, in its order (get_container_devices), and the device each
+# names; nvidia.com/mig-<profile> names mig-<profile>.
+DEVICE_LIMITS = (("nvidia.com/gpu", "gpu"), ("google.com/tpu", "tpu"), ("nvidia.com/mig-", None),
+                 ("huawei.com/Ascend910", "npu"), ("cpu", "cpu"))
+
+
+def pod_device(pod: Any) -> tuple[str, str]:
+    """A step's device and device count as Kubeflow's SDK reads them from its pod (get_trainjob_node_step): the first
+    of DEVICE_LIMITS among the limits of its container `node`, with that limit as the count; a numeric
+    PET_NPROC_PER_NODE in that container's environment is the count (torch's processes per node). Unknown where
+    its limits name none of them (where the SDK raises)."""
+    node = next((c for c in (pod.spec.containers if pod.spec else None) or [] if c.name == "node"), None)
+    if node is None:
+        return UNKNOWN, UNKNOWN
+    device = count = UNKNOWN
+    limits = (node.resources.limits if node.resources else None) or {}
+    for key, name in DEVICE_LIMITS:
+        found = sorted(k for k in limits if k == key or (name is None and k.startswith(key)))
+        if found:
+            device, count = name or found[0].split("/")[1], str(limits[found[0]])
+            break
+    for env in node.env or []:
+        if env.name == "PET_NPROC_PER_NODE" and env.value and env.value.isdigit():
+            count = env.value
+    return device, count
+
+
 def _time(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
 
@@ -225,7 +253,7 @@ class KubernetesJob(PollingJob):
             **progress,
             start_time=_time(trainjob["metadata"].get("creationTimestamp")),
             end_time=_time(ends[0]) if ends else None,
-            steps=[Step(name, PHASES.get(pod.status.phase, JobState.CREATED), pod.metadata.name)
+            steps=[Step(name, PHASES.get(pod.status.phase, JobState.CREATED), pod.metadata.name, *pod_device(pod))
                    for name, pod in pod_steps(self._pods()).items()],
         )
 

@@ -182,7 +182,9 @@ class FakeApiServer:
             )
         return path
 
-    def add_pod(self, namespace: str, job: str, node: int, phase: str, log: str = "", role: str = "node") -> None:
+    def add_pod(self, namespace: str, job: str, node: int, phase: str, log: str = "", role: str = "node",
+                container: dict | None = None) -> None:
+        """A pod of `job`'s replicated job `role`, index `node`; `container`: its container `node`'s spec."""
         name = f"{job}-{role}-{node}-0-abcde"
         self.objects[("pods", namespace, name)] = {
             "apiVersion": "v1",
@@ -194,6 +196,7 @@ class FakeApiServer:
                            "jobset.sigs.k8s.io/replicatedjob-name": role},
             },
             "status": {"phase": phase},
+            **({"spec": {"containers": [{"name": "node", "image": "trainjob", **container}]}} if container else {}),
         }
         self.logs[name] = log
 

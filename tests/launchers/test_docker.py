@@ -67,8 +67,11 @@ def test_one_container_per_node_on_the_jobs_network(tmp_path):
 
 def test_an_mpi_job_is_a_launcher_and_ssh_hosts_as_kubeflow_lays_them_out(tmp_path):
     """runtime=mpi: the job's keys made first (by the image, which must hold OpenMPI and sshd), then sshd in each
-    node container and mpirun in the launcher's, over the hostfile Kubeflow mounts; the ranks run on the first
-    `nnodes` hosts, each on its own CPUs, and get the containers' environment through mpirun."""
+    node container and mpirun in the launcher's, which reads the hostfile Kubeflow mounts and its other settings
+    from Kubeflow's OMPI_MCA_* environment (no --hostfile, no ssh options of its own); the keys are mounted at
+    runtime.ssh_auth_mount_path (Kubeflow's default /root/.ssh, whose parent is then the containers' HOME); the
+    ranks run on the first `nnodes` hosts, each on its own CPUs, and get the containers' environment through
+    mpirun."""
     for as_node, nodes in (("true", 1), ("false", 2)):
         run = compose_run(tmp_path, "launcher=docker", "runtime=mpi", "runtime.nnodes=2", "runtime.nproc_per_node=1",
                           "launcher.image=me/trainjob:1", f"runtime.run_launcher_as_node={as_node}")
@@ -81,14 +84,21 @@ def test_an_mpi_job_is_a_launcher_and_ssh_hosts_as_kubeflow_lays_them_out(tmp_pa
         assert [c[c.index("--name") + 1] for c in runs] == [*(f"{name}-node-{i}" for i in range(nodes)),
                                                             f"{name}-launcher"]
         for cmd in runs[:-1]:
-            sshd = ["/usr/sbin/sshd", "-D", "-e", "-f", f"{HOME}/.ssh/sshd_config"]
+            sshd = ["/usr/sbin/sshd", "-D", "-e", "-f", "/root/.ssh/sshd_config"]
             assert cmd[cmd.index("me/trainjob:1") + 1:] == sshd
         for cmd in runs:
-            assert f"{keys}:{HOME}/.ssh:ro" in cmd and f"{keys}/passwd:/etc/passwd:ro" in cmd
+            assert f"{keys}:/root/.ssh:ro" in cmd and f"{keys}/passwd:/etc/passwd:ro" in cmd
+            assert f"{keys}/ssh_config:/etc/ssh/ssh_config:ro" in cmd
+            assert "HOME=/root" in cmd and cmd[cmd.index("--tmpfs") + 1].startswith("/root:uid=")
         launcher = runs[-1]
         assert f"{keys}/hostfile:/etc/mpi/hostfile:ro" in launcher
+        ompi = [e for i, e in enumerate(launcher) if launcher[i - 1] == "--env" and e.startswith("OMPI_MCA_")]
+        assert ompi == ["OMPI_MCA_orte_default_hostfile=/etc/mpi/hostfile", "OMPI_MCA_orte_keep_fqdn_hostnames=true",
+                        "OMPI_MCA_orte_set_default_slots=1", "OMPI_MCA_plm_rsh_args=-o ConnectionAttempts=10"]
+        assert not any(e.startswith("OMPI_MCA_") for c in runs[:-1] for e in c)  # the launcher's alone, as upstream
         tail = launcher[launcher.index("me/trainjob:1") + 1:]
-        assert tail[:3] == ["mpirun", "-np", "2"] and tail[tail.index("--hostfile") + 1] == "/etc/mpi/hostfile"
+        assert tail[:3] == ["mpirun", "-np", "2"] and "--hostfile" not in tail and "--mca" not in tail
+        assert not any(e.startswith("OMPI_MCA_") for e in tail)  # not passed on to the ranks by -x
         # Rank 0 runs where mpirun fills slots first: its own host, where the launcher is one.
         first = f"{name}-launcher" if as_node == "true" else f"{name}-node-0"
         assert f"MASTER_ADDR={first}" in tail and all(f in tail for f in ("HOME", "PATH", "OMP_NUM_THREADS"))
@@ -97,6 +107,57 @@ def test_an_mpi_job_is_a_launcher_and_ssh_hosts_as_kubeflow_lays_them_out(tmp_pa
         ranks = [runs[-1], runs[0]] if as_node == "true" else runs[:-1]
         assert [c[c.index("--cpuset-cpus") + 1] for c in ranks] == shares
         assert as_node == "true" or "--cpuset-cpus" not in launcher  # mpirun alone, no rank
+
+
+def test_the_jobs_keys_are_mounted_at_runtime_ssh_auth_mount_path_where_ssh_and_sshd_find_them(tmp_path):
+    """runtime.ssh_auth_mount_path=/home/mpiuser/.ssh (Kubeflow's deepspeed runtime's): every container mounts the
+    keys there, its HOME is /home/mpiuser, and sshd's and ssh's configurations name the keys there; a path that is
+    not a `.ssh` directory keeps HOME and is still where sshd and ssh look."""
+    for path, home in (("/home/mpiuser/.ssh", "/home/mpiuser"), ("/etc/job-keys", HOME)):
+        run = compose_run(tmp_path, "launcher=docker", "runtime=deepspeed-distributed", "strategy=deepspeed",
+                          "runtime.nnodes=2", "runtime.nproc_per_node=1", "launcher.image=me/trainjob:1",
+                          f"runtime.ssh_auth_mount_path={path}")
+        name, keys = job_name(run.spec), ssh.key_dir(job_name(run.spec))
+        runs = [c for c in commands(run) if c[1] == "run" and "--detach" in c]
+        for cmd in runs:
+            assert f"{keys}:{path}:ro" in cmd and f"HOME={home}" in cmd
+        assert runs[0][-5:] == ["/usr/sbin/sshd", "-D", "-e", "-f", f"{path}/sshd_config"]
+        assert commands(run)[0][-6] == home  # the home of the passwd entry the keys container writes
+        ssh.make_key_dir(name, [f"{name}-node-0", f"{name}-launcher"], 1, path, home)
+        try:
+            with open(os.path.join(keys, "sshd_config")) as f:
+                sshd = f.read()
+            with open(os.path.join(keys, "ssh_config")) as f:
+                client = f.read()
+        finally:
+            ssh.remove_key_dir(name)
+        assert f"HostKey {path}/id_rsa\n" in sshd and f"AuthorizedKeysFile {path}/authorized_keys\n" in sshd
+        assert f"PidFile {home}/sshd.pid\n" in sshd
+        assert client == (f"Host *\n    Port 2222\n    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n"
+                          f"    IdentityFile {path}/id_rsa\n")
+
+
+def test_a_process_per_node_runtimes_nodes_are_containers_meeting_at_node_0_on_kubeflows_port(tmp_path):
+    """jax-distributed and xgboost-distributed function jobs: node i's container runs the function once, with the
+    environment Kubeflow's plugin gives pod i (its index, the node count, node 0's container on port 29500)."""
+    from launchers.base import LaunchSpec, RuntimeSpec
+    from launchers.docker.backend import DockerLauncher
+
+    launcher = DockerLauncher({"image": "me/trainjob:1", "network": None, "gpus_per_node": 0, "cpus_per_node": None,
+                               "shm_size": "1g", "env": {}})
+    script = str(tmp_path / "train_func.py")
+    for runtime, want in (("jax-distributed", ["JAX_NUM_PROCESSES=2", "JAX_COORDINATOR_ADDRESS={node0}:29500",
+                                               "JAX_PROCESS_ID={i}"]),
+                          ("xgboost-distributed", ["DMLC_TRACKER_URI={node0}", "DMLC_TRACKER_PORT=29500",
+                                                   "DMLC_NUM_WORKER=2", "DMLC_TASK_ID={i}"])):
+        spec = LaunchSpec(run_dir=str(tmp_path / runtime), command=[script], nnodes=2,
+                          runtime=RuntimeSpec.of(runtime))
+        name = job_name(spec)
+        runs = [c for c in launcher.commands(spec) if c[1] == "run" and "--detach" in c]
+        assert [c[c.index("--name") + 1] for c in runs] == [f"{name}-node-0", f"{name}-node-1"]
+        for i, cmd in enumerate(runs):
+            env = [w.format(node0=f"{name}-node-0", i=i) for w in want]
+            assert cmd[cmd.index("me/trainjob:1") + 1:] == ["env", *env, "python", script]
 
 
 def test_each_node_gets_its_own_cpus_and_runs_as_the_invoking_user(tmp_path):

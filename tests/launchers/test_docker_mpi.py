@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from launchers import Client, JobState, LauncherError
+from launchers import Client, JobState
 from launchers.docker import ssh
 from tests.conftest import REFERENCE, TINY, read_metrics, read_summary
 from tests.launchers.test_docker_engine import IMAGE, docker, engine, job_name_of, leftovers, losses  # noqa: F401
@@ -148,15 +148,20 @@ def allreduce_ranks(out):
     dist.all_gather_object(hosts, socket.gethostname())
     print(f"rank {rank} of {world}: sum {total.item():g}", flush=True)
     if rank == 0:
+        ompi = [f"OMPI_MCA_{k}" for k in ("orte_default_hostfile", "orte_keep_fqdn_hostnames",
+                                          "orte_set_default_slots", "plm_rsh_args")]
         with open(out, "w") as f:
-            json.dump({"sum": total.item(), "hosts": hosts}, f)
+            json.dump({"sum": total.item(), "hosts": hosts, "ompi": {k: os.environ.get(k) for k in ompi},
+                       "home": os.environ["HOME"], "keys": sorted(os.listdir("/root/.ssh"))}, f)
     dist.destroy_process_group()
 
 
 def test_an_mpi_function_job_runs_on_two_docker_nodes_and_its_launcher_step_holds_every_ranks_output(tmp_path):
-    """Client("docker").train(func=..., runtime="mpi", num_nodes=2): mpirun in the launcher container reaches the
-    node container's sshd with the job's keys; the 2 ranks (one a container each) all-reduce to 3; the steps are
-    Kubeflow's (node-0 the launcher, node-1 the node) and node-0's log holds both ranks' lines."""
+    """Client("docker").train(func=..., runtime="mpi", num_nodes=2): mpirun in the launcher container, given no
+    hostfile and no ssh option on its command line, reads them from Kubeflow's OMPI_MCA_* environment and reaches the
+    node container's sshd with the job's keys, mounted at runtime.ssh_auth_mount_path (Kubeflow's default
+    /root/.ssh); the 2 ranks (one a container each) all-reduce to 3; the steps are Kubeflow's (node-0 the launcher,
+    node-1 the node) and node-0's log holds both ranks' lines."""
     client = Client("docker", image=IMAGE)
     out = tmp_path / "run" / "out.json"
     name = client.train(func=allreduce_ranks, func_args={"out": str(out)}, runtime="mpi", num_nodes=2,
@@ -166,7 +171,13 @@ def test_an_mpi_function_job_runs_on_two_docker_nodes_and_its_launcher_step_hold
         assert info.state == JobState.COMPLETE, "\n".join(client.get_job_logs(name, step="node-0"))
         with open(out) as f:
             got = json.load(f)
-        assert got == {"sum": 3.0, "hosts": [f"{name}-launcher", f"{name}-node-0"]}
+        assert (got["sum"], got["hosts"]) == (3.0, [f"{name}-launcher", f"{name}-node-0"])  # the hostfile's hosts
+        assert got["ompi"] == {"OMPI_MCA_orte_default_hostfile": "/etc/mpi/hostfile",
+                               "OMPI_MCA_orte_keep_fqdn_hostnames": "true", "OMPI_MCA_orte_set_default_slots": "1",
+                               "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
+        assert got["home"] == "/root" and {"id_rsa", "authorized_keys", "ssh_config"} <= set(got["keys"])
+        launched = json.loads(docker("inspect", "--format", "{{json .Config.Cmd}}", f"{name}-launcher").stdout)
+        assert launched[:3] == ["mpirun", "-np", "2"] and not {"--hostfile", "--mca"} & set(launched)
         assert [(s.name, s.status, s.pod_name) for s in info.steps] == [
             ("node-0", JobState.COMPLETE, f"{name}-launcher"), ("node-1", JobState.RUNNING, f"{name}-node-0")]
         assert sorted(line for line in client.get_job_logs(name, step="node-0") if line.startswith("rank ")) == [
@@ -174,24 +185,6 @@ def test_an_mpi_function_job_runs_on_two_docker_nodes_and_its_launcher_step_hold
         assert "Server listening on 0.0.0.0 port 2222." in "\n".join(client.get_job_logs(name, step="node-1"))
     finally:
         client.delete_job(name)
-    assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
-
-
-@pytest.mark.parametrize("runtime, lacking, build", [
-    ("mlx-distributed", "mlx and libmpi.so", "trainjob's mlx extra (pip install 'trainjob[mlx]') and Debian's "
-                                             "libopenmpi-dev (its libmpi.so)"),
-    ("deepspeed-distributed", "deepspeed and mpi4py", "trainjob's deepspeed extra (pip install 'trainjob[deepspeed]')"),
-])
-def test_an_mpi_runtime_whose_framework_the_image_lacks_is_refused_in_one_line(tmp_path, runtime, lacking, build):
-    """The job's first container (the one that makes its keys) finds what the runtime's ranks import and load
-    missing from the image: one line naming them and how to build an image with them; nothing of the job is left."""
-    run_dir = tmp_path / runtime
-    with pytest.raises(LauncherError) as e:
-        Client("docker", image=IMAGE).train(func=allreduce_ranks, func_args={"out": "x"}, runtime=runtime,
-                                            num_nodes=2, run_dir=str(run_dir))
-    assert str(e.value) == (f"launcher.image={IMAGE} holds no {lacking}, which runtime={runtime} runs in every "
-                            f"container: build it with {build}")
-    name = job_name_of(str(run_dir))
     assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
 
 

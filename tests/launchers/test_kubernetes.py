@@ -196,6 +196,24 @@ def apiserver(tmp_path):
         yield server, server.kubeconfig(str(tmp_path / "kubeconfig"))
 
 
+def test_a_steps_device_is_read_from_its_pods_limits_as_kubeflows_sdk_reads_it(tmp_path, apiserver):
+    """Each step's device and count, as Kubeflow's SDK reads them from its pod's container `node` (its limits:
+    GPUs, MIG, else CPUs, each limit the count; torch's PET_NPROC_PER_NODE the count where it is a number);
+    Unknown where the pod says nothing of them."""
+    server, kubeconfig = apiserver
+    run = make_run(tmp_path, f"launcher.kubeconfig={kubeconfig}", "launcher.namespace=ml", "runtime.nnodes=2")
+    job = launcher_of(run).launch(run.spec)
+    server.add_pod("ml", job.name, 0, "Running")
+    assert [(s.name, s.device, s.device_count) for s in job.info().steps] == [("node-0", "Unknown", "Unknown")]
+    for limits, env, want in (({"cpu": "4", "memory": "8Gi"}, [], ("cpu", "4")),
+                              ({"cpu": "4", "nvidia.com/gpu": "2"}, [], ("gpu", "2")),
+                              ({"nvidia.com/mig-1g.5gb": "1"}, [], ("mig-1g.5gb", "1")),
+                              ({"cpu": "2"}, [{"name": "PET_NPROC_PER_NODE", "value": "3"}], ("cpu", "3")),
+                              ({"memory": "1Gi"}, [], ("Unknown", "Unknown"))):
+        server.add_pod("ml", job.name, 1, "Running", container={"resources": {"limits": limits}, "env": env})
+        assert (job.info().steps[1].device, job.info().steps[1].device_count) == want
+
+
 def test_submit_status_logs_cancel_and_list_through_the_kubernetes_client(tmp_path, apiserver):
     server, kubeconfig = apiserver
     run = make_run(

@@ -60,13 +60,17 @@ def test_mpirun_on_one_machine_forks_every_rank_and_gives_them_the_rendezvous():
     assert unit.agent_env({})["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
 
 
-def test_mpirun_across_nodes_reads_a_hostfile_and_reaches_sshd_on_2222_passing_the_environment_on():
+def test_mpirun_across_nodes_reads_kubeflows_environment_and_ssh_config_passing_the_environment_on():
+    """Across hosts mpirun takes the hostfile and ssh's options from the launcher's OMPI_MCA_* environment, as
+    Kubeflow's plugin sets it, and sshd's port from the hosts' ssh client configuration."""
     unit = runtimes.get("mpi")
-    nodes = Nodes(WORKER, nnodes=2, nproc_per_node=2, hosts=("job-node-0", "job-node-1"), hostfile="/etc/mpi/hostfile",
-                  env_names=("TRAINJOB_CACHE",))
+    nodes = Nodes(WORKER, nnodes=2, nproc_per_node=2, hosts=("job-node-0", "job-node-1"), env_names=("TRAINJOB_CACHE",))
     cmd = unit.node_command(_options("mpi"), nodes)
-    assert cmd[:3] == ["mpirun", "-np", "4"] and cmd[cmd.index("--hostfile") + 1] == "/etc/mpi/hostfile"
-    assert "-p 2222" in cmd[cmd.index("plm_rsh_args") + 1]
+    assert cmd[:5] == ["mpirun", "-np", "4", "--bind-to", "none"] and "--hostfile" not in cmd and "--mca" not in cmd
+    assert mpi.launcher_env(2) == {
+        "OMPI_MCA_orte_default_hostfile": "/etc/mpi/hostfile", "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+        "OMPI_MCA_orte_set_default_slots": "2", "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
+    assert "    Port 2222\n" in mpi.ssh_config("/root/.ssh")
     exports = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
     assert exports == ["MASTER_ADDR=job-node-0", "MASTER_PORT=29500", "OMP_NUM_THREADS=1", "TRAINJOB_CACHE"]
     assert mpi.hostfile(["job-node-0", "job-node-1"], 2) == "job-node-0 slots=2\njob-node-1 slots=2\n"
@@ -119,6 +123,12 @@ def test_mpi_jobs_are_fixed_size_and_several_nodes_need_a_launcher_that_reaches_
         unit.check(mpi.MPIConfig(nnodes="1:4"))
     with pytest.raises(OptionError, match="runtime.mpi_implementation='MPICH': must be OpenMPI"):
         unit.check(mpi.MPIConfig(mpi_implementation="MPICH"))
+    for path in (".ssh", "/", "/home/my keys", "/a:b"):
+        with pytest.raises(OptionError, match=rf"^invalid config: runtime.ssh_auth_mount_path='{path}': must be an "
+                                              "absolute directory path below / without ':' or spaces, such as "
+                                              "/root/.ssh$"):
+            unit.check(mpi.MPIConfig(ssh_auth_mount_path=path))
+    unit.check(mpi.MPIConfig(ssh_auth_mount_path="/home/mpiuser/.ssh"))
     with pytest.raises(OptionError, match="runtime.nnodes=2: runtime=mpi starts every node's ranks from one launcher"):
         unit.check_job(mpi.MPIConfig(nnodes=2), range(2, 3), Offers(runs_here=True))
     with pytest.raises(OptionError, match="runtime='mpi': .* which this launcher does not lay out"):

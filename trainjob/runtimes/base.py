@@ -72,8 +72,9 @@ class Nodes:
     runs, such as `-m trainer.worker <config>`) run by `python`, `nproc_per_node` processes on each of
     `nnodes` nodes (`min_nodes`: an elastic range's fewest); `endpoint` is where the ranks meet (host:port of
     node 0, or of a store apart from the nodes, `store_apart`); `hosts` the nodes' host names, in the order the
-    ranks are placed on them (rank 0's first), and `hostfile` where they are written, where the runtime starts
-    every node's ranks from one launcher (MPI)."""
+    ranks are placed on them (rank 0's first), where the runtime starts every node's ranks from one launcher (MPI;
+    the launcher's environment names the hostfile that lists them); `node`, where every node runs on a host of its
+    own (a container) and its command starts that node alone: its index."""
 
     command: list[str]
     python: str = "python"
@@ -83,7 +84,7 @@ class Nodes:
     endpoint: str | None = None
     store_apart: bool = False
     hosts: tuple[str, ...] = ()
-    hostfile: str | None = None
+    node: int | None = None
     # The environment variables the ranks of every node get from the agent's environment (for a runtime that
     # starts remote ranks from one launcher: they do not inherit it).
     env_names: tuple[str, ...] = ()

@@ -7,7 +7,9 @@ sets the environment.
 
 Locally a job's "nodes" are processes on this machine: `ProcessPerNode` starts one per node under
 `launchers.procs` with the environment Kubeflow's plugin gives each pod (JAX, XGBoost), `MPIFunction` starts
-every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI plugin sets (MLX).
+every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI plugin sets (MLX). On Docker every node is
+a container: `ProcessPerNode` runs the node's one process there, meeting at node 0's container on port 29500;
+`MPIFunction` runs as runtime=mpi does, from a launcher container over SSH.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class ProcessPerNode(FunctionRuntime):
         """Every node's environment but its index, with the coordinator at host:port (its plugin's variables)."""
 
     def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        if nodes.node is not None:  # this node alone on a host of its own: node 0's on Kubeflow's port, as upstream
+            env = {**self.node_env(nodes.endpoint.rsplit(":", 1)[0], KUBEFLOW_PORT, nodes.nnodes),
+                   self.index_env: str(nodes.node)}
+            return ["env", *(f"{k}={v}" for k, v in env.items()), nodes.python, *nodes.command]
         host, port = (nodes.endpoint.rsplit(":", 1) if nodes.endpoint else (LOCALHOST, free_port()))
         env = self.node_env(host, int(port), nodes.nnodes)
         return [nodes.python, "-m", "launchers.procs", "--count", str(nodes.nnodes), "--index", self.index_env,
@@ -92,7 +98,7 @@ class MPIFunction(FunctionRuntime):
         if nodes.hosts:  # across hosts (Docker): as runtime=mpi reaches them, over SSH with the job's hostfile
             return mpi.RUNTIME.node_command(options, nodes)
         ranks = nodes.nnodes * nodes.nproc_per_node
-        env = {k: v for k, v in mpi_env(ranks).items() if k != mpi.HOSTFILE_ENV}  # one host: no hostfile
+        env = {k: v for k, v in mpi.launcher_env(ranks).items() if k != mpi.HOSTFILE_ENV}  # one host: no hostfile
         return ["env", *(f"{k}={v}" for k, v in env.items()), "mpirun", "-np", str(ranks), "--bind-to", "none",
                 "--oversubscribe", nodes.python, *nodes.command]
 
@@ -111,10 +117,5 @@ class MPIFunction(FunctionRuntime):
         return {"numNodes": nnodes, "mpi": {"numProcPerNode": nproc_per_node}}
 
     def plugin_env(self, job: str, nnodes: int, gpus_per_node: int = 0) -> dict[str, str]:
-        return mpi_env(max(1, gpus_per_node))
+        return mpi.launcher_env(max(1, gpus_per_node))
 
-
-def mpi_env(slots: int) -> dict[str, str]:
-    """What Kubeflow's MPI plugin sets on the launcher for OpenMPI (RUNTIMES.md §1)."""
-    return {mpi.HOSTFILE_ENV: mpi.KUBEFLOW_HOSTFILE, "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
-            "OMPI_MCA_orte_set_default_slots": str(slots), "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}

@@ -9,9 +9,10 @@ same command resumes from the newest checkpoint).
 
 The SSH hosts of a job, for a launcher that lays them out itself (Docker; on Kubernetes Kubeflow's plugin does):
 `node_hosts` and `hosts` (how many node hosts start beside the launcher, the hostfile's order), `placement`
-(which hosts run the ranks, rank 0's first), `sshd_config` and
-`sshd_command` (every host's sshd on port 2222, its host key the job's own key, as Kubeflow's images run it) and
-`KEYGEN` (the job's key pair in Kubeflow's file names, made at launch). Every runtime whose ranks mpirun starts
+(which hosts run the ranks, rank 0's first), `sshd_config`, `sshd_command` and `ssh_config` (every host's sshd on
+port 2222, its host key the job's own key, as Kubeflow's images run it), `launcher_env` (the launcher's OMPI_MCA_*
+settings, as Kubeflow's plugin sets them) and `KEYGEN` (the job's key pair in Kubeflow's file names, made at
+launch). Every runtime whose ranks mpirun starts
 (`hosts_over_ssh`) uses them."""
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class MPIConfig:
     nnodes: Any = 1
     # Kubeflow's mlPolicy.mpi: OpenMPI is the one implementation its MPI plugin supports.
     mpi_implementation: str = "OpenMPI"
-    # Where every node's SSH key pair is mounted (mlPolicy.mpi.sshAuthMountPath); Docker mounts the job's pair at
-    # its containers' ~/.ssh.
+    # Where every node's SSH key pair is mounted (mlPolicy.mpi.sshAuthMountPath); Docker mounts the job's pair there
+    # too (where it is a `.ssh` directory, its parent is the containers' HOME).
     ssh_auth_mount_path: str = "/root/.ssh"
     # The launcher is an MPI host too, node 0 (mlPolicy.mpi.runLauncherAsNode).
     run_launcher_as_node: bool = True
@@ -72,6 +73,10 @@ class MPI(Runtime):
     def check(self, options: MPIConfig) -> None:
         require(":" not in str(options.nnodes), "runtime.nnodes", options.nnodes,
                 f"runtime={self.name} jobs are fixed-size (mpirun starts a fixed set of ranks): give a node count N")
+        path = str(options.ssh_auth_mount_path)
+        require(path.startswith("/") and path.rstrip("/") != "" and not any(c in path for c in ": \t\n"),
+                "runtime.ssh_auth_mount_path", options.ssh_auth_mount_path,
+                "must be an absolute directory path below / without ':' or spaces, such as /root/.ssh")
         check_counts(options)
         require(options.mpi_implementation == "OpenMPI", "runtime.mpi_implementation", options.mpi_implementation,
                 "must be OpenMPI (the one implementation Kubeflow Trainer's MPI plugin supports)")
@@ -97,11 +102,11 @@ class MPI(Runtime):
                 f"openmpi-bin ({INSTALL}, as root)")
 
     def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
+        # Across hosts mpirun reads the hostfile and ssh's options from its container's environment (`launcher_env`,
+        # as Kubeflow's plugin sets it) and the hosts' ssh client configuration (`ssh_config`).
         across = bool(nodes.hosts)
         cmd = ["mpirun", "-np", str(nodes.nnodes * nodes.nproc_per_node), "--bind-to", "none"]
-        if across:
-            cmd += ["--hostfile", nodes.hostfile, "--mca", "plm_rsh_args", RSH_ARGS]
-        else:
+        if not across:
             cmd += ["--oversubscribe"]  # one machine: its slots are its cores, which the ranks share
         master = nodes.hosts[0] if across else LOCALHOST
         port = options.get("master_port") or (KUBEFLOW_PORT if across else free_port())
@@ -175,6 +180,21 @@ def sshd_config(ssh_dir: str, pid_file: str) -> str:
     return (f"Port {SSH_PORT}\nHostKey {ssh_dir}/id_rsa\nAuthorizedKeysFile {ssh_dir}/authorized_keys\n"
             f"PidFile {pid_file}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n")
+
+
+def ssh_config(ssh_dir: str) -> str:
+    """The ssh client's configuration of every host of a job whose keys are in `ssh_dir` (/etc/ssh/ssh_config, as
+    Kubeflow's MPI images hold it): sshd's port 2222, no host key checked (every sshd's is the job's own key), and
+    the job's private key, wherever it is mounted."""
+    return (f"Host *\n    Port {SSH_PORT}\n    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n"
+            f"    IdentityFile {ssh_dir}/id_rsa\n")
+
+
+def launcher_env(slots: int) -> dict[str, str]:
+    """What Kubeflow's MPI plugin sets on the launcher's container for OpenMPI (RUNTIMES.md §1), which mpirun reads:
+    the hostfile, host names kept whole, `slots` per host, and ssh's options."""
+    return {HOSTFILE_ENV: KUBEFLOW_HOSTFILE, "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+            "OMPI_MCA_orte_set_default_slots": str(slots), "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
 
 
 def sshd_command(ssh_dir: str) -> list[str]:
