@@ -286,3 +286,56 @@ def test_a_grid_runs_each_point_once(run_cli, tmp_path):
         with open(sweep / str(n) / "config.yaml") as f:
             lrs.add(yaml.safe_load(f)["optim"]["lr"])
     assert lrs == {1e-3, 1e-2}
+
+
+@pytest.mark.timeout(300)
+def test_a_point_asked_again_is_not_trained_again(run_cli, tmp_path):
+    sweep, db = tmp_path / "again", tmp_path / "again.db"
+    proc = run_cli(
+        "-m",
+        *TINY,
+        "train.max_steps=2",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.seed=0",
+        f"hydra.sweeper.storage=sqlite:///{db}",
+        "optim.lr=choice(1e-3)",  # one point: TPE can only ask for it again
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(d for d in os.listdir(sweep) if d.isdigit()) == ["0"]  # one run trained
+    final = read_summary(str(sweep / "0"))["final_eval_loss"]
+    for n in (1, 2):
+        assert f"trial {n}: the point of trial 0, not trained again: eval_loss {final:.4f}" in proc.stdout
+    trials = optuna.load_study(study_name="trainjob", storage=f"sqlite:///{db}").trials
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    assert [t.value for t in trials] == [pytest.approx(final)] * 3
+    assert [t.user_attrs.get("repeat_of") for t in trials] == [None, 0, 0]
+
+
+def test_a_point_pruned_before_is_pruned_again_without_a_run(tmp_path, capsys):
+    """The sweeper's loop on a real in-memory study: trial 0 was pruned at step 4; the sampler asks for its point
+    again; the repeat is told pruned with trial 0's intermediate values and no process starts."""
+    from trainer.config.compose import compose
+    from trainer.sweep import settings as sweep_settings
+    from trainer.sweep.space import parse
+    from trainer.sweep.study import open_study
+    from trainer.sweep.sweeper import _Run
+
+    s = sweep_settings.settings(pruner="median", n_trials=2, seed=0)
+    space = parse({}, ["optim.lr=choice(1e-3)"])
+    study = open_study(s, space)
+    run = _Run(study, s, space, str(tmp_path), compose([]).launcher, [])
+    first = study.ask(space.distributions)
+    first.set_user_attr("overrides", [*space.fixed, "optim.lr=0.001"])
+    first.report(3.5, 2)
+    first.report(3.25, 4)
+    study.tell(first, state=optuna.trial.TrialState.PRUNED)
+    run._start()
+    assert not run.running and os.listdir(tmp_path) == []
+    again = study.trials[1]
+    assert again.state.name == "PRUNED" and again.intermediate_values == {2: 3.5, 4: 3.25}
+    assert run.results == [{"trial": 1, "state": "pruned", "values": None, "run_dir": None, "repeat_of": 0}]
+    assert "trial 1: the point of trial 0, not trained again: pruned at step 4" in capsys.readouterr().out

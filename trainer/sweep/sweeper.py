@@ -137,14 +137,52 @@ class _Run:
         trial = self.study.ask(self.space.distributions)
         trial.set_user_attr("sweeper", f"{socket.gethostname()}:{os.getpid()}")
         params = [as_override(k, v) for k, v in trial.params.items()]
+        overrides = [*self.space.fixed, *params, *self.hydra_overrides]
+        trial.set_user_attr("overrides", overrides)
+        if (earlier := self._same_point(trial, overrides)) is not None:
+            self._repeat(trial, earlier, params)
+            return
         share = self.free.pop(0)
-        process = TrialProcess(
-            trial.number, [*self.space.fixed, *params, *self.hydra_overrides], self.sweep_dir, self.launcher, share
-        )
+        process = TrialProcess(trial.number, overrides, self.sweep_dir, self.launcher, share)
         trial.set_user_attr("run_dir", process.metrics_dir)
         process.start()
         print(f"trial {trial.number}: {' '.join(params) or '(no parameters)'}", flush=True)
         self.running[trial.number] = (trial, process, share)
+
+    def _same_point(self, trial: Any, overrides: list[str]) -> Any:
+        """An earlier trial of this study that ran the very same overrides to its end or was pruned, or None.
+        A sampler over a discrete space (`choice`, `range`) asks for a point again; a run is deterministic for its
+        config (its seed among it), so training it again would only spend the steps once more."""
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+            if t.number != trial.number and t.user_attrs.get("overrides") == overrides:
+                return t
+        return None
+
+    def _repeat(self, trial: Any, earlier: Any, params: list[str]) -> None:
+        """Tell the study what trial `earlier`, at the same point, gave: its values, or its intermediate values
+        and pruned. No run is started; the trial's run directory is the earlier one's."""
+        from optuna.trial import TrialState
+
+        trial.set_user_attr("run_dir", earlier.user_attrs.get("run_dir"))
+        trial.set_user_attr("repeat_of", earlier.number)
+        print(f"trial {trial.number}: {' '.join(params) or '(no parameters)'}", flush=True)
+        if earlier.state == TrialState.COMPLETE:
+            self.study.tell(trial, earlier.values)
+            values = zip(self.s.metrics, earlier.values, strict=True)
+            state, line = "complete", ", ".join(f"{m} {v:.4f}" for m, v in values)
+        else:
+            for step, value in sorted(earlier.intermediate_values.items()):
+                trial.report(value, step)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            last = max(earlier.intermediate_values, default=0)
+            state, line = "pruned", f"pruned at step {last}"
+        self.results.append(
+            {"trial": trial.number, "state": state, "values": earlier.values if state == "complete" else None,
+             "run_dir": earlier.user_attrs.get("run_dir"), "repeat_of": earlier.number}
+        )
+        print(f"trial {trial.number}: the point of trial {earlier.number}, not trained again: {line}", flush=True)
 
     def _watch(self, number: int) -> None:
         """Report the trial's new values; prune it, or tell the study how it ended."""
