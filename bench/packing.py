@@ -1,15 +1,25 @@
 """SFT throughput in real (non-padding) tokens per second for each `data.packing` (max_length, longest,
-padding_free) against TRL 1.16's SFTTrainer at its defaults (padding to the longest row of the batch) and with
-`padding_free=True`: the same tiny Qwen2-shaped model, the same conversations (lengths spread from 16 to
-1,024 tokens), the same batch of rows per step, at data.seq_len=2048, on the CPU.
+padding_free) against TRL 1.16's SFTTrainer at its defaults, at its defaults with `padding_free=True`, and at
+its defaults with our CPU arithmetic (`bf16=False`: fp32 as our train.mixed_precision=auto on the CPU, and
+`gradient_checkpointing=False`): the same tiny Qwen2-shaped model, the same conversations (lengths spread from 16
+to 1,024 tokens), the same batch of rows per step, at data.seq_len=2048, one torch thread each, on the CPU.
 
-    python bench/packing.py                    # 64 conversations, 7 steps of 8
-    python bench/packing.py --rows 96          # more
+    python bench/packing.py                    # 64 conversations, 7 steps of 8, 2 rounds
+    python bench/packing.py --rows 96 --rounds 3
+
+TRL's defaults on the CPU are bf16 autocast (`bf16` defaults to True), gradient checkpointing, padding to the
+longest row of the batch, SDPA attention, and the loss over every token (`assistant_only_loss=False`);
+the line above the table says whether this CPU does bf16 natively (AVX512-BF16 or AMX), without which bf16
+autocast runs far slower than fp32.
 
 Ours runs `python -m trainer` (recipe=sft, data=chat, data.shuffle=false, one metrics line a step) and reads
 the real tokens and step times of its metrics lines; TRL's trainer runs the same conversations (our train
-split, in order) with a callback that times each step, its real tokens being the rows' token counts. The
-table is in docs/fine-tuning.md.
+split, in order) with a callback that times each step, its real tokens being the rows' token counts. Each
+round runs every configuration once, the order turned by one each round, and each figure pools the steps
+after the first of every round. Each step is timed twice: wall seconds, and the CPU seconds of the training
+process (ours: `Trainer._train_step` timed by a `sitecustomize` the bench puts on our ranks' path; TRL's: its
+callback). With one thread the two agree on an idle machine; on a shared one a step's wall time is mostly
+waiting for other jobs, so the ratios are taken over CPU seconds. The table is in docs/fine-tuning.md.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import zlib
 
@@ -66,6 +77,41 @@ def make_model(path: str) -> None:
     fast.save_pretrained(path)
 
 
+# Put on our ranks' path as sitecustomize: appends each training step's process CPU seconds (and wall seconds) to
+# $PACKING_BENCH_STEPS, as TRL's callback below times its steps.
+STEP_TIMER = textwrap.dedent('''
+    import importlib.abc, importlib.util, json, os, sys, time
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "trainer.loop":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                step = module.Trainer._train_step
+
+                def timed(self, batch):
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    loss, norm = step(self, batch)
+                    float(loss), float(norm)  # the step's work done
+                    with open(os.environ["PACKING_BENCH_STEPS"], "a") as f:
+                        f.write(json.dumps([time.process_time() - cpu, time.perf_counter() - wall]) + "\\n")
+                    return loss, norm
+
+                module.Trainer._train_step = timed
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    if os.environ.get("PACKING_BENCH_STEPS"):
+        sys.meta_path.insert(0, _Finder())
+''')
+
+
 def conversations(n: int, seed: int = 0) -> list[list[dict]]:
     """`n` conversations of 16 to 1,024 tokens (a user turn, then the assistant's, then its end token)."""
     rng = random.Random(seed)
@@ -89,9 +135,13 @@ def train_split(chats: list[list[dict]], path: str) -> list[list[dict]]:
     return [c for i, c in enumerate(chats) if zlib.crc32(f"{name}:{i}".encode()) % 10_000 >= 200]
 
 
-def ours(model: str, data: str, packing: str, steps: int, work: str) -> tuple[list[int], list[float]]:
-    """(real tokens, seconds) of each step after the first of a run of `steps` steps under data.packing=`packing`."""
-    run_dir = os.path.join(work, f"run-{packing}")
+Steps = tuple[list[int], list[float], list[float]]  # real tokens, CPU seconds, wall seconds of each step
+
+
+def ours(model: str, data: str, packing: str, steps: int, work: str) -> Steps:
+    """Each step after the first of a run of `steps` steps under data.packing=`packing`: its real tokens and wall
+    seconds from the metrics lines, its CPU seconds from `STEP_TIMER`."""
+    run_dir = os.path.join(work, f"run-{packing}-{time.time_ns()}")
     cmd = [
         sys.executable,
         "-m",
@@ -111,42 +161,53 @@ def ours(model: str, data: str, packing: str, steps: int, work: str) -> tuple[li
         "train.progress=false",
         f"hydra.run.dir={run_dir}",
     ]
-    env = {**os.environ, "PYTHONPATH": REPO}
+    timer, timed = os.path.join(work, "timer"), f"{run_dir}.steps.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([timer, REPO]), "PACKING_BENCH_STEPS": timed}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode:
         raise SystemExit(f"our run ({packing}) failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    return [m["tokens"] for m in lines[1:]], [m["step_time_s"] for m in lines[1:]]
+        lines = [json.loads(line) for line in f][1:]
+    with open(timed) as f:
+        cpu = [json.loads(line)[0] for line in f][1:]
+    return [m["tokens"] for m in lines], cpu, [m["step_time_s"] for m in lines]
 
 
-def trl(
-    model: str, chats: list[list[dict]], padding_free: bool, steps: int, work: str
-) -> tuple[list[int], list[float]]:
-    """(real tokens, seconds) of each step after the first of TRL's SFTTrainer on `chats`, in order, `steps` steps."""
+# TRL's configurations beside its defaults: the name's suffix and SFTConfig's settings.
+TRL_RUNS = {
+    "(defaults)": {},
+    "padding_free=True": {"padding_free": True},
+    "bf16=False, no grad. checkpointing": {"bf16": False, "gradient_checkpointing": False},
+}
+
+
+def trl(model: str, chats: list[list[dict]], settings: dict, steps: int, work: str) -> Steps:
+    """Each step after the first of TRL's SFTTrainer on `chats`, in order, `steps` steps, with `settings` over its
+    defaults: the rows' real tokens, its CPU and wall seconds."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    class Timer(TrainerCallback):
-        seconds: list[float] = []
+    cpu, wall = [], []
 
+    class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            self.began = time.perf_counter()
+            self.began = time.process_time(), time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            Timer.seconds.append(time.perf_counter() - self.began)
+            cpu.append(time.process_time() - self.began[0])
+            wall.append(time.perf_counter() - self.began[1])
 
     torch.manual_seed(0)
     # The word-level tokenizer as saved (AutoTokenizer would rebuild Qwen2's byte-level one from config.json).
     tok = PreTrainedTokenizerFast.from_pretrained(model)
     rows = chats[: steps * BATCH]
+    padding_free = settings.get("padding_free", False)
     config = SFTConfig(
-        output_dir=os.path.join(work, f"trl-{padding_free}"),
+        output_dir=tempfile.mkdtemp(prefix="trl-", dir=work),
         per_device_train_batch_size=BATCH,
         max_steps=steps,
-        padding_free=padding_free,
         report_to=[],
         # padding_free enforces no max_length; at the defaults the rows are shorter than its 1,024
         max_length=None if padding_free else 1024,
@@ -157,6 +218,7 @@ def trl(
         seed=0,
         train_sampling_strategy="sequential",
         disable_tqdm=True,
+        **settings,
     )
     trainer = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(model),
@@ -168,12 +230,25 @@ def trl(
     lengths = [len(r) for r in trainer.train_dataset["input_ids"]]
     trainer.train()
     per_step = [sum(lengths[i * BATCH : (i + 1) * BATCH]) for i in range(1, steps)]
-    return per_step, Timer.seconds[1:]
+    return per_step, cpu[1:], wall[1:]
+
+
+def native_bf16() -> bool:
+    """Whether this CPU runs bf16 matrix products natively (oneDNN's AVX512-BF16 or AMX)."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def rate(tokens: list[int], seconds: list[float]) -> float:
+    """The median over steps of each step's real tokens over its seconds (robust to a busy machine)."""
+    return statistics.median(t / s for t, s in zip(tokens, seconds, strict=True))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64, help="conversations (the train split: about 98%% of them)")
+    parser.add_argument("--rounds", type=int, default=2, help="times each configuration runs, interleaved")
     parser.add_argument(
         "--threads",
         type=int,
@@ -189,30 +264,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         model, data = os.path.join(work, "model"), os.path.join(work, "chats.jsonl")
         make_model(model)
+        os.makedirs(os.path.join(work, "timer"))
+        with open(os.path.join(work, "timer", "sitecustomize.py"), "w") as f:
+            f.write(STEP_TIMER)
         chats = conversations(args.rows)
         with open(data, "w") as f:
             f.writelines(json.dumps({"messages": c}) + "\n" for c in chats)
         train = train_split(chats, data)
         steps = len(train) // BATCH
-        results = {
-            f"trainjob data.packing={p}": ours(model, data, p, steps, work)
-            for p in ("max_length", "longest", "padding_free")
-        }
-        results["TRL 1.16 SFTTrainer (defaults)"] = trl(model, train, False, steps, work)
-        results["TRL 1.16 SFTTrainer padding_free=True"] = trl(model, train, True, steps, work)
-    rates = {name: statistics.median(t / s for t, s in zip(*r, strict=True)) for name, r in results.items()}
-    base = rates["trainjob data.packing=padding_free"]
+        runs = {f"trainjob data.packing={p}": (ours, data, p) for p in ("max_length", "longest", "padding_free")}
+        runs |= {f"TRL 1.16 SFTTrainer {name}": (trl, train, settings) for name, settings in TRL_RUNS.items()}
+        results: dict[str, Steps] = {name: ([], [], []) for name in runs}
+        order = list(runs)
+        for round_ in range(args.rounds):
+            for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
+                fn, rows, how = runs[name]
+                for pooled, got in zip(results[name], fn(model, rows, how, steps, work), strict=True):
+                    pooled.extend(got)
+    cpu_rates = {name: rate(r[0], r[1]) for name, r in results.items()}
+    wall_rates = {name: rate(r[0], r[2]) for name, r in results.items()}
+    base = cpu_rates["trainjob data.packing=padding_free"]
     print(
-        f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens), data.seq_len={SEQ_LEN}, CPU"
-        f", {torch_threads} thread(s); the median over the steps after the "
-        "first of each step's real tokens over its time\n"
+        f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens), data.seq_len={SEQ_LEN}, CPU "
+        f"({'native' if native_bf16() else 'no native'} bf16), {torch_threads} thread(s), {args.rounds} interleaved "
+        "round(s); each figure the median over the steps after the first of each step's real tokens over its "
+        "seconds; padding_free's ratio over CPU seconds\n"
     )
-    print(f"| {'run':<40} | {'real tokens':>11} | {'mean step s':>11} | {'real tok/s':>10} | {'padding_free is':>15} |")
-    print(f"|{'-' * 42}|{'-' * 12}:|{'-' * 12}:|{'-' * 11}:|{'-' * 16}:|")
-    for name, (tokens, seconds) in results.items():
-        line = f"| {name:<40} | {sum(tokens):>11} | {statistics.mean(seconds):>11.3f} | {rates[name]:>10.0f} |"
-        print(f"{line} {base / rates[name]:>14.2f}x |")
-
+    wide = max(len(name) for name in results)
+    print(
+        f"| {'run':<{wide}} | {'real tokens':>11} | {'CPU s/step':>10} | {'wall s/step':>11} | {'tok/CPU s':>9} "
+        f"| {'tok/wall s':>10} | {'padding_free is':>15} |"
+    )
+    print(f"|{'-' * (wide + 2)}|{'-' * 12}:|{'-' * 11}:|{'-' * 12}:|{'-' * 10}:|{'-' * 11}:|{'-' * 16}:|")
+    for name, (tokens, cpu, wall) in results.items():
+        print(
+            f"| {name:<{wide}} | {sum(tokens) // args.rounds:>11} | {statistics.median(cpu):>10.3f} "
+            f"| {statistics.median(wall):>11.3f} | {cpu_rates[name]:>9.0f} | {wall_rates[name]:>10.0f} "
+            f"| {base / cpu_rates[name]:>14.2f}x |"
+        )
 
 if __name__ == "__main__":
     main()

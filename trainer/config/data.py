@@ -121,13 +121,13 @@ class DataConfig:
     cache_dir: str = "${oc.env:TRAINJOB_CACHE,${oc.env:HOME}/.cache/trainjob}"
     shuffle: bool = True  # shuffle the training rows (a seeded order, kept across a resume)
     num_workers: int = 0  # DataLoader worker processes per rank (0: in the rank's own process)
-    # How a micro-batch of data=chat or data=preference rows reaches the model: padding_free (TRL's: the rows'
-    # real tokens one after another in one row, positions restarting and attention never crossing from one
-    # conversation to the next), longest (padded to the micro-batch's longest row) or max_length (every row
-    # padded to data.seq_len). All give the same losses; null: padding_free, or max_length under strategy.pp > 1,
-    # whose pipeline stages take one shape. recipe=reward takes padding_free as longest (its score head reads
-    # each row's last token); grpo and rloo pad their completions to the longest row.
-    packing: str | None = read_by("chat", "preference", default=None)
+    # How a micro-batch of data=chat or data=preference rows, or of data=prompts' prompts with their completions,
+    # reaches the model: padding_free (TRL's: the rows' real tokens one after another in one row, positions
+    # restarting and attention never crossing from one conversation to the next), longest (padded to the
+    # micro-batch's longest row) or max_length (every row padded to data.seq_len; not data=prompts, whose rows
+    # are as long as their completions). All give the same losses; null: padding_free, or max_length under
+    # strategy.pp > 1, whose pipeline stages take one shape.
+    packing: str | None = read_by("chat", "preference", "prompts", default=None)
     cache: CacheConfig = field(default_factory=CacheConfig)
     chat: ChatConfig = read_by("chat", "preference", default_factory=ChatConfig)
     # Set by the driver where it checked the corpus (launcher=local, docker): the key of the build its ranks
@@ -140,6 +140,9 @@ class DataConfig:
         require(self.packing is None or self.packing in PACKINGS, "data.packing", self.packing,
                 f"must be one of {', '.join(PACKINGS)} (padding_free carries no padding: what data.packing=true "
                 "was for)")
+        require(not (self.name == "prompts" and self.packing == "max_length"), "data.packing", self.packing,
+                "data=prompts pads a prompt and its completion to the micro-batch's longest row at most: use "
+                "padding_free (or leave it unset) or longest")
         require(self.eval_percent is None or 0 < self.eval_percent < 100, "data.eval_percent", self.eval_percent,
                 "must be in (0, 100)")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")

@@ -4,12 +4,13 @@ conversation in a row of `data.seq_len + 1` tokens with its real length (`traine
     padding_free  the rows' real input tokens one after another in one row (TRL's `padding_free`): positions
                   restart with each conversation and attention never crosses from one to the next (the
                   model's `documents`), so no position is padding;
-    longest       the rows cut to the longest real row of the micro-batch;
+    longest       the rows cut to the longest real row of the micro-batch (rounded up to a multiple of the
+                  tensor-parallel degree);
     max_length    the rows as stored, every one data.seq_len wide.
 
 Each gives the same losses: attention is causal, so a row's positions after its real tokens change nothing
-before them, and the targets are the padded rows' own. `unpack` puts a packed row's per-token values (the
-log-probabilities dpo takes) back where the padded rows hold them.
+before them, and the targets are the padded rows' own. `unpack` puts a micro-batch's per-token values (the
+log-probabilities dpo, grpo and rloo take) back where the padded rows hold them.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ def input_lengths(lengths: torch.Tensor | None, rows: int, width: int) -> torch.
 class Packed:
     """A micro-batch as the model takes it: `tokens` (rows, width + 1), whose inputs are tokens[:, :-1],
     `target` (rows, width), `documents` (rows, width + 1) numbering the conversations of a packed row or None,
-    and `keep` (the padded rows' positions that the packed row holds, in order) to `unpack` by."""
+    `keep` (the padded rows' positions that the packed row holds, in order) to `unpack` by, and `seq` the padded
+    rows' width (the inputs' of max_length)."""
 
     tokens: torch.Tensor
     target: torch.Tensor
     documents: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    seq: int | None = None
 
     @property
     def inputs_documents(self) -> torch.Tensor | None:
@@ -55,12 +58,12 @@ def collate(tokens: torch.Tensor, target: torch.Tensor, real: torch.Tensor, pack
     """The micro-batch of padded rows `tokens` (rows, seq + 1) with `target` (rows, seq), whose rows hold `real`
     (rows,) real input positions each, as `packing` gives it. A packed row's width is a multiple of `multiple`
     (tensor parallelism's sequence split): the positions added attend only to themselves and count no target."""
-    if packing == "max_length" or int(real.min()) == target.shape[1]:
-        return Packed(tokens, target)
-    if packing == "longest":
-        width = int(real.max())
-        return Packed(tokens[:, : width + 1], target[:, :width])
     rows, seq = target.shape
+    if packing == "max_length" or int(real.min()) == seq:
+        return Packed(tokens, target, seq=seq)
+    if packing == "longest":
+        width = min(-(-int(real.max()) // multiple) * multiple, seq)
+        return Packed(tokens[:, : width + 1], target[:, :width], seq=seq)
     keep = torch.arange(seq, device=real.device)[None] < real[:, None]
     total = int(real.sum())
     extra = -total % multiple
@@ -70,14 +73,17 @@ def collate(tokens: torch.Tensor, target: torch.Tensor, real: torch.Tensor, pack
     inputs = torch.cat([tokens[:, :-1][keep], tokens.new_zeros(extra + 1)])
     documents = torch.cat([documents, torch.full((extra + 1,), rows)]).to(device)
     packed_target = torch.cat([target[keep], target.new_full((extra,), IGNORE)])
-    return Packed(inputs[None], packed_target[None], documents[None], keep)
+    return Packed(inputs[None], packed_target[None], documents[None], keep, seq)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """Per-token `values` of the model's packed inputs (1, width) at the padded rows' positions (rows, seq),
-    0 at padding; values of unpacked rows as they are."""
+    """Per-token `values` of the model's inputs (1, width packed, or rows, width) at the padded rows' positions
+    (rows, seq), 0 at padding."""
     if packed.keep is None:
-        return values
+        if packed.seq is None or values.shape[1] == packed.seq:
+            return values
+        return torch.nn.functional.pad(values, (0, packed.seq - values.shape[1]))
     out = values.new_zeros(packed.keep.shape)
     out[packed.keep] = values[0, : int(packed.keep.sum())]
     return out
+

@@ -1,6 +1,7 @@
 """A sequence-classification head on our `Transformer`, as transformers' *ForSequenceClassification models hold
 it: the LM head replaced by `score`, a linear layer of one output and no bias, read at each row's last token that
-is not padding (transformers' rule: the rightmost token whose id is not pad_token_id). The head is kept as the
+is not padding (transformers' rule: the rightmost token whose id is not pad_token_id), or of rows packed into one
+(`data.packing=padding_free`) at each document's. The head is kept as the
 model's `output`, so that every strategy places it as it places an output layer; Hugging Face names it
 `score.weight`. recipe=reward trains one; recipe.reward_model.path loads one to score completions."""
 
@@ -25,16 +26,27 @@ def has_head(model: nn.Module) -> bool:
     return getattr(unwrap(model), "score_head", False)
 
 
-def last_tokens(tokens: torch.Tensor, pad: int) -> torch.Tensor:
-    """(batch,) the index of each row's rightmost token that is not `pad` (0 for a row of padding only)."""
+def last_tokens(tokens: torch.Tensor, pad: int, documents: torch.Tensor | None = None, count: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, position) of each sequence's rightmost token that is not `pad` (its first for one of padding only):
+    of each row of `tokens` (batch, seq), or with `documents` (1, seq) of each of the `count` documents numbered
+    0.. packed into the one row (`trainer.data.packing`; ids from `count` on number filler)."""
     index = torch.arange(tokens.shape[1], device=tokens.device)
-    return (index * (tokens != pad)).argmax(-1)
+    real = torch.where(tokens != pad, index, -1)
+    if documents is None:
+        return torch.arange(tokens.shape[0], device=tokens.device), real.max(-1).values.clamp(min=0)
+    ids = documents[0].clamp(max=count)
+    last = real.new_full((count + 1,), -1).scatter_reduce(0, ids, real[0], "amax")
+    first = real.new_full((count + 1,), tokens.shape[1]).scatter_reduce(0, ids, index, "amin")
+    return index.new_zeros(count), torch.where(last >= 0, last, first)[:count]
 
 
-def scores(model: nn.Module, tokens: torch.Tensor, pad: int) -> torch.Tensor:
-    """(batch,) float32: each row's score, at its last token that is not `pad`."""
-    out = model(tokens)
+def scores(model: nn.Module, tokens: torch.Tensor, pad: int, documents: torch.Tensor | None = None,
+           count: int = 0) -> torch.Tensor:
+    """float32 scores, each at its sequence's last token that is not `pad`: (batch,) of the rows of `tokens`, or
+    with `documents` (`last_tokens`) (count,) of the documents packed into its one row."""
+    out = model(tokens) if documents is None else model(tokens, None, documents)
     if isinstance(out, DTensor):
         out = out.full_tensor()
-    rows = torch.arange(tokens.shape[0], device=tokens.device)
-    return out[rows, last_tokens(tokens, pad), 0].float()
+    rows, at = last_tokens(tokens, pad, documents, count)
+    return out[rows, at, 0].float()

@@ -49,11 +49,8 @@ class AsyncRollouts:
         autocast = copy.copy(r.ctx.autocast)  # its own: a context manager keeps state while entered
         prompts, rows = r._prompts(batch)
         completions = r._sample(prompts, r.generator, model=self.snapshot, autocast=autocast)
-        tokens, target = r._rows([p for p in prompts for _ in range(r.G)], completions)
-        old = []
-        for t, y in zip(tokens.chunk(accum), target.chunk(accum), strict=True):
-            with autocast:
-                old.append(self.snapshot(t[:, :-1], y, loss_fn=r.logps_fn))
+        micros, _, _ = r.micro_rows([p for p in prompts for _ in range(r.G)], completions, accum)
+        old = r._logps(self.snapshot, micros, autocast)
         if r.ctx.device.type == "cuda":
             torch.cuda.synchronize(r.ctx.device)
         return prompts, rows, completions, old, version, time.perf_counter() - start

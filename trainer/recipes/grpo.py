@@ -34,7 +34,9 @@ peers the same ones with the same seed), scores them with the reward functions (
 the reward model of recipe.reward_model.path (`trainer.recipes.reward_model`; its weight last), and keeps them,
 with their advantages, the policy's log-probabilities at sampling (old) and the reference's, for the updates that
 follow. A training row is the prompt, then its completion, then padding, so that positions
-and attention are those of generation; the loss counts the completion's tokens, its end token included. The
+and attention are those of generation; the loss counts the completion's tokens, its end token included. The rows
+of a micro-batch reach the model as `data.packing` says (`trainer.data.packing`; padding_free: each prompt and
+completion a document of one packed row), for the loss and for the old and reference log-probabilities alike. The
 reference is the policy with its adapters off under peft=lora, else a frozen copy of the starting weights; none
 with recipe.beta=0. A resumed run starts a new generation batch at its first step. The eval loss is minus the
 mean weighted reward of completions sampled for the eval prompts (the same seed at every eval). Each metrics line
@@ -56,6 +58,7 @@ from trainer import reward_funcs
 from trainer.assembly import assemble
 from trainer.config import recipe as config_recipe
 from trainer.config.recipe import is_async
+from trainer.data import packing
 from trainer.data.prompts import prompt_text
 from trainer.generate import generate
 from trainer.models import lora
@@ -189,6 +192,7 @@ class GRPO(Recipe):
         self.buffer: list | None = None  # the generation batch's micro-batches
         self.tokens_per_rank = None  # loss_type=dapo's normaliser of the generation batch
         self.logps_fn = logps_fn(cfg.kernels)
+        self.packing = packing.choose(cfg.data.packing, False)
         self.rollouts = AsyncRollouts(self) if is_async(r) else None  # it reads the batches itself, one ahead
         self.reward_stats: dict[str, torch.Tensor] = {}
 
@@ -205,15 +209,15 @@ class GRPO(Recipe):
     def micro_batches(self, batch: dict | None, accum: int) -> list:
         if batch is not None or self.rollouts is not None:
             self.buffer = self._generation_batch(batch, accum)
-            self.tokens_per_rank = dapo_tokens_per_rank([micro[2] for micro in self.buffer])
+            self.tokens_per_rank = dapo_tokens_per_rank([micro[1] for micro in self.buffer])
         self.add_stats(self.reward_stats)
-        self.count(self.real_tokens, sum(micro[2].sum() for micro in self.buffer))  # each iteration trains again
+        self.count(self.real_tokens, sum(micro[1].sum() for micro in self.buffer))  # each iteration trains again
         return self.buffer
 
     def loss(self, micro) -> torch.Tensor:
-        tokens, target, mask, adv, old, ref = micro
+        rows, mask, adv, old, ref = micro
         with self.ctx.autocast:
-            logps = self.model(tokens[:, :-1], target, loss_fn=self.logps_fn)
+            logps = self.token_logps(self.model, rows)
         accum = self.cfg.train.grad_accum_steps
         loss, stats = grpo_loss(logps, logps.detach() if old is None else old, adv, mask, self.r.epsilon,
                                 self.r.epsilon_high, self.r.beta, ref, self.r.loss_type,
@@ -279,15 +283,14 @@ class GRPO(Recipe):
         times: dict[str, float] = {}
         prompts, completions, total, reward_stats, old = self._generate_and_score(batch, times, accum)
         adv = self._advantages(total)
-        tokens, target = self._rows([p for p in prompts for _ in range(self.G)], completions)
-        mask = target != IGNORE
-        parts = [tokens.chunk(accum), target.chunk(accum), mask.chunk(accum), adv.chunk(accum)]
+        micros, mask, self.real_tokens = self.micro_rows([p for p in prompts for _ in range(self.G)], completions,
+                                                         accum)
         with self.timed(times, "perf/logps_s"):
             if old is None:
-                old = self._logps(self.model, parts[0], parts[1]) if self.r.num_iterations > 1 else [None] * accum
-            ref = self._logps(self.reference, parts[0], parts[1]) if self.reference is not None else [None] * accum
+                old = self._logps(self.model, micros) if self.r.num_iterations > 1 else [None] * accum
+            ref = self._logps(self.reference, micros) if self.reference is not None else [None] * accum
         self.reward_stats = {**reward_stats, **{k: torch.tensor(v, device=self.ctx.device) for k, v in times.items()}}
-        return list(zip(*parts, old, ref, strict=True))
+        return list(zip(micros, mask.chunk(accum), adv.chunk(accum), old, ref, strict=True))
 
     def _generate_and_score(self, batch: dict | None, times: dict, accum: int) -> tuple:
         """(prompts' tokens, completions, weighted rewards, reward statistics, the sampling policy's
@@ -316,24 +319,49 @@ class GRPO(Recipe):
         unique = torch.cat(everyone[::tp])
         return advantages(unique, self.G, "batch").view(self.dp_size, -1)[self.dp_rank]
 
-    def _rows(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, targets): each row the prompt, its completion, then padding up to the longest row; the targets
-        IGNORE but for the completion's tokens (`real_tokens`: the inputs that are not padding). The inputs' width
-        is a multiple of the tensor-parallel degree (sequence parallelism splits it evenly)."""
-        tp = self.ctx.dims.tp
-        longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-        width = -(-(longest - 1) // tp) * tp + 1
-        tokens = torch.full((len(prompts), width), self.text.pad, dtype=torch.long)
-        target = torch.full((len(prompts), width - 1), IGNORE, dtype=torch.long)
-        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            tokens[i, : len(p) + len(c)] = torch.tensor(p + c)
-            target[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(c)
-        self.real_tokens = sum(min(len(p) + len(c), width - 1) for p, c in zip(prompts, completions, strict=True))
-        return tokens.to(self.ctx.device), target.to(self.ctx.device)
+    def micro_rows(self, prompts: list[list[int]], completions: list[list[int]], accum: int
+                   ) -> tuple[list[packing.Packed], torch.Tensor, int]:
+        """`micro_rows` on this rank's device, as `data.packing` says."""
+        return micro_rows(prompts, completions, self.text.pad, self.packing, accum, self.ctx.dims.tp, self.ctx.device)
 
-    def _logps(self, model, tokens: tuple, targets: tuple) -> list[torch.Tensor]:
+    def token_logps(self, model, micro: packing.Packed) -> torch.Tensor:
+        return token_logps(model, micro, self.logps_fn)
+
+    def _logps(self, model, micros: list[packing.Packed], autocast=None) -> list[torch.Tensor]:
         out = []
-        for t, y in zip(tokens, targets, strict=True):
-            with self.ctx.autocast:
-                out.append(model(t[:, :-1], y, loss_fn=self.logps_fn))
+        for micro in micros:
+            with self.ctx.autocast if autocast is None else autocast:
+                out.append(self.token_logps(model, micro))
         return out
+
+
+def micro_rows(prompts: list[list[int]], completions: list[list[int]], pad: int, way: str, accum: int,
+               multiple: int = 1, device: torch.device | None = None) -> tuple[list[packing.Packed], torch.Tensor, int]:
+    """The `accum` micro-batches of the rows of prompts and their completions (`rows`), each collated as `way` (a
+    `data.packing`) says, the (rows, width) mask of the completions' tokens, and the inputs that are not padding."""
+    tokens, target, real = rows(prompts, completions, pad, multiple)
+    tokens, target = tokens.to(device), target.to(device)
+    micros = [packing.collate(*part, way, multiple)
+              for part in zip(tokens.chunk(accum), target.chunk(accum), real.chunk(accum), strict=True)]
+    return micros, target != IGNORE, int(real.sum())
+
+
+def token_logps(model, micro: packing.Packed, loss_fn) -> torch.Tensor:
+    """(rows, width) log p(target) of a micro-batch's rows under `model` (0 where no target counts)."""
+    return packing.unpack(model(micro.tokens[:, :-1], micro.target, micro.inputs_documents, loss_fn=loss_fn), micro)
+
+
+def rows(prompts: list[list[int]], completions: list[list[int]], pad: int, multiple: int = 1
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, targets, real input positions of each row): each row the prompt, its completion, then `pad` up to
+    the longest row; the targets IGNORE but for the completion's tokens. The inputs' width is a multiple of
+    `multiple` (the tensor-parallel degree: sequence parallelism splits it evenly)."""
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    width = -(-(longest - 1) // multiple) * multiple + 1
+    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
+    target = torch.full((len(prompts), width - 1), IGNORE, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[i, : len(p) + len(c)] = torch.tensor(p + c)
+        target[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(c)
+    real = torch.tensor([min(len(p) + len(c), width - 1) for p, c in zip(prompts, completions, strict=True)])
+    return tokens, target, real

@@ -2,7 +2,8 @@
 *ForSequenceClassification of a family trainjob loads, with the policy's tokenizer) scoring recipe=grpo's and
 rloo's completions beside the reward functions. It is placed like the policy (`trainer.assembly`), frozen,
 and reads each completion after its prompt as the policy's token ids, right padded with its config's
-pad_token_id; its score is read at the last token that is not padding, as transformers reads it."""
+pad_token_id, or packed without padding as `data.packing` says (`trainer.data.packing`); its score is read at the
+last token that is not padding, as transformers reads it."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import os
 import torch
 
 from trainer.assembly import assemble
+from trainer.data import packing
 from trainer.models import score
+from trainer.models.chunked import IGNORE
 
 
 class RewardModel:
     def __init__(self, cfg, ctx):
-        self.path, self.device = cfg.recipe.reward_model.path, ctx.device
+        self.path, self.device, self.tp = cfg.recipe.reward_model.path, ctx.device, ctx.dims.tp
+        self.packing = packing.choose(cfg.data.packing, False)
         self.name = os.path.basename(os.path.normpath(self.path))  # as TRL names a model's rewards
         with open(os.path.join(self.path, "config.json")) as f:
             pad = json.load(f).get("pad_token_id")
@@ -30,7 +34,12 @@ class RewardModel:
     def __call__(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
         """(n,) the score of each completion after its prompt."""
         rows = [p + c for p, c in zip(prompts, completions, strict=True)]
-        tokens = torch.full((len(rows), max(len(r) for r in rows)), self.pad, dtype=torch.long)
+        width = -(-max(len(r) for r in rows) // self.tp) * self.tp
+        tokens = torch.full((len(rows), width + 1), self.pad, dtype=torch.long)  # the inputs: [:, :-1]
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row)
-        return score.scores(self.model, tokens.to(self.device), self.pad)
+        target = torch.full((len(rows), width), IGNORE, device=self.device)  # none: the score reads the last token
+        micro = packing.collate(tokens.to(self.device), target, torch.tensor([len(r) for r in rows]), self.packing,
+                                self.tp)
+        count = 0 if micro.keep is None else len(rows)
+        return score.scores(self.model, micro.tokens[:, :-1], self.pad, micro.inputs_documents, count)

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from trainer.recipes.grpo import GRPO
-from trainer.recipes.sft import IGNORE
 
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length")
 
@@ -68,21 +67,20 @@ class RLOO(GRPO):
     def _generation_batch(self, batch: dict, accum: int) -> list:
         times: dict[str, float] = {}
         prompts, completions, total, reward_stats, old = self._generate_and_score(batch, times, accum)
-        tokens, target = self._rows([p for p in prompts for _ in range(self.G)], completions)
-        mask = target != IGNORE
-        parts = [tokens.chunk(accum), target.chunk(accum)]
+        micros, mask, self.real_tokens = self.micro_rows([p for p in prompts for _ in range(self.G)], completions,
+                                                         accum)
         with self.timed(times, "perf/logps_s"):
             if old is None:  # else the sampling policy's, from the background (recipe.generation.async)
                 needs_old = self.r.beta > 0 or self.r.num_iterations > 1
-                old = self._logps(self.model, *parts) if needs_old else [None] * accum
+                old = self._logps(self.model, micros) if needs_old else [None] * accum
             if self.reference is not None:
-                per_token = (torch.cat(old) - torch.cat(self._logps(self.reference, *parts))) * mask
+                per_token = (torch.cat(old) - torch.cat(self._logps(self.reference, micros))) * mask
                 total = total - self.r.beta * per_token.sum(-1)
                 reward_stats["kl"] = per_token.sum() / mask.sum().clamp(min=1)
         adv = self._rloo_advantages(total)
         times = {k: torch.tensor(v, device=self.ctx.device) for k, v in times.items()}
         self.reward_stats = {**reward_stats, **times}
-        return list(zip(*parts, mask.chunk(accum), adv.chunk(accum), old, strict=True))
+        return list(zip(micros, mask.chunk(accum), adv.chunk(accum), old, strict=True))
 
     def _rloo_advantages(self, total: torch.Tensor) -> torch.Tensor:
         adv = rloo_advantages(total, self.G)
@@ -95,9 +93,9 @@ class RLOO(GRPO):
         return normalized(unique).view(self.dp_size, -1)[self.dp_rank]
 
     def loss(self, micro) -> torch.Tensor:
-        tokens, target, mask, adv, old = micro
+        rows, mask, adv, old = micro
         with self.ctx.autocast:
-            logps = self.model(tokens[:, :-1], target, loss_fn=self.logps_fn)
+            logps = self.token_logps(self.model, rows)
         loss, stats = rloo_loss(logps, logps.detach() if old is None else old, adv, mask, self.r.epsilon,
                                 self.r.epsilon_high)
         accum = self.cfg.train.grad_accum_steps

@@ -127,6 +127,9 @@ def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):
                                                                  "bnpo, dr_grpo, dapo",
         f"recipe.reward_funcs=[{TOY}] recipe.importance_sampling_level=seq": "recipe.importance_sampling_level='seq'"
                                                                             ": must be one of token, sequence",
+        f"recipe.reward_funcs=[{TOY}] data.packing=max_length": "data.packing='max_length': data=prompts pads a "
+                                                                "prompt and its completion to the micro-batch's "
+                                                                "longest row at most",
     }
     for overrides, message in cases.items():
         assert message in compose_refused(tmp_path, capsys, *base, *overrides.split()), overrides

@@ -161,3 +161,45 @@ def test_bad_settings_are_refused_by_name():
         grpo.advantages(torch.zeros(6), 3, "mean")
     with pytest.raises(ValueError, match="beta > 0 needs the reference"):
         grpo.grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), 0.2, beta=0.1)
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_every_packing_gives_the_padded_rows_logps_and_losses(multiple):
+    """data.packing on grpo's and rloo's rows (a prompt, its completion, padding to the longest row): padded to the
+    micro-batch's longest row, or packed into one row (each prompt and completion a document), the
+    log-probabilities, the grpo and rloo losses and their gradients of the rows as made; two micro-batches."""
+    from trainer.models import chunked
+    from trainer.models.llama import Transformer
+    from trainer.recipes import rloo
+
+    torch.manual_seed(0)
+    model = Transformer(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=90, max_seq_len=64,
+                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model.init_buffers()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 89, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 9, (6,), generator=gen)]
+    completions = [torch.randint(0, 89, (int(n),), generator=gen).tolist()
+                   for n in torch.randint(1, 12, (6,), generator=gen)]
+    adv = torch.randn(6, generator=gen)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    width = -(-(max(lengths) - 1) // multiple) * multiple  # the inputs' (the last token predicts nothing)
+    results = {}
+    for way in ("max_length", "longest", "padding_free"):
+        # max_length: the rows as `rows` makes them, padded to the longest of the generation batch
+        micros, mask, real = grpo.micro_rows(prompts, completions, 89, way, 2, multiple)
+        assert real == sum(min(n, width) for n in lengths) and mask.shape == (6, width)
+        assert all((m.documents is not None) == (way == "padding_free") for m in micros)
+        logps = [grpo.token_logps(model, m, chunked.token_logps) for m in micros]
+        old = [lp.detach() + 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2)) for lp in logps]
+        losses = [grpo.grpo_loss(lp, o, a, k, 0.2, beta=0.04, ref_logps=o, accum=2, tokens_per_rank=mask.sum())[0]
+                  + rloo.rloo_loss(lp, o, a, k, 0.2)[0]
+                  for lp, o, a, k in zip(logps, old, adv.chunk(2), mask.chunk(2), strict=True)]
+        loss = sum(losses)
+        results[way] = torch.cat(logps), loss, torch.autograd.grad(loss, list(model.parameters()))
+    assert (results["max_length"][0] != 0).sum() == sum(len(c) for c in completions)
+    for way in ("longest", "padding_free"):
+        torch.testing.assert_close(results[way][0], results["max_length"][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(results[way][1], results["max_length"][1], rtol=1e-5, atol=1e-6)
+        for g, e in zip(results[way][2], results["max_length"][2], strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)

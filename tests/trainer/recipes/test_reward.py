@@ -51,6 +51,41 @@ def test_the_loss_and_its_gradient_are_trls(pairs, center, seed):
         assert float(stats[key]) == pytest.approx(their_stats[key], rel=1e-9, abs=1e-12), key
 
 
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_every_packing_gives_the_scores_loss_and_gradient_of_the_padded_pairs(multiple):
+    """data.packing: the conversations of padded preference rows padded to the longest one or packed into one row
+    (each a document, scored at its own last token that is not padding) give the scores, loss and gradient of the
+    rows as stored; a conversation whose real tokens end in the padding id is scored before them, as transformers
+    scores it."""
+    from trainer.models.llama import Transformer
+
+    torch.manual_seed(0)
+    model = score.attach(Transformer(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=90,
+                                     max_seq_len=64, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False))
+    model.init_buffers()
+    gen, seq, pad, pairs = torch.Generator().manual_seed(1), 12, 89, 5
+    tokens = torch.full((pairs, 2 * (seq + 1)), pad)
+    lengths = torch.randint(2, seq + 2, (pairs, 2), generator=gen)
+    for row in range(pairs):
+        for half in range(2):
+            n, at = int(lengths[row, half]), half * (seq + 1)
+            tokens[row, at : at + n] = torch.randint(0, 89, (n,), generator=gen)
+    tokens[0, int(lengths[0, 0]) - 1] = pad  # the chosen conversation's last real token is the padding id
+    results = {}
+    for way in ("max_length", "longest", "padding_free"):
+        micro = reward.collate_pairs(tokens, lengths, pad, way, multiple)
+        assert (micro.documents is not None) == (way == "padding_free")
+        chosen, rejected = reward.pair_scores(model, micro, pad)
+        loss, _ = reward.reward_loss(chosen, rejected, 0.01)
+        results[way] = (torch.cat([chosen, rejected]), loss, torch.autograd.grad(loss, list(model.parameters())))
+    assert results["max_length"][0].shape == (2 * pairs,)
+    for way in ("longest", "padding_free"):
+        torch.testing.assert_close(results[way][0], results["max_length"][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(results[way][1], results["max_length"][1], rtol=1e-5, atol=1e-6)
+        for g, e in zip(results[way][2], results["max_length"][2], strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.timeout(600)
 def test_a_reward_model_learns_a_toy_preference_and_scores_in_transformers_and_grpo(
         preference_setup, prompts, run_cli, tmp_path):  # noqa: F811
@@ -67,7 +102,7 @@ def test_a_reward_model_learns_a_toy_preference_and_scores_in_transformers_and_g
     lines = read_metrics(str(run))
     assert lines[-1]["accuracy"] == 1.0 and lines[-1]["eval_accuracy"] == 1.0
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.3 and lines[-1]["margin"] > 1
-    # The rows cut to their longest conversation (data.packing unset) score as padded to data.seq_len: the first
+    # The rows packed without padding (data.packing unset) score as padded to data.seq_len: the first
     # two steps (the learning rate is the peak's at both, whatever train.max_steps).
     proc = run_cli(*args, "data.packing=max_length", "train.max_steps=2", f"hydra.run.dir={tmp_path / 'padded'}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -133,7 +133,7 @@ def test_chat_data_that_cannot_train_is_refused_naming_the_key(chat_setup, tmp_p
     assert "model='debug': data=chat tokenizes with the model directory's tokenizer" in compose_refused(
         tmp_path, capsys, *ARGS, f"data.path={path}"
     )
-    assert ("data.packing='padding_free': data=stdlib reads no packing; data=chat or preference do"
+    assert ("data.packing='padding_free': data=stdlib reads no packing; data=chat, preference or prompts do"
             in compose_refused(tmp_path, capsys, "data.packing=padding_free"))
     assert "data.packing='True': must be one of padding_free, longest, max_length (padding_free" in compose_refused(
         tmp_path, capsys, *hf, *ARGS, f"data.path={path}", "data.packing=true")
