@@ -108,7 +108,8 @@ def test_two_nodes_train_as_local_torchrun_each_on_its_own_cpus_and_a_relaunch_r
 
 
 @pytest.mark.parametrize("runtime", [["+runtime=torch-distributed", "runtime.nnodes=1"],
-                                     ["runtime=mpi", "runtime.nnodes=2", "runtime.nproc_per_node=1"]],
+                                     pytest.param(["runtime=mpi", "runtime.nnodes=2", "runtime.nproc_per_node=1"],
+                                                  marks=pytest.mark.e2e)],  # MPI on Docker: test_docker_mpi.py
                          ids=["torchrun", "mpi"])
 def test_the_containers_run_as_the_invoking_user_who_can_delete_the_run(tmp_path, runtime):
     """A driver run by user 65534 (in a container of the image, with the docker CLI and the engine's socket:
@@ -261,6 +262,7 @@ def assert_runs_as_printed(cmd: list[str]) -> None:
                          "--stop-timeout", "--volume", "--env", "--cpuset-cpus"}
 
 
+@pytest.mark.e2e  # two 24-step runs, a node killed (the layout: test_docker.py's elastic test)
 def test_an_elastic_run_loses_a_node_container_and_ends_at_the_one_node_losses(cache_dir, tmp_path):
     """`runtime.nnodes=1:2` on Docker: the rendezvous store has a container of its own; node 1's container is
     killed at step 6 and node 0 re-forms alone, resumes from the newest checkpoint and ends at the losses of an

@@ -41,12 +41,16 @@ def test_mpi_ddp_gives_torchruns_losses(run_cli, tmp_path, ddp_reference):
     assert summary["final_eval_loss"] == pytest.approx(read_summary(ddp_reference)["final_eval_loss"], rel=RTOL)
 
 
-def test_mpi_fsdp2_gives_torchruns_losses_and_tp_and_fsdp2_tp_run(run_cli, tmp_path):
+def test_mpi_fsdp2_gives_torchruns_losses(run_cli, tmp_path):
     torch = run_cli(*REFERENCE, *DIST, "strategy=fsdp2", f"hydra.run.dir={tmp_path / 'torch'}")
     assert torch.returncode == 0, torch.stderr[-3000:]
     mpi = run_cli(*REFERENCE, *MPI, "strategy=fsdp2", f"hydra.run.dir={tmp_path / 'mpi'}")
     assert mpi.returncode == 0, mpi.stderr[-3000:]
     assert _losses(tmp_path / "mpi") == pytest.approx(_losses(tmp_path / "torch"), rel=RTOL)
+
+
+@pytest.mark.e2e  # two more runs on two ranks; tp and fsdp2_tp's losses: parallel/test_strategies.py, under torchrun
+def test_mpi_runs_tp_and_fsdp2_tp(run_cli, tmp_path):
     for strategy in ("tp", "fsdp2_tp"):
         run = run_cli(*TINY, "train.max_steps=3", *MPI, f"strategy={strategy}", f"hydra.run.dir={tmp_path / strategy}")
         assert run.returncode == 0, run.stderr[-3000:]

@@ -115,6 +115,7 @@ def test_the_exported_model_gives_our_logits_in_transformers_and_peft(smollm2, s
         torch.testing.assert_close(full(tokens).logits, ours, rtol=2e-5, atol=1e-4)
 
 
+@pytest.mark.e2e  # the DPO recipe's own tests (recipes/test_dpo.py) run in `pytest` on tiny models
 def test_dpo_trains_the_real_model_on_its_stock_template(smollm2, tmp_path, cache_dir):
     rng = random.Random(1)
     path = tmp_path / "pairs.jsonl"
