@@ -394,6 +394,9 @@ def _refusal(run) -> str:
         lines = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
         return lines[-1] if lines else f"exit {e.code}"
     except Exception as e:  # the row says why it did not run, and the table goes on
+        import traceback
+
+        traceback.print_exc(file=err)
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:
         sys.stderr.write(err.getvalue())
