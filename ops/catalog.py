@@ -9,13 +9,13 @@ from ops.aten import TABLE
 
 FLOATS = "fp32,bf16,fp16,fp64"
 ALL = FLOATS + ",int,bool"
-# Ops whose kernels take only floating dtypes (the rest: integers and bools too).
+# Forward ops whose kernels take only floating dtypes (the rest: integers and bools too). Every backward op
+# is floating only: it computes a gradient, and autograd makes gradients of floating tensors alone.
 _FLOAT_ONLY = {"softmax", "log_softmax", "_softmax", "_log_softmax", "gelu", "silu", "mm", "addmm", "bmm", "baddbmm",
                "mv", "native_layer_norm", "native_group_norm", "_fused_rms_norm", "mean", "var", "std", "var_mean",
                "std_mean", "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm", "histc", "log_sigmoid_forward",
-               "log_sigmoid_backward", "native_group_norm_backward",
                "logsumexp", "norm", "linalg_vector_norm", "uniform_", "normal_", "multinomial", "native_dropout",
-               "mse_loss", "nll_loss_forward", "nll_loss_backward", "embedding_dense_backward", "_foreach_norm"}
+               "mse_loss", "nll_loss_forward", "_foreach_norm"}
 
 
 @dataclasses.dataclass
@@ -40,7 +40,8 @@ def rows() -> list[Row]:
     for op, overloads in sorted(by_op.items()):
         backward = any("backward" in a for a in overloads)
         routes = "backward" if "backward" in op else ("fwd" if not backward else "fwd+bwd")
-        dtypes = FLOATS if (op in _FLOAT_ONLY or any(public_name(a) in _FLOAT_ONLY for a in overloads)) else ALL
+        floating = backward or op in _FLOAT_ONLY or any(public_name(a) in _FLOAT_ONLY for a in overloads)
+        dtypes = FLOATS if floating else ALL
         out.append(Row(op, overloads, routes, dtypes))
     return out
 

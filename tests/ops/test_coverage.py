@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench_script import load
+from trainer.families import BY_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 coverage = load("coverage")
@@ -73,7 +74,7 @@ def test_under_kernels_torch_every_op_is_left_to_pytorch_with_its_reason():
 @pytest.mark.timeout(400)
 def test_a_hugging_face_models_cli_step_runs_in_our_kernels(tmp_path):
     """model=hf shapes: a tiny Qwen2 directory (q/k/v biases: addmm; tied embeddings)."""
-    cov = coverage.trace_run([*coverage.family_overrides("hf", "qwen2", str(tmp_path)), "kernels=triton"], seq=8,
+    cov = coverage.trace_run([*coverage.family_overrides("qwen2", str(tmp_path)), "kernels=triton"], seq=8,
                              batch=1, steps=1)
     _all_ours(cov)
     assert cov.rows["addmm"].ours == 2 * 3  # q, k, v of two layers
@@ -116,7 +117,54 @@ def test_the_configs_names_are_the_aten_tables():
 def test_coverage_refuses_bad_arguments_before_any_work(capsys):
     """As its command line runs it: exit 2 and one line."""
     for argv, message in ((["--seq", "0"], "--seq 0 --batch 2 --steps 1: each must be at least 1"),
-                          (["--families", "gpt"], "--families gpt: each one of debug, hf")):
+                          (["--families", "gpt"], "--families gpt: each one of debug, llama, qwen2")):
         with pytest.raises(SystemExit) as exit_:
             coverage.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _rows(text: str) -> dict[tuple[str, str, str], tuple[float | None, str]]:
+    """The closing table coverage.main prints: (family, impl, recipe) -> (share or None when refused, the rest)."""
+    lines = text.splitlines()
+    out = {}
+    for line in lines[lines.index(coverage.HEADER) + 1:-1]:
+        family, impl, recipe, _kernels, calls, share, rest = line.split(maxsplit=6)
+        out[family, impl, recipe] = (None if calls == "-" else float(share.rstrip("%")) / 100, rest)
+    return out
+
+
+# What `python -m trainer` refuses among the rows (under kernels=torch too), and the words it says why: the
+# recipes' losses from hidden states would skip the logits' soft-capping or scaling after the output layer.
+TRANSFORMED = "transforms its logits"
+REFUSED = {("gemma2", "native", "kd"): "without the soft-capping of the model's final logits",
+           **{(family, "transformers", recipe): TRANSFORMED for family in ("gemma2", "granite")
+              for recipe in ("dpo", "grpo", "kd")}}
+
+
+@pytest.mark.timeout(600)
+def test_grpos_step_and_its_generation_run_in_our_kernels(tmp_path):
+    """The plain suite's share of the table below: GRPO's step and its rollout (the generation row) on Qwen3."""
+    rows = coverage.measure("qwen3", "native", "grpo", str(tmp_path), seq=8)
+    assert [r.recipe for r in rows] == ["grpo", "generation"]
+    for row in rows:
+        assert not row.refused and coverage.summary(row.rows)["calls"] > 0 and row.share >= coverage.FLOOR, \
+            row.line()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(2400)  # ten runs under the interpreter: 5 to 20 minutes on two busy cores
+@pytest.mark.parametrize("family", sorted(BY_NAME))
+def test_every_recipe_and_generation_of_each_family_runs_in_our_kernels(family, capsys):
+    """bench/coverage.py's table for one family of trainer/families.py: a row per model.impl x recipe and the
+    generation row (GRPO's rollout), each with at least 95% of its computing ATen calls in ours, or refused by
+    `python -m trainer` in one line where the table above says so."""
+    coverage.main(["--families", family, "--quiet"])
+    rows = _rows(capsys.readouterr().out)
+    expected = {(family, i, r) for i in coverage.IMPLS for r in coverage.RECIPES}
+    expected |= {(family, i, "generation") for i in coverage.IMPLS if (family, i, "grpo") not in REFUSED}
+    assert set(rows) == expected
+    for key, (share, rest) in rows.items():
+        if key in REFUSED:
+            assert share is None and REFUSED[key] in rest, (key, rest)
+        else:
+            assert share is not None and share >= coverage.FLOOR, (key, share, rest)

@@ -149,3 +149,13 @@ def make_family(root: str, name: str) -> str:
     path = os.path.join(root, name)
     _perturbed(getattr(transformers, model_class)(config)).save_pretrained(path)
     return path
+
+
+def make_named(root: str, name: str) -> str:
+    """A tiny model of any family of trainer/families.py (Llama, Qwen2 and Mistral by their makers above, the
+    rest from FAMILIES) with the tokenizer, in `root/name`; made once, found after."""
+    path = os.path.join(root, name)
+    if not os.path.isdir(path):
+        makers = {"llama": make_llama, "qwen2": make_qwen2, "mistral": make_mistral}
+        add_tokenizer(makers[name](root) if name in makers else make_family(root, name))
+    return path

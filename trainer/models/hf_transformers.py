@@ -137,6 +137,10 @@ class TransformersModel(nn.Module):
                 cache.hf = DynamicCache(config=self.causal_lm.config)
             inputs.update({self._cache_key: cache.hf}, use_cache=True, position_ids=cache.positions,
                           attention_mask=cache.valid[:, : cache.length].long())
+            if getattr(self.causal_lm.config, "output_router_logits", False):
+                # The router's balancing loss is a training term; decoding's mask spans the cached tokens too,
+                # which a mixture of experts' loss would pair with this call's router logits (and fail).
+                inputs["output_router_logits"] = False
         elif documents is not None:
             inputs["position_ids"] = document_positions(documents)
         return inputs

@@ -197,3 +197,18 @@ def test_kernels_triton_routes_aten_ops_for_the_step_with_the_same_loss_and_grad
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     for ours, theirs in zip(routed.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_decodes_through_the_kv_cache(tmp_path, family):
+    """transformers' MoE models with `output_router_logits` (their router loss in training) generate through our
+    KV cache, left-padded prompts included, the tokens our native decoder generates (GRPO's rollout under
+    model.impl=transformers)."""
+    from tests.trainer.hf_models import make_family
+    from trainer.models import from_hf
+
+    path = make_family(str(tmp_path), family)
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    ours = hf_transformers.from_hf(path).eval()
+    assert ours.causal_lm.config.output_router_logits
+    assert generate(ours, prompts, 6) == generate(from_hf(path).eval(), prompts, 6)
