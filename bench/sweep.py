@@ -4,7 +4,7 @@ of the default model (`--steps` steps, an eval every `--eval-every`); the table 
 eval loss, the steps trained in all (a pruned trial's up to where it was stopped), the trials pruned, and
 the wall time. Target: the pruned search's best within 1% of the grid's, for at most half its steps.
 
-    python bench/sweep.py [--steps 40] [--eval-every 10] [--n-jobs 2] [--seed 0] [override ...]
+    python bench/sweep.py [--steps 40] [--eval-every 5] [--n-jobs 2] [--seed 0] [override ...]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def run_way(extra: list[str], args: argparse.Namespace, sweep_dir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--n-jobs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"which to run, of: {','.join(WAYS)}")
