@@ -96,7 +96,7 @@ def test_mlx_on_two_docker_nodes_under_mpirun_sums_and_trains_as_one_rank(tmp_pa
 @pytest.mark.timeout(240)
 def test_deepspeed_init_distributed_on_two_docker_nodes_joins_from_mpis_environment(tmp_path):
     name, two, steps = _on_docker(deepspeed_job, tmp_path / "two", "deepspeed-distributed")
-    assert two == {"sum": 3.0, "world": 2}
+    assert two == {"sum": 3.0, "world": 2, "port": "29500"}  # Kubeflow's port, at node 0's container
     assert [s[:2] for s in steps] == [("node-0", f"{name}-launcher"), ("node-1", f"{name}-node-0")]
 
 
