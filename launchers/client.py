@@ -39,6 +39,7 @@ from launchers.base import JobInfo, JobState, LauncherError, LaunchSpec, OptionE
 from launchers.options import LAUNCHER_SCHEMAS, get
 from trainjob import runtimes
 from trainjob.run_files import RunDir
+from trainjob.runtimes import mpi
 
 FUNC_FILE = os.path.basename(RunDir.of("").func_script)  # the name it is shipped under
 
@@ -60,6 +61,14 @@ class _Tee:
         for s in self.streams: s.write(text); s.flush()
     def flush(self):
         if self.pending: self._out(self.pending); self.pending = ""
+_RANK_NAMES = """ + repr(mpi.CONTRACT) + """
+if "MASTER_ADDR" in _os.environ and "MASTER_PORT" in _os.environ:
+    # Under mpirun where the launcher named the rendezvous (here and on Docker), the rank's place in torch.distributed's
+    # names too: DeepSpeed's init_distributed then keeps MASTER_ADDR and MASTER_PORT rather than finding its own from
+    # MPI (port 29500, which another job here may hold). Under Kubeflow (no MASTER_ADDR) it finds them as upstream.
+    for _name, _ompi in _RANK_NAMES.items():
+        if _ompi in _os.environ:
+            _os.environ.setdefault(_name, _os.environ[_ompi])
 _RANK = next((_os.environ[k] for k in ("RANK", "OMPI_COMM_WORLD_RANK", "JAX_PROCESS_ID", "DMLC_TASK_ID")
               if k in _os.environ), "0")
 try:

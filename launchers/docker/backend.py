@@ -19,6 +19,9 @@ directory). It drives the `docker` CLI; `launcher.dry_run=true` prints the comma
 A runtime that starts every node's ranks from one launcher over SSH (runtime=mpi) runs as Kubeflow lays it out
 (`launchers.docker.ssh`): sshd in the node containers, mpirun in `<job>-launcher`, the job's own key pair made at
 launch and removed with it; the job ends as its launcher does, or fails as soon as a node's container stops.
+
+A function job's packages_to_install go into an environment of each node container's own in its HOME
+(`launchers.packages`), made before its ranks start (under MPI: once on each host, by mpirun from the launcher).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
+from launchers import packages
 from launchers.base import (
     UNKNOWN,
     Job,
@@ -381,9 +385,12 @@ class DockerLauncher(Launcher):
             return self._mpi_commands(spec, lay, cmds, container, shares, env, user_env["USER"])
         if spec.runtime.unit.imports or spec.runtime.unit.libraries:  # what its ranks need, found in the image first
             cmds.insert(0, ssh.check_command(name, lc["image"], spec.runtime.unit))
+        venv = f"{HOME}/venv"
         for node in range(spec.nnodes):
             cmd = self._host(container(f"{name}-node-{node}", "node"), node, shares)
-            cmds.append([*cmd, lc["image"], *node_command(spec, "python", endpoint=endpoint, node=node)])
+            run = node_command(spec, _python(spec, venv), endpoint=endpoint, node=node)
+            cmds.append([*cmd, lc["image"], *(packages.command("python", venv, spec.packages, run) if spec.packages
+                                              else run)])
         return cmds
 
     def _host(self, cmd: list[str], host: int, shares: list[list[int]]) -> list[str]:
@@ -416,7 +423,11 @@ class DockerLauncher(Launcher):
                 kubeflow = mpi.launcher_env(spec.nproc_per_node)
                 cmd[at:at] = [a for k, v in kubeflow.items() for a in ("--env", f"{k}={v}")]
                 names = (*env, *sorted(spec.secrets), "PATH")  # the remote ranks inherit nothing of the launcher
-                run = node_command(spec, "python", hosts=tuple(placed), env_names=names)
+                venv = f"{lay.home}/venv"
+                run = node_command(spec, _python(spec, venv), hosts=tuple(placed), env_names=names)
+                if spec.packages:  # first once on each host, each into its own container's HOME
+                    install = mpi.on_each_host(packages.command("python", venv, spec.packages), names)
+                    run = ["bash", "-c", f"{shlex.join(install)} && exec {shlex.join(run)}"]
             else:
                 run = mpi.sshd_command(lay.ssh_dir)
             cmds.append([*cmd, image, *run])
@@ -544,6 +555,13 @@ def _mpi_layout(spec: LaunchSpec) -> ssh.Layout | None:
     options = spec.runtime.options  # a function-only MPI runtime (mlx-distributed) has no SSH keys of its own
     return ssh.layout(job_name(spec), spec.nnodes, bool(options.get("run_launcher_as_node")),
                       options.get("ssh_auth_mount_path") or f"{HOME}/.ssh", HOME)
+
+
+def _python(spec: LaunchSpec, venv: str) -> str:
+    """What runs a container's ranks: the image's python, or where the job installs packages, `venv`'s, which each
+    node container makes in its own HOME (`launchers.packages`) before its ranks start (the image's environment may
+    be root's, and the containers run as the invoking user)."""
+    return packages.venv_python(venv) if spec.packages else "python"
 
 
 def make(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) -> DockerLauncher:

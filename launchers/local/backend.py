@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from launchers import registry
+from launchers import packages, registry
 from launchers.base import (
     Job,
     JobInfo,
@@ -410,8 +410,7 @@ class LocalLauncher(Launcher):
             return [sys.executable, *spec.command]
         if spec.packages:  # the ranks run the job's own environment, made and filled first
             venv = RunDir.of(spec.run_dir).venv
-            return [sys.executable, "-m", "launchers.packages", venv, *spec.packages, "--",
-                    *node_command(spec, os.path.join(venv, "bin", "python"))]
+            return packages.command(sys.executable, venv, spec.packages, node_command(spec, packages.venv_python(venv)))
         return node_command(spec, sys.executable)
 
     def render(self, spec: LaunchSpec) -> str:

@@ -2,7 +2,8 @@
 `.ci/docker-image` builds (it holds the `runtimes` and `deepspeed` extras and Debian's libopenmpi-dev): the jobs of
 tests/launchers/test_function_runtimes.py with the same checks, each against the same job in one process here. JAX
 and XGBoost nodes are containers that meet at node 0's on Kubeflow's port 29500; MLX and DeepSpeed ranks start
-under mpirun from a launcher container over SSH, as runtime=mpi's do. Also: `get_runtime_packages` of the image, an
+under mpirun from a launcher container over SSH, as runtime=mpi's do. Also: packages_to_install in each node
+container's own environment (and pip's failure, in one line); `get_runtime_packages` of the image, an
 image without a runtime's framework refused in one line before any of the job's containers starts, and (e2e)
 `launcher=docker runtime=deepspeed-distributed strategy=deepspeed runtime.nnodes=2` training as the local run does,
 with its keys at Kubeflow's deepspeed runtime's sshAuthMountPath. They skip or fail on a missing engine or image as
@@ -22,6 +23,7 @@ from tests.conftest import REFERENCE, read_summary
 from tests.launchers.test_docker_engine import IMAGE, docker, engine, job_name_of, leftovers, losses  # noqa: F401
 from tests.launchers.test_function_runtimes import (  # noqa: F401
     _run,
+    _wheel,
     check_jax,
     check_mlx,
     check_xgboost,
@@ -94,8 +96,51 @@ def test_mlx_on_two_docker_nodes_under_mpirun_sums_and_trains_as_one_rank(tmp_pa
 @pytest.mark.timeout(240)
 def test_deepspeed_init_distributed_on_two_docker_nodes_joins_from_mpis_environment(tmp_path):
     name, two, steps = _on_docker(deepspeed_job, tmp_path / "two", "deepspeed-distributed")
-    assert two == {"sum": 3.0, "world": 2}
+    assert two == {"sum": 3.0, "world": 2, "port": "29500"}  # Kubeflow's port, at node 0's container
     assert [s[:2] for s in steps] == [("node-0", f"{name}-launcher"), ("node-1", f"{name}-node-0")]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("home")
+def test_packages_to_install_go_into_each_node_containers_own_environment_and_a_pip_failure_fails_the_job(tmp_path):
+    """Each node container makes an environment of its own in its HOME (the image's is root's), pip-installs the job's
+    packages there and runs its ranks in it: XGBoost's 2 node containers each; under mpirun (runtime=mpi, 2 hosts of
+    2 ranks) once on each host, not once per rank. A package pip cannot find fails the job with pip's one line,
+    through mpirun too. The containers reach no index: the wheel is a file of the run directory, which they mount."""
+    client = Client("docker", image=IMAGE, env={"PIP_NO_INDEX": "1"})
+    jobs = {}
+    for runtime, nproc in (("xgboost-distributed", 1), ("mpi", 2)):
+        run_dir = tmp_path / runtime
+        run_dir.mkdir()
+        _wheel(run_dir, "trainjob_probe", runtime)
+        jobs[runtime] = client.train(func=uses_package, runtime=runtime, num_nodes=2, nproc_per_node=nproc,
+                                     packages_to_install=[str(run_dir / "trainjob_probe-0.1-py3-none-any.whl")],
+                                     run_dir=str(run_dir))
+        jobs[f"bad {runtime}"] = client.train(func=uses_package, runtime=runtime, packages_to_install=[
+            "no-such-dist-xyz"], run_dir=str(tmp_path / f"bad-{runtime}"))
+    try:
+        final = {key: client.wait_for_job_status(name, status={"Complete", "Failed"}, timeout=180,
+                                                 polling_interval=0.5) for key, name in jobs.items()}
+        logs = {key: [line for s in info.steps for line in client.get_job_logs(info.name, step=s.name)]
+                for key, info in final.items()}
+        assert {key: info.state for key, info in final.items()} == {
+            "xgboost-distributed": JobState.COMPLETE, "mpi": JobState.COMPLETE,
+            "bad xgboost-distributed": JobState.FAILED, "bad mpi": JobState.FAILED}, logs
+        installed = "installed {}/trainjob_probe-0.1-py3-none-any.whl into {}/venv"  # the container's HOME
+        assert sorted(logs["xgboost-distributed"]) == sorted(
+            [installed.format(tmp_path / "xgboost-distributed", "/home/trainjob"),
+             "probe says xgboost-distributed"] * 2)
+        said = [line for line in logs["mpi"] if line.startswith(("installed", "probe"))]  # not ssh's or sshd's
+        # runtime=mpi's HOME holds its keys' .ssh (runtime.ssh_auth_mount_path=/root/.ssh, as Kubeflow's).
+        assert sorted(said) == sorted([installed.format(tmp_path / "mpi", "/root")] * 2 + ["probe says mpi"] * 4)
+        for key, hosts in (("bad xgboost-distributed", 1), ("bad mpi", 2)):  # the 1-node MPI job: node 0, launcher
+            said = [line for line in logs[key] if line.startswith("error:")]
+            assert said == ["error: pip could not install no-such-dist-xyz: Could not find a version that satisfies "
+                            "the requirement no-such-dist-xyz (from versions: none)"] * hosts, logs[key]
+    finally:
+        for name in jobs.values():
+            client.delete_job(name)
+            assert leftovers(name) == [] and not os.path.exists(ssh.key_dir(name))
 
 
 def test_get_runtime_packages_on_docker_lists_what_the_image_holds():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import zipfile
@@ -20,6 +21,7 @@ import pytest
 from launchers import Client, JobState, LauncherError, registry
 from tests.conftest import REPO
 from trainjob import runtimes
+from trainjob.runtimes.base import KUBEFLOW_PORT
 
 
 def jax_job(out):
@@ -149,7 +151,7 @@ def deepspeed_job(out):
     print(f"rank {dist.get_rank()} of {dist.get_world_size()}: all_reduce {total.item():g}", flush=True)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"sum": total.item(), "world": dist.get_world_size()}, f)
+            json.dump({"sum": total.item(), "world": dist.get_world_size(), "port": os.environ["MASTER_PORT"]}, f)
     dist.destroy_process_group()
 
 
@@ -244,9 +246,18 @@ def test_deepspeed_on_two_mpi_ranks_joins_from_mpis_environment(home, tmp_path):
     lacking = runtimes.get("deepspeed-distributed").missing()
     if lacking:
         pytest.skip(lacking)
-    two = _run(Client("local"), deepspeed_job, tmp_path / "two.json", runtime="deepspeed-distributed",
-               nproc_per_node=2)
-    assert two == {"sum": 3.0, "world": 2}
+    # DeepSpeed's own MPI discovery would meet at 29500, which other jobs here may hold: the ranks keep the free port
+    # the local runtime chose.
+    with socket.socket() as held:
+        try:
+            held.bind(("", KUBEFLOW_PORT))
+            held.listen()
+        except OSError:  # something else listens there already
+            pass
+        two = _run(Client("local"), deepspeed_job, tmp_path / "two.json", runtime="deepspeed-distributed",
+                   nproc_per_node=2)
+    assert two["port"] != str(KUBEFLOW_PORT)
+    assert {k: two[k] for k in ("sum", "world")} == {"sum": 3.0, "world": 2}
 
 
 @pytest.mark.timeout(60)

@@ -117,6 +117,14 @@ def test_each_runtime_maps_to_kubeflows_mlpolicy():
         "runLauncherAsNode": True}}
 
 
+def test_packages_install_once_per_pod_and_under_mpi_once_on_each_host():
+    pip = ["python", "-m", "pip", "install", "--quiet", "--no-warn-script-location", "--user", "boto3"]
+    assert runtimes.get("jax-distributed").install_command(["boto3"], "python") == pip
+    for name in ("mpi", "mlx-distributed", "deepspeed-distributed"):  # on every rank's host, not the launcher alone
+        assert runtimes.get(name).install_command(["boto3"], "python") == [
+            "mpirun", "--hostfile", "/etc/mpi/hostfile", "--map-by", "ppr:1:node", *pip], name
+
+
 def test_mpi_jobs_are_fixed_size_and_several_nodes_need_a_launcher_that_reaches_them():
     unit = runtimes.get("mpi")
     with pytest.raises(OptionError, match=r"runtime.nnodes='1:4': runtime=mpi jobs are fixed-size"):

@@ -106,9 +106,7 @@ class MPIFunction(FunctionRuntime):
         return ["mpirun", "--hostfile", mpi.KUBEFLOW_HOSTFILE, nodes.python, *nodes.command]
 
     def install_command(self, packages: list[str], python: str) -> list[str]:
-        # Once on each host of the hostfile, not once per rank.
-        return ["mpirun", "--hostfile", mpi.KUBEFLOW_HOSTFILE, "--map-by", "ppr:1:node",
-                *super().install_command(packages, python)]
+        return mpi.RUNTIME.install_command(packages, python)
 
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         return dict(mpi.AGENT_ENV)

@@ -123,6 +123,10 @@ class MPI(Runtime):
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         return dict(AGENT_ENV)
 
+    def install_command(self, packages: list[str], python: str) -> list[str]:
+        # Once on each host of the hostfile, not once per rank (nor on the launcher alone).
+        return on_each_host(super().install_command(packages, python), hostfile=KUBEFLOW_HOSTFILE)
+
     def rank_env(self, environ: Mapping[str, str]) -> dict[str, str]:
         if CONTRACT["RANK"] not in environ:
             return {}
@@ -146,6 +150,13 @@ def _exports(nodes: Nodes, values: dict[str, str]) -> list[str]:
         values = {**values, "OMP_NUM_THREADS": "1"}
     return [arg for key, value in values.items() for arg in ("-x", f"{key}={value}")] + [
         arg for key in nodes.env_names for arg in ("-x", key)]
+
+
+def on_each_host(command: list[str], env_names: tuple[str, ...] = (), hostfile: str | None = None) -> list[str]:
+    """mpirun running `command` once on each host of the hostfile (`hostfile`, or the one its environment names), with
+    `env_names` passed on: a job's packages_to_install, installed once per node, not once per rank."""
+    return ["mpirun", *(["--hostfile", hostfile] if hostfile else []), "--map-by", "ppr:1:node",
+            *(arg for key in env_names for arg in ("-x", key)), *command]
 
 
 def node_hosts(nnodes: int, run_launcher_as_node: bool) -> int:
