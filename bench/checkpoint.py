@@ -14,7 +14,10 @@ Each is measured with the checkpoint's manifest (every file's size and XXH3-128 
 fall on both alike; the medians are shown, and `hash +%` is what hashing adds to the write (and to the stall) of
 the same model and mode. A busy disk (fsync) makes those differences noisy; `hash s` is the hashing itself, the
 CPU time XXH3-128 takes over the bytes of the checkpoint (read into memory first), which is what hashing while
-writing adds to a save, and `hash/write` that time against the write without hashing.
+writing adds to a save, and `hash/write` that time against the write without hashing. `save CPU s` is the
+CPU time of the saving process (all its threads) over the stall (synchronous: the whole write), which a busy
+disk or a busy machine hardly moves, and `+CPU/write` what hashing adds to it against the write without
+hashing: on a shared machine, the steadiest measure of what the manifest costs a save, end to end.
 
     python bench/checkpoint.py [--models debug,small] [--modes sync,async] [--saves 4] [--steps 3] [--seq 256]
         [--batch 4] [--rounds 1]
@@ -77,13 +80,14 @@ def measure(name: str, background: bool, hashed: bool, args, device: torch.devic
     train_steps(model, optimizer, tokens, 1)
     train = SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1, checkpoint_async=background)
     saver = checkpoint.Checkpointer(root, train, model, optimizer, lambda: {"step": 0}, device)
-    stalls, writes = [], []
+    stalls, writes, cpus = [], [], []
     for i in range(args.saves):
         sync(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         saver.save(i + 1)
         sync(device)
         stalls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
         if not background:
             writes.append(stalls[-1])
         train_steps(model, optimizer, tokens, args.steps)
@@ -99,6 +103,7 @@ def measure(name: str, background: bool, hashed: bool, args, device: torch.devic
     hashing = hash_seconds(checkpoint.latest(root)) if hashed else 0.0
     return {"model": name, "params": models.num_params(model), "mode": "async" if background else "sync",
             "hash": hashed, "hash_s": hashing, "stall": statistics.median(stalls[1:]), "first": stalls[0],
+            "cpu": statistics.median(cpus[1:]),
             "write": statistics.median(writes[1:] or writes), "gb": size / 1e9}
 
 
@@ -138,7 +143,7 @@ def main() -> None:
     print(f"\ncheckpoint stall per save on {where}, {args.steps} steps between saves")
     print(f"{'model':<8}{'params':>14}{'mode':>7}{'hash':>6}{'stall s':>10}{'first s':>10}{'write s':>10}"
           f"{'ckpt GB':>9}{'stall vs sync':>15}{'hash +% write':>15}{'hash +% stall':>15}{'hash s':>9}"
-          f"{'hash/write':>12}")
+          f"{'hash/write':>12}{'save CPU s':>12}{'+CPU/write':>12}")
     sync_stall, plain = {}, {}
     for r in rows:
         sync_stall.setdefault((r["model"], r["hash"]), r["stall"])
@@ -148,7 +153,8 @@ def main() -> None:
         print(f"{r['model']:<8}{r['params']:>14,}{r['mode']:>7}{'on' if r['hash'] else 'off':>6}{r['stall']:>10.3f}"
               f"{r['first']:>10.3f}{r['write']:>10.3f}{r['gb']:>9.2f}{ratio:>14.2f}x"
               f"{100 * (r['write'] / base['write'] - 1):>+14.1f}%{100 * (r['stall'] / base['stall'] - 1):>+14.1f}%"
-              f"{r['hash_s']:>9.3f}{100 * r['hash_s'] / base['write']:>11.2f}%")
+              f"{r['hash_s']:>9.3f}{100 * r['hash_s'] / base['write']:>11.2f}%{r['cpu']:>12.3f}"
+              f"{100 * (r['cpu'] - base['cpu']) / base['write']:>+11.2f}%")
 
 
 def hash_seconds(directory: str) -> float:
@@ -166,7 +172,8 @@ def hash_seconds(directory: str) -> float:
 
 def median_row(rounds: list[dict]) -> dict:
     """One row of the table: each time the median over the rounds."""
-    return {**rounds[0], **{k: statistics.median(r[k] for r in rounds) for k in ("stall", "first", "write", "hash_s")}}
+    timed = ("stall", "first", "write", "hash_s", "cpu")
+    return {**rounds[0], **{k: statistics.median(r[k] for r in rounds) for k in timed}}
 
 
 if __name__ == "__main__":
