@@ -19,9 +19,11 @@ from tests.conftest import TINY, read_metrics
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 ARGS = [
     *TINY,
-    "train.max_steps=400",
-    "train.eval_every=1000",
-    "train.checkpoint_every=1000",
+    # Far more steps than the test waits for: the signal must reach a driver still training (400 steps of this
+    # model ended in 7 s, before a test slowed by the hog had seen the first step).
+    "train.max_steps=100000",
+    "train.eval_every=1000000",
+    "train.checkpoint_every=1000000",
     "+runtime=torch-distributed",
     "runtime.nproc_per_node=2",
 ]

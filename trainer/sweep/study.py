@@ -16,7 +16,7 @@ from trainer.sweep.space import Space
 from trainjob.files import write_whole
 
 
-def _sampler(s: Settings, space: Space) -> Any:
+def _sampler(s: Settings, space: Space, seed: int | None) -> Any:
     import optuna
 
     if s.sampler == "grid":
@@ -25,15 +25,15 @@ def _sampler(s: Settings, space: Space) -> Any:
             def after_trial(self, *args: Any) -> None:
                 """Nothing: the grid's own end (`study.stop()`) is for `optimize()`; a sweep ends at n_trials."""
 
-        return Grid(space.grid(), seed=s.seed)
+        return Grid(space.grid(), seed=seed)
     if s.sampler == "cmaes":
         try:
             import cmaes  # noqa: F401  (what Optuna's CMA-ES sampler runs on)
         except ImportError:
             raise ConfigError("hydra.sweeper.sampler", "cmaes", "needs the cmaes package: pip install cmaes") from None
-        return optuna.samplers.CmaEsSampler(seed=s.seed)
+        return optuna.samplers.CmaEsSampler(seed=seed)
     sampler = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}[s.sampler]
-    return sampler(seed=s.seed)
+    return sampler(seed=seed)
 
 
 def _pruner(s: Settings) -> Any:
@@ -68,7 +68,7 @@ def open_study(s: Settings, space: Space) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler, pruner, storage = _sampler(s, space), _pruner(s), _storage(s.storage)
+    sampler, pruner, storage = _sampler(s, space, s.seed), _pruner(s), _storage(s.storage)
     try:
         study = optuna.create_study(
             storage=storage,
@@ -87,6 +87,10 @@ def open_study(s: Settings, space: Space) -> Any:
             list(s.directions),
             f"study {s.study_name} in {s.storage} optimises {held}; give the same, or another study_name",
         )
+    if s.seed is not None and (done := len(study.get_trials(deepcopy=False))):
+        # A continued study's sampler, seeded as the first command's was, would draw that command's points again
+        # (TPE's first trials are random draws): seeded by how far the study got, it goes on, still reproducibly.
+        study.sampler = _sampler(s, space, s.seed + done)
     return study
 
 
