@@ -146,8 +146,8 @@ DEVICE_LIMITS = (("nvidia.com/gpu", "gpu"), ("google.com/tpu", "tpu"), ("nvidia.
 def pod_device(pod: Any) -> tuple[str, str]:
     """A step's device and device count as Kubeflow's SDK reads them from its pod (get_trainjob_node_step): the first
     of DEVICE_LIMITS among the limits of its container `node`, with that limit as the count; a numeric
-    PET_NPROC_PER_NODE in that container's environment is the count (torch's processes per node). Unknown where
-    its limits name none of them (where the SDK raises)."""
+    PET_NPROC_PER_NODE in that container's environment is the count (torch's processes per node), with or without
+    such a limit. The device is Unknown where its limits name none of them (where the SDK raises)."""
     node = next((c for c in (pod.spec.containers if pod.spec else None) or [] if c.name == "node"), None)
     if node is None:
         return UNKNOWN, UNKNOWN

@@ -139,7 +139,7 @@ class _Run:
         params = [as_override(k, v) for k, v in trial.params.items()]
         overrides = [*self.space.fixed, *params, *self.hydra_overrides]
         trial.set_user_attr("overrides", overrides)
-        if (earlier := self._same_point(trial, overrides)) is not None:
+        if (earlier := self._same_point(overrides)) is not None:
             self._repeat(trial, earlier, params)
             return
         share = self.free.pop(0)
@@ -149,14 +149,14 @@ class _Run:
         print(f"trial {trial.number}: {' '.join(params) or '(no parameters)'}", flush=True)
         self.running[trial.number] = (trial, process, share)
 
-    def _same_point(self, trial: Any, overrides: list[str]) -> Any:
+    def _same_point(self, overrides: list[str]) -> Any:
         """An earlier trial of this study that ran the very same overrides to its end or was pruned, or None.
         A sampler over a discrete space (`choice`, `range`) asks for a point again; a run is deterministic for its
         config (its seed among it), so training it again would only spend the steps once more."""
         from optuna.trial import TrialState
 
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            if t.number != trial.number and t.user_attrs.get("overrides") == overrides:
+            if t.user_attrs.get("overrides") == overrides:
                 return t
         return None
 
@@ -169,20 +169,14 @@ class _Run:
         trial.set_user_attr("repeat_of", earlier.number)
         print(f"trial {trial.number}: {' '.join(params) or '(no parameters)'}", flush=True)
         if earlier.state == TrialState.COMPLETE:
-            self.study.tell(trial, earlier.values)
-            values = zip(self.s.metrics, earlier.values, strict=True)
-            state, line = "complete", ", ".join(f"{m} {v:.4f}" for m, v in values)
+            values = earlier.values
+            line = ", ".join(f"{m} {v:.4f}" for m, v in zip(self.s.metrics, values, strict=True))
         else:
             for step, value in sorted(earlier.intermediate_values.items()):
                 trial.report(value, step)
-            self.study.tell(trial, state=TrialState.PRUNED)
-            last = max(earlier.intermediate_values, default=0)
-            state, line = "pruned", f"pruned at step {last}"
-        self.results.append(
-            {"trial": trial.number, "state": state, "values": earlier.values if state == "complete" else None,
-             "run_dir": earlier.user_attrs.get("run_dir"), "repeat_of": earlier.number}
-        )
-        print(f"trial {trial.number}: the point of trial {earlier.number}, not trained again: {line}", flush=True)
+            values, line = None, f"pruned at step {max(earlier.intermediate_values, default=0)}"
+        self._record(trial, earlier.state, f"the point of trial {earlier.number}, not trained again: {line}", values,
+                     earlier.user_attrs.get("run_dir"), repeat_of=earlier.number)
 
     def _watch(self, number: int) -> None:
         """Report the trial's new values; prune it, or tell the study how it ended."""
@@ -226,9 +220,13 @@ class _Run:
 
     def _end(self, number: int, state, line: str, values: list[float] | None = None) -> None:
         trial, process, share = self.running.pop(number)
-        self.study.tell(trial, values if state.name == "COMPLETE" else None, state=state)
         self.free.append(share)
+        self._record(trial, state, line, values, process.metrics_dir)
+
+    def _record(self, trial: Any, state, line: str, values: list[float] | None, run_dir: str | None, **extra) -> None:
+        """Tell the study how `trial` ended, add it to the sweep's results and print its line."""
+        self.study.tell(trial, values if state.name == "COMPLETE" else None, state=state)
         self.results.append(
-            {"trial": number, "state": state.name.lower(), "values": values, "run_dir": process.metrics_dir}
+            {"trial": trial.number, "state": state.name.lower(), "values": values, "run_dir": run_dir, **extra}
         )
-        print(f"trial {number}: {line}", flush=True)
+        print(f"trial {trial.number}: {line}", flush=True)
