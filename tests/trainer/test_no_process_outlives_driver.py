@@ -84,6 +84,9 @@ def _drive(cache_dir, tmp_path, run_dir, *extra: str) -> tuple[subprocess.Popen,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal sends it: a suite started in the background by a non-interactive shell (`.ci/run &`)
+        # hands its processes SIGINT ignored, which Python then keeps (no KeyboardInterrupt).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen: set[tuple[int, str]] = set()
     deadline = time.monotonic() + 240
