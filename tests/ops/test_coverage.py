@@ -151,7 +151,7 @@ def test_grpos_step_and_its_generation_run_in_our_kernels(tmp_path):
             row.line()
 
 
-@pytest.mark.matrix  # neither pytest nor CI's e2e step: 12 families x 11 rows, hours under the interpreter here
+@pytest.mark.matrix  # neither pytest nor CI's e2e step: 12 families x 12 rows, 31 min under the interpreter here
 @pytest.mark.timeout(2400)  # ten runs under the interpreter: 5 to 20 minutes on two busy cores
 @pytest.mark.parametrize("family", sorted(BY_NAME))
 def test_every_recipe_and_generation_of_each_family_runs_in_our_kernels(family, capsys):

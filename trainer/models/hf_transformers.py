@@ -168,7 +168,9 @@ class TransformersModel(nn.Module):
             if not self.plain_head:
                 raise ConfigError("model.path", self.path, f"{type(self.causal_lm).__name__} transforms its logits "
                                   f"({', '.join(k for k in _LOGIT_TRANSFORMS if hasattr(self.causal_lm.config, k))}), "
-                                  "which a loss from hidden states (recipe=kd, kernels=triton's fused loss) skips")
+                                  "which a loss from hidden states skips (recipe=dpo's, grpo's, rloo's and kd's "
+                                  "chunked log-probs, kernels=triton's fused loss): model.impl=native runs dpo, grpo "
+                                  "and rloo on it")
             return fused(self.hidden_states(tokens, documents, cache), self.output_weight, targets)
         logits = self._logits(tokens, documents, cache)
         if targets is None:
