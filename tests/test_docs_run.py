@@ -165,7 +165,8 @@ def _wait_ready(server: subprocess.Popen, argv: list[str], env: dict[str, str], 
     port = argv[argv.index("--port") + 1] if "--port" in argv else None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        assert server.poll() is None, f"{argv} ended with {server.returncode}"
+        assert server.poll() is None, \
+            f"{argv} ended with {server.returncode}: {server.stderr.read().decode(errors='replace')[-2000:]}"
         if port is None:
             time.sleep(3)
             return

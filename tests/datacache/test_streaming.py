@@ -205,10 +205,11 @@ def test_a_broken_stream_resumes_at_the_first_step_it_had_not_delivered(source):
 
 @pytest.mark.timeout(60)
 def test_a_stream_past_its_deadline_goes_on_without_counting_as_a_failure(source):
-    node = _Node(source, batch_bytes=256, delay=0.02)
+    node = _Node(source, batch_bytes=256, delay=0.06)
     try:
-        # 25 steps of 20 ms under a 0.15 s call deadline: several streams, and no retries to spend.
-        ds = StreamingDataset([node.location], global_batch_size=8, seed=2, loop=False, timeout=0.15, retries=0)
+        # 25 steps of 60 ms under a 0.5 s call deadline: several streams, and no retries to spend. (A stream that
+        # delivers nothing before its deadline is a failure: on a loaded machine a 0.15 s deadline met that.)
+        ds = StreamingDataset([node.location], global_batch_size=8, seed=2, loop=False, timeout=0.5, retries=0)
         rows = _rows(ds)
     finally:
         node.shutdown()
