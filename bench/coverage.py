@@ -12,7 +12,7 @@ the copies a step needs anyway, such as dtype casts and `.item()`, are not compu
 kernels of ours the step launched: the model's fused modules (RMSNorm, RoPE, attention, SwiGLU, the loss)
 and the optimizer never reach ATen, their launches do.
 
-It measures `model=debug` and each family of trainer/families.py (a tiny random directory written here with
+It measures `model=debug` and each family of trainer/config/families.py (a tiny random directory written here with
 transformers, nothing downloaded) natively and with `model.impl=transformers`, under the pretraining, SFT,
 DPO, GRPO and KD recipes, GRPO's rollout (the generation path) as a row of its own, and ends with one
 table: each row's share of computing ATen calls in ours and the ops it left to PyTorch (a row
@@ -73,9 +73,9 @@ IMPLS = ("native", "transformers")
 
 
 def families() -> tuple[str, ...]:
-    """debug (model=debug) and each family of trainer/families.py, as a tiny random Hugging Face directory
+    """debug (model=debug) and each family of trainer/config/families.py, as a tiny random Hugging Face directory
     (tests/trainer/hf_models.py)."""
-    from trainer.families import BY_NAME
+    from trainer.config.families import BY_NAME
 
     return ("debug", *BY_NAME)
 
@@ -193,8 +193,8 @@ def _counting_launches(trace: Trace, launches: collections.Counter):
 @contextlib.contextmanager
 def tracing_steps(trace: Trace, launches: collections.Counter):
     """Trace every training step the loop runs inside the block (`Trainer._train_step`, as the CLI calls it)."""
-    from trainer import loop
     from trainer.recipes.grpo import GRPO
+    from trainer.training import loop
 
     step, rollout = loop.Trainer._train_step, GRPO._generate_and_score
 
@@ -227,7 +227,7 @@ def run_cli(overrides: list[str], run_dir: str) -> dict:
     """Train the run `python -m trainer <overrides> hydra.run.dir=<run_dir>` trains, as it does: checked, the
     directory claimed and its config saved, the worker called in this process. Its summary."""
     from trainer.__main__ import prepare_run
-    from trainer.run_dir import let_go
+    from trainer.prepare.run_dir import let_go
 
     cfg = compose(overrides)
     cfg.run_dir = run_dir
@@ -431,7 +431,7 @@ def measure(family: str, impl: str, recipe: str, root: str, kernels: str = "trit
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(families()[1:]),
-                        help="model families: debug or trainer/families.py's (default: all of these)")
+                        help="model families: debug or trainer/config/families.py's (default: all of these)")
     parser.add_argument("--impl", default=",".join(IMPLS), help=f"model.impl of the families: {', '.join(IMPLS)}")
     parser.add_argument("--recipes", default=",".join(RECIPES), help=f"recipes: {', '.join(RECIPES)} (grpo's rollout "
                         "is the generation row)")

@@ -84,7 +84,7 @@ STEP_TIMER = textwrap.dedent('''
 
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "trainer.loop":
+            if name != "trainer.training.loop":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)

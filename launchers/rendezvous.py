@@ -3,7 +3,7 @@ from its nodes so that losing any node (node 0 included) leaves the store, and t
 
 Each node's torchrun joins it as a client (`is_host=false`). Started by every local node's driver: the first
 binds the port, the others find it taken and leave it to that one. With `--run-dir` it ends once no node of
-the run holds a node slot there (`<run_dir>/.node-<i>.lock`, see `trainer.run_dir`); without, it runs until
+the run holds a node slot there (`<run_dir>/.node-<i>.lock`, see `trainer.prepare.run_dir`); without, it runs until
 stopped (a Docker job removes its container with the job).
 """
 

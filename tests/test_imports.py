@@ -136,7 +136,7 @@ def test_the_whole_project_holds_no_import_cycle():
 
 def _unit(module: str) -> str:
     """The part of the layering `module` belongs to: its sub-package (`trainer.data` for trainer.data.chat),
-    or itself where it sits at a package's top (`trainer.loop`)."""
+    or itself where it sits at a package's top (`trainer.worker`)."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 2 or _modules()[module].name == "__init__.py" else module
 
@@ -151,7 +151,7 @@ def _unit_graph() -> dict[str, set[str]]:
 def test_the_folders_are_layers_no_two_import_each_other():
     """Each folder (trainer.config, trainer.data, trainer.models, trainer.parallel, ...) stands on the ones below
     it: no chain of imports leads from a folder back into itself; models/ never imports parallel/ (the one
-    assembly above both, `trainer.assembly`, joins them); and the data kinds import no recipe."""
+    assembly above both, `trainer.parallel.assembly`, joins them); and the data kinds import no recipe."""
     graph = _unit_graph()
     assert cycles(graph) == []
     assert "trainer.parallel" not in graph["trainer.models"]
@@ -161,18 +161,19 @@ def test_the_folders_are_layers_no_two_import_each_other():
 def test_a_module_belongs_to_its_folder_and_a_top_level_module_to_itself():
     assert _unit("trainer.data.chat") == _unit("trainer.data") == "trainer.data"
     assert _unit("launchers.kubernetes.manifests") == "launchers.kubernetes"
-    assert _unit("trainer.loop") == "trainer.loop" and _unit("trainer") == "trainer"
+    assert _unit("trainer.training.loop") == "trainer.training"
+    assert _unit("trainer.worker") == "trainer.worker" and _unit("trainer") == "trainer"
 
 
 def test_the_driver_and_the_config_import_nothing_of_the_rank_side_nor_torch():
     import subprocess
     import sys
 
-    probe = ("import sys, trainer.__main__, trainer.preflight, trainer.config; "
+    probe = ("import sys, trainer.__main__, trainer.prepare.preflight, trainer.config; "
              "print(' '.join(m for m in sys.modules if m == 'torch' or m.startswith(('trainer.', 'ops'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
                             timeout=60).stdout.split()
-    rank_side = ("torch", "ops", "trainer.worker", "trainer.loop", "trainer.inputs", "trainer.models",
+    rank_side = ("torch", "ops", "trainer.worker", "trainer.training.loop", "trainer.prepare.inputs", "trainer.models",
                  "trainer.parallel", "trainer.data", "trainer.recipes", "trainer.observability")
     assert [m for m in loaded if m.startswith(rank_side)] == []
 

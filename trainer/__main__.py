@@ -3,7 +3,7 @@ resolved `<run_dir>/config.yaml`, hand it to the launcher, and return the final 
 sweepers can optimise it).
 
 A config that cannot run (Hydra's composition errors, every rule in `trainer.config.validate`, and, for the
-local launcher, what the data, the checkpoint or the cache nodes say: `trainer.inputs.check`) ends
+local launcher, what the data, the checkpoint or the cache nodes say: `trainer.prepare.inputs.check`) ends
 the process with exit code 2 and one line before anything is launched, and leaves no run directory behind.
 """
 
@@ -31,10 +31,10 @@ from trainer import config
 from trainer.config import readers
 from trainer.config.compose import CONF_DIR, plain_group_overrides, register
 from trainer.errors import UserCodeError
-from trainer.preemption import EXIT_CODE, Preempted
-from trainer.preflight import check
-from trainer.run_dir import Claim, claim, let_go, node_running, remove_if_new
+from trainer.prepare.preflight import check
+from trainer.prepare.run_dir import Claim, claim, let_go, node_running, remove_if_new
 from trainer.sweep.sweeper import register as register_sweeper
+from trainer.training.preemption import EXIT_CODE, Preempted
 from trainjob import process_tree
 from trainjob.env import (
     CACHE_ENDPOINTS_ENV,
@@ -88,7 +88,7 @@ class Prepared:
     spec: launchers.LaunchSpec
     launcher: dict
     scheduler: dict
-    checked: Any = None  # what the input checks found here (`trainer.inputs.Checked`), None where they did not run
+    checked: Any = None  # what the input checks found here (`trainer.prepare.inputs.Checked`); None: not run here
     job: config.Config | None = None
     offers: Any = None  # what the launcher offers (`trainjob.runtimes.Offers`)
 
@@ -223,7 +223,7 @@ def _as_launched(resolved: dict) -> tuple[dict, dict[str, str], launchers.CacheN
     if cache.get("nodes"):
         kubeflow = cache["kubeflow"] if cache.get("backend") == "kubeflow" else None
         nodes = launchers.CacheNodes(count=int(cache["nodes"]), command=[
-            "-m", "trainer.cache_node", "{config}", "--shard", "{index}/{count}", "--host", "{host}",
+            "-m", "trainer.data.cache_node", "{config}", "--shard", "{index}/{count}", "--host", "{host}",
             "--port", "{port}", "--eval-port", "{eval_port}"], kubeflow=kubeflow)
         cache["endpoints"] = f"${{oc.decode:${{oc.env:{CACHE_ENDPOINTS_ENV}}}}}"
         if kubeflow is None:  # Kubeflow's cache holds one table: the eval rows come from the local corpus

@@ -5,7 +5,7 @@ from the environment its runtime sets (torchrun's, or the Kubeflow `PET_*` varia
 mpirun's OMPI_COMM_WORLD_*: `trainjob.runtimes`; a one-rank group when there is none), mesh, model on the
 meta device, strategy, initialisation, data, and then the loop. No Hydra here: the file is already resolved.
 
-What only the data, the checkpoints or the cache nodes can tell (`trainer.inputs.check`: too few rows for
+What only the data, the checkpoints or the cache nodes can tell (`trainer.prepare.inputs.check`: too few rows for
 a global batch, token ids beyond the vocabulary, a checkpoint of another model, nodes that do not answer)
 is a ConfigError before the first step: one line, exit code 2. The local driver runs the same checks
 before it launches anything; where it calls `run` in its own process (the default run), it hands over
@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, config, inputs, loop, models, preemption
-from trainer.assembly import assemble
+from trainer import checkpoint, config, models
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
 from trainer.models import lora
 from trainer.parallel import ParallelDims
+from trainer.parallel.assembly import assemble
+from trainer.prepare import inputs
+from trainer.training import loop, preemption
 from trainjob import runtimes
 from trainjob.env import DRIVER_REPORTS_ENV
 from trainjob.files import write_whole

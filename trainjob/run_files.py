@@ -1,5 +1,5 @@
 """A run directory's files: the one place that names them, and their readers and writers (the ranks write
-them, the driver, the launchers, `python -m trainer.report` and the benches read them).
+them, the driver, the launchers, `python -m trainer.observability.report` and the benches read them).
 
 config.yaml          the resolved config every rank ran (an earlier, different one: config.<n>.yaml)
 metrics.jsonl        one JSON object per logged step (rank 0)

@@ -354,7 +354,7 @@ def cache_manifests(
 
 def _cache_container(spec: LaunchSpec, lc: Mapping[str, Any], name: str, secret_env: list[dict[str, Any]],
                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
-    """A cache pod's container: `python -m trainer.cache_node` over its shard, ready once it answers."""
+    """A cache pod's container: `python -m trainer.data.cache_node` over its shard, ready once it answers."""
     nodes, namespace = spec.cache_nodes, lc["namespace"]
     index = {
         "name": "POD_INDEX",

@@ -25,6 +25,6 @@ def test_the_default_runs_config_walk_goes_back_at_most_a_handful_of_times(tmp_p
     assert back <= 5, run.stdout
     assert calls >= modules >= 20 and stays >= modules, row
     walk = next(line for line in run.stdout.splitlines() if line.startswith("walk: "))
-    assert walk.startswith("walk: trainer.callbacks -> trainer.__main__ -> trainer.preflight")
-    assert walk.endswith("trainer.loop -> trainer.optimizer"), walk
+    assert walk.startswith("walk: trainer.prepare.callbacks -> trainer.__main__ -> trainer.prepare.preflight")
+    assert walk.endswith("trainer.training.loop -> trainer.training.optimizer"), walk
     assert "(the run ended before an optimizer step)" not in run.stdout

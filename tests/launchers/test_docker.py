@@ -297,7 +297,7 @@ def test_cache_nodes_run_as_containers_and_the_ranks_start_once_they_serve(tmp_p
     assert caches[1][caches[1].index("python") :] == [
         "python",
         "-m",
-        "trainer.cache_node",
+        "trainer.data.cache_node",
         run.spec.config_path,
         "--shard",
         "1/2",

@@ -533,7 +533,7 @@ def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_tr
     sts = docs[4]
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == f"{name}-cache"
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "trainer.cache_node", "/etc/trainjob/config.yaml", "--shard",
+    assert container["command"] == ["python", "-m", "trainer.data.cache_node", "/etc/trainjob/config.yaml", "--shard",
                                     "$(POD_INDEX)/3", "--host", "0.0.0.0", "--port", "50051", "--eval-port", "50052"]
     assert container["readinessProbe"]["exec"]["command"] == ["python", "-m", "datacache", "ready",
                                                               "grpc://127.0.0.1:50051"]
@@ -544,7 +544,7 @@ def test_cache_nodes_are_a_statefulset_behind_a_headless_service_owned_by_the_tr
     env = {e["name"]: e.get("value") for e in docs[-1]["spec"]["trainer"]["env"]}
     pods = [f"grpc://{name}-cache-{i}.{name}-cache.ml.svc:50051" for i in range(3)]
     assert env["TRAINJOB_CACHE_ENDPOINTS"] == "[" + ",".join(pods) + "]"
-    # the nodes get the same list: each advertises its entry and answers for all (trainer.cache_node)
+    # the nodes get the same list: each advertises its entry and answers for all (trainer.data.cache_node)
     assert {"name": "TRAINJOB_CACHE_ENDPOINTS", "value": env["TRAINJOB_CACHE_ENDPOINTS"]} in container["env"]
     assert env["TRAINJOB_CACHE_EVAL_ENDPOINTS"] == f"[grpc://{name}-cache-0.{name}-cache.ml.svc:50052]"
     assert "s3cret" not in to_yaml(docs)

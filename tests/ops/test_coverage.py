@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench_script import load
-from trainer.families import BY_NAME
+from trainer.config.families import BY_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 coverage = load("coverage")
@@ -85,7 +85,7 @@ def test_the_loop_routes_what_the_kernels_section_names_and_releases_it():
     """`kernels.exclude=[mm,addmm,bmm]` keeps cuBLAS's matmuls; kernels.aten=false and kernels=torch route no
     ATen op; after the block nothing stays routed."""
     import ops
-    from trainer.loop import aten_kernels
+    from trainer.training.loop import aten_kernels
 
     exclude = coverage.compose(["kernels=triton", "kernels.exclude=[mm,addmm,bmm]"]).kernels
     with aten_kernels(exclude):
@@ -155,7 +155,7 @@ def test_grpos_step_and_its_generation_run_in_our_kernels(tmp_path):
 @pytest.mark.timeout(2400)  # ten runs under the interpreter: 5 to 20 minutes on two busy cores
 @pytest.mark.parametrize("family", sorted(BY_NAME))
 def test_every_recipe_and_generation_of_each_family_runs_in_our_kernels(family, capsys):
-    """bench/coverage.py's table for one family of trainer/families.py: a row per model.impl x recipe and the
+    """bench/coverage.py's table for one family of trainer/config/families.py: a row per model.impl x recipe and the
     generation row (GRPO's rollout), each with at least 95% of its computing ATen calls in ours, or refused by
     `python -m trainer` in one line where the table above says so."""
     coverage.main(["--families", family, "--quiet"])

@@ -152,7 +152,7 @@ def make_family(root: str, name: str) -> str:
 
 
 def make_named(root: str, name: str) -> str:
-    """A tiny model of any family of trainer/families.py (Llama, Qwen2 and Mistral by their makers above, the
+    """A tiny model of any family of trainer/config/families.py (Llama, Qwen2 and Mistral by their makers above, the
     rest from FAMILIES) with the tokenizer, in `root/name`; made once, found after."""
     path = os.path.join(root, name)
     if not os.path.isdir(path):

@@ -12,7 +12,7 @@ import torch
 from transformers import optimization
 
 from tests.conftest import REPO
-from trainer.optimizer import lr_factor
+from trainer.training.optimizer import lr_factor
 
 TOTAL = 40
 

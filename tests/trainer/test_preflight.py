@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TINY, compose_refused, compose_run
-from trainer.callbacks import _check_directory
+from trainer.prepare.callbacks import _check_directory
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,7 +90,7 @@ def test_under_optuna_each_trial_is_checked_as_it_starts(run_cli, tmp_path):
 def test_the_default_run_checks_its_inputs_once_in_the_drivers_process(tmp_path, monkeypatch):
     """The default run calls the worker in the driver's process: the input checks the driver ran are handed
     over, not run again."""
-    from trainer import inputs
+    from trainer.prepare import inputs
 
     calls = []
     real = inputs.check

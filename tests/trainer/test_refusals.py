@@ -24,8 +24,8 @@ from datacache.order import BatchPlan
 from tests.conftest import REPO, TINY, examples
 from trainer import config
 from trainer.config.compose import compose
-from trainer.optimizer import build_optimizer
-from trainer.preflight import check
+from trainer.prepare.preflight import check
+from trainer.training.optimizer import build_optimizer
 from trainjob import runtimes
 
 ONE_STEP = [*TINY, "train.max_steps=1", "train.eval_batches=1"]

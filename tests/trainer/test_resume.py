@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import TINY, read_metrics, read_summary
 from trainer.config.lr_schedule import LRScheduleConfig
-from trainer.optimizer import lr_factor
+from trainer.training.optimizer import lr_factor
 
 pytestmark = pytest.mark.slow
 

@@ -22,10 +22,10 @@ from tests.conftest import REPO, TINY, examples
 from trainer import checkpoint
 from trainer.checkpoint_files import MANIFEST
 from trainer.errors import ConfigError
-from trainer.run_dir import claim, note_before_making, remove_if_new
+from trainer.prepare.run_dir import claim, note_before_making, remove_if_new
 from trainjob.run_files import RunDir
 
-HOLD = ("import sys, time; from trainer.run_dir import claim; claim(sys.argv[1]); print('held', flush=True); "
+HOLD = ("import sys, time; from trainer.prepare.run_dir import claim; claim(sys.argv[1]); print('held', flush=True); "
         "time.sleep(600)")
 
 
@@ -196,7 +196,7 @@ def test_a_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoin
             time.sleep(0.5)
 
 
-NODE = ("import sys, time; from trainer.run_dir import claim; c = claim(sys.argv[1], nodes=2); "
+NODE = ("import sys, time; from trainer.prepare.run_dir import claim; c = claim(sys.argv[1], nodes=2); "
         "print('node', c.node, flush=True); time.sleep(600)")
 
 

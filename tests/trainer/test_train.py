@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import DIST, REFERENCE, TINY, read_metrics, read_summary
-from trainer.families import BY_NAME
+from trainer.config.families import BY_NAME
 
 pytestmark = pytest.mark.slow
 

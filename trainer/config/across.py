@@ -10,13 +10,13 @@ import os
 from trainer.config import hf_impl, runtime
 from trainer.config.checks import require
 from trainer.config.degrees import Degrees
+from trainer.config.families import BY_NAME
 from trainer.config.model import BYTE_VOCAB_SIZE
 from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, is_async
 from trainer.config.runtime import JobShape
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES
 from trainer.config.tracker import require_tracker_package
 from trainer.errors import ConfigError
-from trainer.families import BY_NAME
 from trainjob import runtimes
 from trainjob.run_files import RunDir
 
@@ -228,7 +228,8 @@ def _grpo(job) -> None:
     require(bool(r.reward_funcs) or bool(r.reward_model.path), "recipe.reward_funcs", list(r.reward_funcs),
             f"recipe={r.name} needs at least one reward function, as package.module:function, or "
             "recipe.reward_model.path")
-    from trainer import reward_funcs  # imports the user's modules (they read the data's columns); no torch
+    # imports the user's modules (they read the data's columns); no torch
+    from trainer.rewards import functions as reward_funcs
 
     for spec in r.reward_funcs:
         reward_funcs.load(spec)

@@ -3,7 +3,7 @@ checked and read as the `model` section's values (`trainer.config.hf_impl.fill_c
 the section), so that the resolved config.yaml describes the model like any preset's. No torch: the driver fills
 the section before it checks it.
 
-Every native family (`trainer.families`) is read by one function, from the keys transformers 4 and 5 write
+Every native family (`trainer.config.families`) is read by one function, from the keys transformers 4 and 5 write
 (`rope_parameters` or `rope_theta`/`rope_scaling`/`rope_local_base_freq`; `layer_types` or
 `sliding_window_pattern`; `num_experts` or `num_local_experts`); what a family's config.json leaves out takes
 transformers' default for that family."""
@@ -15,8 +15,8 @@ import json
 import math
 import os
 
+from trainer.config.families import FAMILIES, Family
 from trainer.errors import ConfigError
-from trainer.families import FAMILIES, Family
 
 ARCHITECTURES = tuple(FAMILIES)
 # Families whose sliding_window, when set, applies to every layer (transformers has no layer_types for them).

@@ -1,5 +1,5 @@
 """The `model` section: the transformer's sizes (`model=debug|llama3_8b|hf|...`) and the options of the
-pretrained families (`trainer.families`), which `model=hf` reads from config.json; their defaults are
+pretrained families (`trainer.config.families`), which `model=hf` reads from config.json; their defaults are
 Llama's, so the presets are Llama-style decoders."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import ClassVar
 from omegaconf import MISSING
 
 from trainer.config.checks import one_of, read_by, require
-from trainer.families import BY_NAME
+from trainer.config.families import BY_NAME
 
 # The byte-level tokenizer's vocabulary (`trainer.data.tokenizer`): the 256 bytes, then BOS, EOS and PAD.
 BYTE_VOCAB_SIZE = 259
@@ -41,7 +41,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = False  # the output layer shares the embedding's weight
     init_std: float = 0.02  # the standard deviation of the weights' initialisation (from scratch)
-    # The family's options (trainer/families.py says which family sets which).
+    # The family's options (trainer/config/families.py says which family sets which).
     family: str = "llama"  # the checkpoint layout: names, fused tensors
     head_dim: int | None = None  # None: dim / n_heads
     attention_bias: str = "none"  # none | qkv | all (q, k, v and o)

@@ -11,7 +11,7 @@ from trainer.config.checks import one_of, read_by, require
 
 METHODS = ("none", "lora")
 # Hugging Face's module names, as PEFT's `target_modules` spells them.
-# Which of them a model has is its family's (`trainer.families`, `Family.lora_targets`: Phi-3's fused
+# Which of them a model has is its family's (`trainer.config.families`, `Family.lora_targets`: Phi-3's fused
 # qkv_proj and gate_up_proj; only the attention's in a mixture of experts).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 

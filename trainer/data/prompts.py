@@ -115,7 +115,7 @@ def check_corpus(corpus: str, cfg) -> None:
             raise ConfigError("train.global_batch_size", cfg.train.global_batch_size, f"a step takes "
                               f"{per_step} prompts (train.global_batch_size / recipe.num_generations); the {split} "
                               f"split of data.path={d.path} holds {rows} (data.eval_percent={eval_share(d):g})")
-    from trainer import reward_funcs
+    from trainer.rewards import functions as reward_funcs
 
     for spec in r.reward_funcs:
         wanted = reward_funcs.columns_needed(reward_funcs.load(spec))

@@ -1,5 +1,5 @@
 """Hugging Face model directories: checkpoint names mapped onto our `Transformer` by the model's family
-(`trainer.families`), and the weights read from the safetensors files slice by slice (`config.json`, read as
+(`trainer.config.families`), and the weights read from the safetensors files slice by slice (`config.json`, read as
 our model's settings, is the config's: `trainer.config.hf`).
 
 Loading goes through torch.distributed.checkpoint's `HuggingFaceStorageReader`: the state dict handed to
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer import families
+from trainer.config import families
 from trainer.config.hf import read_config, rope, settings
 from trainer.errors import ConfigError
 from trainer.models.llama import Transformer

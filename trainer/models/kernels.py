@@ -2,7 +2,7 @@
 RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused
 with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
 choose among those five (`trainer.config.TRITON_OPS`) as among the ATen ops the loop routes
-(`trainer.loop.aten_kernels`). Attention takes packed rows as document ids (`attention`); one packed row
+(`trainer.training.loop.aten_kernels`). Attention takes packed rows as document ids (`attention`); one packed row
 (`data.packing=padding_free`) runs it causal over each document. Under `model.impl=transformers`, whose
 modeling code these rewrites do not reach, only the loss is fused (`hf_transformers.apply_kernels`); its layers
 reach our kernels through the ATen ops the loop routes.

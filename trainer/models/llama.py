@@ -1,5 +1,5 @@
 """The decoder every model of trainjob is: a Llama-style transformer (RMSNorm, RoPE, grouped-query attention,
-a gated MLP) whose blocks take the options of the pretrained families (`trainer.families`: where the norms
+a gated MLP) whose blocks take the options of the pretrained families (`trainer.config.families`: where the norms
 sit, `(1 + w)` norms, q/k norms, biases, GeLU-tanh gates, multipliers, soft-capping, sliding-window layers
 interleaved with global ones and their own RoPE base, layers without RoPE, mixtures of experts in
 `trainer.models.moe`). Their defaults (`Options`) are Llama's.

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.families import Family
+from trainer.config.families import Family
 from trainer.models import hf_transformers
 from trainer.models.hf import WRAPPED, _fused_names, _inner, family_of, hf_name
 

@@ -1,7 +1,7 @@
 """`strategy=deepspeed`: the DeepSpeed engine (ZeRO stage `strategy.zero_stage`, the optimizer's state offloaded
 to the CPU with `strategy.offload_optimizer=cpu`) trains the model in place of the loop's own data parallelism,
 under `runtime=deepspeed-distributed`. Its config (`ds_config`) is built from the run's (the batch, the
-micro-batches, clipping, precision); the optimizer is the run's own (`trainer.optimizer`: torch's, so that no
+micro-batches, clipping, precision); the optimizer is the run's own (`trainer.training.optimizer`: torch's, so that no
 DeepSpeed op is compiled) and its LR schedule the run's, stepped by the loop. Checkpoints are DeepSpeed's own
 save and load (`save`, `load`), in the run's `checkpoints/step-<N>/` with the file that marks them
 (`trainer.checkpoint.DEEPSPEED_FILE`).

@@ -24,11 +24,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from trainer.assembly import assemble
 from trainer.config import recipe as config_recipe
 from trainer.data import packing
 from trainer.models import chunked, lora
 from trainer.models.kernels import model_ops
+from trainer.parallel.assembly import assemble
 from trainer.recipes.base import Recipe, local
 from trainer.recipes.sft import IGNORE, targets
 

@@ -30,8 +30,8 @@ log-probabilities come from the model's forward a chunk of tokens at a time (`tr
 
 `GRPO`, the recipe object: every `recipe.num_iterations` steps it samples `recipe.num_generations` completions
 of each of its rank's prompts from the policy (`trainer.generate`; each rank its own prompts, tensor-parallel
-peers the same ones with the same seed), scores them with the reward functions (`trainer.reward_funcs`) and
-the reward model of recipe.reward_model.path (`trainer.recipes.reward_model`; its weight last), and keeps them,
+peers the same ones with the same seed), scores them with the reward functions (`trainer.rewards.functions`) and
+the reward model of recipe.reward_model.path (`trainer.recipes.reward_scorer`; its weight last), and keeps them,
 with their advantages, the policy's log-probabilities at sampling (old) and the reference's, for the updates that
 follow. A training row is the prompt, then its completion, then padding, so that positions
 and attention are those of generation; the loss counts the completion's tokens, its end token included. The rows
@@ -54,19 +54,19 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from trainer import reward_funcs
-from trainer.assembly import assemble
 from trainer.config import recipe as config_recipe
 from trainer.config.recipe import is_async
 from trainer.data import packing
 from trainer.data.prompts import prompt_text
 from trainer.generate import generate
 from trainer.models import lora
+from trainer.parallel.assembly import assemble
 from trainer.recipes.async_rollouts import AsyncRollouts
 from trainer.recipes.base import Recipe
 from trainer.recipes.dpo import logps_fn
-from trainer.recipes.reward_model import RewardModel
+from trainer.recipes.reward_scorer import RewardModel
 from trainer.recipes.sft import IGNORE
+from trainer.rewards import functions as reward_funcs
 
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = config_recipe.LOSS_TYPES["grpo"]

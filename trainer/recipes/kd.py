@@ -12,7 +12,7 @@ Neither model's logits exist whole: the teacher gives its final hidden states, t
 forward (`loss_fn`, so that DDP and FSDP hooks see the loss), and the logits of both are made `recipe.kd.
 chunk_tokens` tokens at a time, the student's recomputed in backward (`trainer.models.chunked`, the one chunking
 of every recipe).
-The teacher is placed like the student (`trainer.assembly`); its output matrix is gathered once."""
+The teacher is placed like the student (`trainer.parallel.assembly`); its output matrix is gathered once."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from trainer.assembly import assemble
 from trainer.config import hf_impl
 from trainer.models import unwrap
 from trainer.models.chunked import capped, chunked
+from trainer.parallel.assembly import assemble
 from trainer.recipes.sft import IGNORE, SFT
 
 

@@ -55,7 +55,7 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
         chat = ["model=hf", f"model.path={hf_model}", "data=chat", "recipe=sft", "data.path=/tmp/chats.jsonl"]
         pairs = ["model=hf", f"model.path={hf_model}", "data=preference", "recipe=dpo", "data.path=/tmp/pairs.jsonl"]
         prompts = ["data=prompts", "recipe=grpo", "data.path=/tmp/prompts.jsonl",
-                   "recipe.reward_funcs=[trainer.recipes.rewards:contains_answer]"]
+                   "recipe.reward_funcs=[trainer.rewards.shipped:contains_answer]"]
         extra = {("data", "parquet"): ["data.path=/tmp"],
                  ("model", "hf"): [f"model.path={hf_model}"],
                  ("data", "chat"): chat,
@@ -140,7 +140,7 @@ def test_kernels_names_are_the_models_ops_and_the_aten_ops_in_one_line(monkeypat
 
 
 def test_optim_impl_follows_the_kernels_unless_given():
-    from trainer.optimizer import implementation
+    from trainer.training.optimizer import implementation
 
     for overrides, impl in ((["kernels=triton"], "triton"), (["kernels=torch"], "torch"),
                             (["kernels=triton", "optim=sgd"], "torch"),

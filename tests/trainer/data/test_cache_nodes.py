@@ -26,7 +26,7 @@ def _cache_node_pids(config_path: str) -> list[int]:
                 args = f.read().split(b"\0")
         except OSError:
             continue
-        if b"trainer.cache_node" in args and config_path.encode() in args:
+        if b"trainer.data.cache_node" in args and config_path.encode() in args:
             pids.append(int(cmdline.split("/")[2]))
     return pids
 
@@ -113,7 +113,7 @@ def test_hide_secrets_reads_the_token_as_hydra_does(monkeypatch):
 def test_a_node_given_the_runs_endpoints_advertises_its_own_and_lists_them_all(monkeypatch):
     from omegaconf import OmegaConf
 
-    from trainer.cache_node import _peers
+    from trainer.data.cache_node import _peers
 
     saved = OmegaConf.create({"data": {"cache": {"endpoints": "${oc.decode:${oc.env:TRAINJOB_CACHE_ENDPOINTS}}"}}})
     monkeypatch.delenv("TRAINJOB_CACHE_ENDPOINTS", raising=False)

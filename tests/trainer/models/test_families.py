@@ -1,4 +1,4 @@
-"""The native families (`trainer.families`): a tiny model of each, built by transformers from the family's own
+"""The native families (`trainer.config.families`): a tiny model of each, built by transformers from the family's own
 config class with every tensor perturbed, gives transformers' logits (eager attention, fp32), its loss's
 gradient reaches every parameter, and what transformers' config.json says is read as the `model` keys."""
 
@@ -235,7 +235,7 @@ def test_lora_adapters_on_the_familys_names_load_in_peft_with_our_logits(family_
     from transformers import AutoModelForCausalLM
 
     from trainer import export
-    from trainer.families import BY_NAME
+    from trainer.config.families import BY_NAME
     from trainer.models import lora
 
     targets = list(BY_NAME[name].lora_targets)

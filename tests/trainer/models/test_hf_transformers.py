@@ -179,8 +179,8 @@ def test_kernels_triton_routes_aten_ops_for_the_step_with_the_same_loss_and_grad
     from types import SimpleNamespace
 
     from ops import aten
-    from trainer.loop import aten_kernels
     from trainer.models import kernels
+    from trainer.training.loop import aten_kernels
 
     tokens = TOKENS[:1, :9]
     plain, routed = hf_transformers.from_hf(dirs["neox"]), hf_transformers.from_hf(dirs["neox"])

@@ -185,7 +185,7 @@ def test_asynchronous_checkpoints_change_no_bit_of_training_or_of_the_checkpoint
     ([*DIST, "strategy=ddp", "strategy.pp=2"], "strategy.pp=2: strategy=ddp (data_parallel=ddp) does not compose"),
     ([*DIST, *PP, "model.tie_embeddings=true"], "strategy.pp=2: model debug ties its output layer to the embedding"),
     ([*DIST, *PP, "recipe=grpo", "data=prompts", "data.path=/tmp/p.jsonl",
-      "recipe.reward_funcs=[trainer.recipes.rewards:contains_answer]"], "recipe='grpo': strategy.pp=2 runs recipes"),
+      "recipe.reward_funcs=[trainer.rewards.shipped:contains_answer]"], "recipe='grpo': strategy.pp=2 runs recipes"),
     ([*PP], "strategy='pp': strategy=pp needs more than one process"),
     ([*FOUR, *PP, "strategy.pp=2"], "= 2 must equal the world size 4 (or give one of them as -1 for the rest of "
      "the world, e.g. strategy.dp_shard=-1 to shard it with FSDP2)"),

@@ -13,8 +13,9 @@ import random
 import pytest
 
 from tests.conftest import REPO, TINY, compose_refused, read_metrics, read_summary
-from trainer import checkpoint, reward_funcs
+from trainer import checkpoint
 from trainer.config import ConfigError
+from trainer.rewards import functions as reward_funcs
 
 pytestmark = pytest.mark.timeout(300)
 

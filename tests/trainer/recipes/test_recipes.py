@@ -1,5 +1,5 @@
 """The recipes are objects that own their loss (trainer/recipes/), and one function assembles every model of a
-run: the loop reads no batch key and holds no reference, and only `trainer.assembly` shards a model."""
+run: the loop reads no batch key and holds no reference, and only `trainer.parallel.assembly` shards a model."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _source(path: str) -> str:
 
 
 def test_the_loop_leaves_the_recipe_to_its_object():
-    loop = ast.parse(_source("trainer/loop.py"))
+    loop = ast.parse(_source("trainer/training/loop.py"))
     strings = {n.value for n in ast.walk(loop) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     attributes = {n.attr for n in ast.walk(loop) if isinstance(n, ast.Attribute)}
     assert not strings & {"loss_mask", "documents", "dpo", "grpo", "kd", "sft"}
@@ -41,7 +41,7 @@ def test_one_function_shards_models():
                 if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "parallelize"
                        for n in ast.walk(tree)):
                     callers.append(os.path.relpath(os.path.join(root, name), REPO))
-    assert callers == ["trainer/assembly.py"]
+    assert callers == ["trainer/parallel/assembly.py"]
 
 
 def test_the_recipes_defaults_are_trls_own_for_the_settings_trl_has():

@@ -1,5 +1,5 @@
 """What is checked before anything starts: `check(cfg)` for one run's config (a sweep's jobs are checked by it
-too, before the first runs: `trainer.callbacks.Preflight`)."""
+too, before the first runs: `trainer.prepare.callbacks.Preflight`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from trainer.config.validate import validate
 from trainjob.files import directory_problem
 
 if TYPE_CHECKING:
-    from trainer.inputs import Checked
+    from trainer.prepare.inputs import Checked
 
 
 def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[Config, JobShape, Checked | None]:
@@ -36,8 +36,8 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
     if shape.offers.reads_disk_here:
-        from trainer import inputs
         from trainer.data.corpus import corpus_key
+        from trainer.prepare import inputs
 
         problem = directory_problem(job.data.cache_dir)
         if problem:

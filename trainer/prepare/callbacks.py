@@ -1,6 +1,6 @@
 """The Hydra callback trainjob registers (conf/config.yaml's hydra.callbacks): `Preflight`, which, before Hydra
 makes a directory, refuses a run or sweep directory that cannot be one and checks every job of a `-m` sweep
-(`trainer.preflight.check`), so that a bad value anywhere in a sweep is refused before its first job runs."""
+(`trainer.prepare.preflight.check`), so that a bad value anywhere in a sweep is refused before its first job runs."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import ConfigError, readers
-from trainer.preflight import check
-from trainer.run_dir import note_before_making
+from trainer.prepare.preflight import check
+from trainer.prepare.run_dir import note_before_making
 from trainjob.files import directory_problem
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"

@@ -1,5 +1,5 @@
 """The training loop: micro-batches with gradient accumulation, clipping, the step of the optimizer and its
-LR schedule (`trainer.optimizer`), periodic eval, metrics, checkpoints, and the run's summary.
+LR schedule (`trainer.training.optimizer`), periodic eval, metrics, checkpoints, and the run's summary.
 
 The data position is a count of global batches, so a resumed run (with any world size, as long as the
 global batch is the same) continues with exactly the rows that were not yet trained on.
@@ -18,13 +18,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 
 from datacache import StreamingDataset
-from trainer import checkpoint, models, optimizer, parallel, preemption, recipes
+from trainer import checkpoint, models, parallel, recipes
 from trainer.config import ConfigError, aten_ops, torch_dtype
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
 from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims, deepspeed
 from trainer.recipes.base import Context
+from trainer.training import optimizer, preemption
 from trainjob.run_files import RunDir, read_summary, write_summary
 
 log = logging.getLogger(__name__)

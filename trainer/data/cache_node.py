@@ -1,6 +1,6 @@
 """One data cache node of a run (`data.cache.nodes=N`), started by the run's launcher beside its ranks:
 
-    python -m trainer.cache_node <config.yaml> --shard i/N --host H --port P [--eval-port Q]
+    python -m trainer.data.cache_node <config.yaml> --shard i/N --host H --port P [--eval-port Q]
 
 It builds the run's corpus (or finds it in `data.cache_dir`), then serves shard i of N of its training rows
 on port P, and with `--eval-port` all of its eval rows on port Q, over Arrow Flight until it is stopped.
@@ -52,7 +52,7 @@ def _servers(cfg, args, index: int, count: int) -> list[CacheServer]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m trainer.cache_node", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m trainer.data.cache_node", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the run's resolved config.yaml")
     parser.add_argument("--shard", required=True, help="i/N: serve the i-th of N parts of the training rows")
     parser.add_argument("--host", default="127.0.0.1")

@@ -1,6 +1,6 @@
 """`recipe.reward_model.path`: a trained reward model (an exported recipe=reward run, or any one-label
 *ForSequenceClassification of a family trainjob loads, with the policy's tokenizer) scoring recipe=grpo's and
-rloo's completions beside the reward functions. It is placed like the policy (`trainer.assembly`), frozen,
+rloo's completions beside the reward functions. It is placed like the policy (`trainer.parallel.assembly`), frozen,
 and reads each completion after its prompt as the policy's token ids, right padded with its config's
 pad_token_id, or packed without padding as `data.packing` says (`trainer.data.packing`); its score is read at the
 last token that is not padding, as transformers reads it."""
@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from trainer.assembly import assemble
 from trainer.data import packing
 from trainer.models import score
 from trainer.models.chunked import IGNORE
+from trainer.parallel.assembly import assemble
 
 
 class RewardModel:

@@ -2,7 +2,7 @@
 global batch, token ids beyond the vocabulary, a model too large for this machine, a checkpoint of another
 model, nodes that do not answer). Each is a ConfigError before the first step: one line, exit code 2.
 
-The driver runs `check` where the ranks read this machine's data (`trainer.preflight`); a rank runs it in
+The driver runs `check` where the ranks read this machine's data (`trainer.prepare.preflight`); a rank runs it in
 its own process (`trainer.worker`), unless the driver already ran it there (the default run, whose worker
 is called in the driver's process). This is the one module of the rank side the driver imports.
 """

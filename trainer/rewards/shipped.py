@@ -1,5 +1,5 @@
 """The reward functions trainjob ships, to name in `recipe.reward_funcs` (how they are called and checked:
-`trainer.reward_funcs`). `contains_answer` is one to start from: 1.0 where the completion holds the row's
+`trainer.rewards.functions`). `contains_answer` is one to start from: 1.0 where the completion holds the row's
 `answer` column."""
 
 from __future__ import annotations

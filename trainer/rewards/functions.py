@@ -3,7 +3,7 @@ called as recipe=grpo and rloo call it, `function(prompts=[...], completions=[..
 rows' prompts (text, or the `messages` list), `completions` the generated text, one entry per completion (each
 prompt repeated `recipe.num_generations` times), and every other column of the rows as a list alike. It returns
 one number per completion (`call` checks them). A function that does not take `**kwargs` is given only the columns
-it names. The config checks, the prompts corpus and the recipes use this one module; `trainer.recipes.rewards`
+it names. The config checks, the prompts corpus and the recipes use this one module; `trainer.rewards.shipped`
 holds the reward functions we ship."""
 
 from __future__ import annotations
