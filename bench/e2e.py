@@ -50,11 +50,12 @@ def _config(overrides: list[str]):
 
 def _ours(cfg, kernels: str, device: torch.device):
     from trainer import models
-    from trainer.models import kernels as backend
+    from trainer.config.kernels import KernelsConfig
+    from trainer.models.kernels import Kernels
 
     with torch.device("meta"):
         model = models.build(cfg.model)
-    model = backend.apply(model, type("K", (), {"name": kernels, "include": None, "exclude": []})())
+    model = Kernels.of(KernelsConfig(name=kernels, aten=False)).apply(model)
     model.to_empty(device=device)
     model.init_buffers()
     return model, lambda tokens: model(tokens[:, :-1], targets=tokens[:, 1:])

@@ -30,6 +30,7 @@ from trainer import checkpoint, config, models
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
 from trainer.models import lora
+from trainer.models.kernels import Kernels
 from trainer.parallel import ParallelDims
 from trainer.parallel.assembly import assemble
 from trainer.prepare import inputs
@@ -138,14 +139,15 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
     mesh = dims.build_mesh(env.device.type)
     if cfg.model.name == "hf":  # which code runs the directory, and why
         log.info("%s", hf_impl.describe(cfg.model.path, cfg.model.impl))
-    model = assemble(cfg.model, cfg, dims, score_head=cfg.recipe.name == "reward")
+    kernels = Kernels.of(cfg.kernels, cfg.optim)  # the kernel switch, decided once
+    model = assemble(cfg.model, cfg, dims, kernels, score_head=cfg.recipe.name == "reward")
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device, torch.get_num_threads(),
              ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     if cfg.peft.name != "none":  # as PEFT's print_trainable_parameters says it
         log.info("%s", lora.trainable_parameters(model))
-    trainer = loop.Trainer(cfg, model, dims, env.device, corpus)
+    trainer = loop.Trainer(cfg, model, dims, env.device, corpus, kernels)
     start = resume_path(cfg)
     if start is not None:
         trainer.restore(start)

@@ -85,19 +85,19 @@ def test_the_loop_routes_what_the_kernels_section_names_and_releases_it():
     """`kernels.exclude=[mm,addmm,bmm]` keeps cuBLAS's matmuls; kernels.aten=false and kernels=torch route no
     ATen op; after the block nothing stays routed."""
     import ops
-    from trainer.training.loop import aten_kernels
+    from trainer.models.kernels import Kernels
 
     exclude = coverage.compose(["kernels=triton", "kernels.exclude=[mm,addmm,bmm]"]).kernels
-    with aten_kernels(exclude):
+    with Kernels.of(exclude).routing():
         routed = set(ops.registered())
     assert routed and not routed & {"mm", "mm.out", "addmm", "addmm_", "bmm"} and "embedding" in routed
     assert ops.registered() == []
     only = coverage.compose(["kernels=triton", "kernels.include=[rms_norm,mm,_softmax]"]).kernels
-    with aten_kernels(only):
+    with Kernels.of(only).routing():
         assert set(ops.registered()) == {"mm", "mm.out", "_softmax"}
     for overrides in (["kernels=triton", "kernels.aten=false"], ["kernels=torch"],
                       ["kernels=triton", "kernels.include=[rms_norm]"]):
-        with aten_kernels(coverage.compose(overrides).kernels):
+        with Kernels.of(coverage.compose(overrides).kernels).routing():
             assert ops.registered() == [], overrides
 
 

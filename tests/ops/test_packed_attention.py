@@ -1,5 +1,5 @@
 """`kernels=triton` on packed rows (`data.packing=padding_free`): the model's boolean mask, causal within each
-document, reaches our attention as document ids (trainer/kernels.py), and a step gives PyTorch's loss and
+document, reaches our attention as document ids (trainer/models/kernels.py), and a step gives PyTorch's loss and
 gradients. One small layer under Triton's interpreter (tests/ops/conftest.py)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import ops
 from tests.ops.conftest import DEVICE
 from trainer.models import kernels
+from trainer.models.kernels import Kernels
 from trainer.models.llama import Transformer
 
 
@@ -31,7 +32,8 @@ def test_packed_rows_run_in_our_attention_and_match_torch(monkeypatch):
     import ops
 
     torch_model = _model()
-    triton_model = kernels.apply(copy.deepcopy(torch_model), SimpleNamespace(name="triton", include=None, exclude=[]))
+    switch = Kernels.of(SimpleNamespace(name="triton", include=None, exclude=[]))
+    triton_model = switch.apply(copy.deepcopy(torch_model))
     seen = []
     launch = ops.scaled_dot_product_attention
     monkeypatch.setattr(ops, "scaled_dot_product_attention", lambda *a, **k: seen.append(k) or launch(*a, **k))

@@ -300,7 +300,7 @@ def save_pretrained(model: TransformersModel, out: str) -> None:
 def apply_kernels(model: TransformersModel, chosen: list[str]) -> TransformersModel:
     """kernels=triton on transformers' modeling code, which our module rewrites do not reach: the loss fused with
     the output layer where `fused_linear_cross_entropy` is chosen (the ATen ops of its layers reach our kernels
-    through the training loop's `aten_kernels`, kernels.aten=true)."""
+    through the kernel switch's ATen routing, `trainer.models.kernels.Kernels.routing`, kernels.aten=true)."""
     import ops
 
     if "fused_linear_cross_entropy" in chosen:

@@ -1,11 +1,18 @@
-"""The kernel backend: `kernels=torch` keeps PyTorch's eager kernels; `kernels=triton` points the model's
-RMSNorm, rotary embedding, attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused
-with the output projection, so the logits are never materialised). `kernels.include` / `kernels.exclude`
-choose among those five (`trainer.config.TRITON_OPS`) as among the ATen ops the loop routes
-(`trainer.training.loop.aten_kernels`). Attention takes packed rows as document ids (`attention`); one packed row
-(`data.packing=padding_free`) runs it causal over each document. Under `model.impl=transformers`, whose
-modeling code these rewrites do not reach, only the loss is fused (`hf_transformers.apply_kernels`); its layers
-reach our kernels through the ATen ops the loop routes.
+"""The kernel switch of a rank, decided once from the run's `kernels` (and `optim`) sections: `Kernels.of`. It
+holds the four things `kernels=torch|triton` changes, and nothing else in the trainer reads the section:
+- the model's rewrites (`Kernels.apply`): `kernels=triton` points the model's RMSNorm, rotary embedding,
+  attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused with the output projection, so the
+  logits are never materialised); `kernels.include` / `kernels.exclude` choose among those five
+  (`trainer.config.TRITON_OPS`) as among the ATen ops;
+- the ATen routing (`Kernels.routing`): the ATen ops `ops.use_kernels` routes to ours while the loop runs a
+  training step or an eval batch (`kernels.aten`);
+- the optimizer's implementation (`Kernels.optimizer`): ops' AdamW or torch.optim's (`optim.impl`);
+- the recipes' token log-probabilities (`Kernels.token_logps`): their log-softmax the Triton cross-entropy where
+  the loss is routed.
+
+Attention takes packed rows as document ids (`attention`); one packed row (`data.packing=padding_free`) runs it
+causal over each document. Under `model.impl=transformers`, whose modeling code these rewrites do not reach,
+only the loss is fused (`hf_transformers.apply_kernels`); its layers reach our kernels through the ATen routing.
 
 The families' pieces: `(1 + w)` norms are `ops.rms_norm` with the weight plus one; GeLU-tanh gates (Gemma) go to
 `ops.gelu_and_mul(approximate="tanh")` with `silu_and_mul`; an attention `scale` (Gemma's query_pre_attn_scalar,
@@ -15,11 +22,16 @@ Granite's multiplier) is the kernel's. Sliding-window layers and soft-capped att
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from trainer.config import TRITON_OPS
-from trainer.models import hf_transformers
+from trainer.config import TRITON_OPS, aten_ops
+from trainer.models import chunked, hf_transformers
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
 
@@ -65,21 +77,69 @@ def gelu_tanh_and_mul(x, y):
     return ops.gelu_and_mul(x, y, approximate="tanh")
 
 
-def model_ops(cfg) -> list[str]:
+def model_ops(cfg) -> tuple[str, ...]:
     """The model's functions (TRITON_OPS) that the kernels section `cfg` points at ops/: none under
     kernels=torch, else `include` (null: all) less `exclude`."""
     if cfg.name != "triton":
-        return []
-    return [op for op in (cfg.include or TRITON_OPS) if op in TRITON_OPS and op not in (cfg.exclude or [])]
+        return ()
+    return tuple(op for op in (cfg.include or TRITON_OPS) if op in TRITON_OPS and op not in (cfg.exclude or []))
 
 
-def apply(model: nn.Module, cfg) -> nn.Module:
-    """Point `model`'s functions at the chosen Triton ops, in place (on the meta model, before any strategy)."""
-    chosen = model_ops(cfg)
-    if not chosen:
+def optimizer_impl(optim, kernels: str) -> str:
+    """The optim section's `impl`, or its default under `kernels=<kernels>`: triton for AdamW under
+    kernels=triton, else torch."""
+    if optim.impl is not None:
+        return optim.impl
+    return "triton" if kernels == "triton" and optim.name == "adamw" else "torch"
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the kernels section decides on a rank (`Kernels.of`, once per run; the worker hands it to the model's
+    assembly, the loop and the recipes): `model_ops`, the model's functions pointed at ops/; `aten`,
+    `ops.use_kernels`' (include, exclude) or None when no ATen op is routed; `optimizer`, torch or triton."""
+
+    model_ops: tuple[str, ...] = ()
+    aten: tuple[list[str] | None, list[str]] | None = None
+    optimizer: str = "torch"
+
+    @classmethod
+    def of(cls, kernels, optim=None) -> Kernels:
+        """The switch of the kernels section `kernels` (and the optim section `optim`, where an optimizer is made)."""
+        return cls(model_ops(kernels), aten_ops(kernels),
+                   optimizer_impl(optim, kernels.name) if optim is not None else "torch")
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Point `model`'s functions at the chosen Triton ops, in place (on the meta model, before any strategy)."""
+        if not self.model_ops:
+            return model
+        if isinstance(model, hf_transformers.TransformersModel):
+            return hf_transformers.apply_kernels(model, list(self.model_ops))
+        _rewrite(model, self.model_ops)
         return model
-    if isinstance(model, hf_transformers.TransformersModel):
-        return hf_transformers.apply_kernels(model, chosen)
+
+    def routing(self) -> contextlib.AbstractContextManager:
+        """The ATen ops routed to ops/ (`ops.use_kernels`) inside the block, or nothing routed: what the training
+        step and eval run under (on model.impl=transformers the one way our kernels reach its modeling code)."""
+        if self.aten is None:
+            return contextlib.nullcontext()
+        import ops
+
+        return ops.use_kernels(*self.aten)
+
+    @property
+    def token_logps(self) -> Callable:
+        """The model's `loss_fn` that gives (batch, seq) log p(target) (`chunked.token_logps`), its chunks'
+        log-softmax the Triton cross-entropy where kernels=triton routes the loss."""
+        if "fused_linear_cross_entropy" in self.model_ops:
+            import ops
+
+            return functools.partial(chunked.token_logps, ce=ops.cross_entropy)
+        return chunked.token_logps
+
+
+def _rewrite(model: nn.Module, chosen: tuple[str, ...]) -> None:
+    """Our decoder's functions pointed at the ops of `chosen`."""
     import ops
 
     for module in model.modules():
@@ -95,4 +155,3 @@ def apply(model: nn.Module, cfg) -> nn.Module:
         elif (isinstance(module, Transformer) and "fused_linear_cross_entropy" in chosen
               and module.final_softcap is None):
             module.fused_loss_fn = ops.fused_linear_cross_entropy
-    return model

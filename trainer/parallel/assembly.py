@@ -8,18 +8,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.models import build, hf, hf_transformers, init_weights, kernels, lora, param_shapes, score
+from trainer.models import build, hf, hf_transformers, init_weights, lora, param_shapes, score
+from trainer.models.kernels import Kernels
 from trainer.parallel import ParallelDims, parallelize
 
 
-def assemble(model_cfg, cfg, dims: ParallelDims, *, peft: bool = True, qat: bool = True,
+def assemble(model_cfg, cfg, dims: ParallelDims, kernels: Kernels, *, peft: bool = True, qat: bool = True,
              frozen: bool = False, score_head: bool = False) -> nn.Module:
-    """The model `model_cfg` (a `ModelConfig`) describes, ready on this rank under the run `cfg`'s strategy.
+    """The model `model_cfg` (a `ModelConfig`) describes, ready on this rank under the run `cfg`'s strategy, its
+    functions pointed at the kernels of the run's switch `kernels` (`trainer.models.kernels.Kernels`).
     `peft`: add `cfg.peft`'s adapters; `qat`: fake-quantise as `cfg.train.qat` says; `frozen`: no gradients;
     `score_head`: a sequence-classification head instead of the LM head (`trainer.models.score`), read from the
     directory when it holds one, else drawn from the run seed."""
     with torch.device("meta"):
-        model = kernels.apply(build(model_cfg), cfg.kernels)
+        model = kernels.apply(build(model_cfg))
         if score_head:
             score.attach(model)
     if peft:

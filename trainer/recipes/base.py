@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.models.kernels import Kernels
 from trainer.observability import metrics
 from trainer.parallel import ParallelDims
 
@@ -25,6 +26,7 @@ class Context:
     dims: ParallelDims
     autocast: contextlib.AbstractContextManager  # bf16 autocast, or nothing (reusable)
     loss_context: Callable[[], contextlib.AbstractContextManager]  # loss parallelism under tp, else nothing
+    kernels: Kernels  # the run's kernel switch: the models a recipe assembles, its token log-probabilities
     pipeline: Any = None  # strategy.pp > 1: the `trainer.parallel.pipeline.Pipeline` that runs the model's stages
     # A micro-batch loss's backward: the tensor's own, or the DeepSpeed engine's (strategy=deepspeed).
     backward: Callable[[torch.Tensor], Any] = torch.Tensor.backward

@@ -19,15 +19,12 @@ The log-probabilities come from the model's forward a chunk of tokens at a time 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from trainer.config import recipe as config_recipe
 from trainer.data import packing
 from trainer.models import chunked, lora
-from trainer.models.kernels import model_ops
 from trainer.parallel.assembly import assemble
 from trainer.recipes.base import Recipe, local
 from trainer.recipes.sft import IGNORE, targets
@@ -35,16 +32,6 @@ from trainer.recipes.sft import IGNORE, targets
 LOSS_TYPES = config_recipe.LOSS_TYPES["dpo"]
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
-
-
-def logps_fn(kernels_cfg):
-    """The model's `loss_fn` that gives (batch, seq) log p(target) (`chunked.token_logps`), its chunks' log-softmax
-    the Triton cross-entropy where kernels=triton routes the loss."""
-    if "fused_linear_cross_entropy" in model_ops(kernels_cfg):
-        import ops
-
-        return functools.partial(chunked.token_logps, ce=ops.cross_entropy)
-    return chunked.token_logps
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -112,10 +99,10 @@ class DPO(Recipe):
         if cfg.peft.name == "lora":
             self.reference = lora.without_adapters(model)
         else:
-            self.reference = assemble(cfg.model, cfg, ctx.dims, peft=False, qat=False, frozen=True)
+            self.reference = assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True)
         r = cfg.recipe
         self.settings = {"beta": r.beta, "loss_type": r.loss_type, "label_smoothing": r.label_smoothing}
-        self.logps_fn = logps_fn(cfg.kernels)
+        self.logps_fn = ctx.kernels.token_logps
         self.packing = packing.choose(cfg.data.packing, ctx.pipeline is not None)
 
     def _micro(self, tokens: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor | None) -> packing.Packed:

@@ -63,7 +63,6 @@ from trainer.models import lora
 from trainer.parallel.assembly import assemble
 from trainer.recipes.async_rollouts import AsyncRollouts
 from trainer.recipes.base import Recipe
-from trainer.recipes.dpo import logps_fn
 from trainer.recipes.reward_scorer import RewardModel
 from trainer.recipes.sft import IGNORE
 from trainer.rewards import functions as reward_funcs
@@ -186,12 +185,12 @@ class GRPO(Recipe):
         self.reference = None
         if r.beta > 0:
             self.reference = (lora.without_adapters(model) if cfg.peft.name == "lora"
-                              else assemble(cfg.model, cfg, ctx.dims, peft=False, qat=False, frozen=True))
+                              else assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True))
         self.dp_rank, self.dp_size = ctx.dims.data_parallel_rank()
         self.generator = torch.Generator(ctx.device).manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank)
         self.buffer: list | None = None  # the generation batch's micro-batches
         self.tokens_per_rank = None  # loss_type=dapo's normaliser of the generation batch
-        self.logps_fn = logps_fn(cfg.kernels)
+        self.logps_fn = ctx.kernels.token_logps
         self.packing = packing.choose(cfg.data.packing, False)
         self.rollouts = AsyncRollouts(self) if is_async(r) else None  # it reads the batches itself, one ahead
         self.reward_stats: dict[str, torch.Tensor] = {}

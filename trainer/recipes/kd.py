@@ -82,7 +82,7 @@ class KD(SFT):
         super().__init__(cfg, model, ctx)
         path = cfg.recipe.teacher.path  # the teacher runs natively or through transformers, as its directory says
         teacher_cfg = dataclasses.replace(cfg.model, name="hf", path=path, impl=hf_impl.choose(path, None)[0])
-        self.teacher = assemble(teacher_cfg, cfg, ctx.dims, peft=False, qat=False, frozen=True)
+        self.teacher = assemble(teacher_cfg, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True)
         with torch.no_grad():
             self.teacher_weight = _whole(unwrap(self.teacher).output_weight).detach()
         k = cfg.recipe.kd

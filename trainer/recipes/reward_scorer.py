@@ -28,7 +28,8 @@ class RewardModel:
             pad = json.load(f).get("pad_token_id")
         self.pad = 0 if pad is None else int(pad)
         model_cfg = dataclasses.replace(cfg.model, name="hf", path=self.path)
-        self.model = assemble(model_cfg, cfg, ctx.dims, peft=False, qat=False, frozen=True, score_head=True)
+        self.model = assemble(model_cfg, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True,
+                              score_head=True)
 
     @torch.no_grad()
     def __call__(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:

@@ -19,9 +19,10 @@ from torch.utils.data import DataLoader
 
 from datacache import StreamingDataset
 from trainer import checkpoint, models, parallel, recipes
-from trainer.config import ConfigError, aten_ops, torch_dtype
+from trainer.config import ConfigError, torch_dtype
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
+from trainer.models.kernels import Kernels
 from trainer.observability import metrics, plots
 from trainer.parallel import ParallelDims, deepspeed
 from trainer.recipes.base import Context
@@ -31,24 +32,14 @@ from trainjob.run_files import RunDir, read_summary, write_summary
 log = logging.getLogger(__name__)
 
 
-def aten_kernels(cfg):
-    """The ATen ops of the kernels section `cfg` routed to ops/ (`ops.use_kernels`) inside the block, or
-    nothing routed (kernels=torch, kernels.aten=false): what the training step and eval run under."""
-    routing = aten_ops(cfg)
-    if routing is None:
-        return contextlib.nullcontext()
-    import ops
-
-    return ops.use_kernels(*routing)
-
-
 class Trainer:
-    def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None):
-        self.cfg, self.model, self.device = cfg, model, device
+    def __init__(self, cfg, model: torch.nn.Module, dims: ParallelDims, device: torch.device, corpus: str | None,
+                 kernels: Kernels):
+        self.cfg, self.model, self.device, self.kernels = cfg, model, device, kernels
         t = cfg.train
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp_rank, dp_size = dims.data_parallel_rank()
-        self.optimizer = optimizer.build_optimizer(cfg.optim, model, cfg.kernels.name)
+        self.optimizer = optimizer.build_optimizer(cfg.optim, model, kernels.optimizer)
         self.lr_schedule = optimizer.build_lr_schedule(cfg.lr_schedule, self.optimizer, t.max_steps)
         self.pipeline = getattr(model, "pipeline", None)  # strategy.pp > 1: the schedule over this rank's stages
         self.params = {e: self._num_params(e) for e in (False, True)}  # counted before an engine partitions them
@@ -60,8 +51,8 @@ class Trainer:
         bf16 = torch_dtype(t.mixed_precision, device.type) == torch.bfloat16
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         backward = deepspeed.backward(self.engine) if self.engine else torch.Tensor.backward
-        self.recipe = recipes.build(cfg, model, Context(device, dims, autocast, self.loss_context, self.pipeline,
-                                                        backward))
+        self.recipe = recipes.build(cfg, model, Context(device, dims, autocast, self.loss_context, kernels,
+                                                        self.pipeline, backward))
         shard = {"global_batch_size": self.recipe.rows_per_step, "seed": t.seed, "rank": dp_rank,
                  "world_size": dp_size}
         self.train_data = split_dataset(cfg.data, "train", corpus, shuffle=cfg.data.shuffle, loop=True, **shard)
@@ -112,7 +103,7 @@ class Trainer:
     def _train_step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clipping, the optimizer and the schedule: under the ATen kernels of kernels=triton
         (on model.impl=transformers the one way our kernels reach its modeling code)."""
-        with aten_kernels(self.cfg.kernels):
+        with self.kernels.routing():
             return self._step(batch)
 
     def _step(self, batch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +134,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         n = 0
         for batch in self.eval_data:
-            with aten_kernels(self.cfg.kernels):
+            with self.kernels.routing():
                 total += self.recipe.eval_loss(batch)
             n += 1
             if n == self.cfg.train.eval_batches:

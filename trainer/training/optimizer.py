@@ -17,17 +17,9 @@ _OPTIM_KEYS = {"initial_lr": "optim.lr", "weight_decay": "optim.weight_decay", "
                "eps": "optim.eps", "momentum": "optim.momentum"}
 
 
-def implementation(optim, kernels: str) -> str:
-    """The optim section's `impl`, or its default under `kernels=<kernels>`: triton for AdamW under
-    kernels=triton, else torch."""
-    if optim.impl is not None:
-        return optim.impl
-    return "triton" if kernels == "triton" and optim.name == "adamw" else "torch"
-
-
-def build_optimizer(cfg, model: torch.nn.Module, kernels: str = "torch") -> torch.optim.Optimizer:
-    """The optim section's optimizer over `model`'s trained parameters, under `kernels=<kernels>`: torch.optim's
-    foreach AdamW or ops.AdamW (`implementation`), which save and load the same state dict."""
+def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.optim.Optimizer:
+    """The optim section's optimizer over `model`'s trained parameters: torch.optim's foreach AdamW, or ops.AdamW
+    where `impl` (the kernel switch's `Kernels.optimizer`) is triton; the two save and load the same state dict."""
     # No weight decay on norms' gains (1-D parameters), as usual for transformers.
     trained = [p for p in model.parameters() if p.requires_grad]  # not a frozen base (peft=lora)
     decay = [p for p in trained if p.ndim >= 2]
@@ -37,7 +29,7 @@ def build_optimizer(cfg, model: torch.nn.Module, kernels: str = "torch") -> torc
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if cfg.name == "adamw":
-        if implementation(cfg, kernels) == "triton":
+        if impl == "triton":
             import ops
 
             return ops.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)

@@ -140,14 +140,14 @@ def test_kernels_names_are_the_models_ops_and_the_aten_ops_in_one_line(monkeypat
 
 
 def test_optim_impl_follows_the_kernels_unless_given():
-    from trainer.training.optimizer import implementation
+    from trainer.models.kernels import Kernels
 
     for overrides, impl in ((["kernels=triton"], "triton"), (["kernels=torch"], "torch"),
                             (["kernels=triton", "optim=sgd"], "torch"),
                             (["kernels=triton", "optim.impl=torch"], "torch"),
                             (["kernels=torch", "optim.impl=triton"], "triton")):
         cfg = _compose(overrides)
-        assert implementation(cfg.optim, cfg.kernels.name) == impl, overrides
+        assert Kernels.of(cfg.kernels, cfg.optim).optimizer == impl, overrides
 
 
 def test_tensor_parallel_peers_share_batches():

@@ -94,11 +94,11 @@ def test_chunks_are_sized_to_the_vocabulary():
 def test_under_kernels_triton_the_chunks_log_softmax_is_the_triton_cross_entropy(monkeypatch):
     import ops
     from trainer.config.kernels import KernelsConfig
-    from trainer.recipes.dpo import logps_fn
+    from trainer.models.kernels import Kernels
 
     calls = []
     monkeypatch.setattr(ops, "cross_entropy", lambda *a, **k: calls.append(1) or ops.losses.cross_entropy(*a, **k))
-    fn = logps_fn(KernelsConfig(name="triton"))
+    fn = Kernels.of(KernelsConfig(name="triton")).token_logps
     hidden, weight, targets, upstream = _case(3, 2, 9, 16, 40, 0.3)
     got = fn(hidden, weight, targets, chunk_tokens=4)
     grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
@@ -108,4 +108,4 @@ def test_under_kernels_triton_the_chunks_log_softmax_is_the_triton_cross_entropy
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-    assert logps_fn(KernelsConfig(name="torch")) is chunked.token_logps
+    assert Kernels.of(KernelsConfig(name="torch")).token_logps is chunked.token_logps

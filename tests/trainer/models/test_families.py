@@ -155,8 +155,8 @@ def test_triton_kernels_give_the_families_logits(family_dirs, name):
     from trainer.models import kernels
 
     reference = from_hf(family_dirs[name]).eval()
-    model = kernels.apply(from_hf(family_dirs[name]).eval(), OmegaConf.create({"name": "triton", "include": None,
-                                                                                "exclude": None}))
+    switch = kernels.Kernels.of(OmegaConf.create({"name": "triton", "include": None, "exclude": None}))
+    model = switch.apply(from_hf(family_dirs[name]).eval())
     attention = model.layers["1"].attention
     assert attention.attention_fn is kernels.attention and model.fused_loss_fn is not None
     with torch.no_grad():

@@ -179,18 +179,18 @@ def test_kernels_triton_routes_aten_ops_for_the_step_with_the_same_loss_and_grad
     from types import SimpleNamespace
 
     from ops import aten
-    from trainer.models import kernels
-    from trainer.training.loop import aten_kernels
+    from trainer.models.kernels import Kernels
 
     tokens = TOKENS[:1, :9]
     plain, routed = hf_transformers.from_hf(dirs["neox"]), hf_transformers.from_hf(dirs["neox"])
     section = SimpleNamespace(name="triton", include=None, exclude=[], aten=True)
-    kernels.apply(routed, section)
+    switch = Kernels.of(section)
+    switch.apply(routed)
     assert routed.fused_loss_fn is not None  # the loss fused with the output layer: no logits
     expected = plain(tokens[:, :-1], tokens[:, 1:])
     expected.backward()
     aten.calls.clear()
-    with aten_kernels(section):  # what the training loop runs each step under
+    with switch.routing():  # what the training loop runs each step under
         loss = routed(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
     assert aten.calls["mm"] > 0 and aten.calls["addmm"] > 0 and aten.registered() == []  # scoped to the step

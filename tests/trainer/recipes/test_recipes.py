@@ -36,7 +36,7 @@ def test_one_function_shards_models():
     callers = []
     for root, _, files in os.walk(os.path.join(REPO, "trainer")):
         for name in files:
-            if name.endswith(".py") and "parallel" not in root:
+            if name.endswith(".py") and name != "parallelize.py":  # the one that defines it
                 tree = ast.parse(_source(os.path.join(root, name)))
                 if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "parallelize"
                        for n in ast.walk(tree)):
