@@ -11,8 +11,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.models import unwrap
-
 
 def attach(model: nn.Module) -> nn.Module:
     """`model` (a `Transformer`, on any device, meta included) with a score head instead of its LM head."""
@@ -20,10 +18,6 @@ def attach(model: nn.Module) -> nn.Module:
     model.tied_output = None
     model.score_head = True
     return model
-
-
-def has_head(model: nn.Module) -> bool:
-    return getattr(unwrap(model), "score_head", False)
 
 
 def last_tokens(tokens: torch.Tensor, pad: int, documents: torch.Tensor | None = None, count: int = 0
