@@ -17,8 +17,21 @@ import warnings
 
 import torch
 
-from ops import (activations, attention, copies, embeddings, foreach, indexing, multi_tensor, norms, pointwise_aten,
-                 pointwise_ops, reductions, scans, sorting)
+from ops import (
+    activations,
+    attention,
+    copies,
+    embeddings,
+    foreach,
+    indexing,
+    multi_tensor,
+    norms,
+    pointwise_aten,
+    pointwise_ops,
+    reductions,
+    scans,
+    sorting,
+)
 from ops.aten_routes import NAMES, TABLE
 from ops.blas import matmul
 from ops.softmaxes import softmax_backward, softmax_forward

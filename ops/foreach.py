@@ -11,6 +11,7 @@ from ops import pointwise_ops
 from ops.aten_routes import ROUTES
 from ops.pointwise_ops import OPS
 
+
 def _operands(other, n):
     return list(other) if isinstance(other, (list, tuple)) else [other] * n
 

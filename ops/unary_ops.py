@@ -12,7 +12,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 # --- unary, float results ----------------------------------------------------------------------------------
 
 
