@@ -240,7 +240,7 @@ def run_cli(overrides: list[str], run_dir: str) -> dict:
 
 def _reason(row: Row, cfg) -> str:
     """Why a computing op ran in PyTorch under the kernels section `cfg`."""
-    from ops.aten import NAMES
+    from ops.aten_routes import NAMES
     from trainer.config import aten_ops
 
     if cfg.name != "triton":
@@ -249,7 +249,7 @@ def _reason(row: Row, cfg) -> str:
         return "kernels.aten=false (or an include of model ops only): no ATen op is routed"
     if row.op in NAMES:
         return "left to PyTorch by kernels.include/kernels.exclude"
-    return "no kernel of ours for it (not in ops.aten.TABLE)"
+    return "no kernel of ours for it (not in ops.aten_routes)"
 
 
 def summary(rows: dict[str, Row]) -> dict:

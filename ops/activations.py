@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.pointwise import pointwise
+from ops.pointwise_codegen import pointwise
 
 # A @triton.jit function may read a module global only when it is a `tl.constexpr` (the interpreter
 # accepts any global; the compiler does not). Each multiplies a tensor from the right: the interpreter

@@ -1,6 +1,7 @@
 """Routing ATen ops to our kernels, as FlagGems' `enable()` / `use_gems()` do.
 
-`enable(include, exclude)` registers the ops below through `torch.library` on the CUDA dispatch key (and
+`enable(include, exclude)` registers the ATen overloads that `ops.aten_routes` lists (each one's function found
+by its name in its family's module, `ATEN` there, or here) through `torch.library` on the CUDA dispatch key (and
 on the CPU key when TRITON_INTERPRET=1, so that it runs here), below autograd: PyTorch's own derivative
 formulas call the backward ops, which are routed too. `disable()` (or leaving `use_kernels()`) removes
 the registrations, which restores PyTorch's kernels exactly. `calls` counts the routed calls per op.
@@ -16,10 +17,24 @@ import warnings
 
 import torch
 
-from ops import activations, attention, embedding, foreach, indexing, multi_tensor, norms, reductions, scans, sorting
-from ops import pointwise_ops as pointwise
+from ops import (
+    activations,
+    attention,
+    copies,
+    embeddings,
+    foreach,
+    indexing,
+    multi_tensor,
+    norms,
+    pointwise_aten,
+    pointwise_ops,
+    reductions,
+    scans,
+    sorting,
+)
+from ops.aten_routes import NAMES, TABLE
 from ops.blas import matmul
-from ops.softmax import softmax_backward, softmax_forward
+from ops.softmaxes import softmax_backward, softmax_forward
 
 calls: collections.Counter = collections.Counter()
 
@@ -42,11 +57,11 @@ def _softmax_backward_data(grad_output, output, dim, input_dtype, log=False):
 
 
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return embedding._forward(weight, indices)
+    return embeddings._forward(weight, indices)
 
 
 def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
-    return embedding._backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+    return embeddings._backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
 def _shares(self, *others) -> bool:
@@ -85,7 +100,7 @@ def _foreach_mul_(self, other):
     multi_tensor.foreach_mul_(fast, other)
     for t in self:
         if not (t.is_contiguous() and _floats(t)):
-            pointwise._into_self(pointwise.mul, t, other)
+            pointwise_ops.into_self(pointwise_ops.mul, t, other)
 
 
 def _stack(tensors, dim=0):
@@ -105,8 +120,9 @@ def _mm_out(self, mat2, *, out):
 def _baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     product = matmul(batch1, batch2)
     if alpha != 1:
-        product = pointwise.mul(product, alpha)
-    return product if beta == 0 else pointwise.add(pointwise.mul(self, beta) if beta != 1 else self, product)
+        product = pointwise_ops.mul(product, alpha)
+    scaled = pointwise_ops.mul(self, beta) if beta != 1 else self
+    return product if beta == 0 else pointwise_ops.add(scaled, product)
 
 
 def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
@@ -131,45 +147,45 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     for target, a, b in parts:
         if target.numel():
             if a.shape[-1]:
-                pointwise.OPS["copy"](matmul(a, b), out=target)
+                pointwise_ops.OPS["copy"](matmul(a, b), out=target)
             else:  # an empty group of the shared dimension: its product is zeros
-                pointwise.OPS["fill"](target, 0, out=target)
+                pointwise_ops.OPS["fill"](target, 0, out=target)
     return out
 
 
-# (our public op, the ATen op it routes, our function with the ATen op's signature)
-TABLE = [
-    ("silu", "silu", lambda self: activations.silu_fwd(self)),
-    ("silu", "silu_backward", lambda grad_output, self: activations.silu_bwd(self, grad_output).to(self.dtype)),
-    ("gelu", "gelu", _gelu),
-    ("gelu", "gelu_backward", _gelu_backward),
-    ("softmax", "_softmax", _softmax),
-    ("softmax", "_softmax_backward_data", _softmax_backward_data),
-    ("log_softmax", "_log_softmax", functools.partial(_softmax, log=True)),
-    ("log_softmax", "_log_softmax_backward_data", functools.partial(_softmax_backward_data, log=True)),
-    ("addmm", "addmm", lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta)),
-    ("addmm", "addmm_", _addmm_),
-    ("mm", "mm", lambda self, mat2: matmul(self, mat2)),
-    ("mm", "mm.out", _mm_out),
-    ("bmm", "bmm", lambda self, mat2: matmul(self, mat2)),
-    ("baddbmm", "baddbmm", _baddbmm),
-    ("_grouped_mm", "_grouped_mm", _grouped_mm),
-    ("mv", "mv", lambda self, vec: matmul(self, vec[:, None])[:, 0]),
-    ("dot", "dot", lambda self, tensor: reductions.reduce(pointwise.mul(self, tensor), None, False, "sum")),
-    ("embedding", "embedding", _embedding),
-    ("embedding", "embedding_dense_backward", _embedding_dense_backward),
-    # Clipping: each gradient's norm, the norm of the norms, the scale applied.
-    ("foreach_norm", "_foreach_norm.Scalar", _foreach_norm),
-    ("stack", "stack", _stack),
-    ("vector_norm", "linalg_vector_norm", _vector_norm),
-    ("foreach_mul_", "_foreach_mul_.Tensor", _foreach_mul_),
-    *attention.ATEN, *pointwise.ATEN, *reductions.ATEN, *scans.ATEN, *sorting.ATEN, *norms.ATEN, *indexing.ATEN,
-    *foreach.ATEN,
-]
-OPS = {aten: fn for _, aten, fn in TABLE}
-# A name a user gives: ours (`softmax`: its forward and backward) or ATen's (`_softmax`: that one op).
-NAMES = {**{aten: (aten,) for _, aten, _ in TABLE},
-         **{public: tuple(aten for p, aten, _ in TABLE if p == public) for public, _, _ in TABLE}}
+# The functions of the overloads whose families (ops.aten_routes) have no module of ATen functions of their own.
+_OWN = {
+    "silu": lambda self: activations.silu_fwd(self),
+    "silu_backward": lambda grad_output, self: activations.silu_bwd(self, grad_output).to(self.dtype),
+    "gelu": _gelu,
+    "gelu_backward": _gelu_backward,
+    "_softmax": _softmax,
+    "_softmax_backward_data": _softmax_backward_data,
+    "_log_softmax": functools.partial(_softmax, log=True),
+    "_log_softmax_backward_data": functools.partial(_softmax_backward_data, log=True),
+    "addmm": lambda self, mat1, mat2, *, beta=1, alpha=1: matmul(mat1, mat2, self, alpha, beta),
+    "addmm_": _addmm_,
+    "mm": lambda self, mat2: matmul(self, mat2),
+    "mm.out": _mm_out,
+    "bmm": lambda self, mat2: matmul(self, mat2),
+    "baddbmm": _baddbmm,
+    "_grouped_mm": _grouped_mm,
+    "mv": lambda self, vec: matmul(self, vec[:, None])[:, 0],
+    "dot": lambda self, tensor: reductions.reduce(pointwise_ops.mul(self, tensor), None, False, "sum"),
+    "embedding": _embedding,
+    "embedding_dense_backward": _embedding_dense_backward,
+    "_foreach_norm.Scalar": _foreach_norm,
+    "stack": _stack,
+    "linalg_vector_norm": _vector_norm,
+    "_foreach_mul_.Tensor": _foreach_mul_,
+}
+_FUNCTIONS = {**_OWN, **attention.ATEN, **pointwise_aten.ATEN, **copies.ATEN, **reductions.ATEN, **scans.ATEN,
+              **sorting.ATEN, **norms.ATEN, **indexing.ATEN, **foreach.ATEN}
+# Each routed overload's function, in the table's order.
+OPS = {aten: _FUNCTIONS[aten] for _, aten in TABLE}
+if set(_FUNCTIONS) != set(OPS):
+    raise LookupError(f"functions for ATen overloads that ops.aten_routes does not route: "
+                      f"{', '.join(sorted(set(_FUNCTIONS) - set(OPS)))}")
 
 _library: torch.library.Library | None = None
 _routed: list[str] = []

@@ -383,8 +383,7 @@ def _flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout
     return (dq.to(query.dtype), _grouped(dk, group, heads).to(key.dtype), _grouped(dv, group, heads).to(value.dtype))
 
 
-ATEN = [
-    ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu", _flash_for_cpu),
-    ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-     _flash_for_cpu_backward),
-]
+ATEN = {
+    "_scaled_dot_product_flash_attention_for_cpu": _flash_for_cpu,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _flash_for_cpu_backward,
+}

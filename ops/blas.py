@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.settings import matmul_settings
+
 
 @triton.jit
 def _matmul(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn, sbm, sbn2, alpha, beta,
@@ -58,20 +60,6 @@ def _matmul(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn
     tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _settings(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
-    """Tiles, warps and pipeline depth from the shape and dtype (the Triton matmul tutorial's choices for
-    Hopper and Ampere: 128x256x64 for large 16-bit products, 128x128x32 for fp32), smaller tiles for small
-    products. The largest fits sm_80's shared memory (3 stages of 48 KiB)."""
-    wide = dtype.itemsize == 2
-    if min(m, n) >= 1024:
-        bm, bn, bk = (128, 256, 64) if wide else (128, 128, 32)
-        return {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-    bm = min(128, max(16, triton.next_power_of_2(m)))
-    bn = min(128, max(16, triton.next_power_of_2(n)))
-    bk = min(64 if wide else 32, max(16, triton.next_power_of_2(k)))
-    return {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-
-
 def _precision(dtype: torch.dtype) -> str:
     """fp32 products use TF32 exactly when PyTorch's own matmuls would."""
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
@@ -102,7 +90,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
     c = out if out is not None else torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
     bias_full = bias.expand(m, n) if bias is not None else a.new_empty(0, 0)  # never read without a bias
     if c.numel():
-        meta = _settings(m, n, k, a.dtype)
+        meta = matmul_settings(m, n, k, a.dtype)
         grid = (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), batch)
         sa, sb, sc = (t.stride(0) if batched else 0 for t in (a, b, c))
         _matmul[grid](a, b, c, bias_full, m, n, k, a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1),

@@ -1,11 +1,12 @@
-"""What `ops.aten` routes, as a table: per public ATen op (its name without overload or trailing `_`), the
-overloads routed, whether a backward is among them, and the dtypes its kernels take."""
+"""What `ops.aten` routes, as a table read from `ops.aten_routes` (no torch): per public ATen op (its name
+without overload or trailing `_`), the overloads routed, whether a backward is among them, and the dtypes its
+kernels take."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ops.aten import TABLE
+from ops.aten_routes import TABLE
 
 FLOATS = "fp32,bf16,fp16,fp64"
 ALL = FLOATS + ",int,bool"
@@ -34,7 +35,7 @@ def public_name(aten: str) -> str:
 
 def rows() -> list[Row]:
     by_op: dict[str, list[str]] = {}
-    for _, aten, _ in TABLE:
+    for _, aten in TABLE:
         by_op.setdefault(public_name(aten), []).append(aten)
     out = []
     for op, overloads in sorted(by_op.items()):

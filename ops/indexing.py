@@ -7,7 +7,7 @@ mse_loss and nll_loss (forward and backward), index (`x[i]`), isin, masked_scatt
 
 Tensors are read as (outer, dim, inner) contiguous views, so a non-contiguous input is copied once (by the
 routed copy kernel). `masked_select` and `nonzero` size their output from a count (`.item()`, one sync,
-as PyTorch's do); their positions come from the scan kernel. `ATEN` holds the rows `ops.aten` routes.
+as PyTorch's do); their positions come from the scan kernel. `ATEN` holds the functions of the ATen overloads it routes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ops import pointwise_ops as pw
-from ops import reductions, scans
+from ops import pointwise_ops, reductions, scans
+from ops.pointwise_codegen import pointwise
+from ops.pointwise_ops import OPS
 from ops.settings import POINTWISE_BLOCK, warps
 
 _counter = itertools.count()
@@ -141,7 +142,7 @@ def cat(tensors, dim: int = 0) -> torch.Tensor:
     start = 0
     for t in tensors:
         if t.shape[dim]:
-            pw.OPS["copy"](t, out=out.narrow(dim, start, t.shape[dim]))
+            OPS["copy"](t, out=out.narrow(dim, start, t.shape[dim]))
         start += t.shape[dim]
     return out
 
@@ -164,7 +165,7 @@ def flip(self: torch.Tensor, dims) -> torch.Tensor:
         d = d % max(self.dim(), 1)
         size = self.shape[d] if self.dim() else 1
         out = take(out, d, arange(size - 1, -1, -1, device=self.device), per_element=False)
-    return out if out is not self else pw.OPS["copy"](self)
+    return out if out is not self else OPS["copy"](self)
 
 
 def repeat(self: torch.Tensor, repeats) -> torch.Tensor:
@@ -175,7 +176,7 @@ def repeat(self: torch.Tensor, repeats) -> torch.Tensor:
     view = view.reshape([v for s in padded for v in (1, s)]).expand([v for r, s in zip(repeats, padded, strict=True)
                                                                      for v in (r, s)])
     out = torch.empty([r * s for r, s in zip(repeats, padded, strict=True)], dtype=self.dtype, device=self.device)
-    pw.OPS["copy"](view, out=out.view(view.shape))
+    OPS["copy"](view, out=out.view(view.shape))
     return out
 
 
@@ -195,7 +196,7 @@ def _upper(x, row, col, diagonal):
     return _band(x, row, col, diagonal, False)
 
 
-_BANDS = {True: pw.pointwise()(_lower), False: pw.pointwise()(_upper)}
+_BANDS = {True: pointwise()(_lower), False: pointwise()(_upper)}
 
 
 def triangle(self: torch.Tensor, diagonal: int, lower: bool, out=None) -> torch.Tensor:
@@ -222,12 +223,12 @@ def random_(self: torch.Tensor, a: float, b: float, normal: bool) -> torch.Tenso
 def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False, *, generator=None):
     """Samples by the Gumbel-max trick: argmax(log p - log(-log u)), one draw at a time without replacement."""
     probs = self if self.dim() == 2 else self[None]
-    logp = pw.OPS["log"](probs)
+    logp = OPS["log"](probs)
     picks = []
     for _ in range(num_samples):
         u = random_(torch.empty_like(logp, dtype=torch.float32), 1e-20, 1.0, False)
-        noise = pw.OPS["neg"](pw.OPS["log"](pw.OPS["neg"](pw.OPS["log"](u))))
-        pick = reductions.arg_reduce(pw.add(logp, noise), -1, True, True)[1]
+        noise = OPS["neg"](OPS["log"](OPS["neg"](OPS["log"](u))))
+        pick = reductions.arg_reduce(pointwise_ops.add(logp, noise), -1, True, True)[1]
         picks.append(pick)
         if not replacement:
             logp = put(logp, 1, pick, torch.full_like(pick, -math.inf, dtype=logp.dtype), True, False)
@@ -237,13 +238,13 @@ def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False,
 
 def nonzero(self: torch.Tensor) -> torch.Tensor:
     """The indices of the nonzero elements (n, dim), in row-major order: positions from the scan kernel."""
-    flat = pw.OPS["ne"](self.reshape(-1), 0)
+    flat = OPS["ne"](self.reshape(-1), 0)
     position = scans.scan(flat, 0, False)
     count = int(position[-1].item()) if flat.numel() else 0
     linear = torch.empty(count, dtype=torch.int64, device=self.device)
     if count:
-        where = pw.sub(position, 1)
-        slot = pw.where(flat, where, count)  # the false ones go past the end, into a spare slot
+        where = pointwise_ops.sub(position, 1)
+        slot = pointwise_ops.where(flat, where, count)  # the false ones go past the end, into a spare slot
         spare = torch.empty(count + 1, dtype=torch.int64, device=self.device)
         _put[_grid(flat.numel())](spare, slot, arange(flat.numel(), device=self.device), flat.numel(),
                                   flat.numel(), 1, count + 1, PER_ELEMENT=True, ADD=False, BLOCK=POINTWISE_BLOCK,
@@ -251,11 +252,11 @@ def nonzero(self: torch.Tensor) -> torch.Tensor:
         linear = spare[:count]
     coords = []
     for size in reversed(self.shape or ()):
-        coords.append(pw.OPS["remainder"](linear, size))
-        linear = pw.OPS["floor_divide"](linear, size)
+        coords.append(OPS["remainder"](linear, size))
+        linear = OPS["floor_divide"](linear, size)
     out = torch.empty(count, self.dim(), dtype=torch.int64, device=self.device)
     for d, c in enumerate(reversed(coords)):
-        pw.OPS["copy"](c, out=out[:, d])
+        OPS["copy"](c, out=out[:, d])
     return out
 
 
@@ -275,7 +276,7 @@ def index_put(self, indices, values, accumulate=False, out=None):
     idx = torch.broadcast_shapes(*(i.shape for i in indices))
     linear = torch.zeros((), dtype=torch.int64, device=self.device)
     for i, size in zip(indices, lead, strict=True):
-        linear = pw.add(pw.mul(linear, size), pw.OPS["remainder"](i.expand(idx), size))
+        linear = pointwise_ops.add(pointwise_ops.mul(linear, size), OPS["remainder"](i.expand(idx), size))
     rest = self.shape[len(indices):]
     flat = self.reshape(-1, *rest) if rest else self.reshape(-1)
     values = values.expand(*idx, *rest).reshape(-1, *rest) if rest else values.expand(idx).reshape(-1)
@@ -297,7 +298,7 @@ def index(self, indices):
     shape = torch.broadcast_shapes(*(i.shape for i in indices))
     linear = torch.zeros((), dtype=torch.int64, device=self.device)
     for i, size in zip(indices, lead, strict=True):
-        linear = pw.add(pw.mul(linear, size), pw.OPS["remainder"](i.expand(shape), size))
+        linear = pointwise_ops.add(pointwise_ops.mul(linear, size), OPS["remainder"](i.expand(shape), size))
     rest = self.shape[len(indices):]
     flat = self.reshape(-1, *rest)
     return take(flat, 0, linear.reshape(-1), per_element=False).view(*shape, *rest)
@@ -311,19 +312,19 @@ def _index_fallback(self, indices):
 def isin(elements, test_elements, *, assume_unique=False, invert=False):
     """`torch.isin`: each element against every test element (elements x tests comparisons, then any)."""
     tests = test_elements.reshape(-1)
-    hit = reductions.all_any(pw.OPS["eq"](elements.unsqueeze(-1), tests), -1, False, True) if tests.numel() else \
+    hit = reductions.all_any(OPS["eq"](elements.unsqueeze(-1), tests), -1, False, True) if tests.numel() else \
         torch.zeros(elements.shape, dtype=torch.bool, device=elements.device)
-    return pw.OPS["logical_not"](hit) if invert else hit
+    return OPS["logical_not"](hit) if invert else hit
 
 
 def masked_scatter(self, mask, source):
     """`Tensor.masked_scatter`: the masked positions take source's elements in order (positions from the scan)."""
     shape = torch.broadcast_shapes(self.shape, mask.shape)
     flat_mask = mask.expand(shape).reshape(-1)
-    position = pw.sub(scans.scan(flat_mask, 0, False), 1)
-    safe = pw.where(flat_mask, position, 0)
+    position = pointwise_ops.sub(scans.scan(flat_mask, 0, False), 1)
+    safe = pointwise_ops.where(flat_mask, position, 0)
     picked = take(source.reshape(-1), 0, safe, per_element=False) if source.numel() else safe.to(self.dtype)
-    return pw.where(flat_mask, picked, self.expand(shape).reshape(-1)).view(shape)
+    return pointwise_ops.where(flat_mask, picked, self.expand(shape).reshape(-1)).view(shape)
 
 
 def masked_scatter_backward(grad_output, mask, sizes):
@@ -331,20 +332,20 @@ def masked_scatter_backward(grad_output, mask, sizes):
     selected = masked_select(grad_output, mask)
     out = _full([math.prod(sizes)], 0, dtype=grad_output.dtype, device=grad_output.device)
     if selected.numel():
-        pw.OPS["copy"](selected, out=out[:selected.numel()])
+        OPS["copy"](selected, out=out[:selected.numel()])
     return out.view(sizes)
 
 
 def native_dropout(input, p, train):
     if not train or p == 0:
-        return pw.OPS["copy"](input), torch.ones_like(input, dtype=torch.bool)
+        return OPS["copy"](input), torch.ones_like(input, dtype=torch.bool)
     u = random_(torch.empty_like(input, dtype=torch.float32, memory_format=torch.contiguous_format), 0.0, 1.0, False)
-    mask = pw.OPS["ge"](u, p)
-    return pw.OPS["dropout_backward"](input, mask, 1.0 / (1.0 - p)) if p < 1 else pw.mul(input, 0), mask
+    mask = OPS["ge"](u, p)
+    return OPS["dropout_backward"](input, mask, 1.0 / (1.0 - p)) if p < 1 else pointwise_ops.mul(input, 0), mask
 
 
 def mse_loss(self, target, reduction=1):
-    squares = pw.OPS["mse"](self, target)
+    squares = OPS["mse"](self, target)
     if reduction == 0:
         return squares
     return reductions.mean(squares) if reduction == 1 else reductions.reduce(squares, None, False, "sum")
@@ -352,14 +353,14 @@ def mse_loss(self, target, reduction=1):
 
 def mse_loss_backward(grad_output, self, target, reduction):
     scale = 1.0 / max(1, self.numel()) if reduction == 1 else 1.0
-    return pw.OPS["mse_backward"](grad_output, self, target, scale).to(self.dtype)
+    return OPS["mse_backward"](grad_output, self, target, scale).to(self.dtype)
 
 
 def _nll_parts(self, target, weight, ignore_index):
-    valid = pw.OPS["ne"](target, ignore_index)
-    safe = pw.where(valid, target, 0)
-    w = pw.where(valid, take(weight, 0, safe.reshape(-1), False).view(safe.shape), 0.0) if weight is not None else \
-        pw.where(valid, 1.0, 0.0).to(self.dtype)
+    valid = OPS["ne"](target, ignore_index)
+    safe = pointwise_ops.where(valid, target, 0)
+    w = (pointwise_ops.where(valid, take(weight, 0, safe.reshape(-1), False).view(safe.shape), 0.0)
+         if weight is not None else pointwise_ops.where(valid, 1.0, 0.0).to(self.dtype))
     return valid, safe, w
 
 
@@ -368,20 +369,20 @@ def nll_loss_forward(self, target, weight, reduction, ignore_index):
     _valid, safe, w = _nll_parts(self, target, weight, ignore_index)
     picked = take(self, classes, safe.unsqueeze(classes), True).squeeze(classes) if self.dim() > 1 else \
         take(self, 0, safe.reshape(1), False).reshape(())
-    losses = pw.OPS["neg"](pw.mul(picked, w.to(self.dtype)))
+    losses = OPS["neg"](pointwise_ops.mul(picked, w.to(self.dtype)))
     total = reductions.reduce(w, None, False, "sum", self.dtype)
     if reduction == 0:
         return losses, torch.zeros((), dtype=self.dtype, device=self.device)
     summed = reductions.reduce(losses, None, False, "sum")
-    return (pw.div(summed, total).to(self.dtype) if reduction == 1 else summed), total
+    return (pointwise_ops.div(summed, total).to(self.dtype) if reduction == 1 else summed), total
 
 
 def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
     classes = self.dim() - 1 if self.dim() > 1 else 0
     _valid, safe, w = _nll_parts(self, target, weight, ignore_index)
-    g = pw.mul(pw.OPS["neg"](w.to(torch.float32)), grad_output.float())
+    g = pointwise_ops.mul(OPS["neg"](w.to(torch.float32)), grad_output.float())
     if reduction == 1:
-        g = pw.div(g, total_weight.float())
+        g = pointwise_ops.div(g, total_weight.float())
     zero = torch.zeros_like(self)
     if self.dim() == 1:
         return put(zero, 0, safe.reshape(1), g.reshape(1).to(self.dtype), False, False)
@@ -409,11 +410,11 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
     n = rows.shape[0]
     starts = _full([n], True, dtype=torch.bool, device=self.device)
     if n > 1 and rows.shape[1]:
-        step = reductions.all_any(pw.OPS["ne"](rows[1:], rows[:-1]), 1, False, True)
-        pw.OPS["copy"](step, out=starts[1:])
+        step = reductions.all_any(OPS["ne"](rows[1:], rows[:-1]), 1, False, True)
+        OPS["copy"](step, out=starts[1:])
     elif n > 1:  # empty slices are all equal
-        pw.OPS["fill"](starts[1:], False, out=starts[1:])
-    run = pw.sub(scans.scan(starts, 0, False), 1)
+        OPS["fill"](starts[1:], False, out=starts[1:])
+    run = pointwise_ops.sub(scans.scan(starts, 0, False), 1)
     if along:
         output = take(self, d, nonzero(starts).reshape(-1), per_element=False)
     else:
@@ -431,7 +432,7 @@ def select_backward(grad_output, input_sizes, dim, index):
     """The gradient of `x.select(dim, index)`: zeros, the row's gradient copied into its place."""
     out = _full(list(input_sizes), 0, dtype=grad_output.dtype, device=grad_output.device)
     if grad_output.numel():
-        pw.OPS["copy"](grad_output, out=out.select(dim, index))
+        OPS["copy"](grad_output, out=out.select(dim, index))
     return out
 
 
@@ -444,12 +445,13 @@ def histc(self, bins=100, min=0, max=0):
     if lo == hi:
         lo, hi = lo - 1, hi + 1
     flat = self.reshape(-1)
-    inside = pw.OPS["logical_and"](pw.OPS["ge"](flat, lo), pw.OPS["le"](flat, hi))
-    where = pw.OPS["clamp"](pw.OPS["floor"](pw.mul(pw.sub(flat, lo), bins / (hi - lo))), 0, bins - 1).to(torch.int64)
+    inside = OPS["logical_and"](OPS["ge"](flat, lo), OPS["le"](flat, hi))
+    scaled = pointwise_ops.mul(pointwise_ops.sub(flat, lo), bins / (hi - lo))
+    where = OPS["clamp"](OPS["floor"](scaled), 0, bins - 1).to(torch.int64)
     counts = _full([bins + 1], 0, dtype=torch.float32, device=self.device)
     if flat.numel():  # the ones outside go to a spare bin past the end
-        counts = put(counts, 0, pw.where(inside, where, bins), _full([flat.numel()], 1.0, dtype=torch.float32,
-                                                                        device=self.device), False, True)
+        ones = _full([flat.numel()], 1.0, dtype=torch.float32, device=self.device)
+        counts = put(counts, 0, pointwise_ops.where(inside, where, bins), ones, False, True)
     return counts[:bins].to(self.dtype)
 
 
@@ -459,7 +461,7 @@ def slice_backward(grad_output, input_sizes, dim, start, end, step):
     index = [slice(None)] * len(input_sizes)
     index[dim] = slice(start, end, step)
     if grad_output.numel():
-        pw.OPS["copy"](grad_output, out=out[tuple(index)])
+        OPS["copy"](grad_output, out=out[tuple(index)])
     return out
 
 
@@ -468,69 +470,69 @@ def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=
         dtype = torch.bool if isinstance(fill_value, bool) else torch.int64 if isinstance(
             fill_value, int) else torch.get_default_dtype()
     out = torch.empty(size, dtype=dtype, device=device)
-    return pw.OPS["fill"](out, fill_value, out=out) if out.numel() else out
+    return OPS["fill"](out, fill_value, out=out) if out.numel() else out
 
 
-ATEN = [
-    ("index_select", "index_select", lambda self, dim, index: take(self, dim, index, False)),
-    ("gather", "gather", lambda self, dim, index, *, sparse_grad=False: take(self, dim, index, True)),
-    ("scatter", "scatter.src", lambda self, dim, index, src: put(self, dim, index, src, True, False)),
-    ("scatter", "scatter.value", lambda self, dim, index, value: put(
-        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False)),
-    ("scatter", "scatter_.value", lambda self, dim, index, value: put(
-        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False, out=self)),
-    ("scatter", "scatter_.src", lambda self, dim, index, src: put(self, dim, index, src, True, False, out=self)),
-    ("scatter_add", "scatter_add", lambda self, dim, index, src: put(self, dim, index, src, True, True)),
-    ("scatter_add", "scatter_add_", lambda self, dim, index, src: put(self, dim, index, src, True, True, out=self)),
-    ("index_add", "index_add", lambda self, dim, index, source, *, alpha=1: put(
-        self, dim, index, pw.mul(source, alpha) if alpha != 1 else source, False, True)),
-    ("index_add", "index_add_", lambda self, dim, index, source, *, alpha=1: put(
-        self, dim, index, pw.mul(source, alpha) if alpha != 1 else source, False, True, out=self)),
-    ("index_copy", "index_copy", lambda self, dim, index, source: put(self, dim, index, source, False, False)),
-    ("index_put", "index_put", index_put),
-    ("index_put", "index_put_", lambda self, indices, values, accumulate=False: index_put(
-        self, indices, values, accumulate, out=self)),
-    ("masked_select", "masked_select", masked_select),
-    ("nonzero", "nonzero", nonzero),
-    ("cat", "cat", cat),
-    ("flip", "flip", flip),
-    ("repeat", "repeat", repeat),
-    ("tril", "tril", lambda self, diagonal=0: triangle(self, diagonal, True)),
-    ("tril", "tril_", lambda self, diagonal=0: triangle(self, diagonal, True, out=self)),
-    ("triu", "triu", lambda self, diagonal=0: triangle(self, diagonal, False)),
-    ("triu", "triu_", lambda self, diagonal=0: triangle(self, diagonal, False, out=self)),
-    ("arange", "arange.start_step", arange),
-    ("arange", "arange.start", lambda start, end, *, dtype=None, layout=None, device=None, pin_memory=None: arange(
-        start, end, 1, dtype=dtype, device=device)),
-    ("arange", "arange", lambda end, *, dtype=None, layout=None, device=None, pin_memory=None: arange(
-        0, end, 1, dtype=dtype, device=device)),
-    ("full", "full", _full),
-    ("zeros", "zeros", lambda size, *, dtype=None, layout=None, device=None, pin_memory=None: _full(
-        size, 0, dtype=dtype or torch.get_default_dtype(), device=device)),
-    ("ones", "ones", lambda size, *, dtype=None, layout=None, device=None, pin_memory=None: _full(
-        size, 1, dtype=dtype or torch.get_default_dtype(), device=device)),
-    ("uniform_", "uniform_", lambda self, from_=0.0, to=1.0, *, generator=None: random_(self, from_, to, False)),
-    ("normal_", "normal_", lambda self, mean=0.0, std=1.0, *, generator=None: random_(self, mean, std, True)),
-    ("multinomial", "multinomial", multinomial),
-    ("exponential_", "exponential_", lambda self, lambd=1.0, *, generator=None: pw.OPS["div"](
-        pw.OPS["neg"](pw.OPS["log1p"](pw.OPS["neg"](random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0,
-                                                              False)))), lambd, out=self)),
-    ("index", "index.Tensor", index),
-    ("isin", "isin.Tensor_Tensor", isin),
-    ("masked_scatter", "masked_scatter", masked_scatter),
-    ("masked_scatter", "masked_scatter_", lambda self, mask, source: pw.OPS["copy"](
-        masked_scatter(self, mask, source), out=self)),
-    ("masked_scatter", "masked_scatter_backward", masked_scatter_backward),
-    ("bernoulli_", "bernoulli_.float", lambda self, p=0.5, *, generator=None: pw.OPS["lt"](
-        random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0, False), p, out=self)),
-    ("dropout", "native_dropout", native_dropout),
-    ("dropout", "native_dropout_backward", lambda grad_output, mask, scale: pw.OPS["dropout_backward"](
-        grad_output, mask, scale).to(grad_output.dtype)),
-    ("slice_backward", "slice_backward", slice_backward),
-    ("histc", "histc", histc),
-    ("repeat_interleave", "repeat_interleave.Tensor", repeat_interleave),
-    ("unique_consecutive", "unique_consecutive", unique_consecutive),
-    ("select_backward", "select_backward", select_backward),
-    ("mse_loss", "mse_loss", mse_loss), ("mse_loss", "mse_loss_backward", mse_loss_backward),
-    ("nll_loss", "nll_loss_forward", nll_loss_forward), ("nll_loss", "nll_loss_backward", nll_loss_backward),
-]
+ATEN = {
+    "index_select": lambda self, dim, index: take(self, dim, index, False),
+    "gather": lambda self, dim, index, *, sparse_grad=False: take(self, dim, index, True),
+    "scatter.src": lambda self, dim, index, src: put(self, dim, index, src, True, False),
+    "scatter.value": lambda self, dim, index, value: put(
+        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False),
+    "scatter_.value": lambda self, dim, index, value: put(
+        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False, out=self),
+    "scatter_.src": lambda self, dim, index, src: put(self, dim, index, src, True, False, out=self),
+    "scatter_add": lambda self, dim, index, src: put(self, dim, index, src, True, True),
+    "scatter_add_": lambda self, dim, index, src: put(self, dim, index, src, True, True, out=self),
+    "index_add": lambda self, dim, index, source, *, alpha=1: put(
+        self, dim, index, pointwise_ops.mul(source, alpha) if alpha != 1 else source, False, True),
+    "index_add_": lambda self, dim, index, source, *, alpha=1: put(
+        self, dim, index, pointwise_ops.mul(source, alpha) if alpha != 1 else source, False, True, out=self),
+    "index_copy": lambda self, dim, index, source: put(self, dim, index, source, False, False),
+    "index_put": index_put,
+    "index_put_": lambda self, indices, values, accumulate=False: index_put(
+        self, indices, values, accumulate, out=self),
+    "masked_select": masked_select,
+    "nonzero": nonzero,
+    "cat": cat,
+    "flip": flip,
+    "repeat": repeat,
+    "tril": lambda self, diagonal=0: triangle(self, diagonal, True),
+    "tril_": lambda self, diagonal=0: triangle(self, diagonal, True, out=self),
+    "triu": lambda self, diagonal=0: triangle(self, diagonal, False),
+    "triu_": lambda self, diagonal=0: triangle(self, diagonal, False, out=self),
+    "arange.start_step": arange,
+    "arange.start": lambda start, end, *, dtype=None, layout=None, device=None, pin_memory=None: arange(
+        start, end, 1, dtype=dtype, device=device),
+    "arange": lambda end, *, dtype=None, layout=None, device=None, pin_memory=None: arange(
+        0, end, 1, dtype=dtype, device=device),
+    "full": _full,
+    "zeros": lambda size, *, dtype=None, layout=None, device=None, pin_memory=None: _full(
+        size, 0, dtype=dtype or torch.get_default_dtype(), device=device),
+    "ones": lambda size, *, dtype=None, layout=None, device=None, pin_memory=None: _full(
+        size, 1, dtype=dtype or torch.get_default_dtype(), device=device),
+    "uniform_": lambda self, from_=0.0, to=1.0, *, generator=None: random_(self, from_, to, False),
+    "normal_": lambda self, mean=0.0, std=1.0, *, generator=None: random_(self, mean, std, True),
+    "multinomial": multinomial,
+    "exponential_": lambda self, lambd=1.0, *, generator=None: OPS["div"](
+        OPS["neg"](OPS["log1p"](OPS["neg"](random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0,
+                                                              False)))), lambd, out=self),
+    "index.Tensor": index,
+    "isin.Tensor_Tensor": isin,
+    "masked_scatter": masked_scatter,
+    "masked_scatter_": lambda self, mask, source: OPS["copy"](
+        masked_scatter(self, mask, source), out=self),
+    "masked_scatter_backward": masked_scatter_backward,
+    "bernoulli_.float": lambda self, p=0.5, *, generator=None: OPS["lt"](
+        random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0, False), p, out=self),
+    "native_dropout": native_dropout,
+    "native_dropout_backward": lambda grad_output, mask, scale: OPS["dropout_backward"](
+        grad_output, mask, scale).to(grad_output.dtype),
+    "slice_backward": slice_backward,
+    "histc": histc,
+    "repeat_interleave.Tensor": repeat_interleave,
+    "unique_consecutive": unique_consecutive,
+    "select_backward": select_backward,
+    "mse_loss": mse_loss, "mse_loss_backward": mse_loss_backward,
+    "nll_loss_forward": nll_loss_forward, "nll_loss_backward": nll_loss_backward,
+}

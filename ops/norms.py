@@ -276,7 +276,7 @@ def _group_xhat_grad(g, x, mean, rstd):
 
 
 def _group_ops():
-    from ops.pointwise import pointwise
+    from ops.pointwise_codegen import pointwise
 
     return pointwise()(_group_affine), pointwise(promote="float")(_group_xhat_grad)
 
@@ -321,11 +321,11 @@ def _native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, 
 
 # On CPU, `rms_norm` is decomposed by PyTorch before any backend (into pow, mean, rsqrt, mul: all routed);
 # on CUDA it reaches `_fused_rms_norm`.
-ATEN = [
-    ("native_layer_norm", "native_layer_norm", _native_layer_norm),
-    ("native_layer_norm", "native_layer_norm_backward", _native_layer_norm_backward),
-    ("_fused_rms_norm", "_fused_rms_norm", _fused_rms_norm),
-    ("_fused_rms_norm", "_fused_rms_norm_backward", _fused_rms_norm_backward),
-    ("native_group_norm", "native_group_norm", _native_group_norm),
-    ("native_group_norm", "native_group_norm_backward", _native_group_norm_backward),
-]
+ATEN = {
+    "native_layer_norm": _native_layer_norm,
+    "native_layer_norm_backward": _native_layer_norm_backward,
+    "_fused_rms_norm": _fused_rms_norm,
+    "_fused_rms_norm_backward": _fused_rms_norm_backward,
+    "native_group_norm": _native_group_norm,
+    "native_group_norm_backward": _native_group_norm_backward,
+}

@@ -7,7 +7,7 @@ Three kernels share that layout: `_row_reduce` (sum, prod, max, min: what `KIND`
 value and the first index of the max or min: argmax, argmin, max.dim, min.dim) and `_row_moments` (two
 passes over each row: var/std with their mean, logsumexp). The ops built on them: `sum`, `mean`, `prod`,
 `amax`, `amin`, `argmax`, `argmin`, `var`, `std`, `var_mean`, `std_mean`, `all`, `any`, `logsumexp`,
-`vector_norm`, `count_nonzero`, `nansum`; `ATEN` holds the rows `ops.aten` routes. `ops.sum` is
+`vector_norm`, `count_nonzero`, `nansum`; `ATEN` holds the functions of the ATen overloads it routes. `ops.sum` is
 differentiable (its backward is an expand, a view); under `ops.enable()` PyTorch's own derivative formulas
 call the routed forward ops.
 """
@@ -355,35 +355,34 @@ def _norm(self, p=2, dim=None, keepdim=False, *, dtype=None):
     return vector_norm(self, 2 if p is None else p, _dim_list(dim), keepdim, dtype)
 
 
-ATEN = [
-    ("sum", "sum", lambda self, *, dtype=None: reduce(self, None, False, "sum", dtype)),
-    ("sum", "sum.dim_IntList", lambda self, dim, keepdim=False, *, dtype=None: reduce(self, dim, keepdim, "sum",
-                                                                                       dtype)),
-    ("mean", "mean", lambda self, *, dtype=None: mean(self, None, False, dtype)),
-    ("mean", "mean.dim", lambda self, dim, keepdim=False, *, dtype=None: mean(self, dim, keepdim, dtype)),
-    ("prod", "prod", lambda self, *, dtype=None: reduce(self, None, False, "prod", dtype)),
-    ("prod", "prod.dim_int", lambda self, dim, keepdim=False, *, dtype=None: reduce(self, dim, keepdim, "prod",
-                                                                                     dtype)),
-    ("amax", "amax", lambda self, dim=(), keepdim=False: reduce(self, dim, keepdim, "max")),
-    ("amin", "amin", lambda self, dim=(), keepdim=False: reduce(self, dim, keepdim, "min")),
-    ("max", "max", _extreme("max")[0]), ("max", "max.dim", _extreme("max")[1]),
-    ("min", "min", _extreme("min")[0]), ("min", "min.dim", _extreme("min")[1]),
-    ("argmax", "argmax", _arg(True)), ("argmin", "argmin", _arg(False)),
-    ("var", "var.correction", _var), ("std", "std.correction", _std),
-    ("var_mean", "var_mean.correction", _var_mean), ("std_mean", "std_mean.correction", _std_mean),
-    ("all", "all", lambda self: all_any(self, None, False, False)),
-    ("all", "all.dim", lambda self, dim, keepdim=False: all_any(self, dim, keepdim, False)),
-    ("all", "all.dims", lambda self, dim=None, keepdim=False: all_any(self, dim, keepdim, False)),
-    ("any", "any", lambda self: all_any(self, None, False, True)),
-    ("any", "any.dim", lambda self, dim, keepdim=False: all_any(self, dim, keepdim, True)),
-    ("any", "any.dims", lambda self, dim=None, keepdim=False: all_any(self, dim, keepdim, True)),
-    ("logsumexp", "logsumexp", lambda self, dim, keepdim=False: moments(self, dim, keepdim, lse=True)[0]),
-    ("norm", "norm.Scalar", lambda self, p=2: vector_norm(self, p)),
-    ("norm", "norm.ScalarOpt_dim", lambda self, p, dim, keepdim=False: _norm(self, p, dim, keepdim)),
-    ("norm", "norm.ScalarOpt_dim_dtype", lambda self, p, dim, keepdim, *, dtype: _norm(self, p, dim, keepdim,
-                                                                                        dtype=dtype)),
-    ("nansum", "nansum", _nansum),
-    ("count_nonzero", "count_nonzero", _count_nonzero), ("count_nonzero", "count_nonzero.dim_IntList",
-                                                        _count_nonzero),
-    ("aminmax", "aminmax", _aminmax),
-]
+ATEN = {
+    "sum": lambda self, *, dtype=None: reduce(self, None, False, "sum", dtype),
+    "sum.dim_IntList": lambda self, dim, keepdim=False, *, dtype=None: reduce(self, dim, keepdim, "sum",
+                                                                                       dtype),
+    "mean": lambda self, *, dtype=None: mean(self, None, False, dtype),
+    "mean.dim": lambda self, dim, keepdim=False, *, dtype=None: mean(self, dim, keepdim, dtype),
+    "prod": lambda self, *, dtype=None: reduce(self, None, False, "prod", dtype),
+    "prod.dim_int": lambda self, dim, keepdim=False, *, dtype=None: reduce(self, dim, keepdim, "prod",
+                                                                                     dtype),
+    "amax": lambda self, dim=(), keepdim=False: reduce(self, dim, keepdim, "max"),
+    "amin": lambda self, dim=(), keepdim=False: reduce(self, dim, keepdim, "min"),
+    "max": _extreme("max")[0], "max.dim": _extreme("max")[1],
+    "min": _extreme("min")[0], "min.dim": _extreme("min")[1],
+    "argmax": _arg(True), "argmin": _arg(False),
+    "var.correction": _var, "std.correction": _std,
+    "var_mean.correction": _var_mean, "std_mean.correction": _std_mean,
+    "all": lambda self: all_any(self, None, False, False),
+    "all.dim": lambda self, dim, keepdim=False: all_any(self, dim, keepdim, False),
+    "all.dims": lambda self, dim=None, keepdim=False: all_any(self, dim, keepdim, False),
+    "any": lambda self: all_any(self, None, False, True),
+    "any.dim": lambda self, dim, keepdim=False: all_any(self, dim, keepdim, True),
+    "any.dims": lambda self, dim=None, keepdim=False: all_any(self, dim, keepdim, True),
+    "logsumexp": lambda self, dim, keepdim=False: moments(self, dim, keepdim, lse=True)[0],
+    "norm.Scalar": lambda self, p=2: vector_norm(self, p),
+    "norm.ScalarOpt_dim": lambda self, p, dim, keepdim=False: _norm(self, p, dim, keepdim),
+    "norm.ScalarOpt_dim_dtype": lambda self, p, dim, keepdim, *, dtype: _norm(self, p, dim, keepdim,
+                                                                                        dtype=dtype),
+    "nansum": _nansum,
+    "count_nonzero": _count_nonzero, "count_nonzero.dim_IntList": _count_nonzero,
+    "aminmax": _aminmax,
+}

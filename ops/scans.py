@@ -2,10 +2,10 @@
 
 The scanned dimension is moved last (a copy only when it is not innermost); each program walks one row in
 blocks, scanning each block with `tl.associative_scan` and carrying the running total into the next, in fp32
-(fp64 for fp64, int64 for integers and bools, whose results are int64 as PyTorch's). `ATEN` holds the rows
-`ops.aten` routes: `cumsum`, `cumprod` and their in-place forms, and `cummax`/`cummin` (`_row_scan_arg`: the
-running extreme with its index, scanned as pairs: a later equal value wins, a NaN stays); their backwards
-are PyTorch's formulas, which call the routed ops.
+(fp64 for fp64, int64 for integers and bools, whose results are int64 as PyTorch's). `ATEN` holds the
+functions of the ATen overloads it routes: `cumsum`, `cumprod` and their in-place forms, and `cummax`/`cummin`
+(`_row_scan_arg`: the running extreme with its index, scanned as pairs: a later equal value wins, a NaN stays);
+their backwards are PyTorch's formulas, which call the routed ops.
 """
 
 from __future__ import annotations
@@ -124,11 +124,11 @@ def scan(x: torch.Tensor, dim: int, prod: bool, dtype: torch.dtype | None = None
     return result
 
 
-ATEN = [
-    ("cumsum", "cumsum", lambda self, dim, *, dtype=None: scan(self, dim, False, dtype)),
-    ("cumsum", "cumsum_", lambda self, dim, *, dtype=None: scan(self, dim, False, dtype, out=self)),
-    ("cumprod", "cumprod", lambda self, dim, *, dtype=None: scan(self, dim, True, dtype)),
-    ("cumprod", "cumprod_", lambda self, dim, *, dtype=None: scan(self, dim, True, dtype, out=self)),
-    ("cummax", "cummax", lambda self, dim: scan_arg(self, dim, True)),
-    ("cummin", "cummin", lambda self, dim: scan_arg(self, dim, False)),
-]
+ATEN = {
+    "cumsum": lambda self, dim, *, dtype=None: scan(self, dim, False, dtype),
+    "cumsum_": lambda self, dim, *, dtype=None: scan(self, dim, False, dtype, out=self),
+    "cumprod": lambda self, dim, *, dtype=None: scan(self, dim, True, dtype),
+    "cumprod_": lambda self, dim, *, dtype=None: scan(self, dim, True, dtype, out=self),
+    "cummax": lambda self, dim: scan_arg(self, dim, True),
+    "cummin": lambda self, dim: scan_arg(self, dim, False),
+}

@@ -127,8 +127,8 @@ def _topk(self, k, dim=-1, largest=True, sorted=True):
     return sort(self, dim, largest, k)
 
 
-ATEN = [
-    ("sort", "sort", lambda self, dim=-1, descending=False: sort(self, dim, descending)),
-    ("sort", "sort.stable", _sort_stable),
-    ("topk", "topk", _topk),
-]
+ATEN = {
+    "sort": lambda self, dim=-1, descending=False: sort(self, dim, descending),
+    "sort.stable": _sort_stable,
+    "topk": _topk,
+}

@@ -101,17 +101,21 @@ def test_the_loop_routes_what_the_kernels_section_names_and_releases_it():
             assert ops.registered() == [], overrides
 
 
-def test_the_configs_names_are_the_aten_tables():
-    """trainer/config (no torch) names the ATen ops ops.aten routes: the same names, ours and ATen's."""
-    from ops.aten import NAMES, TABLE
-    from trainer.config import ATEN_OPS, ATEN_OVERLOADS
+def test_the_routing_is_built_from_the_table_the_config_reads():
+    """ops.aten routes exactly the overloads of ops.aten_routes, the table trainer/config (no torch) checks
+    kernels.include/exclude against, and reading that table loads neither torch nor triton."""
+    import subprocess
+    import sys
 
-    assert set(ATEN_OPS) == {public for public, _, _ in TABLE}
-    assert set(ATEN_OPS) | set(ATEN_OVERLOADS) == set(NAMES)
-    from ops.__main__ import _names
+    from ops.aten import OPS
+    from ops.aten_routes import NAMES, TABLE
 
-    assert (REPO / "trainer/config/aten_names.py").read_text() == _names(), "run: python -m ops names > " \
-        "trainer/config/aten_names.py"
+    assert list(OPS) == [aten for _, aten in TABLE] and set(NAMES) >= set(OPS)
+    probe = ("import sys, ops, trainer.config.kernels; "
+             "print(' '.join(m for m in sys.modules if m in ('torch', 'triton') or m.startswith('ops')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.split()
+    assert loaded == ["ops", "ops.aten_routes"]
 
 
 def test_coverage_refuses_bad_arguments_before_any_work(capsys):

@@ -14,7 +14,7 @@ dataclass with a `check()` method, and a field of `Config`.
 
 from trainer.config.data import CACHE_KEYS, CacheConfig, DataConfig
 from trainer.config.degrees import Degrees, mesh_degrees
-from trainer.config.kernels import ATEN_OPS, ATEN_OVERLOADS, TRITON_OPS, aten_ops
+from trainer.config.kernels import TRITON_OPS, aten_ops
 from trainer.config.model import ModelConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.precision import torch_dtype
@@ -24,8 +24,6 @@ from trainer.config.strategy import StrategyConfig
 from trainer.errors import ConfigError
 
 __all__ = [
-    "ATEN_OPS",
-    "ATEN_OVERLOADS",
     "CACHE_KEYS",
     "SCHEMAS",
     "TRITON_OPS",

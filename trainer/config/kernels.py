@@ -1,8 +1,8 @@
 """The `kernels` section: PyTorch's kernels, or which Triton kernels of ops/ the run uses
 (`kernels=torch|triton`): the model's five fused functions (`TRITON_OPS`) and, with `kernels.aten=true`,
 the ATen ops `ops.enable()` routes during the training step and eval (`ATEN_OPS`, or one of their ATen
-overloads, `ATEN_OVERLOADS`). No torch here: the names are those of `ops.aten.NAMES`
-(tests/ops/test_coverage.py keeps the two the same)."""
+overloads). No torch here: the names are read from ops' own table, `ops.aten_routes` (plain data; `import ops`
+loads no torch)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from trainer.config.aten_names import ATEN_OPS, ATEN_OVERLOADS
+from ops.aten_routes import ATEN_OPS, NAMES
 from trainer.config.checks import one_of, read_by, require
 
 KERNELS = ("torch", "triton")
@@ -30,15 +30,14 @@ class KernelsConfig:
 
     def check(self) -> None:
         one_of("kernels.name", self.name, KERNELS)
-        aten = ATEN_OPS + ATEN_OVERLOADS
         for key in ("include", "exclude"):
             names = list(getattr(self, key) or [])
-            unknown = [op for op in names if op not in TRITON_OPS + aten]
+            unknown = [op for op in names if op not in TRITON_OPS and op not in NAMES]
             require(not unknown, f"kernels.{key}", names,
                     f"{', '.join(unknown)} unknown: the model's ops are {', '.join(TRITON_OPS)}; the ATen ops "
                     f"(kernels.aten=true) are the {len(ATEN_OPS)} that `python -m ops list` prints (add, mm, "
                     f"softmax, ...), or an ATen overload of one (add.Tensor, mm.out, ...)")
-        included_aten = [op for op in self.include or [] if op in aten]
+        included_aten = [op for op in self.include or [] if op in NAMES]
         require(self.aten or not included_aten, "kernels.include", list(self.include or []),
                 f"{', '.join(included_aten)}: ATen ops, routed only with kernels.aten=true")
         if self.name == "triton":
@@ -53,8 +52,7 @@ def aten_ops(cfg) -> tuple[list[str] | None, list[str]] | None:
     None when no ATen op is routed (kernels=torch, kernels.aten=false, or an include of model ops only)."""
     if cfg.name != "triton" or not getattr(cfg, "aten", True):
         return None
-    aten = ATEN_OPS + ATEN_OVERLOADS
-    include = [op for op in cfg.include if op in aten] if cfg.include else None
+    include = [op for op in cfg.include if op in NAMES] if cfg.include else None
     if include == []:
         return None
-    return include, [op for op in cfg.exclude or [] if op in aten]
+    return include, [op for op in cfg.exclude or [] if op in NAMES]

@@ -47,7 +47,7 @@ def test_activations_generated(name, shape, dtype, transpose):
 def test_gated_backward_is_one_launch(monkeypatch):
     import sys
 
-    module = sys.modules["ops.pointwise"]
+    module = sys.modules["ops.pointwise_codegen"]
     launches = []
 
     def counted(launch):

@@ -40,9 +40,10 @@ def test_addmm_generated(m, k, n, dtype, bias, transposed, tf32):
 
 
 def test_addmm_settings_use_large_tiles_for_large_products():
-    from ops.blas import _precision, _settings
+    from ops.blas import _precision
+    from ops.settings import matmul_settings
 
-    big = _settings(4096, 4096, 4096, torch.bfloat16)
+    big = matmul_settings(4096, 4096, 4096, torch.bfloat16)
     assert (big["BM"], big["BN"], big["BK"], big["num_warps"]) == (128, 256, 64, 8)
     before = torch.backends.cuda.matmul.allow_tf32
     try:

@@ -85,7 +85,7 @@ def _kernel(name: str):
     kinds, outputs, rank = match.group(1), int(match.group(2)), int(match.group(3))
     source = _source(kinds, outputs, rank)
     # Triton reads a kernel's source through `inspect`: give the generated text a file name of its own.
-    filename = f"<ops.pointwise {name}>"
+    filename = f"<ops.pointwise_codegen {name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {"tl": tl, "__name__": __name__}
     exec(compile(source, filename, "exec"), namespace)
