@@ -6,6 +6,7 @@ loads no torch)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from omegaconf import MISSING
@@ -40,11 +41,10 @@ class KernelsConfig:
         included_aten = [op for op in self.include or [] if op in NAMES]
         require(self.aten or not included_aten, "kernels.include", list(self.include or []),
                 f"{', '.join(included_aten)}: ATen ops, routed only with kernels.aten=true")
-        if self.name == "triton":
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                require(False, "kernels", "triton", "needs the triton package: pip install triton")
+        # Found, not imported: Triton fixes at import whether its own functions are interpreted (TRITON_INTERPRET),
+        # and the driver loads no kernel library.
+        require(self.name != "triton" or importlib.util.find_spec("triton") is not None, "kernels", "triton",
+                "needs the triton package: pip install triton")
 
 
 def aten_ops(cfg) -> tuple[list[str] | None, list[str]] | None:
