@@ -1,6 +1,6 @@
 """The launcher interface (`render(spec)`, `launch(spec) -> Job`, `jobs()`, `job(name)`; the Client's verbs on it
-are `launchers.backend.Backend`'s), the launch spec every launcher receives, and `node_command`: the one way a launcher asks the spec's runtime how a node's
-ranks start (the runtime builds it: `trainjob.runtimes`).
+are `launchers.backend.Backend`'s), the launch spec every launcher receives, and `node_command`: the one way a
+launcher asks the spec's runtime how a node's ranks start (the runtime builds it: `trainjob.runtimes`).
 """
 
 from __future__ import annotations

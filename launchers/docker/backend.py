@@ -42,7 +42,6 @@ from launchers.base import (
     Job,
     JobInfo,
     JobState,
-    Launcher,
     LauncherError,
     LaunchSpec,
     PollingJob,

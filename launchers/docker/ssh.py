@@ -24,6 +24,7 @@ from typing import Any
 
 from launchers.base import LauncherError
 from trainjob.runtimes import Runtime
+
 # The exit code of the key container (or of a job's check container) where the image lacks what the job's containers
 # run: OpenMPI, sshd, or the runtime's modules and libraries (its one line says which).
 NO_MPI = 3

@@ -26,7 +26,6 @@ from launchers.base import (
     Job,
     JobInfo,
     JobState,
-    Launcher,
     LauncherError,
     LaunchSpec,
     PollingJob,

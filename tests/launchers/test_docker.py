@@ -393,7 +393,8 @@ def test_an_elastic_run_has_its_rendezvous_store_in_a_container_of_its_own(tmp_p
     cmds = commands(run)
     store, nodes = cmds[1], cmds[2:]
     assert store[store.index("--name") + 1] == f"{name}-rdzv"
-    assert store[store.index("me/trainjob:1") + 1:] == ["python", "-m", "trainjob.runtimes.torch_distributed.rendezvous", f"0.0.0.0:{RDZV_PORT}"]
+    agent = ["python", "-m", "trainjob.runtimes.torch_distributed.rendezvous"]
+    assert store[store.index("me/trainjob:1") + 1:] == [*agent, f"0.0.0.0:{RDZV_PORT}"]
     assert len(nodes) == 3
     for cmd in nodes:
         tail = cmd[cmd.index("me/trainjob:1") + 1:]

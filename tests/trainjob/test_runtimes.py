@@ -42,8 +42,8 @@ def test_torchrun_on_one_node_is_standalone_and_several_meet_at_the_endpoint():
     unit = runtimes.get("torch-distributed")
     one = unit.node_command(_options("torch-distributed"), Nodes(WORKER, python="py", nproc_per_node=2,
                                                                    worker="trainer.worker"))
-    assert one == ["py", "-m", "trainjob.runtimes.torch_distributed.torchrun", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=0",
-                   "--monitor-interval=1.0", "--standalone", *WORKER]
+    assert one == ["py", "-m", "trainjob.runtimes.torch_distributed.torchrun", "--nproc-per-node=2", "--nnodes=1",
+                   "--max-restarts=0", "--monitor-interval=1.0", "--standalone", *WORKER]
     elastic = unit.node_command(_options("torch-distributed"), Nodes(
         ["script.py"], nnodes=4, min_nodes=2, endpoint="store:29400", store_apart=True))
     assert elastic[:3] == ["python", "-m", "torch.distributed.run"] and "--nnodes=2:4" in elastic

@@ -7,8 +7,8 @@ other. Each runtime is one module of `trainjob/runtimes/` holding its subclass a
   the checkpoints, the data cache and this machine (`check_run`, given the `RunFacts` it reads);
 - how one node's processes start (`node_command`: the agent's command line, `agent_env`: its environment; an
   elastic run's rendezvous store, `store_command`; the SSH hosts of a runtime that starts every node's ranks from
-  one launcher, `ssh_hosts`) and the environment contract its ranks read (`rank_env`: its variables as torch.distributed's env://
-  names, so that a rank joins the process group the same way under every runtime);
+  one launcher, `ssh_hosts`) and the environment contract its ranks read (`rank_env`: its variables as
+  torch.distributed's env:// names, so that a rank joins the process group the same way under every runtime);
 - what it can do (`elastic`, `restarts`, `function_jobs`, `strategies`, `hosts_over_ssh`);
 - the Kubeflow Trainer runtime it maps to (`runtime_ref`, `framework`, `ml_policy`), and how the Client
   describes it (`describe`: a `RuntimeInfo`, as Kubeflow's SDK says of a runtime).

@@ -6,10 +6,11 @@ Kubernetes the TrainJob names the shipped ClusterTrainingRuntime itself (as Kube
 sets the environment.
 
 Locally a job's "nodes" are processes on this machine: `ProcessPerNode` starts one per node under its agent
-`procs` here (`python -m trainjob.runtimes.function.procs`) with the environment Kubeflow's plugin gives each pod (JAX, XGBoost), `MPIFunction` starts
-every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI plugin sets (MLX). On Docker every node is
-a container: `ProcessPerNode` runs the node's one process there, meeting at node 0's container on port 29500;
-`MPIFunction` runs as runtime=mpi does, from a launcher container over SSH.
+`procs` here (`python -m trainjob.runtimes.function.procs`) with the environment Kubeflow's plugin gives each pod
+(JAX, XGBoost), `MPIFunction` starts every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI
+plugin sets (MLX). On Docker every node is a container: `ProcessPerNode` runs the node's one process there,
+meeting at node 0's container on port 29500; `MPIFunction` runs as runtime=mpi does, from a launcher container over
+SSH.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def serve(host: str, port: int, run_dir: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m trainjob.runtimes.torch_distributed.rendezvous", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m trainjob.runtimes.torch_distributed.rendezvous",
+                      description=__doc__.splitlines()[0])
     p.add_argument("endpoint", help="HOST:PORT to serve at")
     p.add_argument("--run-dir", help="end once no node of this run directory holds its slot")
     args = p.parse_args(argv)
