@@ -38,7 +38,7 @@ def _agent(run_dir: str) -> int:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"launchers.torchrun" in argv and run_dir.encode() in b" ".join(argv):
+        if b"trainjob.runtimes.torch_distributed.torchrun" in argv and run_dir.encode() in b" ".join(argv):
             return int(pid)
     raise RuntimeError(f"no torchrun agent for {run_dir}")
 

@@ -90,13 +90,6 @@ def partition(rows: int, index: int, total: int) -> tuple[int, int] | None:
     return (start, min(start + size, rows) - 1) if start < rows else None
 
 
-def client_partition(rank: int, world_size: int, worker: int, workers: int, seed: int) -> tuple[int, int]:
-    """(index, total) that Kubeflow's DataCacheDataset asks for in DataLoader worker `worker` of `workers` on
-    rank `rank` of `world_size`, with its seed (`set_epoch(e)` adds `e` to it)."""
-    total = workers * world_size
-    return (worker * world_size + rank + seed) % total, total
-
-
 def find_runs(rows: int, holders: Callable[[int, int], list[str]]) -> list[tuple[int, int, str]]:
     """Which worker holds which rows of a table of `rows` rows, learned from the head alone: runs `(first,
     after the last, worker location)` covering `[0, rows)` in order, neighbours with the same worker merged.

@@ -1,6 +1,6 @@
-"""The launcher interface (`render(spec)`, `launch(spec) -> Job`, `list_jobs()`, `job(name)`), the launch
-spec every launcher receives, and `node_command`: the one way a launcher asks the spec's runtime how a node's
-ranks start (the runtime builds it: `trainjob.runtimes`).
+"""The launcher interface (`render(spec)`, `launch(spec) -> Job`, `jobs()`, `job(name)`; the Client's verbs on it
+are `launchers.backend.Backend`'s), the launch spec every launcher receives, and `node_command`: the one way a
+launcher asks the spec's runtime how a node's ranks start (the runtime builds it: `trainjob.runtimes`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from trainjob.files import write_whole
 from trainjob.options import OptionError as OptionError
 from trainjob.options import require as require
 from trainjob.run_files import read_summary
-from trainjob.runtimes import Nodes, mpi
+from trainjob.runtimes import UNKNOWN, Nodes
 
 
 class LauncherError(RuntimeError):
@@ -77,27 +77,31 @@ class CacheNodes:
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    """The runtime that starts the ranks (`trainjob.runtimes`, by name) and its options (the run's `runtime`
-    section, as a mapping); `of` fills in the runtime's defaults."""
+    """The runtime that starts the ranks (`unit`: its `trainjob.runtimes.Runtime`, looked up once by whoever
+    made the spec) and its options (the run's `runtime` section, as a mapping); `of` looks it up by name and
+    fills in its defaults."""
 
-    name: str
+    unit: runtimes.Runtime
     options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str = "torch-distributed", options: dict[str, Any] | None = None) -> RuntimeSpec:
-        return cls(name, {**asdict(runtimes.get(name).schema()), **(options or {})})
+        unit = runtimes.get(name)
+        return cls(unit, {**asdict(unit.schema()), **(options or {})})
 
     @property
-    def unit(self) -> runtimes.Runtime:
-        return runtimes.get(self.name)
+    def name(self) -> str:
+        return self.unit.name
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
     """What to start, and nothing of what it trains: run `command` (the interpreter's arguments, such as
     `-m trainer.worker <run_dir>/config.yaml`) on `nnodes` nodes, `nproc_per_node` processes each under
-    torchrun (`torchrun` None: one process, no torchrun), with `env` and `secrets` (environment variables
-    that are never written or printed) in its environment.
+    `runtime` (None: one process, no runtime), with `env` and `secrets` (environment variables that are never
+    written or printed) in its environment. `worker`: the module `command` runs where it is the trainer's worker
+    (`trainer.__main__` names it), so that the runtime starts it under the agent that passes a rank's exit code on;
+    None: a user's script (a function job).
 
     `config` is the document the command reads, saved at `config_path` in `run_dir`; launchers never look
     inside it, except that one whose nodes do not share this machine's disk (Kubernetes) ships it and
@@ -132,6 +136,7 @@ class LaunchSpec:
     # pip requirements installed where the ranks run before they start (a function job's packages_to_install):
     # locally into a virtual environment of the job's own (`launchers.packages`), on Kubernetes once per node.
     packages: tuple[str, ...] = ()
+    worker: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -163,7 +168,7 @@ def node_command(spec: LaunchSpec, python: str, endpoint: str | None = None, hos
     where each runs on a host of its own."""
     nodes = Nodes(command=list(spec.command), python=python, nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
                   min_nodes=spec.min_nodes, endpoint=endpoint, store_apart=store_apart(spec), hosts=hosts,
-                  env_names=env_names, node=node)
+                  env_names=env_names, node=node, worker=spec.worker)
     return spec.runtime.unit.node_command(spec.runtime.options, nodes)
 
 
@@ -174,9 +179,6 @@ def run_name(run_dir: str, max_len: int = 52) -> str:
     base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(run_dir).lower()).strip("-")
     suffix = hashlib.sha256(run_dir.encode()).hexdigest()[:8]
     return f"tj-{base}"[: max_len - len(suffix) - 1].rstrip("-") + "-" + suffix
-
-
-UNKNOWN = "Unknown"  # Kubeflow SDK's word for what a launcher cannot say
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,7 @@ def step_ranks(spec: LaunchSpec) -> dict[str, list[int] | None]:
     if unit is None or not unit.hosts_over_ssh:
         return {"node-0": None} if spec.nnodes == 1 else {f"node-{i}": ranks(i) for i in range(spec.nnodes)}
     as_node = bool(spec.runtime.options.get("run_launcher_as_node", True))
-    hosts = mpi.node_hosts(spec.nnodes, as_node)
+    hosts = unit.ssh_hosts().node_hosts(spec.nnodes, as_node)
     return {"node-0": None, **{f"node-{i + 1}": ranks(i + as_node) for i in range(hosts)}}
 
 
@@ -293,7 +295,7 @@ class PollingJob(Job):
 
 class Launcher(ABC):
     """A place where jobs run. `render` says what `launch` would start (a dry run prints it); `launch`
-    starts it and returns its Job; `list_jobs` and `job` find the jobs there, also those another process
+    starts it and returns its Job; `jobs` and `job` find the jobs there, also those another process
     started."""
 
     name: str
@@ -305,7 +307,7 @@ class Launcher(ABC):
     def launch(self, spec: LaunchSpec) -> Job: ...
 
     @abstractmethod
-    def list_jobs(self) -> list[Job]: ...
+    def jobs(self) -> list[Job]: ...
 
     @abstractmethod
     def job(self, name: str) -> Job:

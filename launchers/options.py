@@ -4,9 +4,12 @@ rules (`options`) apart from its backend; this module only chooses among them.""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping
 from typing import Any
+
+from omegaconf import MISSING
 
 from launchers.base import Launcher, OptionError
 from launchers.docker.options import DockerLauncherConfig
@@ -34,8 +37,8 @@ def _module(name: str, part: str):
 def check(
     options: Mapping[str, Any], scheduler: Mapping[str, Any], nnodes: int | None, paths: Mapping[str, str]
 ) -> None:
-    """The launcher's and the scheduler's rules for a job of `nnodes` nodes under torchrun (None: one
-    process, no torchrun) whose config keys `paths` hold host paths; raises OptionError."""
+    """The launcher's and the scheduler's rules for a job of `nnodes` nodes under a runtime (None: one
+    process, no runtime) whose config keys `paths` hold host paths; raises OptionError."""
     _module(options["name"], "options").check(options, nnodes, paths)
     schedulers.check(scheduler, options["name"])
 
@@ -49,3 +52,34 @@ def get(options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None) 
     """The launcher for a `launcher` option node (a mapping with at least `name`), and on Kubernetes the
     gang `scheduler` its jobs go through."""
     return _module(options["name"], "backend").make(dict(options), dict(scheduler) if scheduler else None)
+
+
+def _defaults(schema: type) -> dict[str, Any]:
+    """The schema's defaults as plain values (None where it has none)."""
+    out = {}
+    for f in dataclasses.fields(schema):
+        if f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        else:
+            out[f.name] = None if f.default in (dataclasses.MISSING, MISSING) else f.default
+    return out
+
+
+def client_backend(launcher: str, given: Mapping[str, Any]) -> Any:
+    """The backend of launcher `launcher` that a Client drives (`launchers.backend.Backend`), with the options it
+    was `given` (its other keys at their defaults; never waiting); OptionError on a launcher or a key it has not."""
+    if launcher not in LAUNCHER_SCHEMAS:
+        raise OptionError("launcher", launcher, f"must be one of {', '.join(LAUNCHER_SCHEMAS)}")
+    schema = LAUNCHER_SCHEMAS[launcher]
+    known = {f.name for f in dataclasses.fields(schema)} - {"name", "wait", "dry_run"}
+    for key in given:
+        if key not in known:
+            raise OptionError(
+                f"launcher.{key}",
+                given[key],
+                f"unknown option of launcher={launcher}; it has {', '.join(sorted(known))}",
+            )
+    backend = get({**_defaults(schema), **given, "name": launcher, "wait": False})
+    backend.given = dict(given)
+    return backend

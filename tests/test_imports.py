@@ -250,3 +250,46 @@ def test_importing_a_rank_loads_no_launcher_and_the_driver_no_backend():
                             text=True, check=True, timeout=120).stdout.split()
     assert "launchers.options" in driver  # the launchers' schemas, read to compose the config
     assert not [m for m in driver if m.endswith((".backend", ".manifests"))], driver
+
+
+# The runtimes' node agents that import torch: run as `python -m` on the nodes, imported by nothing.
+RUNTIME_AGENTS = {"trainjob.runtimes.torch_distributed.torchrun", "trainjob.runtimes.torch_distributed.rendezvous"}
+
+
+def _imports(module: str) -> set[str]:
+    path = _modules()[module]
+    return _imported(ast.parse(path.read_text()), module, path.name == "__init__.py")
+
+
+def test_trainjob_imports_no_torch_but_in_its_runtimes_node_agents_which_nothing_imports():
+    """The bottom layer loads no GPU stack: its one torch importers are the agents a runtime starts on its
+    nodes (`python -m trainjob.runtimes.torch_distributed.torchrun`, the rendezvous store), and no module imports
+    them."""
+    torch_users = {m for m in _modules() if m.split(".")[0] == "trainjob"
+                   and any(n == "torch" or n.startswith("torch.") for n in _imports(m))}
+    assert torch_users == RUNTIME_AGENTS
+    assert [m for m, edges in _graph().items() if edges & RUNTIME_AGENTS] == []
+
+
+def test_no_launcher_nor_the_trainer_imports_a_particular_runtimes_module():
+    """A runtime is reached through the runtimes' face (`trainjob.runtimes.get(name)`, the `Runtime` type), so that
+    everything of one runtime stays in its folder."""
+    named = sorted(f"{m} -> {t}" for m, edges in _graph().items() if m.split(".")[0] in ("launchers", "trainer")
+                   for t in edges if t.startswith("trainjob.runtimes."))
+    assert named == []
+
+
+def test_the_bottom_layer_names_no_module_above_it_not_even_in_a_string():
+    """trainjob/ names no module of trainer/, launchers/, datacache/ or ops/ in its strings (a command line such
+    as `-m trainer.worker` is its caller's to hand it: `LaunchSpec.worker`)."""
+    import re
+
+    above = {m for m in _modules() if m.split(".")[0] in ("trainer", "launchers", "datacache", "ops")}
+    named = []
+    for module, path in _modules().items():
+        if module.split(".")[0] != "trainjob":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named += [f"{module}: {n}" for n in re.findall(r"[a-z_]+(?:\.[a-z_]+)+", node.value) if n in above]
+    assert named == []

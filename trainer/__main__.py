@@ -54,6 +54,9 @@ register()
 register_sweeper()  # hydra/sweeper=optuna
 
 
+# The module every rank runs (`python -m trainer.worker <config.yaml>`), named to the runtime that starts it.
+WORKER = "trainer.worker"
+
 # Keys of the runtime section that differ by node by design (each node's own): not in config.yaml, so not in
 # the comparison of the nodes' configs.
 PER_NODE_KEYS = ("node_rank",)
@@ -148,8 +151,8 @@ def prepare_run(cfg: DictConfig, given: Mapping[str, object] | None = None) -> P
     runtime = resolved.get("runtime")
     counts = shape.counts
     spec = launchers.LaunchSpec(
-        run_dir=run_dir, command=["-m", "trainer.worker", path], nnodes=counts[-1],
-        runtime=None if runtime is None else launchers.RuntimeSpec(runtime["name"], runtime),
+        run_dir=run_dir, command=["-m", WORKER, path], worker=WORKER, nnodes=counts[-1],
+        runtime=None if runtime is None else launchers.RuntimeSpec(shape.unit, runtime),
         min_nodes=counts[0] if len(counts) > 1 else None, node=node,
         nproc_per_node=shape.per_node, secrets=secrets, config=saved,
         config_path=path, path_keys={"run_dir": "run_dir", "cache_dir": "data.cache_dir"},

@@ -1,5 +1,5 @@
-"""The command-line parser every trainjob command uses (`python -m datacache`, `python -m launchers`,
-`python -m trainer.export|report|generate`): argparse, with a bad argument said in one line, `<prog>: error:
+"""The command-line parser every trainjob command uses (the data cache's, the launchers', the trainer's export,
+report and generate commands): argparse, with a bad argument said in one line, `<prog>: error:
 <what> (see <prog> --help)`, and exit code 2, instead of the usage block before it. Imports nothing else, so
 that the launchers and the trainer can use it without loading the data cache."""
 

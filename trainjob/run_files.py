@@ -1,5 +1,5 @@
 """A run directory's files: the one place that names them, and their readers and writers (the ranks write
-them, the driver, the launchers, `python -m trainer.observability.report` and the benches read them).
+them, the driver, the launchers, the trainer's report command and the benches read them).
 
 config.yaml          the resolved config every rank ran (an earlier, different one: config.<n>.yaml)
 metrics.jsonl        one JSON object per logged step (rank 0)
@@ -8,7 +8,7 @@ summary.json         the final metrics (rank 0)
 loss.png             train and eval loss against step, drawn from metrics.jsonl when the run ends
 tb/, mlruns/         TensorBoard's events, MLflow's file store (tracker.report_to; W&B writes wandb/ itself)
 tracking.json        the MLflow and W&B run ids a resumed run goes on with
-train_func.py        a function job's script (`launchers.Client.train(func=...)`)
+train_func.py        a function job's script (the Client's `train(func=...)`)
 venv/                a local function job's own environment, holding its packages_to_install
 manifests.yaml       what a Kubernetes run submitted
 checkpoints/step-N/  DCP checkpoints

@@ -29,6 +29,7 @@ from __future__ import annotations
 import getpass
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -36,12 +37,11 @@ from datetime import datetime
 from typing import Any
 
 from launchers import packages
+from launchers.backend import Backend, runtime_unit
 from launchers.base import (
-    UNKNOWN,
     Job,
     JobInfo,
     JobState,
-    Launcher,
     LauncherError,
     LaunchSpec,
     PollingJob,
@@ -53,7 +53,7 @@ from launchers.base import (
 from launchers.docker import ssh
 from launchers.docker.options import image_ok
 from trainjob.run_files import read_progress
-from trainjob.runtimes import mpi
+from trainjob.runtimes import UNKNOWN, Runtime
 
 RDZV_PORT = 29400
 HOME = "/home/trainjob"  # each container's HOME
@@ -321,11 +321,39 @@ class DockerJob(PollingJob):
         self._cancelled = True
 
 
-class DockerLauncher(Launcher):
+# The SDK's one-off container command for a runtime's packages (its Container backend).
+PACKAGES_SCRIPT = ("python -c \"import sys; print(f'Python: {sys.version}')\" && (pip list || echo 'pip not found') "
+                   "&& (nvidia-smi || echo 'nvidia-smi not found')")
+
+
+class DockerLauncher(Backend):
     name = "docker"
 
     def __init__(self, options: Mapping[str, Any]):
         self.options = dict(options)
+
+    def runtime_image(self, unit: Runtime) -> str:
+        return self.options.get("image") or UNKNOWN
+
+    def device(self) -> tuple[str, str]:
+        gpus = int(self.options.get("gpus_per_node") or 0)
+        return ("gpu", str(gpus)) if gpus else ("cpu", UNKNOWN)
+
+    def get_runtime_packages(self, name: str) -> str:
+        """What the launcher's image holds, from a one-off container (the SDK Container backend's command)."""
+        runtime_unit(name)
+        image = self.given.get("image")
+        if not image:
+            raise ValueError("image=None: launcher=docker shows the packages of its image: give Client('docker', "
+                             "image='...')")
+        if not shutil.which("docker"):
+            raise RuntimeError("launcher=docker: the docker CLI is not on PATH")
+        proc = subprocess.run(["docker", "run", "--rm", "--entrypoint", "bash", image, "-lc", PACKAGES_SCRIPT],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"docker run {image} exited with code {proc.returncode}: "
+                               f"{' | '.join(proc.stderr.strip().splitlines()[-3:])}")
+        return proc.stdout
 
     def cache_containers(self, spec: LaunchSpec) -> list[str]:
         return [f"{job_name(spec)}-cache-{i}" for i in range(spec.cache_nodes.count if spec.cache_nodes else 0)]
@@ -376,8 +404,8 @@ class DockerLauncher(Launcher):
         endpoint = f"{name}-node-0:{RDZV_PORT}"
         if spec.elastic:  # the store in a container of its own, so that losing any node leaves it
             endpoint = f"{self.rendezvous_container(spec)}:{RDZV_PORT}"
-            cmds.append([*container(self.rendezvous_container(spec), "rendezvous"), lc["image"], "python", "-m",
-                         "launchers.rendezvous", f"0.0.0.0:{RDZV_PORT}"])
+            cmds.append([*container(self.rendezvous_container(spec), "rendezvous"), lc["image"],
+                         *spec.runtime.unit.store_command("python", f"0.0.0.0:{RDZV_PORT}")])
         shares = cpu_shares(spec.nnodes, lc.get("cpus_per_node"), host_cpus())
         # Each rank's threads: its share of its node's CPUs (launcher.env may set its own).
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(shares[0]) // spec.nproc_per_node)))
@@ -409,7 +437,7 @@ class DockerLauncher(Launcher):
         environment on to every rank and reaches the hosts over SSH; the first `nnodes` hosts that mpirun fills run
         the ranks, each on its own CPUs."""
         name, image = job_name(spec), self.options["image"]
-        placed = mpi.placement(lay.hosts, lay.launcher)
+        placed = lay.ssh.placement(lay.hosts, lay.launcher)
         cmds.insert(0, ssh.keygen_command(name, image, user, lay.home, spec.runtime.unit))
         for cname in [*lay.nodes, lay.launcher]:
             launcher = cname == lay.launcher
@@ -418,18 +446,18 @@ class DockerLauncher(Launcher):
             if host < spec.nnodes:
                 cmd = self._host(cmd, host, shares)
             at = cmd.index("--shm-size")
-            cmd[at:at] = ssh.volumes(name, lay.ssh_dir, launcher)
+            cmd[at:at] = ssh.volumes(name, lay, launcher)
             if launcher:
-                kubeflow = mpi.launcher_env(spec.nproc_per_node)
+                kubeflow = lay.ssh.launcher_env(spec.nproc_per_node)
                 cmd[at:at] = [a for k, v in kubeflow.items() for a in ("--env", f"{k}={v}")]
                 names = (*env, *sorted(spec.secrets), "PATH")  # the remote ranks inherit nothing of the launcher
                 venv = f"{lay.home}/venv"
                 run = node_command(spec, _python(spec, venv), hosts=tuple(placed), env_names=names)
                 if spec.packages:  # first once on each host, each into its own container's HOME
-                    install = mpi.on_each_host(packages.command("python", venv, spec.packages), names)
+                    install = lay.ssh.on_each_host(packages.command("python", venv, spec.packages), names)
                     run = ["bash", "-c", f"{shlex.join(install)} && exec {shlex.join(run)}"]
             else:
-                run = mpi.sshd_command(lay.ssh_dir)
+                run = lay.ssh.sshd_command(lay.ssh_dir)
             cmds.append([*cmd, image, *run])
         return cmds
 
@@ -494,7 +522,7 @@ class DockerLauncher(Launcher):
         _remove(name, [c["name"] for c in leftovers], own_network)
         lay = _mpi_layout(spec)
         if lay:
-            ssh.make_key_dir(name, lay.hosts, spec.nproc_per_node, lay.ssh_dir, lay.home)
+            ssh.make_key_dir(name, lay, spec.nproc_per_node)
         started: list[str] = []
         caches = self.cache_containers(spec)
         for cmd in cmds:
@@ -537,7 +565,7 @@ class DockerLauncher(Launcher):
             for name, cs in sorted(found.items())
         }
 
-    def list_jobs(self) -> list[Job]:
+    def jobs(self) -> list[Job]:
         """The runs whose containers are on this host (a finished run's go once something waited for it)."""
         return list(self._jobs().values())
 
@@ -553,7 +581,7 @@ def _mpi_layout(spec: LaunchSpec) -> ssh.Layout | None:
     if not spec.runtime.unit.hosts_over_ssh:
         return None
     options = spec.runtime.options  # a function-only MPI runtime (mlx-distributed) has no SSH keys of its own
-    return ssh.layout(job_name(spec), spec.nnodes, bool(options.get("run_launcher_as_node")),
+    return ssh.layout(job_name(spec), spec.runtime.unit, spec.nnodes, bool(options.get("run_launcher_as_node")),
                       options.get("ssh_auth_mount_path") or f"{HOME}/.ssh", HOME)
 
 

@@ -21,12 +21,11 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
+from launchers.backend import Backend, runtime_unit
 from launchers.base import (
-    UNKNOWN,
     Job,
     JobInfo,
     JobState,
-    Launcher,
     LauncherError,
     LaunchSpec,
     PollingJob,
@@ -39,6 +38,7 @@ from launchers.kubernetes import schedulers
 from launchers.kubernetes.manifests import GROUP, MANAGER, VERSION, cluster_runtime, manifests, to_yaml
 from launchers.kubernetes.options import KubernetesLauncherConfig, check
 from trainjob.run_files import RunDir, read_progress
+from trainjob.runtimes import UNKNOWN, Runtime
 
 __all__ = ["KubernetesLauncher", "KubernetesLauncherConfig", "check", "make"]
 
@@ -411,13 +411,62 @@ def _delete(api: Api, m: dict[str, Any], namespace: str) -> None:
         pass
 
 
-class KubernetesLauncher(Launcher):
+def print_packages() -> None:
+    """What a runtime's environment holds (the SDK's print_packages): run in it by `get_runtime_packages`."""
+    import shutil
+    import subprocess
+    import sys
+
+    print(f"Python: {sys.version}")
+    if shutil.which("pip"):
+        subprocess.run(["pip", "list"], check=False)
+    else:
+        subprocess.run([sys.executable, "-m", "pip", "list"], check=False)
+    if shutil.which("nvidia-smi"):
+        print("Available GPUs on the single training node")
+        subprocess.run(["nvidia-smi"], check=False)
+
+
+class KubernetesLauncher(Backend):
     name = "kubernetes"
 
     def __init__(self, options: Mapping[str, Any], scheduler: Mapping[str, Any] | None = None):
         self.options = dict(options)
         self.scheduler = dict(scheduler or {"name": "none"})
         self._api: Api | None = None
+
+    def needs_image(self, unit: Runtime) -> bool:
+        return unit.derives_runtime  # else the shipped runtime's image, as the SDK runs it
+
+    def for_function_job(self, job: Any) -> KubernetesLauncher:
+        """This launcher, or where the job has resources per node of its own, one whose nodes request them."""
+        if not job.resources_per_node:
+            return self
+        res = {"cpu": None, "memory": None, "gpu": 0, **(self.given.get("resources_per_node") or {})}
+        res.update({k: (int(v) if k == "gpu" else str(v)) for k, v in job.resources_per_node.items()})
+        return KubernetesLauncher({**self.options, "resources_per_node": res})
+
+    def runtime_image(self, unit: Runtime) -> str:
+        # A derived runtime runs the job's image; the shipped one's, its own where none is given.
+        return self.options.get("image") or unit.kubeflow_image
+
+    def device(self) -> tuple[str, str]:
+        res = self.options.get("resources_per_node") or {}
+        if res.get("gpu"):
+            return "gpu", str(res["gpu"])
+        return ("cpu", str(res["cpu"])) if res.get("cpu") else (UNKNOWN, UNKNOWN)
+
+    def get_runtime_packages(self, name: str) -> str:
+        """A one-node job of the runtime that prints them, waited for, its log returned, then deleted, as
+        Kubeflow's SDK does."""
+        unit = runtime_unit(name)
+        job = self.train(func=print_packages, runtime=name, num_nodes=1,
+                         resources_per_node=None if unit.function_only else {"cpu": 1})
+        try:
+            self.wait_for_job_status(job, timeout=600)
+            return "\n".join(self.get_job_logs(job)) + "\n"
+        finally:
+            self.delete_job(job)
 
     @property
     def api(self) -> Api:
@@ -493,7 +542,7 @@ class KubernetesLauncher(Launcher):
         write_private(RunDir.of(spec.run_dir).manifests, to_yaml(self.manifests(spec, runtime_spec)))
         return self._job(name)
 
-    def list_jobs(self) -> list[Job]:
+    def jobs(self) -> list[Job]:
         """The TrainJobs this launcher submitted in the configured namespace."""
         api, namespace = self.api, self.options.get("namespace", "default")
         found = api.call(

@@ -221,7 +221,8 @@ def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env
     # Restarts are the JobSet's (the derived runtime's failurePolicy), each pod resuming from the claim; on
     # Kubeflow's cache runtime runtime.max_restarts is refused (0), so torchrun in a pod restarts nothing.
     command = unit.kubeflow_command(spec.runtime.options, Nodes(pod_command(spec), nproc_per_node=spec.nproc_per_node,
-                                                                env_names=(*env, *sorted(spec.secrets))))
+                                                                env_names=(*env, *sorted(spec.secrets)),
+                                                                worker=spec.worker))
     if spec.packages:  # installed once per node before the ranks start
         command = ["bash", "-c", f"{shlex.join(unit.install_command(list(spec.packages), 'python'))} && exec "
                    f"{shlex.join(command)}"]

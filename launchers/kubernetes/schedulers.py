@@ -109,7 +109,7 @@ def _pod_templates(spec: dict[str, Any]):
         yield job["template"]["spec"]["template"]
 
 
-# The exit code of a rank that refused its config or inputs (trainer.worker), passed on by launchers.torchrun.
+# The exit code of a rank that refused its config or inputs (trainer.worker), passed on by torchrun's agent.
 REFUSED_EXIT_CODE = 2
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from launchers import packages, registry
+from launchers.backend import Backend, runtime_unit
 from launchers.base import (
     Job,
     JobInfo,
@@ -37,7 +38,9 @@ from launchers.base import (
     store_apart,
 )
 from trainjob import process_tree
+from trainjob.nodes import free_port, local_gpus
 from trainjob.run_files import RunDir, read_progress, read_summary
+from trainjob.runtimes import Runtime
 
 READY_TIMEOUT = 600.0  # a node builds the corpus before it serves
 POLL_S = 0.2
@@ -52,14 +55,13 @@ def job_name(spec: LaunchSpec) -> str:
 
 def start_rendezvous_store(spec: LaunchSpec) -> None:
     """The rendezvous store of an elastic job, or of nodes started one by one, in a session of its own so that
-    it outlives this node: it ends when no node of the run is left (`launchers.rendezvous`); when another
+    it outlives this node: it ends when no node of the run is left (the runtime's `store_command`); when another
     node's store already serves, this one finds the port taken and leaves."""
     log_path = RunDir.of(spec.run_dir).rendezvous_log
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "ab") as log:
         store = subprocess.Popen(
-            [sys.executable, "-m", "launchers.rendezvous", spec.runtime.options["rdzv_endpoint"], "--run-dir",
-             spec.run_dir],
+            spec.runtime.unit.store_command(sys.executable, spec.runtime.options["rdzv_endpoint"], spec.run_dir),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     process_tree.detach(store.pid)
@@ -99,12 +101,6 @@ def rank_logs(
         yield from _read_log(console, False, finished)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class CacheNodeProcesses:
     """The run's data cache nodes as processes on loopback, each in a session of its own that dies with
     this process; logs in `<run_dir>/logs/cache-node-<i>.log`. `env` names them for the ranks."""
@@ -114,7 +110,7 @@ class CacheNodeProcesses:
         self.procs: list[subprocess.Popen] = []
         self.logs = [RunDir.of(spec.run_dir).cache_node_log(i) for i in range(nodes.count)]
         os.makedirs(os.path.dirname(self.logs[0]), exist_ok=True)
-        ports = [(_free_port(), _free_port()) for _ in range(nodes.count)]
+        ports = [(free_port(), free_port()) for _ in range(nodes.count)]
         train = [f"grpc://127.0.0.1:{port}" for port, _ in ports]
         eval_ = [f"grpc://127.0.0.1:{ports[0][1]}"]
         self.env = nodes.env(train, eval_)
@@ -256,8 +252,8 @@ class InProcessLauncher(Launcher):
             record.save()
         return InProcessJob(spec, JobState.COMPLETE, summary, record.created)
 
-    def list_jobs(self) -> list[Job]:
-        return LocalLauncher({}).list_jobs()
+    def jobs(self) -> list[Job]:
+        return LocalLauncher({}).jobs()
 
     def job(self, name: str) -> Job:
         return LocalLauncher({}).job(name)
@@ -399,11 +395,43 @@ class DamagedJob(Job):
         registry.remove(self.name)
 
 
-class LocalLauncher(Launcher):
+class LocalLauncher(Backend):
     name = "local"
 
     def __init__(self, options: Mapping[str, Any]):
+        self.options = dict(options)
         self.wait = bool(options.get("wait", True))
+
+    def function_job_rules(self, unit: Runtime, job: Any) -> None:
+        """A function job's nodes are processes here: one node under torchrun, and what the runtime needs here."""
+        if job.runtime == "torch-distributed" and job.num_nodes != 1:
+            raise ValueError(f"num_nodes={job.num_nodes}: launcher=local runs one node under "
+                             "torch-distributed (use nproc_per_node)")
+        lacking = unit.missing()
+        if lacking:
+            raise ValueError(lacking)
+
+    def runtime_image(self, unit: Runtime) -> str:
+        return "local"
+
+    def device(self) -> tuple[str, str]:
+        gpus = local_gpus()
+        return ("gpu", str(gpus)) if gpus else ("cpu", str(os.cpu_count() or 1))
+
+    def get_runtime_packages(self, name: str) -> str:
+        """This machine's environment, which local jobs of runtime `name` run in: Python, `pip list`, `nvidia-smi`,
+        and what the runtime lacks here (with the pip extra that installs it)."""
+        lacking = runtime_unit(name).missing()
+        lines = [f"Python: {sys.version}"]
+        pip = subprocess.run([sys.executable, "-m", "pip", "list", "--disable-pip-version-check"],
+                             capture_output=True, text=True)
+        lines.append(pip.stdout.rstrip() if pip.returncode == 0 else f"Unable to get installed packages: {pip.stderr}")
+        if shutil.which("nvidia-smi"):
+            smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
+            lines += ["Available GPUs on the single training node", smi.stdout.rstrip()]
+        if lacking:
+            lines.append(f"missing: {lacking}")
+        return "\n".join(lines) + "\n"
 
     def command(self, spec: LaunchSpec) -> list[str]:
         if spec.runtime is None:
@@ -459,7 +487,7 @@ class LocalLauncher(Launcher):
             raise
         return LocalJob(registry.load(name) or record, proc if self.wait else None, nodes)
 
-    def list_jobs(self) -> list[Job]:
+    def jobs(self) -> list[Job]:
         return [LocalJob(r) for r in registry.all_records()]
 
     def job(self, name: str) -> Job:

@@ -334,7 +334,7 @@ def test_client_options_reach_the_trainer_as_the_same_values(value):
     Hydra's own parser must read back exactly the value given (quotes, backslashes, nesting and all)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from launchers.client import _hydra
+    from launchers.backend import hydra_value as _hydra
 
     parsed = OverridesParser.create().parse_override(f"++launcher.option={_hydra(value)}").value()
     assert parsed == value and type(parsed) is type(value)
@@ -343,7 +343,7 @@ def test_client_options_reach_the_trainer_as_the_same_values(value):
 def test_a_function_that_raises_ends_its_rank_in_one_line_and_the_users_frames(tmp_path):
     import importlib.util
 
-    from launchers.client import function_script
+    from launchers.functions import function_script
 
     (tmp_path / "user_code.py").write_text(textwrap.dedent("""\
         def fails(path):

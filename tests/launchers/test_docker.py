@@ -21,6 +21,7 @@ from launchers import get as get_launcher
 from launchers.docker import ssh
 from launchers.docker.backend import HOME, RDZV_PORT, cpu_shares, host_cpus, job_name
 from tests.conftest import compose_run
+from trainjob import runtimes
 
 
 def make_run(tmp_path, *overrides: str):
@@ -58,7 +59,7 @@ def test_one_container_per_node_on_the_jobs_network(tmp_path):
         assert "NCCL_DEBUG=WARN" in cmd and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in cmd
         tail = cmd[cmd.index("me/trainjob:1") + 1 :]
         # The agent whose exit code is its failed rank's own (a refused config: 2), as on this machine.
-        assert tail[:3] == ["python", "-m", "launchers.torchrun"]
+        assert tail[:3] == ["python", "-m", "trainjob.runtimes.torch_distributed.torchrun"]
         assert "--nproc-per-node=2" in tail and "--nnodes=3" in tail
         assert f"--rdzv-endpoint={name}-node-0:{RDZV_PORT}" in tail and "--rdzv-backend=c10d" in tail
         assert tail[-3:] == ["-m", "trainer.worker", run.spec.config_path]
@@ -123,7 +124,9 @@ def test_the_jobs_keys_are_mounted_at_runtime_ssh_auth_mount_path_where_ssh_and_
             assert f"{keys}:{path}:ro" in cmd and f"HOME={home}" in cmd
         assert runs[0][-5:] == ["/usr/sbin/sshd", "-D", "-e", "-f", f"{path}/sshd_config"]
         assert commands(run)[0][-6] == home  # the home of the passwd entry the keys container writes
-        ssh.make_key_dir(name, [f"{name}-node-0", f"{name}-launcher"], 1, path, home)
+        lay = ssh.layout(name, runtimes.get("deepspeed-distributed"), 2, True, path, HOME)
+        assert (lay.hosts, lay.home) == ([f"{name}-node-0", f"{name}-launcher"], home)
+        ssh.make_key_dir(name, lay, 1)
         try:
             with open(os.path.join(keys, "sshd_config")) as f:
                 sshd = f.read()
@@ -390,7 +393,8 @@ def test_an_elastic_run_has_its_rendezvous_store_in_a_container_of_its_own(tmp_p
     cmds = commands(run)
     store, nodes = cmds[1], cmds[2:]
     assert store[store.index("--name") + 1] == f"{name}-rdzv"
-    assert store[store.index("me/trainjob:1") + 1:] == ["python", "-m", "launchers.rendezvous", f"0.0.0.0:{RDZV_PORT}"]
+    agent = ["python", "-m", "trainjob.runtimes.torch_distributed.rendezvous"]
+    assert store[store.index("me/trainjob:1") + 1:] == [*agent, f"0.0.0.0:{RDZV_PORT}"]
     assert len(nodes) == 3
     for cmd in nodes:
         tail = cmd[cmd.index("me/trainjob:1") + 1:]

@@ -75,7 +75,7 @@ def xgboost_job(out):
     import numpy as np
     import xgboost as xgb
 
-    from launchers.xgboost import tracker
+    from trainjob.runtimes.xgboost_distributed.tracker import tracker
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(240, 4))  # fewer rows than hist's 256 bins: every split the one-worker model has

@@ -86,7 +86,7 @@ def agent_of(driver: subprocess.Popen) -> int:
         while todo:
             pid = todo.pop()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"launchers.torchrun" in f.read().split(b"\0"):
+                if b"trainjob.runtimes.torch_distributed.torchrun" in f.read().split(b"\0"):
                     return pid
             todo += _children(pid)
         time.sleep(0.1)

@@ -43,7 +43,7 @@ def _torchrun_agent(run_dir) -> int:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"launchers.torchrun" in argv and str(run_dir).encode() in b" ".join(argv):
+        if b"trainjob.runtimes.torch_distributed.torchrun" in argv and str(run_dir).encode() in b" ".join(argv):
             return int(pid)
     raise AssertionError(f"no torchrun agent for {run_dir}")
 

@@ -61,10 +61,10 @@ def test_a_directory_inside_a_file_is_refused(tmp_path, capsys, monkeypatch, pat
 def test_more_ranks_than_this_machines_gpus_are_refused(tmp_path, capsys, monkeypatch):
     """This machine has no GPU: the count of local GPUs is patched (the one double here); with none, the
     ranks run on the CPU and any number is allowed."""
-    monkeypatch.setattr("trainer.config.runtime.local_gpu_count", lambda: 1)
+    monkeypatch.setattr("trainer.config.runtime.local_gpus", lambda: 1)
     err = compose_refused(tmp_path, capsys, *TINY, "+runtime=torch-distributed", "runtime.nproc_per_node=2")
     assert "runtime.nproc_per_node=2: must be <= 1, the GPUs on this machine (each rank takes one)" in err
-    monkeypatch.setattr("trainer.config.runtime.local_gpu_count", lambda: 0)
+    monkeypatch.setattr("trainer.config.runtime.local_gpus", lambda: 0)
     run = compose_run(tmp_path, *TINY, "+runtime=torch-distributed", "runtime.nproc_per_node=2")
     assert run.spec.nproc_per_node == 2
 

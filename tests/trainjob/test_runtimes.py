@@ -12,6 +12,7 @@ from trainjob import runtimes
 from trainjob.options import OptionError
 from trainjob.runtimes import mpi, torch_distributed
 from trainjob.runtimes.base import Nodes, Offers
+from trainjob.runtimes.mpi import hosts
 
 WORKER = ["-m", "trainer.worker", "/runs/a/config.yaml"]
 
@@ -39,15 +40,23 @@ def test_every_runtime_is_one_module_whose_name_is_its_runtime_and_whose_yaml_ex
 
 def test_torchrun_on_one_node_is_standalone_and_several_meet_at_the_endpoint():
     unit = runtimes.get("torch-distributed")
-    one = unit.node_command(_options("torch-distributed"), Nodes(WORKER, python="py", nproc_per_node=2))
-    assert one == ["py", "-m", "launchers.torchrun", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=0",
-                   "--monitor-interval=1.0", "--standalone", *WORKER]
+    one = unit.node_command(_options("torch-distributed"), Nodes(WORKER, python="py", nproc_per_node=2,
+                                                                   worker="trainer.worker"))
+    assert one == ["py", "-m", "trainjob.runtimes.torch_distributed.torchrun", "--nproc-per-node=2", "--nnodes=1",
+                   "--max-restarts=0", "--monitor-interval=1.0", "--standalone", *WORKER]
     elastic = unit.node_command(_options("torch-distributed"), Nodes(
         ["script.py"], nnodes=4, min_nodes=2, endpoint="store:29400", store_apart=True))
     assert elastic[:3] == ["python", "-m", "torch.distributed.run"] and "--nnodes=2:4" in elastic
     assert "--rdzv-endpoint=store:29400" in elastic and any("is_host=false" in a for a in elastic)
     assert unit.agent_env({}) == torch_distributed.AGENT_ENV
     assert unit.rank_env({"RANK": "1"}) == {}  # torchrun's variables are torch.distributed's own
+    # The worker is the caller's to name: a command the runtime is not told runs it gets plain torchrun.
+    assert unit.node_command(_options("torch-distributed"), Nodes(WORKER))[:3] == ["python", "-m",
+                                                                                  "torch.distributed.run"]
+    assert unit.store_command("py", "h:1", "/runs/a") == [
+        "py", "-m", "trainjob.runtimes.torch_distributed.rendezvous", "h:1", "--run-dir", "/runs/a"]
+    assert runtimes.get("mpi").store_command("py", "h:1") is None and runtimes.get("mpi").ssh_hosts() is not None
+    assert unit.ssh_hosts() is None
 
 
 def test_mpirun_on_one_machine_forks_every_rank_and_gives_them_the_rendezvous():
@@ -67,28 +76,29 @@ def test_mpirun_across_nodes_reads_kubeflows_environment_and_ssh_config_passing_
     nodes = Nodes(WORKER, nnodes=2, nproc_per_node=2, hosts=("job-node-0", "job-node-1"), env_names=("TRAINJOB_CACHE",))
     cmd = unit.node_command(_options("mpi"), nodes)
     assert cmd[:5] == ["mpirun", "-np", "4", "--bind-to", "none"] and "--hostfile" not in cmd and "--mca" not in cmd
-    assert mpi.launcher_env(2) == {
+    assert hosts.launcher_env(2) == {
         "OMPI_MCA_orte_default_hostfile": "/etc/mpi/hostfile", "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
         "OMPI_MCA_orte_set_default_slots": "2", "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
-    assert "    Port 2222\n" in mpi.ssh_config("/root/.ssh")
+    assert "    Port 2222\n" in unit.ssh_hosts().ssh_config("/root/.ssh")
     exports = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
     assert exports == ["MASTER_ADDR=job-node-0", "MASTER_PORT=29500", "OMP_NUM_THREADS=1", "TRAINJOB_CACHE"]
-    assert mpi.hostfile(["job-node-0", "job-node-1"], 2) == "job-node-0 slots=2\njob-node-1 slots=2\n"
+    assert unit.ssh_hosts().hostfile(["job-node-0", "job-node-1"], 2) == "job-node-0 slots=2\njob-node-1 slots=2\n"
 
 
 def test_mpis_ssh_hosts_are_laid_out_as_kubeflows_plugin_does():
+    ssh = runtimes.get("mpi").ssh_hosts()
     # runLauncherAsNode: the launcher is the last host and one node fewer starts; never fewer than one node.
-    assert [mpi.node_hosts(n, True) for n in (1, 2, 3)] == [1, 1, 2]
-    assert [mpi.node_hosts(n, False) for n in (1, 2, 3)] == [1, 2, 3]
-    assert mpi.hosts(["j-node-0"], "j-launcher", True) == ["j-node-0", "j-launcher"]
-    assert mpi.hosts(["j-node-0", "j-node-1"], "j-launcher", False) == ["j-node-0", "j-node-1"]
+    assert [ssh.node_hosts(n, True) for n in (1, 2, 3)] == [1, 1, 2]
+    assert [ssh.node_hosts(n, False) for n in (1, 2, 3)] == [1, 2, 3]
+    assert ssh.hosts(["j-node-0"], "j-launcher", True) == ["j-node-0", "j-launcher"]
+    assert ssh.hosts(["j-node-0", "j-node-1"], "j-launcher", False) == ["j-node-0", "j-node-1"]
     # mpirun fills its own host's slots first (OpenMPI's daemon 0), wherever the hostfile lists it.
-    assert mpi.placement(["j-node-0", "j-launcher"], "j-launcher") == ["j-launcher", "j-node-0"]
-    assert mpi.placement(["j-node-0", "j-node-1"], "j-launcher") == ["j-node-0", "j-node-1"]
-    config = mpi.sshd_config("/home/u/.ssh", "/home/u/sshd.pid").splitlines()
+    assert ssh.placement(["j-node-0", "j-launcher"], "j-launcher") == ["j-launcher", "j-node-0"]
+    assert ssh.placement(["j-node-0", "j-node-1"], "j-launcher") == ["j-node-0", "j-node-1"]
+    config = ssh.sshd_config("/home/u/.ssh", "/home/u/sshd.pid").splitlines()
     assert {"Port 2222", "HostKey /home/u/.ssh/id_rsa", "AuthorizedKeysFile /home/u/.ssh/authorized_keys",
             "PasswordAuthentication no", "StrictModes no"} <= set(config)
-    assert mpi.sshd_command("/home/u/.ssh") == ["/usr/sbin/sshd", "-D", "-e", "-f", "/home/u/.ssh/sshd_config"]
+    assert ssh.sshd_command("/home/u/.ssh") == ["/usr/sbin/sshd", "-D", "-e", "-f", "/home/u/.ssh/sshd_config"]
 
 
 def test_an_mpi_rank_reads_openmpis_variables_as_torch_distributeds(tmp_path):

@@ -17,7 +17,6 @@ from trainer.config.runtime import JobShape
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES
 from trainer.config.tracker import require_tracker_package
 from trainer.errors import ConfigError
-from trainjob import runtimes
 from trainjob.run_files import RunDir
 
 
@@ -25,9 +24,9 @@ def check(job, shape: JobShape) -> None:
     """Raise ConfigError on the first rule across sections that `job` (the typed `Config`) breaks. `shape`: the
     job's node counts, processes per node and degrees (`runtime.job_shape`), read once for every rule."""
     counts, per_node, dims, offers = shape.counts, shape.per_node, shape.dims, shape.offers
-    gpus = runtime.local_gpu_count() if offers.gpus_per_node is None else 0
+    gpus = runtime.local_gpus() if offers.gpus_per_node is None else 0
     _model_and_data(job, offers)
-    _runtime(job, shape, gpus)
+    runtime.check_run(job, shape, gpus)
     _parallel(job, dims, runnable=not offers.runs_here or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
     _recipe(job)
     _grpo(job)
@@ -86,44 +85,6 @@ def _model_and_data(job, offers) -> None:
     require(job.data.cache.backend != "kubeflow" or offers.kubeflow_cache, "data.cache.backend",
             job.data.cache.backend, f"Kubeflow Trainer's cache runs on Kubernetes: give launcher=kubernetes (not "
             f"{job.launcher.name}), or data.cache.backend=trainjob")
-
-
-def _strategy_runtime(job) -> None:
-    """A strategy that one runtime owns runs under it alone, and a runtime that runs only some strategies runs
-    no other (strategy=deepspeed and runtime=deepspeed-distributed: `Runtime.owns`, `Runtime.strategies`, each
-    naming strategy.data_parallel values)."""
-    s, r = job.strategy, job.runtime
-    owners = [name for name in runtimes.NAMES if s.data_parallel in runtimes.get(name).owns]
-    name = r.name if r is not None else None
-    if owners:
-        require(name in owners, "strategy", s.name, f"strategy.data_parallel={s.data_parallel} runs under "
-                f"runtime={owners[0]} only (runtime is {name or 'null'}): add runtime={owners[0]}")
-    require(s.data_parallel != "deepspeed" or not job.train.checkpoint_async, "train.checkpoint_async", True,
-            "strategy=deepspeed saves with DeepSpeed's own save_checkpoint, which writes in the step: give false")
-    allowed = runtime.unit(r).strategies if r is not None else None
-    require(allowed is None or s.data_parallel in allowed, "strategy", s.name, f"runtime={name} runs "
-            f"strategy.data_parallel={' or '.join(allowed or ())} only: add strategy={(allowed or ('',))[0]}")
-
-
-def _runtime(job, shape: JobShape, gpus: int) -> None:
-    r, counts, offers = job.runtime, shape.counts, shape.offers
-    _strategy_runtime(job)
-    if r is None:
-        return
-    if offers.runs_here:  # what the runtime's agent needs on this machine (mpirun, ...)
-        missing = runtime.unit(r).missing()
-        require(missing is None, "runtime", r.name, missing or "")
-    restarts = getattr(r, "max_restarts", 0)
-    require(restarts == 0 or not offers.kubeflow_cache or job.data.cache.backend != "kubeflow",
-            "runtime.max_restarts", restarts, "data.cache.backend=kubeflow runs on the cluster's cache "
-            "runtime, which carries no failure policy of trainjob's (restarts would be its own, not the JobSet's "
-            "that runtime.max_restarts sets elsewhere): give 0, or data.cache.backend=trainjob")
-    require(len(counts) == 1 or offers.elastic, "runtime.nnodes", r.nnodes,
-            f"an elastic range runs on launcher=local or docker: launcher={job.launcher.name} runs a fixed number of "
-            "nodes (a Kubeflow TrainJob's numNodes: Trainer v2 has no elastic policy); give a node count, and "
-            "runtime.max_restarts to restart")
-    require(gpus == 0 or shape.per_node <= gpus, "runtime.nproc_per_node", shape.per_node,
-            f"must be <= {gpus}, the GPUs on this machine (each rank takes one)")
 
 
 def _parallel(job, dims: Degrees, runnable: bool) -> None:

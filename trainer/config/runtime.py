@@ -1,10 +1,12 @@
-"""The `runtime` section as the trainer reads it: each runtime's keys, checks and node commands are its unit's
-(`trainjob.runtimes`, one module per runtime; `conf/runtime/<name>.yaml`); here the runtime's rules are run
-as config errors, and the job's shape follows from the runtime, the launcher's offers and the strategy
-(`job_shape`)."""
+"""The `runtime` section as the trainer reads it: each runtime's keys, rules and node commands are its unit's
+(`trainjob.runtimes`, one unit per runtime; `conf/runtime/<name>.yaml`); here the unit is looked up once
+(`job_shape`, whose `JobShape.unit` the driver carries to the launcher), its rules are run as config errors
+(`check_job`, `check_run`), and the job's shape follows from the runtime, the launcher's offers and the strategy."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,28 +14,24 @@ from trainer.config.checks import require
 from trainer.config.degrees import Degrees
 from trainer.errors import ConfigError
 from trainjob import runtimes
-from trainjob.nodes import node_range
+from trainjob.nodes import local_gpus, node_range
 from trainjob.options import OptionError
-from trainjob.runtimes import Offers, Runtime
+from trainjob.runtimes import Offers, RunFacts, Runtime
 
 
-def unit(section: Any) -> Runtime:
-    """The runtime unit of a `runtime` section (ConfigError on an unknown name)."""
+@contextlib.contextmanager
+def config_errors() -> Iterator[None]:
+    """A runtime's OptionError, reported as the config error it is (one line naming key, value and what is
+    allowed)."""
     try:
-        return runtimes.get(section.name)
+        yield
     except OptionError as e:
         raise ConfigError(e.key, e.value, e.allowed) from None
 
 
-def local_gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
 def node_gpus(offers: Offers) -> int:
     """GPUs per node: those a remote launcher gives each node, or those on this machine."""
-    return local_gpu_count() if offers.gpus_per_node is None else offers.gpus_per_node
+    return local_gpus() if offers.gpus_per_node is None else offers.gpus_per_node
 
 
 def nproc_per_node(cfg: Any, offers: Offers) -> int:
@@ -57,13 +55,14 @@ def node_counts(cfg: Any) -> range:
 @dataclass(frozen=True)
 class JobShape:
     """The job's shape, read once from its config (`job_shape`): the node counts it may run at (an elastic
-    range's every count), its processes per node, its degrees at the largest world, and what the launcher it
-    runs under offers."""
+    range's every count), its processes per node, its degrees at the largest world, what the launcher it
+    runs under offers, and its runtime's unit (None: no runtime), looked up once and carried to the launcher."""
 
     counts: range
     per_node: int
     dims: Degrees
     offers: Offers
+    unit: Runtime | None = None
 
     @property
     def world(self) -> int:
@@ -74,19 +73,30 @@ class JobShape:
 def job_shape(cfg: Any, offers: Offers) -> JobShape:
     """The shape of the job `cfg` under a launcher that `offers`; raises ConfigError where its runtime refuses
     its keys or its node counts, or its strategy cannot lay out its world."""
-    r = cfg.runtime
+    r, unit = cfg.runtime, None
     if r is not None:
-        try:
-            unit(r).check(r)
-        except OptionError as e:
-            raise ConfigError(e.key, e.value, e.allowed) from None
+        with config_errors():
+            unit = runtimes.get(r.name)
+            unit.check(r)
     counts, per_node = node_counts(cfg), nproc_per_node(cfg, offers)
-    if r is not None:
-        try:
-            unit(r).check_job(r, counts, offers)
-        except OptionError as e:
-            raise ConfigError(e.key, e.value, e.allowed) from None
+    if unit is not None:
+        with config_errors():
+            unit.check_job(r, counts, offers)
     world, s = per_node * counts[-1], cfg.strategy
     require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
             f"process: add runtime=torch-distributed (world size is {world})")
-    return JobShape(counts, per_node, Degrees.of(s, world), offers)
+    return JobShape(counts, per_node, Degrees.of(s, world), offers, unit)
+
+
+def check_run(job: Any, shape: JobShape, gpus: int) -> None:
+    """The runtime's rules on the rest of the run (`Runtime.check_run`), and the one rule of every runtime: a
+    strategy that one runtime owns runs under it alone; as config errors. `gpus`: this machine's GPUs that the
+    ranks take (0: not counted here)."""
+    s, r = job.strategy, job.runtime
+    with config_errors():
+        runtimes.check_strategy(r.name if r is not None else None, s.name, s.data_parallel)
+        if shape.unit is not None:
+            shape.unit.check_run(r, RunFacts(
+                counts=shape.counts, per_node=shape.per_node, gpus=gpus, strategy=s.name,
+                data_parallel=s.data_parallel, checkpoint_async=bool(job.train.checkpoint_async),
+                kubeflow_cache=job.data.cache.backend == "kubeflow", launcher=job.launcher.name), shape.offers)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,9 @@ from typing import Any
 
 import yaml
 
+from launchers import Client, LauncherError
 from launchers.options import offers
+from trainjob import process_tree
 from trainjob.run_files import RunDir, read_metrics, read_summary, write_event
 
 PR_SET_PDEATHSIG = 1
@@ -36,24 +37,6 @@ def cpu_shares(n_jobs: int) -> list[set[int]]:
 def job_name(sweep_dir: str, number: int) -> str:
     """A Kubernetes trial's TrainJob name: unique per sweep directory and trial, an RFC 1035 label."""
     return f"tj-sweep-{hashlib.sha256(os.path.abspath(sweep_dir).encode()).hexdigest()[:8]}-{number}"
-
-
-def _descendants(root: int) -> list[int]:
-    """`root` and every process below it (children in sessions of their own included: torchrun's ranks)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [root], [root]
-    while frontier:
-        children = [pid for pid, ppid in parents.items() if ppid in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 class TrialProcess:
@@ -143,7 +126,7 @@ class TrialProcess:
     def kill(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        for pid in _descendants(self.proc.pid):
+        for pid in [self.proc.pid, *process_tree.descendants(self.proc.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait()
@@ -151,21 +134,17 @@ class TrialProcess:
             self._delete_job()
 
     def _delete_job(self) -> None:
-        """The trial's job on its launcher: the TrainJob by the name it was given, Docker's containers found by
-        their run directory."""
-        options = [
-            f"--{k}={self.launcher[k]}"
-            for k in ("namespace", "kubeconfig", "context")
-            if self.launcher.get(k)
-        ]
-        base = [sys.executable, "-m", "launchers", f"--launcher={self.launcher['name']}", *options]
-        names = [self.job_name] if self.job_name else []
-        if not names:
-            listed = subprocess.run([*base, "list", "--json"], capture_output=True, text=True, timeout=120)
-            jobs = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
-            names = [j["name"] for j in jobs if j.get("run_dir") and os.path.abspath(j["run_dir"]) == self.run_dir]
-        for name in names:
-            subprocess.run([*base, "delete", name], capture_output=True, timeout=300)
+        """The trial's job on its launcher, through the Client: the TrainJob by the name it was given, Docker's
+        containers found by their run directory. A launcher that cannot say or do it leaves them (the trial is
+        pruned or failed whatever it answers)."""
+        options = {k: self.launcher[k] for k in ("namespace", "kubeconfig", "context") if self.launcher.get(k)}
+        with contextlib.suppress(RuntimeError, OSError, ValueError):
+            client = Client(self.launcher["name"], **options)
+            names = [self.job_name] if self.job_name else [
+                j.name for j in client.list_jobs() if j.run_dir and os.path.abspath(j.run_dir) == self.run_dir]
+            for name in names:
+                with contextlib.suppress(LauncherError):
+                    client.delete_job(name)
 
     def error_line(self) -> str:
         """The last line the trial's driver printed (its error), or where its log is."""

@@ -2,39 +2,88 @@
 other. Each runtime is one module of `trainjob/runtimes/` holding its subclass and the schema of its keys
 (`conf/runtime/<name>.yaml` holds their values). A runtime declares
 
-- its keys, with their defaults and their own checks (`schema`, `check`), and the rules it sets on the job's
-  shape and on the launcher it runs under (`check_job`, given what the launcher `Offers`);
-- how one node's processes start (`node_command`: the agent's command line, `agent_env`: its environment)
-  and the environment contract its ranks read (`rank_env`: its variables as torch.distributed's env://
-  names, so that a rank joins the process group the same way under every runtime);
+- its keys, with their defaults and their own checks (`schema`, `check`), and every rule it sets on the job:
+  on its shape and the launcher it runs under (`check_job`, given what the launcher `Offers`), on the strategy,
+  the checkpoints, the data cache and this machine (`check_run`, given the `RunFacts` it reads);
+- how one node's processes start (`node_command`: the agent's command line, `agent_env`: its environment; an
+  elastic run's rendezvous store, `store_command`; the SSH hosts of a runtime that starts every node's ranks from
+  one launcher, `ssh_hosts`) and the environment contract its ranks read (`rank_env`: its variables as
+  torch.distributed's env:// names, so that a rank joins the process group the same way under every runtime);
 - what it can do (`elastic`, `restarts`, `function_jobs`, `strategies`, `hosts_over_ssh`);
-- the Kubeflow Trainer runtime it maps to (`runtime_ref`, `framework`, `ml_policy`).
+- the Kubeflow Trainer runtime it maps to (`runtime_ref`, `framework`, `ml_policy`), and how the Client
+  describes it (`describe`: a `RuntimeInfo`, as Kubeflow's SDK says of a runtime).
 
-Nothing here imports torch or the rest of the project: the driver, the launchers and the ranks all read it.
+Nothing here imports torch or the rest of the project: the driver, the launchers and the ranks all read it. The
+command the ranks run is the caller's (`Nodes.command`); where it runs the trainer's worker, the caller names that
+module (`Nodes.worker`), so that the runtime chooses its agent without naming a module above it.
 """
 
 from __future__ import annotations
 
-import socket
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from trainjob.nodes import node_range
+from trainjob.options import OptionError, require
+
 # Kubeflow Trainer's port for every runtime's coordinator (its ContainerTrainerPort): on a cluster; on this
 # machine a free port instead (29500 may be taken here).
 KUBEFLOW_PORT = 29500
-LOCALHOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port free on this machine's loopback now."""
-    with socket.socket() as s:
-        s.bind((LOCALHOST, 0))
-        return s.getsockname()[1]
+def check_counts(options: Any) -> int:
+    """runtime.nproc_per_node and runtime.nnodes (N or MIN:MAX) as every runtime reads them; the most nodes."""
+    require(options.nproc_per_node is None or options.nproc_per_node > 0, "runtime.nproc_per_node",
+            options.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
+    try:
+        return node_range(options.nnodes)[1]
+    except ValueError as e:
+        raise OptionError("runtime.nnodes", options.nnodes, str(e)) from None
 
-# The interpreter's arguments of a trainer rank: its agent passes the rank's own exit code on.
-TRAINER_WORKER = ["-m", "trainer.worker"]
+
+UNKNOWN = "Unknown"  # Kubeflow SDK's word for what a runtime or a launcher does not say
+
+
+@dataclass(frozen=True)
+class RuntimeTrainer:
+    """A runtime's trainer as Kubeflow's SDK describes it: `framework` (the `trainer.kubeflow.org/framework`
+    label), the `image` it runs on a launcher ("local": this machine's Python), nodes, device and count."""
+
+    framework: str
+    image: str
+    num_nodes: int = 1
+    device: str = UNKNOWN
+    device_count: str = UNKNOWN
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """A runtime as the Client describes it (Kubeflow SDK's `Runtime`: `name`, Kubeflow's ClusterTrainingRuntime of
+    that name); `function_only`: it runs a user's function only (Client.train(func=...)), not `python -m trainer`."""
+
+    name: str
+    trainer: RuntimeTrainer
+    kind: str = "ClusterTrainingRuntime"
+    function_only: bool = False
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a runtime's rules read of a run beyond its own keys and the launcher's offers (`Runtime.check_run`):
+    its node counts (every count of an elastic range), processes per node, the GPUs on this machine that its
+    ranks take (0: not counted here), the strategy (`strategy.name`, `strategy.data_parallel`), whether it saves
+    checkpoints asynchronously, whether its data cache is Kubeflow's, and the launcher's name."""
+
+    counts: range
+    per_node: int
+    gpus: int
+    strategy: str
+    data_parallel: str
+    checkpoint_async: bool
+    kubeflow_cache: bool
+    launcher: str
 
 
 @dataclass(frozen=True)
@@ -69,7 +118,8 @@ class Offers:
 @dataclass(frozen=True)
 class Nodes:
     """A job's layout as one node's agent starts it: `command` (the interpreter's arguments every rank
-    runs, such as `-m trainer.worker <config>`) run by `python`, `nproc_per_node` processes on each of
+    runs, such as `-m <worker> <config>`) run by `python`; `worker`, where the command runs the trainer's worker,
+    that module (its agent passes the rank's exit code on; None: a user's script), `nproc_per_node` processes on each of
     `nnodes` nodes (`min_nodes`: an elastic range's fewest); `endpoint` is where the ranks meet (host:port of
     node 0, or of a store apart from the nodes, `store_apart`); `hosts` the nodes' host names, in the order the
     ranks are placed on them (rank 0's first), where the runtime starts every node's ranks from one launcher (MPI;
@@ -88,10 +138,11 @@ class Nodes:
     # The environment variables the ranks of every node get from the agent's environment (for a runtime that
     # starts remote ranks from one launcher: they do not inherit it).
     env_names: tuple[str, ...] = ()
+    worker: str | None = None
 
     @property
     def trainer_run(self) -> bool:
-        return self.command[:2] == TRAINER_WORKER
+        return self.worker is not None and self.command[:2] == ["-m", self.worker]
 
 
 class Runtime(ABC):
@@ -111,6 +162,8 @@ class Runtime(ABC):
     strategies: ClassVar[tuple[str, ...] | None] = None
     owns: ClassVar[tuple[str, ...]] = ()
     hosts_over_ssh: ClassVar[bool] = False  # one launcher starts every node's ranks over SSH (MPI)
+    # The variables its agent sets that name a rank's place, by torch.distributed's names ({}: those names).
+    rank_names: ClassVar[Mapping[str, str]] = {}
     # It runs a user's function only (no `python -m trainer` run): `check` refuses a trainer run.
     function_only: ClassVar[bool] = False
     # Kubernetes: the TrainJob runs on a TrainingRuntime derived from the cluster's (the failure policies, a
@@ -133,6 +186,27 @@ class Runtime(ABC):
     def check_job(self, options: Any, counts: range, offers: Offers) -> None:
         """The rules on the job's node counts `counts` under a launcher that `offers`; raises OptionError."""
 
+    def check_run(self, options: Any, run: RunFacts, offers: Offers) -> None:
+        """The rules on the rest of the run `run` under a launcher that `offers`: the strategies it runs, what
+        this machine lacks to start it, restarts, an elastic range, the GPUs a rank takes; raises OptionError."""
+        allowed = self.strategies
+        require(allowed is None or run.data_parallel in allowed, "strategy", run.strategy, f"runtime={self.name} "
+                f"runs strategy.data_parallel={' or '.join(allowed or ())} only: add strategy={(allowed or ('',))[0]}")
+        if offers.runs_here:  # what the runtime's agent needs on this machine (mpirun, ...)
+            missing = self.missing()
+            require(missing is None, "runtime", self.name, missing or "")
+        restarts = getattr(options, "max_restarts", 0)
+        require(restarts == 0 or not offers.kubeflow_cache or not run.kubeflow_cache,
+                "runtime.max_restarts", restarts, "data.cache.backend=kubeflow runs on the cluster's cache "
+                "runtime, which carries no failure policy of trainjob's (restarts would be its own, not the JobSet's "
+                "that runtime.max_restarts sets elsewhere): give 0, or data.cache.backend=trainjob")
+        require(len(run.counts) == 1 or offers.elastic, "runtime.nnodes", options.nnodes,
+                f"an elastic range runs on launcher=local or docker: launcher={run.launcher} runs a fixed number of "
+                "nodes (a Kubeflow TrainJob's numNodes: Trainer v2 has no elastic policy); give a node count, and "
+                "runtime.max_restarts to restart")
+        require(run.gpus == 0 or run.per_node <= run.gpus, "runtime.nproc_per_node", run.per_node,
+                f"must be <= {run.gpus}, the GPUs on this machine (each rank takes one)")
+
     def missing(self) -> str | None:
         """What this machine lacks to start the runtime's ranks (a line saying how to install it), or None."""
         return None
@@ -150,6 +224,22 @@ class Runtime(ABC):
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         """Environment for the agent `node_command` starts."""
         return {}
+
+    def store_command(self, python: str, endpoint: str, run_dir: str | None = None) -> list[str] | None:
+        """The command that hosts the job's rendezvous store at `endpoint` apart from its nodes (an elastic job's,
+        or one whose nodes start one by one), ending once no node of `run_dir` is left (None: when stopped); None
+        for a runtime whose ranks meet without one."""
+        return None
+
+    def ssh_hosts(self) -> Any:
+        """How a launcher lays out the SSH hosts of a job whose ranks one launcher starts over SSH
+        (`hosts_over_ssh`: MPI's `mpi.hosts.SSHHosts`); None for a runtime whose nodes start their own ranks."""
+        return None
+
+    def describe(self, image: str, device: str, device_count: str) -> RuntimeInfo:
+        """The runtime as the Client describes it, running `image` on `device_count` devices of kind `device`."""
+        return RuntimeInfo(self.name, RuntimeTrainer(self.framework, image, 1, device, device_count),
+                           function_only=self.function_only)
 
     def install_command(self, packages: list[str], python: str) -> list[str]:
         """A Kubeflow node's command that pip-installs `packages` for the user once per node (every pod runs it

@@ -1,7 +1,8 @@
 """`runtime=deepspeed-distributed`: Kubeflow Trainer's DeepSpeed runtime, which is its MPI plugin
 (`mlPolicy.mpi`) under the `deepspeed` framework label: OpenMPI's `mpirun` starts every rank from one launcher,
 as under `runtime=mpi` (the same node command, rank environment and Kubeflow command), and the ranks train
-with the DeepSpeed engine (`strategy=deepspeed`, the one strategy it runs and that runs only here).
+with the DeepSpeed engine (`strategy=deepspeed`, the one strategy it runs and that runs only here), which saves
+its checkpoints in the step (no `train.checkpoint_async`).
 
 It needs mpirun (Debian's openmpi-bin) and the `deepspeed` package (the `deepspeed` extra of trainjob) where it
 starts: without either, the run is refused before anything starts."""
@@ -12,6 +13,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar
 
+from trainjob.options import require
+from trainjob.runtimes.base import Offers, RunFacts
 from trainjob.runtimes.mpi import MPI, MPIConfig
 
 # The pip extra that installs the DeepSpeed engine (pyproject.toml), with its compiled ops left out: none is
@@ -36,6 +39,11 @@ class DeepSpeedDistributed(MPI):
     # mpi4py: a function's deepspeed.init_distributed() reads its rank from MPI with it.
     imports = ("deepspeed", "mpi4py")
     extra = "deepspeed"
+
+    def check_run(self, options: DeepSpeedDistributedConfig, run: RunFacts, offers: Offers) -> None:
+        require(run.data_parallel != "deepspeed" or not run.checkpoint_async, "train.checkpoint_async", True,
+                "strategy=deepspeed saves with DeepSpeed's own save_checkpoint, which writes in the step: give false")
+        super().check_run(options, run, offers)
 
     def missing(self) -> str | None:
         lacking = super().missing()

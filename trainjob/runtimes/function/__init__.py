@@ -5,11 +5,12 @@ A `python -m trainer` run on one is refused; the framework not installed here is
 Kubernetes the TrainJob names the shipped ClusterTrainingRuntime itself (as Kubeflow's SDK does), whose plugin
 sets the environment.
 
-Locally a job's "nodes" are processes on this machine: `ProcessPerNode` starts one per node under
-`launchers.procs` with the environment Kubeflow's plugin gives each pod (JAX, XGBoost), `MPIFunction` starts
-every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI plugin sets (MLX). On Docker every node is
-a container: `ProcessPerNode` runs the node's one process there, meeting at node 0's container on port 29500;
-`MPIFunction` runs as runtime=mpi does, from a launcher container over SSH.
+Locally a job's "nodes" are processes on this machine: `ProcessPerNode` starts one per node under its agent
+`procs` here (`python -m trainjob.runtimes.function.procs`) with the environment Kubeflow's plugin gives each pod
+(JAX, XGBoost), `MPIFunction` starts every rank under `mpirun` with the `OMPI_MCA_*` settings Kubeflow's MPI
+plugin sets (MLX). On Docker every node is a container: `ProcessPerNode` runs the node's one process there,
+meeting at node 0's container on port 29500; `MPIFunction` runs as runtime=mpi does, from a launcher container over
+SSH.
 """
 
 from __future__ import annotations
@@ -19,9 +20,14 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from trainjob.nodes import LOCALHOST, free_port
 from trainjob.options import OptionError
 from trainjob.runtimes import mpi
-from trainjob.runtimes.base import KUBEFLOW_PORT, LOCALHOST, Nodes, Offers, Runtime, free_port
+from trainjob.runtimes.base import KUBEFLOW_PORT, Nodes, Offers, Runtime
+from trainjob.runtimes.mpi import hosts
+
+# The agent beside this module that starts a job's nodes as processes here, run as `python -m`.
+PROCS = "trainjob.runtimes.function.procs"
 
 
 def node_host(job: str) -> str:
@@ -77,7 +83,7 @@ class ProcessPerNode(FunctionRuntime):
             return ["env", *(f"{k}={v}" for k, v in env.items()), nodes.python, *nodes.command]
         host, port = (nodes.endpoint.rsplit(":", 1) if nodes.endpoint else (LOCALHOST, free_port()))
         env = self.node_env(host, int(port), nodes.nnodes)
-        return [nodes.python, "-m", "launchers.procs", "--count", str(nodes.nnodes), "--index", self.index_env,
+        return [nodes.python, "-m", PROCS, "--count", str(nodes.nnodes), "--index", self.index_env,
                 *(a for k, v in env.items() for a in ("--env", f"{k}={v}")), "--", nodes.python, *nodes.command]
 
     def plugin_env(self, job: str, nnodes: int, gpus_per_node: int = 0) -> dict[str, str]:
@@ -90,6 +96,7 @@ class MPIFunction(FunctionRuntime):
     plugin gives its launcher; on a cluster `mpirun --hostfile /etc/mpi/hostfile` (the SDK's MPI_COMMAND)."""
 
     hosts_over_ssh = True
+    rank_names = mpi.CONTRACT
 
     def missing(self) -> str | None:
         return mpi.RUNTIME.missing() or super().missing()
@@ -98,12 +105,12 @@ class MPIFunction(FunctionRuntime):
         if nodes.hosts:  # across hosts (Docker): as runtime=mpi reaches them, over SSH with the job's hostfile
             return mpi.RUNTIME.node_command(options, nodes)
         ranks = nodes.nnodes * nodes.nproc_per_node
-        env = {k: v for k, v in mpi.launcher_env(ranks).items() if k != mpi.HOSTFILE_ENV}  # one host: no hostfile
+        env = {k: v for k, v in hosts.launcher_env(ranks).items() if k != hosts.HOSTFILE_ENV}  # one host: no hostfile
         return ["env", *(f"{k}={v}" for k, v in env.items()), "mpirun", "-np", str(ranks), "--bind-to", "none",
                 "--oversubscribe", nodes.python, *nodes.command]
 
     def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
-        return ["mpirun", "--hostfile", mpi.KUBEFLOW_HOSTFILE, nodes.python, *nodes.command]
+        return ["mpirun", "--hostfile", hosts.KUBEFLOW_HOSTFILE, nodes.python, *nodes.command]
 
     def install_command(self, packages: list[str], python: str) -> list[str]:
         return mpi.RUNTIME.install_command(packages, python)
@@ -111,9 +118,12 @@ class MPIFunction(FunctionRuntime):
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         return dict(mpi.AGENT_ENV)
 
+    def ssh_hosts(self) -> hosts.SSHHosts:
+        return hosts.SSH_HOSTS
+
     def ml_policy(self, options: Mapping[str, Any], nnodes: int, nproc_per_node: int) -> dict[str, Any]:
         return {"numNodes": nnodes, "mpi": {"numProcPerNode": nproc_per_node}}
 
     def plugin_env(self, job: str, nnodes: int, gpus_per_node: int = 0) -> dict[str, str]:
-        return mpi.launcher_env(max(1, gpus_per_node))
+        return hosts.launcher_env(max(1, gpus_per_node))
 

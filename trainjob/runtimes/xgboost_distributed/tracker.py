@@ -1,9 +1,9 @@
-"""`launchers.xgboost.tracker()`: an `xgboost-distributed` function's workers joined in one line, as Kubeflow's
+"""`tracker()`: an `xgboost-distributed` function's workers joined in one line, as Kubeflow's
 XGBoost guide does by hand: rank 0 (DMLC_TASK_ID 0) starts XGBoost's RabitTracker for DMLC_NUM_WORKER workers
 on DMLC_TRACKER_PORT, every worker joins it through `xgboost.collective.CommunicatorContext`, and rank 0 waits
 for the tracker at the end.
 
-    from launchers.xgboost import tracker
+    from trainjob.runtimes.xgboost_distributed.tracker import tracker
 
     def train():
         import xgboost as xgb

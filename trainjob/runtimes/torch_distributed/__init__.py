@@ -1,7 +1,9 @@
 """`runtime=torch-distributed`: torchrun starts each node's ranks (Kubeflow Trainer's `torch-distributed`
-runtime, `mlPolicy.torch`). A trainer run's agent is `launchers.torchrun`, whose exit code is its failed rank's
-own; a function job's is plain torchrun. The ranks read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT as they are."""
+runtime, `mlPolicy.torch`). A trainer run's agent is `torchrun` here (`python -m
+trainjob.runtimes.torch_distributed.torchrun`), whose exit code is its failed rank's own; a function job's is plain
+torchrun. An elastic job's rendezvous store, and that of nodes started one by one, is hosted apart from the nodes by
+`rendezvous` here (`store_command`). The ranks read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT as they are. The agents import torch; nothing imports them: they run as `python -m`."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from trainjob.nodes import node_range
-from trainjob.options import OptionError, require
-from trainjob.runtimes.base import Nodes, Offers, Runtime
+from trainjob.options import require
+from trainjob.runtimes.base import Nodes, Offers, Runtime, check_counts
+
+# The node agents beside this module, run as `python -m` (they import torch).
+AGENT = "trainjob.runtimes.torch_distributed.torchrun"
+STORE = "trainjob.runtimes.torch_distributed.rendezvous"
 
 # Sharing torchrun's rendezvous store with the workers (the default) lets restarted workers read the failed
 # attempt's addresses, so a restart after a dead rank fails to connect (pytorch/pytorch#135712); a fresh store
@@ -19,7 +24,7 @@ from trainjob.runtimes.base import Nodes, Offers, Runtime
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 # An elastic job's rendezvous, and a fixed-size one's whose nodes start on their own (the local launcher): its
-# store is hosted outside the nodes (`launchers.rendezvous`), so that losing any node leaves it; a node that
+# store is hosted outside the nodes (`rendezvous` here), so that losing any node leaves it; a node that
 # stops sending heartbeats for 5 s is gone.
 ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"
 
@@ -50,16 +55,6 @@ class TorchDistributedConfig:
     rdzv_timeout: int = 600
 
 
-def check_counts(options: Any) -> int:
-    """runtime.nproc_per_node and runtime.nnodes (N or MIN:MAX) as every runtime reads them; the most nodes."""
-    require(options.nproc_per_node is None or options.nproc_per_node > 0, "runtime.nproc_per_node",
-            options.nproc_per_node, "must be > 0, or null for one process per GPU (2 without GPUs)")
-    try:
-        return node_range(options.nnodes)[1]
-    except ValueError as e:
-        raise OptionError("runtime.nnodes", options.nnodes, str(e)) from None
-
-
 class TorchDistributed(Runtime):
     name = "torch-distributed"
     schema = TorchDistributedConfig
@@ -88,8 +83,8 @@ class TorchDistributed(Runtime):
 
     def node_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
         # A trainer run's agent passes its failed rank's exit code on (2 refused, 143 preempted), and ends a
-        # rendezvous that timed out with RDZV_TIMEOUT_EXIT (`launchers.torchrun`); a function job's is torchrun's.
-        agent = ["-m", "launchers.torchrun"] if nodes.trainer_run else ["-m", "torch.distributed.run"]
+        # rendezvous that timed out with RDZV_TIMEOUT_EXIT (`torchrun` here); a function job's is torchrun's.
+        agent = ["-m", AGENT] if nodes.trainer_run else ["-m", "torch.distributed.run"]
         return [nodes.python, *agent, *torchrun_args(options, nodes), *nodes.command]
 
     def kubeflow_command(self, options: Mapping[str, Any], nodes: Nodes) -> list[str]:
@@ -97,11 +92,14 @@ class TorchDistributed(Runtime):
         # torchrun reads. A trainer run's agent passes its rank's exit code on, so that a refused config (2) and a
         # preemption (143) reach the pod's status; a function job's image need not hold trainjob: plain torchrun.
         # Restarts are the JobSet's (the runtime's failure policy): torchrun in a pod restarts nothing.
-        agent = [nodes.python, "-m", "launchers.torchrun"] if nodes.trainer_run else ["torchrun"]
+        agent = [nodes.python, "-m", AGENT] if nodes.trainer_run else ["torchrun"]
         return [*agent, "--max-restarts=0", *nodes.command]
 
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         return dict(AGENT_ENV)
+
+    def store_command(self, python: str, endpoint: str, run_dir: str | None = None) -> list[str] | None:
+        return [python, "-m", STORE, endpoint, *(["--run-dir", run_dir] if run_dir else [])]
 
     def ml_policy(self, options: Mapping[str, Any], nnodes: int, nproc_per_node: int) -> dict[str, Any]:
         return {"numNodes": nnodes, "torch": {"numProcPerNode": nproc_per_node}}

@@ -1,5 +1,5 @@
-"""`python -m launchers.procs --count N --index NAME [--env K=V ...] -- COMMAND...`: the agent of a runtime
-whose nodes each run one process that its framework joins by itself (JAX, XGBoost), when the job's "nodes" are
+"""`python -m trainjob.runtimes.function.procs --count N --index NAME [--env K=V ...] -- COMMAND...`: the agent of a
+runtime whose nodes each run one process that its framework joins by itself (JAX, XGBoost), when the job's "nodes" are
 processes on this machine: start COMMAND N times, process i with NAME=i (JAX_PROCESS_ID, DMLC_TASK_ID) and the
 `--env` values set, and wait. When one ends with a failure the others are stopped (their framework would wait
 for it forever) and this exits with that process's code (a signal: 128 + its number); SIGTERM is passed on.
@@ -51,7 +51,8 @@ def run(count: int, index: str, env: dict[str, str], command: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m launchers.procs", description="Start a command once per node on this machine.")
+    p = OneLineParser(prog="python -m trainjob.runtimes.function.procs",
+                      description="Start a command once per node on this machine.")
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--index", required=True, help="the variable holding each process's index")
     p.add_argument("--env", action="append", default=[], help="K=V set for every process")

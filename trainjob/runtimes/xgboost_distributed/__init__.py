@@ -1,7 +1,8 @@
 """`xgboost-distributed` (Kubeflow Trainer's XGBoost plugin, `mlPolicy.xgboost`): every node gets
 DMLC_TRACKER_URI (node 0's host), DMLC_TRACKER_PORT (29500 on a cluster), DMLC_TASK_ID (its index) and
 DMLC_NUM_WORKER; as upstream, no tracker is started for the job: the function's rank 0 starts it
-(`launchers.xgboost.tracker()` does that, and joins every worker, in one line). A function-only runtime
+(`tracker.tracker()` beside this module does that, and joins every worker, in one line:
+`from trainjob.runtimes.xgboost_distributed.tracker import tracker`). A function-only runtime
 (`trainjob.runtimes.function`)."""
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""`python -m launchers.rendezvous HOST:PORT [--run-dir DIR]`: an elastic job's rendezvous store, hosted apart
-from its nodes so that losing any node (node 0 included) leaves the store, and the nodes left re-form.
+"""`python -m trainjob.runtimes.torch_distributed.rendezvous HOST:PORT [--run-dir DIR]`: an elastic job's rendezvous
+store, hosted apart from its nodes so that losing any node (node 0 included) leaves the store, and the nodes left
+re-form. It imports torch when it serves: nothing imports it, a launcher runs it as `python -m`
+(`TorchDistributed.store_command`).
 
 Each node's torchrun joins it as a client (`is_host=false`). Started by every local node's driver: the first
 binds the port, the others find it taken and leave it to that one. With `--run-dir` it ends once no node of
-the run holds a node slot there (`<run_dir>/.node-<i>.lock`, see `trainer.prepare.run_dir`); without, it runs until
+the run holds a node slot there (`<run_dir>/.node-<i>.lock`, `RunDir.node_slots`); without, it runs until
 stopped (a Docker job removes its container with the job).
 """
 
@@ -53,7 +55,8 @@ def serve(host: str, port: int, run_dir: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m launchers.rendezvous", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m trainjob.runtimes.torch_distributed.rendezvous",
+                      description=__doc__.splitlines()[0])
     p.add_argument("endpoint", help="HOST:PORT to serve at")
     p.add_argument("--run-dir", help="end once no node of this run directory holds its slot")
     args = p.parse_args(argv)

@@ -1,5 +1,6 @@
-"""`python -m launchers.torchrun <torchrun options> -m trainer.worker CONFIG`: torchrun's elastic agent, whose
-exit code is the code its failed rank exited with, where plain torchrun turns every failure into 1.
+"""`python -m trainjob.runtimes.torch_distributed.torchrun <torchrun options> -m <worker> CONFIG`: torchrun's
+elastic agent, whose exit code is the code its failed rank exited with, where plain torchrun turns every failure
+into 1. It imports torch: nothing imports it, every node runs it as `python -m`.
 
 What the code says matters to whoever watches the node: 2 is a refused config or input (a Kubernetes
 `podFailurePolicy` fails the job at once rather than restarting it), 143 a preemption whose checkpoint is

@@ -7,13 +7,9 @@ OMPI_COMM_WORLD_LOCAL_RANK and joins torch.distributed at MASTER_ADDR:MASTER_POR
 MPI jobs are fixed-size: no elastic range, no restarts (a failed rank ends the job with its exit code; the
 same command resumes from the newest checkpoint).
 
-The SSH hosts of a job, for a launcher that lays them out itself (Docker; on Kubernetes Kubeflow's plugin does):
-`node_hosts` and `hosts` (how many node hosts start beside the launcher, the hostfile's order), `placement`
-(which hosts run the ranks, rank 0's first), `sshd_config`, `sshd_command` and `ssh_config` (every host's sshd on
-port 2222, its host key the job's own key, as Kubeflow's images run it), `launcher_env` (the launcher's OMPI_MCA_*
-settings, as Kubeflow's plugin sets them) and `KEYGEN` (the job's key pair in Kubeflow's file names, made at
-launch). Every runtime whose ranks mpirun starts
-(`hosts_over_ssh`) uses them."""
+Everything of MPI is in this folder: the unit (here), the layout of its SSH hosts for a launcher that lays them
+out itself (`hosts.SSHHosts`, what `ssh_hosts()` answers: Docker asks it; on Kubernetes Kubeflow's plugin lays them
+out), shared by every runtime whose ranks mpirun starts (`hosts_over_ssh`)."""
 
 from __future__ import annotations
 
@@ -22,19 +18,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from trainjob.nodes import LOCALHOST, free_port
 from trainjob.options import require
-from trainjob.runtimes.base import KUBEFLOW_PORT, LOCALHOST, Nodes, Offers, Runtime, free_port
-from trainjob.runtimes.torch_distributed import check_counts
+from trainjob.runtimes.base import KUBEFLOW_PORT, Nodes, Offers, Runtime, check_counts
+from trainjob.runtimes.mpi.hosts import (
+    HOSTFILE_ENV,
+    KUBEFLOW_HOSTFILE,
+    SSH_HOSTS,
+    SSH_PORT,
+    SSHHosts,
+    on_each_host,
+    rank0_host,
+)
 
-# Kubeflow's MPI sshd port.
-SSH_PORT = 2222
 INSTALL = "apt-get install -y openmpi-bin"
 # ssh to a node's sshd (Kubeflow's MPI runtimes listen on 2222), whose host key is the job's own.
 RSH_ARGS = f"-p {SSH_PORT} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectionAttempts=10"
-# Where Kubeflow's MPI plugin mounts the hostfile, and the variable that names it.
-KUBEFLOW_HOSTFILE = "/etc/mpi/hostfile"
-HOSTFILE_ENV = "OMPI_MCA_orte_default_hostfile"
-# What the ranks read, from OpenMPI's environment, as torch.distributed's names.
+# What the ranks read, from OpenMPI's environment, as torch.distributed's names (`Runtime.rank_names`).
 CONTRACT = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
             "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_WORLD_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"}
 # mpirun refuses to run as root unless told; containers and CI run as root.
@@ -68,6 +68,7 @@ class MPI(Runtime):
     framework = "mpi"
     hosts_over_ssh = True
     function_jobs = True
+    rank_names = CONTRACT
     kubeflow_image = "ghcr.io/kubeflow/trainer/deepspeed-runtime"
 
     def check(self, options: MPIConfig) -> None:
@@ -123,6 +124,9 @@ class MPI(Runtime):
     def agent_env(self, options: Mapping[str, Any]) -> dict[str, str]:
         return dict(AGENT_ENV)
 
+    def ssh_hosts(self) -> SSHHosts:
+        return SSH_HOSTS
+
     def install_command(self, packages: list[str], python: str) -> list[str]:
         # Once on each host of the hostfile, not once per rank (nor on the launcher alone).
         return on_each_host(super().install_command(packages, python), hostfile=KUBEFLOW_HOSTFILE)
@@ -150,82 +154,6 @@ def _exports(nodes: Nodes, values: dict[str, str]) -> list[str]:
         values = {**values, "OMP_NUM_THREADS": "1"}
     return [arg for key, value in values.items() for arg in ("-x", f"{key}={value}")] + [
         arg for key in nodes.env_names for arg in ("-x", key)]
-
-
-def on_each_host(command: list[str], env_names: tuple[str, ...] = (), hostfile: str | None = None) -> list[str]:
-    """mpirun running `command` once on each host of the hostfile (`hostfile`, or the one its environment names), with
-    `env_names` passed on: a job's packages_to_install, installed once per node, not once per rank."""
-    return ["mpirun", *(["--hostfile", hostfile] if hostfile else []), "--map-by", "ppr:1:node",
-            *(arg for key in env_names for arg in ("-x", key)), *command]
-
-
-def node_hosts(nnodes: int, run_launcher_as_node: bool) -> int:
-    """How many node hosts Kubeflow's MPI plugin starts beside the launcher for a job of `nnodes` nodes: one fewer
-    where the launcher is a host too (runLauncherAsNode), and at least one."""
-    return max(nnodes - 1, 1) if run_launcher_as_node else nnodes
-
-
-def hosts(nodes: list[str], launcher: str, run_launcher_as_node: bool) -> list[str]:
-    """The hostfile's hosts in Kubeflow's order: the nodes, then the launcher where it is a host (its
-    deepspeed and mlx runtimes list `node` before `launcher`), so that rank 0 runs on the first node."""
-    return [*nodes, *([launcher] if run_launcher_as_node else [])]
-
-
-def placement(hosts: list[str], launcher: str) -> list[str]:
-    """The hostfile's `hosts` in the order mpirun fills their slots: its own host (the launcher) first where it is
-    one (OpenMPI's daemon 0, whichever line of the hostfile names it), then the others as listed; so rank 0, whose
-    host the ranks meet at, runs on the launcher where it is a host."""
-    return [*(h for h in hosts if h == launcher), *(h for h in hosts if h != launcher)]
-
-
-# The job's key pair in a directory of its own, named as Kubeflow's plugin mounts its Secret (id_rsa: the private
-# key, also every sshd's host key; id_rsa.pub and authorized_keys: the public key). Run with that directory as $1
-# and the key's comment (the job's name) as $2.
-KEYGEN = ('ssh-keygen -q -t ecdsa -b 521 -N "" -C "$2" -f "$1/id_rsa" && cp "$1/id_rsa.pub" "$1/authorized_keys" '
-          '&& chmod 0600 "$1/id_rsa"')
-
-
-def sshd_config(ssh_dir: str, pid_file: str) -> str:
-    """The sshd configuration of every host of a job whose keys are in `ssh_dir` (Kubeflow's images: the job's
-    private key is the host key, port 2222, no strict modes); it runs as the user the ranks run as."""
-    return (f"Port {SSH_PORT}\nHostKey {ssh_dir}/id_rsa\nAuthorizedKeysFile {ssh_dir}/authorized_keys\n"
-            f"PidFile {pid_file}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n")
-
-
-def ssh_config(ssh_dir: str) -> str:
-    """The ssh client's configuration of every host of a job whose keys are in `ssh_dir` (/etc/ssh/ssh_config, as
-    Kubeflow's MPI images hold it): sshd's port 2222, no host key checked (every sshd's is the job's own key), and
-    the job's private key, wherever it is mounted."""
-    return (f"Host *\n    Port {SSH_PORT}\n    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n"
-            f"    IdentityFile {ssh_dir}/id_rsa\n")
-
-
-def launcher_env(slots: int) -> dict[str, str]:
-    """What Kubeflow's MPI plugin sets on the launcher's container for OpenMPI (RUNTIMES.md §1), which mpirun reads:
-    the hostfile, host names kept whole, `slots` per host, and ssh's options."""
-    return {HOSTFILE_ENV: KUBEFLOW_HOSTFILE, "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
-            "OMPI_MCA_orte_set_default_slots": str(slots), "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
-
-
-def sshd_command(ssh_dir: str) -> list[str]:
-    """A node host's command: sshd in the foreground, logging to stderr, as Kubeflow's node pods run it."""
-    return ["/usr/sbin/sshd", "-D", "-e", "-f", f"{ssh_dir}/sshd_config"]
-
-
-def rank0_host(path: str) -> str:
-    """The host rank 0 runs on under Kubeflow's MPI plugin, from its hostfile at `path`: the launcher pod
-    (`<job>-launcher-0-0.<job>`, where mpirun runs: `placement`) when the hostfile names it (runLauncherAsNode),
-    else the first host."""
-    with open(path) as f:
-        listed = [line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#")]
-    launcher = next((h for h in listed if h.split(".")[0].endswith("-launcher-0-0")), None)
-    return placement(listed, launcher)[0]
-
-
-def hostfile(hosts: list[str], slots: int) -> str:
-    """An OpenMPI hostfile as Kubeflow writes it: one `<host> slots=<processes per node>` line per host."""
-    return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 
 RUNTIME = MPI()
