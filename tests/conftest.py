@@ -152,7 +152,8 @@ def read_summary(run_dir: str) -> dict:
 
 def rank_pids(config_path: str) -> list[int]:
     """The pids of the ranks that train from `config_path`: python processes whose module (`-m`) is
-    trainer.worker, whatever started them (torchrun's agent, whose own module is trainjob.runtimes.torch_distributed.torchrun, or mpirun)."""
+    trainer.worker, whatever started them (torchrun's agent, whose own module is
+    trainjob.runtimes.torch_distributed.torchrun, or mpirun)."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -1,7 +1,8 @@
 """Failure policies: a refused config fails a Kubernetes TrainJob at once, a preempted pod is not a failure,
 `runtime.max_restarts` is the JobSet's, and node 0's success is the job's. The manifests are checked against
 the real JobSet and Trainer CRDs (there is no API server here to run them); the exit codes those policies
-read are checked on real processes: torchrun's agent (`trainjob.runtimes.torch_distributed.torchrun`) exits with its rank's code."""
+read are checked on real processes: torchrun's agent (`trainjob.runtimes.torch_distributed.torchrun`) exits with
+its rank's code."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def test_the_derived_runtime_fails_fast_on_a_refusal_and_restarts_up_to_max_rest
     assert job["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
     assert job["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
     # The pod's agent passes the rank's exit code on, and leaves restarts to the JobSet.
-    assert trainjob["spec"]["trainer"]["command"][:4] == ["python", "-m", "trainjob.runtimes.torch_distributed.torchrun", "--max-restarts=0"]
+    assert trainjob["spec"]["trainer"]["command"][:4] == ["python", "-m", "trainjob.runtimes.torch_distributed.torchrun",
+                                                         "--max-restarts=0"]
 
 
 def test_kubeflows_cache_runtime_carries_no_policy_of_ours_so_max_restarts_is_refused_there(tmp_path, capsys):
@@ -63,8 +65,9 @@ def _agent(tmp_path, config: dict, *extra: str) -> subprocess.CompletedProcess:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.run([sys.executable, "-m", "trainjob.runtimes.torch_distributed.torchrun", "--standalone", "--nproc-per-node=1", *extra,
-                           "-m", "trainer.worker", str(path)], capture_output=True, text=True, timeout=240, env=env)
+    return subprocess.run([sys.executable, "-m", "trainjob.runtimes.torch_distributed.torchrun", "--standalone",
+                           "--nproc-per-node=1", *extra, "-m", "trainer.worker", str(path)],
+                          capture_output=True, text=True, timeout=240, env=env)
 
 
 def test_the_agent_exits_with_the_code_of_a_rank_that_refused_its_config(tmp_path):
