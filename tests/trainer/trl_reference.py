@@ -33,7 +33,7 @@ class _Accelerator:
 
 # GRPOConfig's settings that `_compute_loss` reads from `self.args` for its loss types, at TRL's defaults.
 GRPO_ARGS = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-             "vespo_k_neg", "vespo_lambda_neg")
+             "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl")
 
 
 def grpo(logps, old, ref, advantages, mask, *, loss_type, importance_sampling_level="token", epsilon=0.2,
@@ -43,7 +43,7 @@ def grpo(logps, old, ref, advantages, mask, *, loss_type, importance_sampling_le
     each of `num_processes` ranks, `num_items_in_batch` completion tokens in all); `settings`: those of
     `GRPO_ARGS` that differ from GRPOConfig's defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in GRPO_ARGS}
-    args = {**defaults, **settings, "use_bias_correction_kl": False, "steps_per_generation": accum}
+    args = {**defaults, **settings, "steps_per_generation": accum}
     trainer = SimpleNamespace(
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=importance_sampling_level,
         beta=beta, loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else

@@ -114,6 +114,9 @@ class RecipeConfig:
     # The clipping range's upper side (null: epsilon); grpo with loss_type=cispo: the cap of the ratio (ScaleRL's
     # epsilon_max, 5.0 recommended; null caps it at epsilon, as TRL does).
     epsilon_high: float | None = read_by("grpo", "rloo", default=None)
+    # grpo with beta > 0: the KL term weighted by the importance ratio, so that its gradient is the unbiased
+    # reverse-KL one off policy (DeepSeek-V3.2; TRL's default; it moves the gradient even on policy).
+    use_bias_correction_kl: bool = read_by("grpo", default=True)
     # grpo, the clipped loss types: a cap on the unclipped ratio (INTELLECT-2's two-sided clipping; TRL recommends
     # above 1 + epsilon), null for none.
     delta: float | None = read_by("grpo", default=None)
@@ -208,6 +211,8 @@ class RecipeConfig:
         level = LOSS_LEVELS.get(kind, self.importance_sampling_level)
         require(self.importance_sampling_level == level, "recipe.importance_sampling_level",
                 self.importance_sampling_level, f"recipe.loss_type={kind} takes {level} only (TRL warns on the other)")
+        require(self.use_bias_correction_kl or self.beta > 0, "recipe.use_bias_correction_kl", False,
+                "only recipe.beta > 0 reads it (the KL term it weighs): leave it true")
         require(self.delta is None or self.delta > 0, "recipe.delta", self.delta, "must be > 0, or null for no cap")
         for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             require(getattr(self, key) > 0, f"recipe.{key}", getattr(self, key), "must be > 0")

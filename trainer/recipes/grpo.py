@@ -13,7 +13,10 @@ reference (ref), the ratio rho = exp(logp - old) per completion token (importanc
 exp(mean over the completion's tokens of logp - old) per completion (sequence: GSPO), each token's loss is a
 policy term, by `loss_type`, plus the KL penalty:
 
-    token loss = policy term + beta * k3,      k3 = exp(ref - logp) - (ref - logp) - 1
+    token loss = policy term + beta * k3 * rho,      k3 = exp(ref - logp) - (ref - logp) - 1
+
+(k3 without rho under use_bias_correction_kl=false: rho makes its gradient the unbiased one off policy, and moves
+it even at rho = 1, as TRL's default does)
 
     grpo, bnpo, dr_grpo, dapo, luspo   -min(min(rho, delta) * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)
                                        (delta null: no cap)
@@ -82,11 +85,11 @@ from trainer.rewards import functions as reward_funcs
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = config_recipe.LOSS_TYPES["grpo"]
 IMPORTANCE_LEVELS = config_recipe.IMPORTANCE_LEVELS
-# The loss types' own settings beside epsilon and epsilon_high (delta, sapo_temperature_pos, ...), with the
-# schema's defaults (TRL's).
+# The loss types' own settings beside epsilon and epsilon_high (delta, sapo_temperature_pos, ...) and the KL term's,
+# with the schema's defaults (TRL's).
+_OWN = {k for keys in config_recipe.LOSS_PARAMS.values() for k in keys} - {"epsilon", "epsilon_high"}
 LOSS_SETTINGS = {f.name: f.default for f in dataclasses.fields(config_recipe.RecipeConfig)
-                 if any(f.name in keys for keys in config_recipe.LOSS_PARAMS.values())
-                 and f.name not in ("epsilon", "epsilon_high")}
+                 if f.name in _OWN | {"use_bias_correction_kl"}}
 VESPO = ("k_pos", "lambda_pos", "k_neg", "lambda_neg")  # vespo_<these>, in gamma_weights' order
 # A metrics line's statistics of the loss, by loss type (TRL's names).
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -158,10 +161,10 @@ def gamma_weights(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _policy_term(loss_type: str, logps: torch.Tensor, old_logps: torch.Tensor, adv: torch.Tensor,
-                 mask: torch.Tensor, level: str, p: dict) -> tuple[torch.Tensor, dict]:
-    """(each token's policy loss as `loss_type` takes it from the settings `p`, its statistics by TRL's names)."""
-    ratio = _ratio(logps, old_logps, mask, level)
+def _policy_term(loss_type: str, logps: torch.Tensor, old_logps: torch.Tensor, ratio: torch.Tensor,
+                 adv: torch.Tensor, mask: torch.Tensor, p: dict) -> tuple[torch.Tensor, dict]:
+    """(each token's policy loss as `loss_type` takes it from the settings `p`, its statistics by TRL's names);
+    `ratio`: the importance weights (`_ratio`)."""
     high = p["epsilon"] if p["epsilon_high"] is None else p["epsilon_high"]
     if loss_type in config_recipe.CLIPPED:
         return _clipped(ratio, adv, p["epsilon"], high, p["delta"])
@@ -205,21 +208,23 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     sequence-level weights). logps, old_logps, ref_logps, mask: (completions, tokens); advantages: (completions,).
     dapo, cispo, vespo: `tokens_per_rank` is the generation batch's counted tokens on every rank over the number of
     ranks (`dapo_tokens_per_rank`); dr_grpo: `max_completion_length` is the constant length it divides by.
-    `params`: the loss types' own settings by TRL's names (`LOSS_SETTINGS`: delta, sapo_temperature_pos, ...;
-    TRL's defaults)."""
+    `params`: the loss types' own settings and the KL term's by TRL's names (`LOSS_SETTINGS`: delta,
+    sapo_temperature_pos, ..., use_bias_correction_kl; TRL's defaults)."""
     unknown = sorted(set(params) - set(LOSS_SETTINGS))
     if unknown:
         raise ValueError(f"{unknown[0]}: not a setting of a GRPO loss type (one of {', '.join(LOSS_SETTINGS)})")
     mask = mask.to(logps.dtype)
-    token_loss, stats = _policy_term(loss_type, logps, old_logps, advantages[:, None], mask,
-                                     importance_sampling_level,
-                                     {**LOSS_SETTINGS, **params, "epsilon": epsilon, "epsilon_high": epsilon_high})
+    p = {**LOSS_SETTINGS, **params, "epsilon": epsilon, "epsilon_high": epsilon_high}
+    ratio = _ratio(logps, old_logps, mask, importance_sampling_level)
+    token_loss, stats = _policy_term(loss_type, logps, old_logps, ratio, advantages[:, None], mask, p)
     kl = torch.zeros_like(logps)
     if beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference's log-probabilities")
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
+        if p["use_bias_correction_kl"]:  # the unbiased reverse-KL gradient off policy (DeepSeek-V3.2)
+            kl = kl * ratio
         token_loss = token_loss + beta * kl
     loss = _reduce(token_loss, mask, loss_type, accum, tokens_per_rank, max_completion_length)
     counted = mask.sum().clamp(min=1)

@@ -189,6 +189,8 @@ def test_a_loss_types_settings_are_refused_under_the_others(prompts, tmp_path, c
         "recipe.loss_type=sapo recipe.sapo_temperature_neg=0": "recipe.sapo_temperature_neg=0.0: must be > 0",
         "recipe.loss_type=vespo recipe.vespo_lambda_pos=-1": "recipe.vespo_lambda_pos=-1.0: must be > 0",
         "recipe.delta=0": "recipe.delta=0.0: must be > 0, or null for no cap",
+        "recipe.beta=0 recipe.use_bias_correction_kl=false":
+            "recipe.use_bias_correction_kl=False: only recipe.beta > 0 reads it (the KL term it weighs): leave it true",
     }
     for overrides, message in cases.items():
         assert message in compose_refused(tmp_path, capsys, *base, *overrides.split()), overrides

@@ -69,12 +69,12 @@ def _case(gen, completions, tokens, drift):
     return logps, old, ref, adv, mask
 
 
-# The loss types' own settings off TRL's defaults (None: the default), drawn for the property test.
+# The loss types' own settings and the KL term's, drawn for the property test.
 SETTINGS = st.fixed_dictionaries({
     "delta": st.one_of(st.none(), st.floats(1.05, 3.0)), "sapo_temperature_pos": st.floats(0.2, 3.0),
     "sapo_temperature_neg": st.floats(0.2, 3.0), "vespo_k_pos": st.floats(0.0, 4.0),
     "vespo_lambda_pos": st.floats(0.1, 4.0), "vespo_k_neg": st.floats(0.0, 4.0),
-    "vespo_lambda_neg": st.floats(0.1, 4.0)})
+    "vespo_lambda_neg": st.floats(0.1, 4.0), "use_bias_correction_kl": st.booleans()})
 
 
 def _both(logps, old, ref, adv, mask, loss_type, level="token", epsilon=0.2, epsilon_high=None, beta=0.0, accum=1,
