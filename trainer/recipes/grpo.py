@@ -15,8 +15,8 @@ policy term, by `loss_type`, plus the KL penalty:
 
     token loss = policy term + beta * k3 * rho,      k3 = exp(ref - logp) - (ref - logp) - 1
 
-(k3 without rho under use_bias_correction_kl=false: rho makes its gradient the unbiased one off policy, and moves
-it even at rho = 1, as TRL's default does)
+(use_bias_correction_kl=false: k3 alone. The factor rho, TRL's default, makes the KL term's gradient the unbiased
+one off policy, and changes it even at rho = 1.)
 
     grpo, bnpo, dr_grpo, dapo, luspo   -min(min(rho, delta) * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)
                                        (delta null: no cap)
@@ -201,7 +201,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
               epsilon: float, epsilon_high: float | None = None, beta: float = 0.0,
               ref_logps: torch.Tensor | None = None, loss_type: str = "dapo", importance_sampling_level: str = "token",
               accum: int = 1, tokens_per_rank: float | torch.Tensor | None = None,
-              max_completion_length: int | None = None, **params: float | None
+              max_completion_length: int | None = None, **params: float | bool | None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's part of the step's loss (one of `accum` micro-batches of a generation batch) and its
     statistics, named as TRL's metrics (masked means over completion tokens, or over completions with
