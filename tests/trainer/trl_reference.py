@@ -5,10 +5,12 @@ re-typed here: what differs between loss types is TRL's code."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
+from trl import GRPOConfig
 from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.grpo_trainer import GRPOTrainer
 
@@ -29,17 +31,26 @@ class _Accelerator:
         return x
 
 
+# GRPOConfig's settings that `_compute_loss` reads from `self.args` for its loss types, at TRL's defaults.
+GRPO_ARGS = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+             "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl")
+
+
 def grpo(logps, old, ref, advantages, mask, *, loss_type, importance_sampling_level="token", epsilon=0.2,
-         epsilon_high=None, beta=0.0, accum=1, num_processes=1, num_items_in_batch=None, max_completion_length=None):
+         epsilon_high=None, beta=0.0, accum=1, num_processes=1, num_items_in_batch=None, max_completion_length=None,
+         **settings):
     """TRL's GRPO loss of one micro-batch (one of `accum` of a generation batch that spans `accum` micro-batches on
-    each of `num_processes` ranks, `num_items_in_batch` completion tokens in all)."""
+    each of `num_processes` ranks, `num_items_in_batch` completion tokens in all); `settings`: those of
+    `GRPO_ARGS` that differ from GRPOConfig's defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in GRPO_ARGS}
+    args = {**defaults, **settings, "steps_per_generation": accum}
     trainer = SimpleNamespace(
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=importance_sampling_level,
         beta=beta, loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else
         epsilon_high, use_vllm=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=accum,
         accelerator=_Accelerator(num_processes), max_completion_length=max_completion_length,
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=accum),
+        args=SimpleNamespace(**args), get_gamma_weights=GRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
     )
     n, length = mask.shape

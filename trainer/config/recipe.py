@@ -4,7 +4,7 @@ rules (`trainer.config.across`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from omegaconf import MISSING
 
@@ -18,8 +18,19 @@ DATA_ROWS = {"chat": "rows with messages", "preference": "rows with prompt, chos
              "prompts": "rows with a prompt (text) or messages"}
 SCALE_REWARDS = ("group", "batch", "none")
 # recipe.loss_type per recipe, TRL 1.16's names (GRPOConfig, DPOConfig); conf/recipe/<name>.yaml sets TRL's default.
-LOSS_TYPES = {"grpo": ("grpo", "bnpo", "dr_grpo", "dapo"), "dpo": ("sigmoid", "ipo", "hinge", "robust")}
+LOSS_TYPES = {"grpo": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
+              "dpo": ("sigmoid", "ipo", "hinge", "robust")}
 IMPORTANCE_LEVELS = ("token", "sequence")
+# grpo: the keys of the policy term each recipe.loss_type reads (TRL 1.16's `_compute_loss`); set off its default
+# under a loss type that does not read it, a key is refused. cispo reads recipe.epsilon only while
+# recipe.epsilon_high is null (TRL's epsilon_high falls back to it).
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped ratio, each its own normalisation
+LOSS_PARAMS = {**{t: ("epsilon", "epsilon_high", "delta") for t in CLIPPED}, "cispo": ("epsilon", "epsilon_high"),
+               "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+               "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+# grpo: the importance-sampling level a loss type must have (TRL warns on the other; LUSPO is GSPO's sequence-level
+# loss, VESPO weighs whole sequences itself).
+LOSS_LEVELS = {"luspo": "sequence", "vespo": "token"}
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
 
@@ -76,12 +87,15 @@ class RecipeConfig:
     # dpo: how far from the reference the policy may move (the KL penalty's inverse weight); grpo: the KL
     # penalty's weight (0: no reference is held).
     beta: float = read_by("dpo", "grpo", "rloo", default=0.1)
-    # grpo: grpo | bnpo | dr_grpo | dapo (TRL's default, set in conf/recipe/grpo.yaml); dpo: sigmoid (the default,
-    # conf/recipe/dpo.yaml) | ipo | hinge | robust. Each as TRL 1.16 computes it (trainer.recipes.grpo, .dpo).
+    # grpo: grpo | bnpo | dr_grpo | dapo (TRL's default, set in conf/recipe/grpo.yaml) | luspo (the clipped ratio,
+    # each normalised its own way) | cispo (the capped ratio as a weight) | sapo (a soft gate) | vespo (a gamma
+    # weight per sequence); dpo: sigmoid (the default, conf/recipe/dpo.yaml) | ipo | hinge | robust. Each as TRL 1.16
+    # computes it (trainer.recipes.grpo, .dpo).
     loss_type: str | None = read_by("grpo", "dpo", default=None)
     # dpo with loss_type=robust: the assumed share of flipped preference labels, in [0, 0.5).
     label_smoothing: float = read_by("dpo", default=0.0)
-    # grpo: importance weights per token, or per completion (the mean of its tokens' log-ratios: GSPO).
+    # grpo: importance weights per token, or per completion (the mean of its tokens' log-ratios: GSPO); luspo must
+    # have sequence, vespo token.
     importance_sampling_level: str = read_by("grpo", default="token")
     # grpo, rloo: completions per prompt (train.global_batch_size counts completions), the reward functions
     # (`package.module:function`, called with prompts=, completions= and the rows' other columns, returning a
@@ -94,9 +108,28 @@ class RecipeConfig:
     reward_weights: list[float] | None = read_by("grpo", "rloo", default=None)
     # grpo: how advantages are scaled: group, batch or none.
     scale_rewards: str = read_by("grpo", "rloo", default="group")
-    # The clipping range's lower side (and upper, without epsilon_high).
+    # The clipping range's lower side (and upper, without epsilon_high); grpo: loss types grpo, bnpo, dr_grpo, dapo,
+    # luspo, and cispo while epsilon_high is null.
     epsilon: float = read_by("grpo", "rloo", default=0.2)
+    # The clipping range's upper side (null: epsilon); grpo with loss_type=cispo: the cap of the ratio (ScaleRL's
+    # epsilon_max, 5.0 recommended; null caps it at epsilon, as TRL does).
     epsilon_high: float | None = read_by("grpo", "rloo", default=None)
+    # grpo with beta > 0: the KL term weighted by the importance ratio, so that its gradient is the unbiased
+    # reverse-KL one off policy (DeepSeek-V3.2; TRL's default; it moves the gradient even on policy).
+    use_bias_correction_kl: bool = read_by("grpo", default=True)
+    # grpo, the clipped loss types: a cap on the unclipped ratio (INTELLECT-2's two-sided clipping; TRL recommends
+    # above 1 + epsilon), null for none.
+    delta: float | None = read_by("grpo", default=None)
+    # grpo with loss_type=sapo: SAPO's soft gate sigmoid(tau (ratio - 1)) 4 / tau in place of clipping, its
+    # temperature tau where the advantage is positive.
+    sapo_temperature_pos: float = read_by("grpo", default=1.0)
+    sapo_temperature_neg: float = read_by("grpo", default=1.05)  # sapo: the gate's temperature where A <= 0
+    # grpo with loss_type=vespo: the gamma weight w^k e^(lambda (1 - w)) of each completion's ratio w (the product of
+    # its tokens'), k for an advantage >= 0.
+    vespo_k_pos: float = read_by("grpo", default=2.0)
+    vespo_lambda_pos: float = read_by("grpo", default=3.0)  # vespo: lambda for an advantage >= 0
+    vespo_k_neg: float = read_by("grpo", default=3.0)  # vespo: k for a negative advantage
+    vespo_lambda_neg: float = read_by("grpo", default=2.0)  # vespo: lambda for a negative advantage
     num_iterations: int = read_by("grpo", "rloo", default=1)  # updates per generation batch
     max_completion_length: int = read_by("grpo", "rloo", default=64)  # tokens sampled per completion at most
     temperature: float = read_by("grpo", "rloo", default=1.0)  # sampling temperature
@@ -152,6 +185,8 @@ class RecipeConfig:
         require(self.epsilon_high is None or self.epsilon_high > 0, "recipe.epsilon_high", self.epsilon_high,
                 "must be > 0, or null for recipe.epsilon")
         require(self.beta >= 0, "recipe.beta", self.beta, "must be >= 0 (0: no KL penalty, no reference held)")
+        if self.name == "grpo":
+            self._check_loss_type()
         require(self.temperature > 0, "recipe.temperature", self.temperature, f"must be > 0 ({self.name} samples)")
         require(self.top_k >= 0, "recipe.top_k", self.top_k, "must be >= 0 (0: every token)")
         require(0 < self.top_p <= 1, "recipe.top_p", self.top_p, "must be in (0, 1]")
@@ -159,6 +194,28 @@ class RecipeConfig:
         require(not is_async(self) or self.num_iterations == 1, "recipe.generation.async", True,
                 f"generates each step's completions during the step before; recipe.num_iterations="
                 f"{self.num_iterations} reuses one generation batch for several steps: use recipe.num_iterations=1")
+
+    def _check_loss_type(self) -> None:
+        """grpo: the keys of recipe.loss_type's policy term have values it can take; those of the other loss types
+        keep their defaults (TRL would leave them unread)."""
+        kind = self.loss_type
+        reads = ("epsilon_high",) if kind == "cispo" and self.epsilon_high is not None else LOSS_PARAMS[kind]
+        defaults = {f.name: f.default for f in fields(self)}
+        for key in dict.fromkeys(k for keys in LOSS_PARAMS.values() for k in keys):
+            value, default = getattr(self, key), defaults[key]
+            readers = "|".join(t for t, keys in LOSS_PARAMS.items() if key in keys)
+            why = (f"only recipe.loss_type={readers} reads it (recipe.loss_type={kind})" if key not in LOSS_PARAMS[kind]
+                   else f"recipe.loss_type={kind} reads it only while recipe.epsilon_high is null")
+            require(key in reads or value == default, f"recipe.{key}", value,
+                    f"{why}: leave it {'null' if default is None else default}")
+        level = LOSS_LEVELS.get(kind, self.importance_sampling_level)
+        require(self.importance_sampling_level == level, "recipe.importance_sampling_level",
+                self.importance_sampling_level, f"recipe.loss_type={kind} takes {level} only (TRL warns on the other)")
+        require(self.use_bias_correction_kl or self.beta > 0, "recipe.use_bias_correction_kl", False,
+                "only recipe.beta > 0 reads it (the KL term it weighs): leave it true")
+        require(self.delta is None or self.delta > 0, "recipe.delta", self.delta, "must be > 0, or null for no cap")
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            require(getattr(self, key) > 0, f"recipe.{key}", getattr(self, key), "must be > 0")
 
     def _check_kd(self) -> None:
         kd = self.kd

@@ -1,5 +1,6 @@
 """`recipe=grpo`: Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath) on data=prompts, its loss
-as TRL 1.16's GRPOTrainer takes it (`recipe.loss_type`, `recipe.importance_sampling_level`; TRL's defaults).
+as TRL 1.16's GRPOTrainer takes it (its eight `recipe.loss_type`s with their settings,
+`recipe.importance_sampling_level`; TRL's names and defaults).
 
 Each prompt gets G completions; each completion's reward (the weighted sum over the reward functions) becomes its
 advantage within its group:
@@ -9,22 +10,35 @@ advantage within its group:
 
 and with per-token log-probabilities under the policy (logp), the policy that generated (old) and the frozen
 reference (ref), the ratio rho = exp(logp - old) per completion token (importance_sampling_level=token), or
-exp(mean over the completion's tokens of logp - old) per completion (sequence: GSPO):
+exp(mean over the completion's tokens of logp - old) per completion (sequence: GSPO), each token's loss is a
+policy term, by `loss_type`, plus the KL penalty:
 
-    token loss = -min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3
-    k3         = exp(ref - logp) - (ref - logp) - 1
+    token loss = policy term + beta * k3 * rho,      k3 = exp(ref - logp) - (ref - logp) - 1
+
+(use_bias_correction_kl=false: k3 alone. The factor rho, TRL's default, makes the KL term's gradient the unbiased
+one off policy, and changes it even at rho = 1.)
+
+    grpo, bnpo, dr_grpo, dapo, luspo   -min(min(rho, delta) * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)
+                                       (delta null: no cap)
+    cispo                              -sg(min(rho, epsilon_high)) * A * logp         (MiniMax-M1; sg: no gradient)
+    sapo                               -sigmoid(tau * (rho - 1)) * 4 / tau * A        (tau: sapo_temperature_pos
+                                                                                       where A > 0, else _neg)
+    vespo                              -sg(phi(w)) * A * logp,  phi(w) = e^lambda * w^k * e^(-lambda * w)
+                                       w the product of the completion's token ratios, k and lambda vespo_k_pos
+                                       and vespo_lambda_pos where A >= 0, else _neg
 
 summed over a micro-batch's completion tokens and normalised as `loss_type` says:
 
-    grpo     each completion's mean token loss, averaged over completions
-    bnpo     the micro-batch's mean token loss
-    dr_grpo  the sum over (completions x recipe.max_completion_length)
-    dapo     the sum over the generation batch's completion tokens on every rank, over the number of ranks
-             (TRL's num_items_in_batch / num_processes), so the step's gradient is the mean over every token
-             of every rank and micro-batch (the default)
+    grpo, sapo      each completion's mean token loss, averaged over completions
+    bnpo            the micro-batch's mean token loss
+    luspo           each completion's summed token loss, averaged over completions
+    dr_grpo         the sum over (completions x recipe.max_completion_length)
+    dapo, cispo,    the sum over the generation batch's completion tokens on every rank, over the number of ranks
+    vespo           (TRL's num_items_in_batch / num_processes), so the step's gradient is the mean over every token
+                    of every rank and micro-batch (dapo: the default)
 
-each but dapo divided by the micro-batches of a step, and averaged over the data-parallel ranks by the
-gradient reduction, as TRL's accumulation and DDP take it.
+each but dapo, cispo and vespo divided by the micro-batches of a step, and averaged over the data-parallel ranks by
+the gradient reduction, as TRL's accumulation and DDP take it.
 The KL term is the k3 estimator of KL(policy || reference). A completion with no counted token adds 0. The
 log-probabilities come from the model's forward a chunk of tokens at a time (`trainer.models.chunked`).
 
@@ -46,6 +60,7 @@ log-probabilities (perf/logps_s); the rest of the step is training.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -70,7 +85,17 @@ from trainer.rewards import functions as reward_funcs
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = config_recipe.LOSS_TYPES["grpo"]
 IMPORTANCE_LEVELS = config_recipe.IMPORTANCE_LEVELS
-METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length")
+# The loss types' own settings beside epsilon and epsilon_high (delta, sapo_temperature_pos, ...) and the KL term's,
+# with the schema's defaults (TRL's).
+_OWN = {k for keys in config_recipe.LOSS_PARAMS.values() for k in keys} - {"epsilon", "epsilon_high"}
+LOSS_SETTINGS = {f.name: f.default for f in dataclasses.fields(config_recipe.RecipeConfig)
+                 if f.name in _OWN | {"use_bias_correction_kl"}}
+VESPO = ("k_pos", "lambda_pos", "k_neg", "lambda_neg")  # vespo_<these>, in gamma_weights' order
+# A metrics line's statistics of the loss, by loss type (TRL's names).
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+METRICS = {**{t: ("kl", *CLIP_METRICS, "completions/mean_length") for t in config_recipe.CLIPPED},
+           "cispo": ("kl", "cispo_clip_ratio", "completions/mean_length"), "sapo": ("kl", "completions/mean_length"),
+           "vespo": ("kl", "vespo/phi_seq_mean", "completions/mean_length")}
 
 
 def advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
@@ -102,63 +127,114 @@ def _ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, lev
     return torch.exp(log_ratio)
 
 
+def _clipped(ratio: torch.Tensor, adv: torch.Tensor, epsilon: float, high: float, delta: float | None) -> tuple:
+    """grpo, bnpo, dr_grpo, dapo, luspo: -min(rho A, clip(rho, 1 - epsilon, 1 + high) A), the unclipped rho capped
+    at `delta` where given (INTELLECT-2's two-sided clipping); the shares clipped on each side, of the capped rho as
+    TRL counts them."""
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
+    ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+    token_loss = -torch.min(ratio * adv, clipped * adv)
+    low, top = (ratio < 1 - epsilon) & (adv < 0), (ratio > 1 + high) & (adv > 0)
+    return token_loss, {"clip_ratio/low_mean": low, "clip_ratio/high_mean": top, "clip_ratio/region_mean": low | top}
+
+
+def _weighted(logps: torch.Tensor, weight: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """cispo, vespo: the policy gradient's loss -w A logp, its weight w a constant (no gradient through it)."""
+    return -weight.detach() * adv * logps
+
+
+def _sapo(ratio: torch.Tensor, adv: torch.Tensor, pos: float, neg: float) -> torch.Tensor:
+    """SAPO's soft gate: -sigmoid(tau (rho - 1)) 4 / tau A, tau `pos` where the advantage is positive, else `neg`."""
+    tau = torch.where(adv > 0, pos, neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
+@torch.no_grad()
+def gamma_weights(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, k_pos: float, lambda_pos: float,
+                  k_neg: float, lambda_neg: float) -> torch.Tensor:
+    """VESPO's (completions, 1) weights phi(w) = e^lambda w^k e^(-lambda w) of each completion's ratio w (the product
+    of its tokens' ratios, its log clamped to [log 1e-8, 20] as TRL clamps it), k and lambda by the advantage's sign
+    (>= 0: pos), computed in log space."""
+    log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), math.log(1e-8), 20.0)
+    nonneg = adv >= 0
+    k, lam = torch.where(nonneg, k_pos, k_neg), torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _policy_term(loss_type: str, logps: torch.Tensor, old_logps: torch.Tensor, ratio: torch.Tensor,
+                 adv: torch.Tensor, mask: torch.Tensor, p: dict) -> tuple[torch.Tensor, dict]:
+    """(each token's policy loss as `loss_type` takes it from the settings `p`, its statistics by TRL's names);
+    `ratio`: the importance weights (`_ratio`)."""
+    high = p["epsilon"] if p["epsilon_high"] is None else p["epsilon_high"]
+    if loss_type in config_recipe.CLIPPED:
+        return _clipped(ratio, adv, p["epsilon"], high, p["delta"])
+    if loss_type == "cispo":
+        return _weighted(logps, torch.clamp(ratio, max=high), adv), {"cispo_clip_ratio": (ratio > high) & (adv > 0)}
+    if loss_type == "sapo":
+        return _sapo(ratio, adv, p["sapo_temperature_pos"], p["sapo_temperature_neg"]), {}
+    if loss_type == "vespo":
+        phi = gamma_weights(logps - old_logps, adv, mask, *(p[f"vespo_{k}"] for k in VESPO))
+        return _weighted(logps, phi, adv), {"vespo/phi_seq_mean": phi}
+    raise ValueError(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
+
+
 def _reduce(token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, accum: int,
             tokens_per_rank: float | torch.Tensor | None, max_completion_length: int | None) -> torch.Tensor:
     """A micro-batch's part of the step's loss, as TRL's `_compute_loss` takes it for `loss_type`."""
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accum
     if loss_type == "bnpo":
         return (token_loss * mask).sum() / mask.sum().clamp(min=1.0) / accum
+    if loss_type == "luspo":  # each completion's sum: its (sequence-level) loss times its length
+        return (token_loss * mask).sum(-1).mean() / accum
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' divides by max_completion_length: give it")
         return (token_loss * mask).sum() / (token_loss.shape[0] * max_completion_length) / accum
-    if loss_type == "dapo":
-        if tokens_per_rank is None:
-            raise ValueError("loss_type='dapo' divides by the generation batch's tokens per rank: give them")
-        return (token_loss * mask).sum() / torch.as_tensor(tokens_per_rank, dtype=token_loss.dtype,
-                                                            device=token_loss.device)
-    raise ValueError(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
+    if tokens_per_rank is None:  # dapo, cispo, vespo
+        raise ValueError(f"loss_type={loss_type!r} divides by the generation batch's tokens per rank: give them")
+    return (token_loss * mask).sum() / torch.as_tensor(tokens_per_rank, dtype=token_loss.dtype,
+                                                        device=token_loss.device)
 
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               epsilon: float, epsilon_high: float | None = None, beta: float = 0.0,
               ref_logps: torch.Tensor | None = None, loss_type: str = "dapo", importance_sampling_level: str = "token",
               accum: int = 1, tokens_per_rank: float | torch.Tensor | None = None,
-              max_completion_length: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              max_completion_length: int | None = None, **params: float | bool | None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's part of the step's loss (one of `accum` micro-batches of a generation batch) and its
     statistics, named as TRL's metrics (masked means over completion tokens, or over completions with
     sequence-level weights). logps, old_logps, ref_logps, mask: (completions, tokens); advantages: (completions,).
-    dapo: `tokens_per_rank` is the generation batch's counted tokens on every rank over the number of ranks
-    (`dapo_tokens_per_rank`); dr_grpo: `max_completion_length` is the constant length it divides by."""
+    dapo, cispo, vespo: `tokens_per_rank` is the generation batch's counted tokens on every rank over the number of
+    ranks (`dapo_tokens_per_rank`); dr_grpo: `max_completion_length` is the constant length it divides by.
+    `params`: the loss types' own settings and the KL term's by TRL's names (`LOSS_SETTINGS`: delta,
+    sapo_temperature_pos, ..., use_bias_correction_kl; TRL's defaults)."""
+    unknown = sorted(set(params) - set(LOSS_SETTINGS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a setting of a GRPO loss type (one of {', '.join(LOSS_SETTINGS)})")
     mask = mask.to(logps.dtype)
+    p = {**LOSS_SETTINGS, **params, "epsilon": epsilon, "epsilon_high": epsilon_high}
     ratio = _ratio(logps, old_logps, mask, importance_sampling_level)
-    adv = advantages[:, None]
-    high = epsilon if epsilon_high is None else epsilon_high
-    token_loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv)
+    token_loss, stats = _policy_term(loss_type, logps, old_logps, ratio, advantages[:, None], mask, p)
     kl = torch.zeros_like(logps)
     if beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference's log-probabilities")
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
+        if p["use_bias_correction_kl"]:  # the unbiased reverse-KL gradient off policy (DeepSeek-V3.2)
+            kl = kl * ratio
         token_loss = token_loss + beta * kl
     loss = _reduce(token_loss, mask, loss_type, accum, tokens_per_rank, max_completion_length)
-    low_clipped = (ratio < 1 - epsilon) & (adv < 0)
-    high_clipped = (ratio > 1 + high) & (adv > 0)
     counted = mask.sum().clamp(min=1)
 
     def masked_mean(x: torch.Tensor) -> torch.Tensor:
         x = x.to(mask.dtype)
         return x.mean() if x.shape[1] == 1 else (x * mask).sum() / counted
 
-    stats = {
-        "kl": masked_mean(kl),
-        "clip_ratio/low_mean": masked_mean(low_clipped),
-        "clip_ratio/high_mean": masked_mean(high_clipped),
-        "clip_ratio/region_mean": masked_mean(low_clipped | high_clipped),
-        "completions/mean_length": mask.sum(-1).mean(),
-    }
+    stats = {"kl": masked_mean(kl), **{k: masked_mean(v) for k, v in stats.items()},
+             "completions/mean_length": mask.sum(-1).mean()}
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -221,7 +297,7 @@ class GRPO(Recipe):
         loss, stats = grpo_loss(logps, logps.detach() if old is None else old, adv, mask, self.r.epsilon,
                                 self.r.epsilon_high, self.r.beta, ref, self.r.loss_type,
                                 self.r.importance_sampling_level, accum, self.tokens_per_rank,
-                                self.r.max_completion_length)
+                                self.r.max_completion_length, **{k: getattr(self.r, k) for k in LOSS_SETTINGS})
         self.add_stats(stats, 1 / accum)
         return loss
 

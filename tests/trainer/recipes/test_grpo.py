@@ -7,14 +7,16 @@ formula in test_grpo_loss.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
 import pytest
 
-from tests.conftest import REPO, TINY, compose_refused, read_metrics, read_summary
+from tests.conftest import REPO, TINY, compose_refused, compose_run, read_metrics, read_summary
 from trainer import checkpoint
 from trainer.config import ConfigError
+from trainer.recipes import grpo
 from trainer.rewards import functions as reward_funcs
 
 pytestmark = pytest.mark.timeout(300)
@@ -125,7 +127,7 @@ def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):
         f"recipe.reward_funcs=[{TOY}] recipe.num_generations=3": "recipe.num_generations=3: must divide "
                                                                  "train.global_batch_size=16",
         f"recipe.reward_funcs=[{TOY}] recipe.loss_type=sigmoid": "recipe.loss_type='sigmoid': must be one of grpo, "
-                                                                 "bnpo, dr_grpo, dapo",
+                                                                 "bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo",
         f"recipe.reward_funcs=[{TOY}] recipe.importance_sampling_level=seq": "recipe.importance_sampling_level='seq'"
                                                                             ": must be one of token, sequence",
         f"recipe.reward_funcs=[{TOY}] data.packing=max_length": "data.packing='max_length': data=prompts pads a "
@@ -138,6 +140,65 @@ def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):
                           "runtime.nproc_per_node=8", "train.global_batch_size=16", "recipe.num_generations=4")
     assert "gives 4 prompts a step, which must be divisible by the data-parallel size 8" in err
     assert "recipe=grpo trains on data=prompts" in compose_refused(tmp_path, capsys, *TINY, "recipe=grpo")
+
+
+# Each loss type's own settings off their defaults, and the importance-sampling level it must have.
+LOSS_SETTINGS = {"cispo": ["recipe.epsilon_high=5.0"], "sapo": ["recipe.sapo_temperature_pos=0.8",
+                                                              "recipe.sapo_temperature_neg=1.2"],
+                 "luspo": ["recipe.importance_sampling_level=sequence", "recipe.delta=1.5"],
+                 "vespo": ["recipe.vespo_k_pos=1.5", "recipe.vespo_lambda_neg=1.5"],
+                 "dapo": ["recipe.epsilon_high=0.28", "recipe.delta=1.5"], "dr_grpo": ["recipe.epsilon=0.1"]}
+
+
+@pytest.mark.slow  # a tiny run in a subprocess per loss type
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_every_loss_type_trains(prompts, run_cli, tmp_path, loss_type):
+    """Two steps on one generation batch (the second's ratio moved, so each loss type's weights and clipping act)
+    with the loss type's settings off their defaults: the gradient is finite and not 0, and each metrics line holds
+    the loss type's statistics."""
+    run = tmp_path / "run"
+    proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY}]", f"recipe.loss_type={loss_type}",
+                   *LOSS_SETTINGS.get(loss_type, []), "recipe.num_iterations=2", "train.global_batch_size=8",
+                   "train.max_steps=2", "train.eval_every=100", f"hydra.run.dir={run}", env=REWARDS_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = read_metrics(str(run))
+    assert [m["step"] for m in lines] == [1, 2]
+    for line in lines:
+        assert math.isfinite(line["loss"]) and 0 < line["grad_norm"] < math.inf, line
+        assert all(key in line for key in grpo.METRICS[loss_type]), line
+
+
+def test_a_loss_types_settings_are_refused_under_the_others(prompts, tmp_path, capsys):
+    base = [*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY}]"]
+    cases = {
+        "recipe.sapo_temperature_pos=2.0": "recipe.sapo_temperature_pos=2.0: only recipe.loss_type=sapo reads it "
+                                           "(recipe.loss_type=dapo): leave it 1.0",
+        "recipe.loss_type=sapo recipe.epsilon=0.3": "recipe.epsilon=0.3: only recipe.loss_type=grpo|bnpo|dr_grpo|"
+                                                    "dapo|luspo|cispo reads it (recipe.loss_type=sapo): leave it 0.2",
+        "recipe.loss_type=vespo recipe.delta=2.0": "recipe.delta=2.0: only recipe.loss_type=grpo|bnpo|dr_grpo|dapo|"
+                                                   "luspo reads it (recipe.loss_type=vespo): leave it null",
+        "recipe.loss_type=grpo recipe.vespo_k_neg=1.0": "recipe.vespo_k_neg=1.0: only recipe.loss_type=vespo reads it",
+        "recipe.loss_type=cispo recipe.delta=2.0": "recipe.delta=2.0: only recipe.loss_type=grpo|bnpo|dr_grpo|dapo|"
+                                                   "luspo reads it (recipe.loss_type=cispo)",
+        "recipe.loss_type=cispo recipe.epsilon_high=5.0 recipe.epsilon=0.3":
+            "recipe.epsilon=0.3: recipe.loss_type=cispo reads it only while recipe.epsilon_high is null: leave it 0.2",
+        "recipe.loss_type=luspo": "recipe.importance_sampling_level='token': recipe.loss_type=luspo takes sequence "
+                                  "only (TRL warns on the other)",
+        "recipe.loss_type=vespo recipe.importance_sampling_level=sequence":
+            "recipe.importance_sampling_level='sequence': recipe.loss_type=vespo takes token only",
+        "recipe.loss_type=sapo recipe.sapo_temperature_neg=0": "recipe.sapo_temperature_neg=0.0: must be > 0",
+        "recipe.loss_type=vespo recipe.vespo_lambda_pos=-1": "recipe.vespo_lambda_pos=-1.0: must be > 0",
+        "recipe.delta=0": "recipe.delta=0.0: must be > 0, or null for no cap",
+        "recipe.beta=0 recipe.use_bias_correction_kl=false":
+            "recipe.use_bias_correction_kl=False: only recipe.beta > 0 reads it (the KL term it weighs): leave it true",
+    }
+    for overrides, message in cases.items():
+        assert message in compose_refused(tmp_path, capsys, *base, *overrides.split()), overrides
+    rloo = [a.replace("recipe=grpo", "recipe=rloo") for a in base]
+    assert ("recipe.sapo_temperature_pos=2.0: recipe=rloo reads no sapo_temperature_pos; recipe=grpo does"
+            in compose_refused(tmp_path, capsys, *rloo, "recipe.sapo_temperature_pos=2.0"))
+    for loss_type, overrides in LOSS_SETTINGS.items():  # each loss type with its own settings composes
+        compose_run(tmp_path / loss_type, *base, f"recipe.loss_type={loss_type}", *overrides)
 
 
 def test_reward_functions_are_checked_as_they_load_and_as_they_return():

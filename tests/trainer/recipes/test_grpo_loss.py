@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import examples
 from tests.trainer import trl_reference
+from trainer.config import recipe as config_recipe
 from trainer.recipes import grpo
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,33 +69,99 @@ def _case(gen, completions, tokens, drift):
     return logps, old, ref, adv, mask
 
 
-@settings(max_examples=examples(80))
-@given(completions=st.integers(1, 8), tokens=st.integers(1, 12), epsilon=st.floats(0.05, 0.5),
-       epsilon_high=st.one_of(st.none(), st.floats(0.05, 0.5)), beta=st.sampled_from([0.0, 0.04, 0.3]),
-       drift=st.floats(0.0, 1.0), seed=st.integers(0, 2**16), loss_type=st.sampled_from(grpo.LOSS_TYPES),
-       level=st.sampled_from(grpo.IMPORTANCE_LEVELS), accum=st.integers(1, 4), ranks=st.integers(1, 4),
-       max_length=st.integers(12, 32))
-def test_loss_gradient_and_metrics_equal_trls(completions, tokens, epsilon, epsilon_high, beta, drift, seed,
-                                              loss_type, level, accum, ranks, max_length):
-    """One micro-batch of a generation batch of `accum` micro-batches on each of `ranks` ranks, against TRL's own
-    `GRPOTrainer._compute_loss` (dapo's normaliser: the whole batch's tokens, here made up, over the ranks)."""
-    gen = torch.Generator().manual_seed(seed)
-    logps, old, ref, adv, mask = _case(gen, completions, tokens, drift)
-    everyone = float(mask.sum()) * ranks * accum + 3.0
-    loss, stats = grpo.grpo_loss(logps, old, adv, mask, epsilon, epsilon_high, beta, ref, loss_type, level, accum,
-                                 torch.tensor(everyone) / ranks, max_length)
-    (grad,) = torch.autograd.grad(loss, logps)
-    reference, metrics = trl_reference.grpo(
+# The loss types' own settings and the KL term's, drawn for the property test.
+SETTINGS = st.fixed_dictionaries({
+    "delta": st.one_of(st.none(), st.floats(1.05, 3.0)), "sapo_temperature_pos": st.floats(0.2, 3.0),
+    "sapo_temperature_neg": st.floats(0.2, 3.0), "vespo_k_pos": st.floats(0.0, 4.0),
+    "vespo_lambda_pos": st.floats(0.1, 4.0), "vespo_k_neg": st.floats(0.0, 4.0),
+    "vespo_lambda_neg": st.floats(0.1, 4.0), "use_bias_correction_kl": st.booleans()})
+
+
+def _both(logps, old, ref, adv, mask, loss_type, level="token", epsilon=0.2, epsilon_high=None, beta=0.0, accum=1,
+          ranks=1, everyone=None, max_length=None, **settings):
+    """(our loss, its statistics), (TRL's loss, its metrics) of one micro-batch of a generation batch of `accum`
+    micro-batches on each of `ranks` ranks, `everyone` completion tokens in all (dapo's, cispo's and vespo's
+    normaliser: made up here)."""
+    everyone = float(mask.sum()) * ranks * accum + 3.0 if everyone is None else everyone
+    ours = grpo.grpo_loss(logps, old, adv, mask, epsilon, epsilon_high, beta, ref, loss_type, level, accum,
+                          torch.tensor(everyone) / ranks, max_length, **settings)
+    theirs = trl_reference.grpo(
         logps, old, ref, adv, mask, loss_type=loss_type, importance_sampling_level=level, epsilon=epsilon,
         epsilon_high=epsilon_high, beta=beta, accum=accum, num_processes=ranks, num_items_in_batch=everyone,
-        max_completion_length=max_length)
+        max_completion_length=max_length, **settings)
+    return ours, theirs
+
+
+@settings(max_examples=examples(120))
+@given(completions=st.integers(1, 8), tokens=st.integers(1, 12), epsilon=st.floats(0.05, 0.5),
+       epsilon_high=st.one_of(st.none(), st.floats(0.05, 6.0)), beta=st.sampled_from([0.0, 0.04, 0.3]),
+       drift=st.floats(0.0, 1.0), seed=st.integers(0, 2**16), loss_type=st.sampled_from(grpo.LOSS_TYPES),
+       level=st.sampled_from(grpo.IMPORTANCE_LEVELS), accum=st.integers(1, 4), ranks=st.integers(1, 4),
+       max_length=st.integers(12, 32), settings=SETTINGS)
+def test_loss_gradient_and_metrics_equal_trls(completions, tokens, epsilon, epsilon_high, beta, drift, seed,
+                                              loss_type, level, accum, ranks, max_length, settings):
+    """Every loss type at both importance-sampling levels with its settings drawn, in float64, against TRL's own
+    `GRPOTrainer._compute_loss`: loss, gradient and the metrics TRL logs for it."""
+    gen = torch.Generator().manual_seed(seed)
+    logps, old, ref, adv, mask = _case(gen, completions, tokens, drift)
+    (loss, stats), (reference, metrics) = _both(logps, old, ref, adv, mask, loss_type, level, epsilon, epsilon_high,
+                                                beta, accum, ranks, max_length=max_length, **settings)
+    (grad,) = torch.autograd.grad(loss, logps)
     (reference_grad,) = torch.autograd.grad(reference, logps)
     torch.testing.assert_close(loss, reference, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grad, reference_grad, rtol=1e-9, atol=1e-12)
-    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", *(["kl"] * bool(beta))):
-        if mask.sum() or level == "sequence":
+    assert set(stats) == set(grpo.METRICS[loss_type])
+    for key in set(stats) - {"completions/mean_length", *(["kl"] * (not beta))}:
+        if mask.sum() or level == "sequence" or loss_type == "vespo":
             assert float(stats[key]) == pytest.approx(metrics[key][0], rel=1e-6, abs=1e-7), key  # TRL counts in fp32
     torch.testing.assert_close(stats["completions/mean_length"], mask.sum(-1).mean())
+
+
+# Each loss type's settings off TRL's defaults, for the float32 test below.
+OFF_DEFAULT = {"cispo": {"epsilon_high": 1.1}, "sapo": {"sapo_temperature_pos": 0.7, "sapo_temperature_neg": 1.6},
+               "vespo": {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.5},
+               **{t: {"epsilon_high": 0.28, "delta": 1.4} for t in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")}}
+
+
+def trl_parity(loss_type: str, level: str, seed: int) -> tuple[float, float]:
+    """(|loss - TRL's|, max |gradient - TRL's| over the parameters) of a tiny model's GRPO loss in float32 on a
+    micro-batch of 6 completions (one of 2 on each of 2 ranks; KL at beta 0.04; old log-probabilities a step
+    away), each loss computed from the same log-probabilities of the model's forward."""
+    from trainer.models import chunked
+    from trainer.models.llama import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=90, max_seq_len=64,
+                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model.init_buffers()
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 89, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 9, (6,), generator=gen)]
+    completions = [torch.randint(0, 89, (int(n),), generator=gen).tolist()
+                   for n in torch.randint(1, 12, (6,), generator=gen)]
+    (micro,), mask, _ = grpo.micro_rows(prompts, completions, 89, "padding_free", 1)
+    logps = grpo.token_logps(model, micro, chunked.token_logps)
+    old = logps.detach() + 0.3 * torch.randn(logps.shape, generator=gen) * mask
+    ref = logps.detach() + 0.3 * torch.randn(logps.shape, generator=gen) * mask
+    adv = torch.randn(6, generator=gen)
+    found = []
+    for loss, _ in _both(logps, old, ref, adv, mask.float(), loss_type, level, beta=0.04, accum=2, ranks=2,
+                         everyone=float(mask.sum()) * 4 - 5, max_length=16, **OFF_DEFAULT[loss_type]):
+        found.append((loss, torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)))
+    (loss, grads), (reference, reference_grads) = found
+    return (float((loss - reference).detach().abs()),
+            max(float((g - r).abs().max()) for g, r in zip(grads, reference_grads, strict=True)))
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_each_loss_type_trains_a_tiny_model_as_trl_does(loss_type):
+    """Each of TRL 1.16's eight loss types, at each importance-sampling level recipe=grpo takes for it, with its
+    settings off their defaults: the same loss and gradients as TRL's `_compute_loss` to 1e-5 in float32."""
+    for level in [config_recipe.LOSS_LEVELS[loss_type]] if loss_type in config_recipe.LOSS_LEVELS else \
+            grpo.IMPORTANCE_LEVELS:
+        for seed in range(2):
+            loss_diff, grad_diff = trl_parity(loss_type, level, seed)
+            assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (level, seed, loss_diff, grad_diff)
 
 
 def _dapo_rank(rank: int, world: int, store: str, case: list, out: str) -> None:

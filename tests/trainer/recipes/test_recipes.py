@@ -53,10 +53,12 @@ def test_the_recipes_defaults_are_trls_own_for_the_settings_trl_has():
     import trl
 
     from trainer.config.compose import compose
+    from trainer.recipes import grpo
 
     shared = ("beta", "num_generations", "epsilon", "epsilon_high", "loss_type", "temperature", "top_p", "top_k",
               "min_p", "num_iterations", "scale_rewards", "importance_sampling_level", "normalize_advantages",
-              "label_smoothing", "reward_weights")
+              "label_smoothing", "reward_weights", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+              "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl")
     for name, peer in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig), ("dpo", trl.DPOConfig)):
         ours = compose([f"recipe={name}"]).recipe
         theirs = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -66,3 +68,9 @@ def test_the_recipes_defaults_are_trls_own_for_the_settings_trl_has():
             theirs["loss_type"] = theirs["loss_type"][0]
         differ = {k: (ours[k], theirs[k]) for k in shared if k in theirs and k in ours and ours[k] != theirs[k]}
         assert not differ, f"recipe={name}: ours vs TRL {trl.__version__}: {differ}"
+    # Each GRPO loss type's own settings (and the KL term's) are GRPOConfig's, by name, and compared above; the loss
+    # types are its own.
+    assert set(grpo.LOSS_SETTINGS) <= {f.name for f in dataclasses.fields(trl.GRPOConfig)} & set(shared)
+    (loss_type,) = [f for f in dataclasses.fields(trl.GRPOConfig) if f.name == "loss_type"]
+    named = loss_type.metadata["help"].split("Supported values are ")[1].split(". ")[0]
+    assert sorted(grpo.LOSS_TYPES) == sorted(t.strip(" '") for t in named.replace("and ", "").split(","))
