@@ -42,8 +42,8 @@ def test_the_derived_runtime_fails_fast_on_a_refusal_and_restarts_up_to_max_rest
     assert job["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
     assert job["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
     # The pod's agent passes the rank's exit code on, and leaves restarts to the JobSet.
-    assert trainjob["spec"]["trainer"]["command"][:4] == ["python", "-m", "trainjob.runtimes.torch_distributed.torchrun",
-                                                         "--max-restarts=0"]
+    agent = "trainjob.runtimes.torch_distributed.torchrun"
+    assert trainjob["spec"]["trainer"]["command"][:4] == ["python", "-m", agent, "--max-restarts=0"]
 
 
 def test_kubeflows_cache_runtime_carries_no_policy_of_ours_so_max_restarts_is_refused_there(tmp_path, capsys):
