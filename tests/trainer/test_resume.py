@@ -120,6 +120,7 @@ def test_resuming_with_another_global_batch_is_refused_in_one_line(run_cli, tmp_
     assert "Traceback" not in again.stderr
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the checkpoints are written in this process
 def test_the_start_is_decided_by_one_rule_auto_never_a_path_or_the_newest_of_the_line_it_began(tmp_path):
     """`resume.decide` alone says where a run starts (the driver's preflight and rank 0 call it, nothing else)."""
     own = tmp_path / "run" / "checkpoints"
