@@ -1,17 +1,17 @@
 """The training stall of one checkpoint save, synchronous against `train.checkpoint_async=true`.
 
 For each model preset, in this process (a one-rank group) on this machine's first GPU or its CPU: the model
-and an AdamW state (one step taken), saved by `trainer.checkpoint.Checkpointer` as the loop saves, `--saves`
-times with `--steps` training steps (forward, backward, optimizer) between saves. The stall is the time the
-loop spends in `save()`: the whole write when synchronous; with async the copy of the state to CPU memory
-(pinned on a GPU) and the wait, if any, for the previous write. `write s` is the time from a save's start until
-its checkpoint is renamed whole (async: measured by waiting at once, after the timed saves). The first save of
-each mode is not counted (the staging buffers and the DCP plan are made there).
+and an AdamW state (one step taken), saved by `trainer.checkpoint.store.Checkpointer` through DCP's store as the
+loop saves, `--saves` times with `--steps` training steps (forward, backward, optimizer) between saves. The stall
+is the time the loop spends in `save()`: the whole write when synchronous; with async the copy of the state to CPU
+memory (pinned on a GPU) and the wait, if any, for the previous write. `write s` is the time from a save's start
+until its checkpoint is renamed whole (async: measured by waiting at once, after the timed saves). The first save
+of each mode is not counted (the staging buffers and the DCP plan are made there).
 
 Each is measured with the checkpoint's manifest (every file's size and XXH3-128 hash, hashed as it is written:
-`trainer.checkpoint_files`) and without (`trainer.checkpoint.HASH_FILES` off: DCP's own writer, no manifest),
-`--rounds` times in turn (off then on, on then off, ...), so that the machine's other load and a disk's drift
-fall on both alike; the medians are shown, and `hash +%` is what hashing adds to the write (and to the stall) of
+`trainer.checkpoint.manifest`) and without (`trainer.checkpoint.manifest.HASH_FILES` off: DCP's own writer, no
+manifest), `--rounds` times in turn (off then on, on then off, ...), so that the machine's other load and a disk's
+drift fall on both alike; the medians are shown, and `hash +%` is what hashing adds to the write (and to the stall) of
 the same model and mode. A busy disk (fsync) makes those differences noisy; `hash s` is the hashing itself, the
 CPU time XXH3-128 takes over the bytes of the checkpoint (read into memory first), which is what hashing while
 writing adds to a save, and `hash/write` that time against the write without hashing. `save CPU s` is the
@@ -49,7 +49,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 # installed packages', which transformers and pytest import.
 sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 
-from trainer import checkpoint, models  # noqa: E402
+from trainer import models  # noqa: E402
+from trainer.checkpoint import dcp_store, lines, manifest, store  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
 
 
@@ -71,15 +72,16 @@ def train_steps(model, optimizer, tokens: torch.Tensor, steps: int) -> None:
 
 
 def measure(name: str, background: bool, hashed: bool, args, device: torch.device, root: str) -> dict:
-    checkpoint.HASH_FILES = hashed
+    manifest.HASH_FILES = hashed
     torch.manual_seed(0)
     model = models.build(model_config(name)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True) if args.optim == "adamw" else \
         torch.optim.SGD(model.parameters(), lr=1e-4)  # no state: the checkpoint holds the model's weights
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), device=device)
     train_steps(model, optimizer, tokens, 1)
-    train = SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1, checkpoint_async=background)
-    saver = checkpoint.Checkpointer(root, train, model, optimizer, lambda: {"step": 0}, device)
+    train = SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1)
+    saver = store.Checkpointer(root, train, dcp_store.DCPStore(model, optimizer, device, background),
+                               lambda: {"step": 0})
     stalls, writes, cpus = [], [], []
     for i in range(args.saves):
         sync(device)
@@ -94,13 +96,14 @@ def measure(name: str, background: bool, hashed: bool, args, device: torch.devic
     saver.finish()
     for i in range(2):  # async: the time until the checkpoint is whole, waiting at once
         start = time.perf_counter()
-        saver = checkpoint.Checkpointer(root, train, model, optimizer, lambda: {"step": 0}, device)
+        saver = store.Checkpointer(root, train, dcp_store.DCPStore(model, optimizer, device, background),
+                                   lambda: {"step": 0})
         saver.save(args.saves + i + 1)
         saver.finish()
         if background and i:
             writes.append(time.perf_counter() - start)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-    hashing = hash_seconds(checkpoint.latest(root)) if hashed else 0.0
+    hashing = hash_seconds(lines.latest(root)) if hashed else 0.0
     return {"model": name, "params": models.num_params(model), "mode": "async" if background else "sync",
             "hash": hashed, "hash_s": hashing, "stall": statistics.median(stalls[1:]), "first": stalls[0],
             "cpu": statistics.median(cpus[1:]),

@@ -26,13 +26,14 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import models
-from trainer.checkpoint import damage, is_checkpoint, is_deepspeed
+from trainer.checkpoint import store
+from trainer.checkpoint.checks import damage
+from trainer.checkpoint.layout import is_checkpoint
 from trainer.config.hf_impl import choose
 from trainer.errors import ConfigError
 from trainer.models import hf, hf_transformers, lora, score
@@ -81,28 +82,17 @@ def run_config(checkpoint: str) -> DictConfig:
 
 
 def load_model(checkpoint: str, cfg: DictConfig) -> torch.nn.Module:
-    """The model of `checkpoint`, whole, in fp32 on the CPU."""
-    from torch.distributed import checkpoint as dcp
-
+    """The model of `checkpoint`, whole, in fp32 on the CPU (DCP's shards, or DeepSpeed's ZeRO partitions,
+    gathered: `trainer.checkpoint.store.load_model`)."""
     with torch.device("meta"):
         model = models.build(cfg.model)
         if _reward(cfg):
             score.attach(model)
         model = lora.apply(model, _peft(cfg))
     model.to_empty(device="cpu")
-    if is_deepspeed(checkpoint):  # strategy=deepspeed: its ZeRO partitions gathered (DeepSpeed's zero_to_fp32)
-        from trainer.parallel import deepspeed
-
-        missing = model.load_state_dict(deepspeed.full_state_dict(checkpoint), strict=False).missing_keys
-        absent = sorted({name for name, _ in model.named_parameters()} & set(missing))
-        if absent:
-            raise ConfigError("CHECKPOINT", checkpoint, f"holds no {absent[0]} of the run's model")
-        model.init_buffers()
-        return model
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=checkpoint)
+    absent = store.load_model(checkpoint, model)
+    if absent:
+        raise ConfigError("CHECKPOINT", checkpoint, f"holds no {absent[0]} of the run's model")
     model.init_buffers()
     return model
 

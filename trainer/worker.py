@@ -9,7 +9,9 @@ What only the data, the checkpoints or the cache nodes can tell (`trainer.prepar
 a global batch, token ids beyond the vocabulary, a checkpoint of another model, nodes that do not answer)
 is a ConfigError before the first step: one line, exit code 2. The local driver runs the same checks
 before it launches anything; where it calls `run` in its own process (the default run), it hands over
-what it found (`checked`), and the checks do not run twice.
+what it found (`checked`: the corpus, and the checkpoint it decided the run starts from), and the checks do
+not run twice. Elsewhere rank 0 decides where the run starts (`trainer.checkpoint.resume.agreed`) and every rank
+checks and loads that one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, config, models
+from trainer import config, models
+from trainer.checkpoint import resume
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
 from trainer.models import lora
@@ -90,24 +93,6 @@ def setup_logging(run_dir: str, rank: int) -> logging.Handler:
     return handler
 
 
-def resume_path(cfg: Config) -> str | None:
-    """The checkpoint to start from. Rank 0 chooses it, sets aside the damaged checkpoints newer than it and
-    those of the line it leaves (see `checkpoint.set_aside_damaged`, `checkpoint.set_aside_later`), and
-    broadcasts it: the ranks never choose one each."""
-    choice = [None]
-    if dist.get_rank() == 0:
-        own = RunDir.of(cfg.run_dir).checkpoints
-        if cfg.train.resume != "never":
-            checkpoint.set_aside_damaged(own)
-        choice[0] = inputs.resume_candidate(cfg)
-        if choice[0] is not None:
-            checkpoint.set_aside_later(own, choice[0])
-            if choice[0] == cfg.train.resume:  # an explicit start: later restarts continue this line
-                checkpoint.record_branch(own, choice[0])
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
-
-
 def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict:
     """Train the job `cfg` (a resolved config, as saved; or the driver's typed config, in its process) describes,
     as this rank; return the summary (the same on every rank). `checked`: the inputs were checked in this
@@ -135,7 +120,8 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
 def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> dict:
     torch.manual_seed(cfg.train.seed)
     dims = ParallelDims.from_config(cfg.strategy, env.world_size)
-    corpus = (checked or inputs.check(cfg, dims)).corpus
+    # Where it starts: rank 0 decides and every rank checks that start (the driver decided it, in its process).
+    checked = checked or inputs.check(cfg, dims, resume.agreed(cfg))
     mesh = dims.build_mesh(env.device.type)
     if cfg.model.name == "hf":  # which code runs the directory, and why
         log.info("%s", hf_impl.describe(cfg.model.path, cfg.model.impl))
@@ -147,10 +133,10 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
              ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     if cfg.peft.name != "none":  # as PEFT's print_trainable_parameters says it
         log.info("%s", lora.trainable_parameters(model))
-    trainer = loop.Trainer(cfg, model, dims, env.device, corpus, kernels)
-    start = resume_path(cfg)
-    if start is not None:
-        trainer.restore(start)
+    trainer = loop.Trainer(cfg, model, dims, env.device, checked.corpus, kernels)
+    resume.settle(checked.start, cfg)
+    if checked.start is not None:
+        trainer.restore(checked.start.path)
     return trainer.fit()
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.conftest import DIST, TINY, read_metrics, read_summary
-from trainer.checkpoint_files import HASH, MANIFEST, file_hash
+from trainer.checkpoint.manifest import HASH, MANIFEST, file_hash
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 ARGS = [

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer import checkpoint
+from trainer.checkpoint import dcp_store, lines, store
 
 
 @pytest.fixture
@@ -26,13 +26,14 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def _checkpointer(root: str) -> checkpoint.Checkpointer:
+def _checkpointer(root: str) -> store.Checkpointer:
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    train = SimpleNamespace(checkpoint_every=1, max_steps=10, keep_latest_k=2, checkpoint_async=True)
-    return checkpoint.Checkpointer(root, train, model, optimizer, lambda: {"step": 1}, torch.device("cpu"))
+    train = SimpleNamespace(checkpoint_every=1, max_steps=10, keep_latest_k=2)
+    return store.Checkpointer(root, train, dcp_store.DCPStore(model, optimizer, torch.device("cpu"), asynchronous=True),
+                              lambda: {"step": 1})
 
 
 @pytest.mark.timeout(60)
@@ -44,7 +45,7 @@ def test_a_failed_background_write_is_raised_when_waited_for_and_never_resumed_f
     saver.save(2)  # waits for step 1's write first: renamed whole
     assert "step-1" in os.listdir(root)
     saver.finish()
-    assert checkpoint.latest(root) == os.path.join(root, "step-2")
+    assert lines.latest(root) == os.path.join(root, "step-2")
 
     def broken(self, plan, planner):
         raise OSError(5, "Input/output error")
@@ -55,24 +56,24 @@ def test_a_failed_background_write_is_raised_when_waited_for_and_never_resumed_f
     with pytest.raises(BaseException, match="Input/output error"):
         saver.finish()
     assert sorted(os.listdir(root)) == ["step-1", "step-2"]  # no step-3, no partial directory
-    assert checkpoint.latest(root) == os.path.join(root, "step-2")
+    assert lines.latest(root) == os.path.join(root, "step-2")
 
 
 @pytest.mark.timeout(60)
 def test_the_optimizer_is_saved_per_parameter_and_older_per_group_checkpoints_still_load(one_rank_group, tmp_path):
     root = str(tmp_path / "checkpoints")
     saver = _checkpointer(root)
-    saver.background = None  # synchronous
+    saver.store.background = None  # synchronous
     path = saver.save(1)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     assert "optim.state.weight.exp_avg" in keys and "optim.param_groups.weight.lr" in keys
 
     older = str(tmp_path / "older")  # as checkpoints were saved before: param groups by index
-    model_sd, optim_sd = get_state_dict(saver.model, saver.optimizer)
+    model_sd, optim_sd = get_state_dict(saver.store.model, saver.store.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd, "train": {"step": 7}}, checkpoint_id=older)
     assert "optim.param_groups.0.lr" in dcp.FileSystemReader(older).read_metadata().state_dict_metadata
-    fresh = _checkpointer(str(tmp_path / "other"))
-    state = checkpoint.load(older, fresh.model, fresh.optimizer, {"step": 0}, torch.device("cpu"))
-    assert state["step"] == 7 and torch.equal(fresh.model.weight, saver.model.weight)
-    exp_avg = saver.optimizer.state[saver.model.weight]["exp_avg"]
+    fresh = _checkpointer(str(tmp_path / "other")).store
+    state = fresh.load(older, {"step": 0})
+    assert state["step"] == 7 and torch.equal(fresh.model.weight, saver.store.model.weight)
+    exp_avg = saver.store.optimizer.state[saver.store.model.weight]["exp_avg"]
     assert torch.equal(fresh.optimizer.state[fresh.model.weight]["exp_avg"], exp_avg)

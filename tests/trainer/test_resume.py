@@ -7,10 +7,14 @@ trains with it.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from tests.conftest import TINY, read_metrics, read_summary
+from trainer.checkpoint import lines, resume
 from trainer.config.lr_schedule import LRScheduleConfig
 from trainer.training.optimizer import lr_factor
 
@@ -114,3 +118,20 @@ def test_resuming_with_another_global_batch_is_refused_in_one_line(run_cli, tmp_
                          f"{run_dir / 'checkpoints' / 'step-2'} was trained with a global batch of 8; resuming "
                          "with another would repeat or skip rows: keep train.global_batch_size=8")
     assert "Traceback" not in again.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the checkpoints are written in this process
+def test_the_start_is_decided_by_one_rule_auto_never_a_path_or_the_newest_of_the_line_it_began(tmp_path):
+    """`resume.decide` alone says where a run starts (the driver's preflight and rank 0 call it, nothing else)."""
+    own = tmp_path / "run" / "checkpoints"
+    elsewhere = tmp_path / "other" / "checkpoints" / "step-9"
+    for path in (own / "step-2", own / "step-4", elsewhere):
+        dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(path), no_dist=True)
+    cfg = SimpleNamespace(run_dir=str(tmp_path / "run"), train=SimpleNamespace(resume="auto"))
+    assert resume.decide(cfg) == resume.Start(str(own / "step-4"), branches=False)
+    cfg.train.resume = "never"
+    assert resume.decide(cfg) is None
+    cfg.train.resume = str(elsewhere)
+    assert resume.decide(cfg) == resume.Start(str(elsewhere), branches=True)
+    lines.record_branch(str(own), str(elsewhere))  # a restart of the line that began there: its newest
+    assert resume.decide(cfg) == resume.Start(str(own / "step-4"), branches=False)

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO, TINY, examples
-from trainer import checkpoint
-from trainer.checkpoint_files import MANIFEST
+from trainer.checkpoint.checks import damage
+from trainer.checkpoint.manifest import MANIFEST
 from trainer.errors import ConfigError
 from trainer.prepare.run_dir import claim, note_before_making, remove_if_new
 from trainjob.run_files import RunDir
@@ -160,18 +160,18 @@ def test_any_truncated_shard_or_garbage_metadata_is_found_before_loading(trained
     """By the checkpoint's manifest; and, without one (a checkpoint written before them), by DCP's metadata."""
     copy = tmp_path_factory.mktemp("damaged") / "step-2"
     shutil.copytree(trained / "checkpoints" / "step-2", copy)
-    assert checkpoint.damage(str(copy)) is None
+    assert damage(str(copy)) is None
     shard = next(copy.glob("*.distcp"))
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(int(size * cut))
-    assert checkpoint.damage(str(copy)) == f"its file {shard.name} is {int(size * cut)} bytes, {size} were written"
+    assert damage(str(copy)) == f"its file {shard.name} is {int(size * cut)} bytes, {size} were written"
     (copy / ".metadata").write_bytes(garbage)
-    assert checkpoint.damage(str(copy)).startswith("its file .metadata is ")
+    assert damage(str(copy)).startswith("its file .metadata is ")
     os.remove(copy / MANIFEST)
-    assert checkpoint.damage(str(copy)).startswith("its .metadata cannot be read")
+    assert damage(str(copy)).startswith("its .metadata cannot be read")
     shutil.copy(trained / "checkpoints" / "step-2" / ".metadata", copy / ".metadata")
-    assert "is truncated" in checkpoint.damage(str(copy))
+    assert "is truncated" in damage(str(copy))
 
 
 def test_a_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoint(run_cli, tmp_path):

@@ -15,7 +15,7 @@ from trainer.config.precision import AUTO, DTYPES
 QAT_SCHEMES = ("none", "int8_dynamic_act_int4_weight")
 
 
-# What marks a checkpoint that DeepSpeed wrote (strategy=deepspeed: `trainer.parallel.deepspeed`): its model's
+# What marks a checkpoint that DeepSpeed wrote (strategy=deepspeed: `trainer.checkpoint.deepspeed_store`): its model's
 # parameter shapes and data order, written last; DCP's is its .metadata.
 DEEPSPEED_FILE = "deepspeed.json"
 

@@ -14,26 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import checkpoint, models
+from trainer import models
+from trainer.checkpoint import resume
 from trainer.config import CACHE_KEYS, Config, ConfigError, Degrees
 from trainer.data.kinds import KINDS
 from trainer.data.splits import needs_corpus, split_dataset
-from trainjob.run_files import RunDir
-
-
-def resume_candidate(cfg: Config) -> str | None:
-    """The checkpoint a run would start from, before rank 0 settles it (`trainer.worker.resume_path`)."""
-    own = RunDir.of(cfg.run_dir).checkpoints
-    if cfg.train.resume == "never":
-        return None
-    if cfg.train.resume == "auto":  # only this run directory's own checkpoints
-        return checkpoint.latest(own)
-    # A restart of a line that began at this explicit checkpoint (torchrun's restart, a pod's, the same
-    # config run again) goes on from the line's newest checkpoint rather than branching again.
-    if checkpoint.branched_from(own) == os.path.realpath(cfg.train.resume) and checkpoint.latest(own):
-        return checkpoint.latest(own)
-    return cfg.train.resume
-
 
 # Bytes per parameter a rank holds at the least: fp32 weights, gradients and AdamW's two moments.
 BYTES_PER_PARAM = 16
@@ -65,15 +50,17 @@ def check_memory(cfg: Config, dims: Degrees) -> None:
 
 @dataclass(frozen=True)
 class Checked:
-    """What `check` found for a job: the corpus directory (None when every split comes from cache nodes)."""
+    """What `check` found for a job: the corpus directory (None when every split comes from cache nodes), and the
+    checkpoint it starts from (`resume.decide`'s decision, checked; None: a fresh start)."""
 
     corpus: str | None
+    start: resume.Start | None
 
 
-def check(cfg: Config, dims: Degrees) -> Checked:
+def check(cfg: Config, dims: Degrees, start: resume.Start | None) -> Checked:
     """Build or find the corpus and check everything the job will read before its first step: the corpus
-    (rows for one global batch, token ids), the cache nodes, the checkpoint to resume. Raises ConfigError."""
-    start = resume_candidate(cfg)
+    (rows for one global batch, token ids), the cache nodes, the checkpoint `start` it resumes from (decided by
+    `trainer.checkpoint.resume`). Raises ConfigError."""
     check_memory(cfg, dims)
     kind = KINDS[cfg.data.name]
     corpus = kind.prepare(cfg) if needs_corpus(cfg.data) else None
@@ -83,20 +70,5 @@ def check(cfg: Config, dims: Degrees) -> Checked:
         if getattr(cfg.data.cache, key):
             split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
                           rank=0, world_size=dims.dp_size, loop=False)
-    if start is not None:
-        if not checkpoint.is_checkpoint(start):
-            raise ConfigError("train.resume", cfg.train.resume, f"{start} is no longer a checkpoint (pruned or "
-                              "moved?): give another, or train.resume=auto")
-        problem = checkpoint.damage(start)
-        if problem:
-            raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} cannot be loaded: "
-                              f"{problem}; give another")
-        deepspeed = cfg.strategy.data_parallel == "deepspeed"
-        if checkpoint.is_deepspeed(start) != deepspeed:
-            raise ConfigError("train.resume", cfg.train.resume, f"the checkpoint {start} was written by "
-                              f"{'DCP' if deepspeed else 'DeepSpeed'}, which strategy={cfg.strategy.name} does not "
-                              f"load: resume it with {'another strategy' if deepspeed else 'strategy=deepspeed'}")
-        checkpoint.check_model(start, cfg.model, "train.resume", cfg.train.resume)
-        if start != cfg.train.resume:  # going on along this run's line; an explicit train.resume branches anew
-            checkpoint.check_data_order(start, cfg)
-    return Checked(corpus)
+    resume.check(start, cfg)
+    return Checked(corpus, start)

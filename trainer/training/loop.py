@@ -18,8 +18,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 
 from datacache import StreamingDataset
-from trainer import checkpoint, models, parallel, recipes
-from trainer.config import ConfigError, torch_dtype
+from trainer import models, parallel, recipes
+from trainer.checkpoint import checks, resume, store
+from trainer.config import torch_dtype
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
 from trainer.models.kernels import Kernels
@@ -64,10 +65,9 @@ class Trainer:
             self.params[True], cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.head_dim or cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
-        writer = None if self.engine is None else lambda root, step, state, keep: deepspeed.save(
-            root, step, self.engine, state, keep, checkpoint.data_order(cfg))
-        self.checkpointer = checkpoint.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t, model, self.optimizer,
-                                                    self._train_state, device, writer)
+        self.checkpointer = store.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t,
+                                               store.of_run(cfg, model, self.optimizer, device, self.engine),
+                                               self._train_state)
 
     def _num_params(self, exclude_embeddings: bool = False) -> int:
         """The whole model's parameter count (under pp, the sum over the pipeline's stages)."""
@@ -81,21 +81,14 @@ class Trainer:
         return {"step": self.step, "scheduler": self.lr_schedule.state_dict(),
                 "data": {"epoch": epoch, "step_in_epoch": step_in_epoch,
                          "samples_seen": self.step * self.cfg.train.global_batch_size,
-                         **checkpoint.data_order(self.cfg)}}
+                         **checks.data_order(self.cfg)}}
 
     def restore(self, path: str) -> None:
+        """Go on from checkpoint `path` (`trainer.checkpoint.resume.restore`), with the optimizer settings this
+        config gives."""
         configured = optimizer.settings(self.optimizer)
-        template = self._train_state()  # the data order is checked before (a checkpoint may predate it)
-        template["data"] = {k: v for k, v in template["data"].items() if k not in checkpoint.data_order(self.cfg)}
-        state = (deepspeed.load(path, self.engine) if self.engine else
-                 checkpoint.load(path, self.model, self.optimizer, template, self.device))
+        state = resume.restore(self.checkpointer.store, path, self._train_state(), self.cfg)
         self.step = int(state["step"])
-        seen, batch = int(state["data"]["samples_seen"]), self.cfg.train.global_batch_size
-        if self.step and seen != self.step * batch:  # the data position is step x batch: it would move
-            raise ConfigError("train.global_batch_size", batch,
-                              f"the checkpoint {path} was trained with a global batch of {seen // self.step}; "
-                              "resuming with another would repeat or skip rows: keep "
-                              f"train.global_batch_size={seen // self.step}")
         self.lr_schedule.load_state_dict(state["scheduler"])
         optimizer.keep_configured(self.optimizer, self.lr_schedule, configured, path)
         self.resumed_from = path

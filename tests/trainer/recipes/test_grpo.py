@@ -14,7 +14,7 @@ import random
 import pytest
 
 from tests.conftest import REPO, TINY, compose_refused, compose_run, read_metrics, read_summary
-from trainer import checkpoint
+from trainer.checkpoint.checks import damage
 from trainer.config import ConfigError
 from trainer.recipes import grpo
 from trainer.rewards import functions as reward_funcs
@@ -113,7 +113,7 @@ def test_a_reward_function_that_raises_ends_every_rank_in_one_report_of_the_user
     assert "hydra" not in proc.stderr.lower().replace("hydra.run.dir", "")
     # The last whole checkpoint stays, to resume from once the server is back.
     assert sorted(os.listdir(run / "checkpoints")) == ["step-1", "step-2"]
-    assert checkpoint.damage(str(run / "checkpoints" / "step-2")) is None
+    assert damage(str(run / "checkpoints" / "step-2")) is None
 
 
 def test_grpo_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):

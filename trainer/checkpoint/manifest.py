@@ -4,7 +4,8 @@ Every rank writes its DCP files through `HashingWriter`, which hashes the bytes 
 XXH3-128, at memory speed, rather than reading the files again) and notes each file's size; once its files are
 closed, the rank leaves its part of the manifest beside them (`.manifest.rank<r>.json`), and rank 0, after
 every rank is done, merges the parts, adds the `.metadata` DCP wrote, and writes `.manifest.json` last, before
-the checkpoint is renamed whole. `problem` compares a checkpoint's files with its manifest before anything
+the checkpoint is renamed whole (DeepSpeed's writer records nothing: its files are hashed from disk once written,
+`write_manifest_of_all`). `problem` compares a checkpoint's files with its manifest before anything
 loads it: a missing file, another size, other bytes of the same size (a flipped bit, a copy gone wrong).
 Checkpoints written before there were manifests load with a one-line notice that they cannot be verified.
 """
@@ -23,6 +24,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 log = logging.getLogger(__name__)
+# Whether saves write a manifest of their files' sizes and hashes; bench/checkpoint.py turns it off to measure what
+# hashing adds to a save.
+HASH_FILES = True
 MANIFEST = ".manifest.json"
 HASH = "xxh3_128"
 CHUNK = 8 << 20
