@@ -241,11 +241,11 @@ def run_cli(overrides: list[str], run_dir: str) -> dict:
 def _reason(row: Row, cfg) -> str:
     """Why a computing op ran in PyTorch under the kernels section `cfg`."""
     from ops.aten_routes import NAMES
-    from trainer.config import aten_ops
+    from trainer.models.kernels import Kernels
 
     if cfg.name != "triton":
         return "kernels=torch: PyTorch's kernels throughout"
-    if aten_ops(cfg) is None:
+    if Kernels.of(cfg).aten is None:
         return "kernels.aten=false (or an include of model ops only): no ATen op is routed"
     if row.op in NAMES:
         return "left to PyTorch by kernels.include/kernels.exclude"

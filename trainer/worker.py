@@ -121,7 +121,7 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
     torch.manual_seed(cfg.train.seed)
     dims = ParallelDims.from_config(cfg.strategy, env.world_size)
     # Where it starts: rank 0 decides and every rank checks that start (the driver decided it, in its process).
-    checked = checked or inputs.check(cfg, dims, resume.agreed(cfg))
+    checked = checked or inputs.check(cfg, dims, resume.agreed)
     mesh = dims.build_mesh(env.device.type)
     if cfg.model.name == "hf":  # which code runs the directory, and why
         log.info("%s", hf_impl.describe(cfg.model.path, cfg.model.impl))

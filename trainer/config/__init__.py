@@ -14,7 +14,7 @@ dataclass with a `check()` method, and a field of `Config`.
 
 from trainer.config.data import CACHE_KEYS, CacheConfig, DataConfig
 from trainer.config.degrees import Degrees, mesh_degrees
-from trainer.config.kernels import TRITON_OPS, aten_ops
+from trainer.config.kernels import TRITON_OPS
 from trainer.config.model import ModelConfig
 from trainer.config.optim import OptimConfig
 from trainer.config.precision import torch_dtype
@@ -36,7 +36,6 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "StrategyConfig",
-    "aten_ops",
     "job_shape",
     "mesh_degrees",
     "numeric_keys",

@@ -26,7 +26,6 @@ def check(job, shape: JobShape) -> None:
     counts, per_node, dims, offers = shape.counts, shape.per_node, shape.dims, shape.offers
     gpus = runtime.local_gpus() if offers.gpus_per_node is None else 0
     _model_and_data(job, offers)
-    runtime.check_run(job, shape, gpus)
     _parallel(job, dims, runnable=not offers.runs_here or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
     _recipe(job)
     _grpo(job)
@@ -45,6 +44,7 @@ def check(job, shape: JobShape) -> None:
         require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
                 f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
                 "or another run directory")
+    runtime.check_run(job, shape, gpus)  # the runtime's own rules on the rest of the run
 
 
 def _batch_divides(job, dims: Degrees, nodes: int | None = None) -> None:

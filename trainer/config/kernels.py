@@ -45,14 +45,3 @@ class KernelsConfig:
         # and the driver loads no kernel library.
         require(self.name != "triton" or importlib.util.find_spec("triton") is not None, "kernels", "triton",
                 "needs the triton package: pip install triton")
-
-
-def aten_ops(cfg) -> tuple[list[str] | None, list[str]] | None:
-    """`ops.enable()`'s (include, exclude) for the kernels section `cfg` (include None: every ATen op), or
-    None when no ATen op is routed (kernels=torch, kernels.aten=false, or an include of model ops only)."""
-    if cfg.name != "triton" or not getattr(cfg, "aten", True):
-        return None
-    include = [op for op in cfg.include if op in NAMES] if cfg.include else None
-    if include == []:
-        return None
-    return include, [op for op in cfg.exclude or [] if op in NAMES]

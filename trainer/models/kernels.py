@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.config import TRITON_OPS, aten_ops
+from ops.aten_routes import NAMES
+from trainer.config import TRITON_OPS
 from trainer.models import chunked, hf_transformers
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
@@ -77,22 +78,6 @@ def gelu_tanh_and_mul(x, y):
     return ops.gelu_and_mul(x, y, approximate="tanh")
 
 
-def model_ops(cfg) -> tuple[str, ...]:
-    """The model's functions (TRITON_OPS) that the kernels section `cfg` points at ops/: none under
-    kernels=torch, else `include` (null: all) less `exclude`."""
-    if cfg.name != "triton":
-        return ()
-    return tuple(op for op in (cfg.include or TRITON_OPS) if op in TRITON_OPS and op not in (cfg.exclude or []))
-
-
-def optimizer_impl(optim, kernels: str) -> str:
-    """The optim section's `impl`, or its default under `kernels=<kernels>`: triton for AdamW under
-    kernels=triton, else torch."""
-    if optim.impl is not None:
-        return optim.impl
-    return "triton" if kernels == "triton" and optim.name == "adamw" else "torch"
-
-
 @dataclass(frozen=True)
 class Kernels:
     """What the kernels section decides on a rank (`Kernels.of`, once per run; the worker hands it to the model's
@@ -106,8 +91,8 @@ class Kernels:
     @classmethod
     def of(cls, kernels, optim=None) -> Kernels:
         """The switch of the kernels section `kernels` (and the optim section `optim`, where an optimizer is made)."""
-        return cls(model_ops(kernels), aten_ops(kernels),
-                   optimizer_impl(optim, kernels.name) if optim is not None else "torch")
+        return cls(_model_ops(kernels), _aten_ops(kernels),
+                   _optimizer(optim, kernels.name) if optim is not None else "torch")
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Point `model`'s functions at the chosen Triton ops, in place (on the meta model, before any strategy)."""
@@ -136,6 +121,33 @@ class Kernels:
 
             return functools.partial(chunked.token_logps, ce=ops.cross_entropy)
         return chunked.token_logps
+
+
+def _model_ops(cfg) -> tuple[str, ...]:
+    """The model's functions (TRITON_OPS) that the kernels section `cfg` points at ops/: none under
+    kernels=torch, else `include` (null: all) less `exclude`."""
+    if cfg.name != "triton":
+        return ()
+    return tuple(op for op in (cfg.include or TRITON_OPS) if op in TRITON_OPS and op not in (cfg.exclude or []))
+
+
+def _aten_ops(cfg) -> tuple[list[str] | None, list[str]] | None:
+    """`ops.use_kernels`' (include, exclude) for the kernels section `cfg` (include None: every ATen op), or
+    None when no ATen op is routed (kernels=torch, kernels.aten=false, or an include of model ops only)."""
+    if cfg.name != "triton" or not getattr(cfg, "aten", True):
+        return None
+    include = [op for op in cfg.include if op in NAMES] if cfg.include else None
+    if include == []:
+        return None
+    return include, [op for op in cfg.exclude or [] if op in NAMES]
+
+
+def _optimizer(optim, kernels: str) -> str:
+    """The optim section's `impl`, or its default under `kernels=<kernels>`: triton for AdamW under
+    kernels=triton, else torch."""
+    if optim.impl is not None:
+        return optim.impl
+    return "triton" if kernels == "triton" and optim.name == "adamw" else "torch"
 
 
 def _rewrite(model: nn.Module, chosen: tuple[str, ...]) -> None:

@@ -36,7 +36,6 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
     if shape.offers.reads_disk_here:
-        from trainer.checkpoint import resume
         from trainer.data.corpus import corpus_key
         from trainer.prepare import inputs
 
@@ -45,7 +44,7 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
             raise ConfigError("data.cache_dir", job.data.cache_dir, f"{problem}; the corpus is cached there "
                               "(its default is $TRAINJOB_CACHE, else ~/.cache/trainjob)")
 
-        checked = inputs.check(job, shape.dims, resume.decide(job))  # decided here; carried in process
+        checked = inputs.check(job, shape.dims)  # where the run starts decided here; carried in process
         if checked.corpus is not None:  # pinned: every rank reads this build, wherever it runs
             cfg.data.fingerprint = job.data.fingerprint = corpus_key(checked.corpus)
     c = job.data.cache  # a warning only once the config passed: a refusal stays one line
