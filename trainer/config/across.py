@@ -44,7 +44,6 @@ def check(job, shape: JobShape) -> None:
         require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
                 f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
                 "or another run directory")
-    runtime.check_run(job, shape, gpus)  # the runtime's own rules on the rest of the run
 
 
 def _batch_divides(job, dims: Degrees, nodes: int | None = None) -> None:

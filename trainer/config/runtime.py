@@ -1,7 +1,8 @@
 """The `runtime` section as the trainer reads it: each runtime's keys, rules and node commands are its unit's
 (`trainjob.runtimes`, one unit per runtime; `conf/runtime/<name>.yaml`); here the unit is looked up once
-(`job_shape`, whose `JobShape.unit` the driver carries to the launcher), its rules are run as config errors
-(`check_job`, `check_run`), and the job's shape follows from the runtime, the launcher's offers and the strategy."""
+(`job_shape`, whose `JobShape.unit` the driver carries to the launcher), all of its rules are run there as
+config errors (`check`, `check_job`, `check_run`), and the job's shape follows from the runtime, the launcher's
+offers and the strategy."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ class JobShape:
 
 def job_shape(cfg: Any, offers: Offers) -> JobShape:
     """The shape of the job `cfg` under a launcher that `offers`; raises ConfigError where its runtime refuses
-    its keys or its node counts, or its strategy cannot lay out its world."""
+    its keys, its node counts or the rest of the run (every rule of its unit, here), or its strategy cannot lay
+    out its world."""
     r, unit = cfg.runtime, None
     if r is not None:
         with config_errors():
@@ -82,21 +84,23 @@ def job_shape(cfg: Any, offers: Offers) -> JobShape:
     if unit is not None:
         with config_errors():
             unit.check_job(r, counts, offers)
+    _check_run(cfg, unit, counts, per_node, offers)
     world, s = per_node * counts[-1], cfg.strategy
     require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
             f"process: add runtime=torch-distributed (world size is {world})")
     return JobShape(counts, per_node, Degrees.of(s, world), offers, unit)
 
 
-def check_run(job: Any, shape: JobShape, gpus: int) -> None:
+def _check_run(cfg: Any, unit: Runtime | None, counts: range, per_node: int, offers: Offers) -> None:
     """The runtime's rules on the rest of the run (`Runtime.check_run`), and the one rule of every runtime: a
-    strategy that one runtime owns runs under it alone; as config errors. `gpus`: this machine's GPUs that the
-    ranks take (0: not counted here)."""
-    s, r = job.strategy, job.runtime
+    strategy that one runtime owns runs under it alone; as config errors. The GPUs the ranks take are this
+    machine's where the launcher gives none of its own (0: not counted here)."""
+    s, r = cfg.strategy, cfg.runtime
+    gpus = local_gpus() if offers.gpus_per_node is None else 0
     with config_errors():
         runtimes.check_strategy(r.name if r is not None else None, s.name, s.data_parallel)
-        if shape.unit is not None:
-            shape.unit.check_run(r, RunFacts(
-                counts=shape.counts, per_node=shape.per_node, gpus=gpus, strategy=s.name,
-                data_parallel=s.data_parallel, checkpoint_async=bool(job.train.checkpoint_async),
-                kubeflow_cache=job.data.cache.backend == "kubeflow", launcher=job.launcher.name), shape.offers)
+        if unit is not None:
+            unit.check_run(r, RunFacts(
+                counts=counts, per_node=per_node, gpus=gpus, strategy=s.name, data_parallel=s.data_parallel,
+                checkpoint_async=bool(cfg.train.checkpoint_async), kubeflow_cache=cfg.data.cache.backend == "kubeflow",
+                launcher=cfg.launcher.name), offers)
