@@ -24,6 +24,7 @@ from datacache.order import BatchPlan
 from tests.conftest import REPO, TINY, examples
 from trainer import config
 from trainer.config.compose import compose
+from trainer.models.kernels import Kernels
 from trainer.prepare.preflight import check
 from trainer.training.optimizer import build_optimizer
 from trainjob import runtimes
@@ -207,7 +208,7 @@ def test_any_numbers_pass_the_checks_or_are_refused_in_one_line(overrides, parqu
         assert "\n" not in str(e) and str(e).startswith("invalid config: ")
         return
     # What the checks accept, the parts that take these numbers accept too.
-    build_optimizer(cfg.optim, torch.nn.Linear(2, 2))
+    build_optimizer(cfg.optim, torch.nn.Linear(2, 2), Kernels.of(cfg.kernels, cfg.optim).optimizer)
     BatchPlan(num_rows=16, global_batch_size=8, seed=cfg.train.seed).epoch_order(1)
     torch.empty(2).normal_(0.0, cfg.model.init_std, generator=torch.Generator().manual_seed(cfg.train.seed))
 

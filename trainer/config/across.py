@@ -17,7 +17,9 @@ from trainer.config.runtime import JobShape
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES
 from trainer.config.tracker import require_tracker_package
 from trainer.errors import ConfigError
+from trainjob import runtimes
 from trainjob.run_files import RunDir
+from trainjob.runtimes import RunFacts
 
 
 def check(job, shape: JobShape) -> None:
@@ -26,6 +28,7 @@ def check(job, shape: JobShape) -> None:
     counts, per_node, dims, offers = shape.counts, shape.per_node, shape.dims, shape.offers
     gpus = runtime.local_gpus() if offers.gpus_per_node is None else 0
     _model_and_data(job, offers)
+    _runtime(job, shape, gpus)
     _parallel(job, dims, runnable=not offers.runs_here or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
     _recipe(job)
     _grpo(job)
@@ -44,6 +47,20 @@ def check(job, shape: JobShape) -> None:
         require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
                 f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
                 "or another run directory")
+
+
+def _runtime(job, shape: JobShape, gpus: int) -> None:
+    """The runtime unit's rules on the rest of the run (`Runtime.check_run`; the unit looked up once, in
+    `runtime.job_shape`), and the one rule of every runtime: a strategy that one runtime owns runs under it alone;
+    as config errors. `gpus`: this machine's GPUs that the ranks take (0: not counted here)."""
+    s, r = job.strategy, job.runtime
+    with runtime.config_errors():
+        runtimes.check_strategy(r.name if r is not None else None, s.name, s.data_parallel)
+        if shape.unit is not None:
+            shape.unit.check_run(r, RunFacts(
+                counts=shape.counts, per_node=shape.per_node, gpus=gpus, strategy=s.name,
+                data_parallel=s.data_parallel, checkpoint_async=bool(job.train.checkpoint_async),
+                kubeflow_cache=job.data.cache.backend == "kubeflow", launcher=job.launcher.name), shape.offers)
 
 
 def _batch_divides(job, dims: Degrees, nodes: int | None = None) -> None:

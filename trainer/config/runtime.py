@@ -1,8 +1,9 @@
 """The `runtime` section as the trainer reads it: each runtime's keys, rules and node commands are its unit's
 (`trainjob.runtimes`, one unit per runtime; `conf/runtime/<name>.yaml`); here the unit is looked up once
-(`job_shape`, whose `JobShape.unit` the driver carries to the launcher), all of its rules are run there as
-config errors (`check`, `check_job`, `check_run`), and the job's shape follows from the runtime, the launcher's
-offers and the strategy."""
+(`job_shape`, whose `JobShape.unit` the driver carries to the launcher), its rules on its own keys and node counts
+are run there as config errors (`check`, `check_job`; those on the rest of the run, `check_run`, among the
+cross-section rules: `trainer.config.across`), and the job's shape follows from the runtime, the launcher's offers
+and the strategy."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from trainer.errors import ConfigError
 from trainjob import runtimes
 from trainjob.nodes import local_gpus, node_range
 from trainjob.options import OptionError
-from trainjob.runtimes import Offers, RunFacts, Runtime
+from trainjob.runtimes import Offers, Runtime
 
 
 @contextlib.contextmanager
@@ -73,8 +74,7 @@ class JobShape:
 
 def job_shape(cfg: Any, offers: Offers) -> JobShape:
     """The shape of the job `cfg` under a launcher that `offers`; raises ConfigError where its runtime refuses
-    its keys, its node counts or the rest of the run (every rule of its unit, here), or its strategy cannot lay
-    out its world."""
+    its keys or its node counts, or its strategy cannot lay out its world."""
     r, unit = cfg.runtime, None
     if r is not None:
         with config_errors():
@@ -84,23 +84,7 @@ def job_shape(cfg: Any, offers: Offers) -> JobShape:
     if unit is not None:
         with config_errors():
             unit.check_job(r, counts, offers)
-    _check_run(cfg, unit, counts, per_node, offers)
     world, s = per_node * counts[-1], cfg.strategy
     require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
             f"process: add runtime=torch-distributed (world size is {world})")
     return JobShape(counts, per_node, Degrees.of(s, world), offers, unit)
-
-
-def _check_run(cfg: Any, unit: Runtime | None, counts: range, per_node: int, offers: Offers) -> None:
-    """The runtime's rules on the rest of the run (`Runtime.check_run`), and the one rule of every runtime: a
-    strategy that one runtime owns runs under it alone; as config errors. The GPUs the ranks take are this
-    machine's where the launcher gives none of its own (0: not counted here)."""
-    s, r = cfg.strategy, cfg.runtime
-    gpus = local_gpus() if offers.gpus_per_node is None else 0
-    with config_errors():
-        runtimes.check_strategy(r.name if r is not None else None, s.name, s.data_parallel)
-        if unit is not None:
-            unit.check_run(r, RunFacts(
-                counts=counts, per_node=per_node, gpus=gpus, strategy=s.name, data_parallel=s.data_parallel,
-                checkpoint_async=bool(cfg.train.checkpoint_async), kubeflow_cache=cfg.data.cache.backend == "kubeflow",
-                launcher=cfg.launcher.name), offers)

@@ -1,5 +1,5 @@
 """The kernel switch of a rank, decided once from the run's `kernels` (and `optim`) sections: `Kernels.of`. It
-holds the four things `kernels=torch|triton` changes, and nothing else in the trainer reads the section:
+holds the four things `kernels=torch|triton` changes, and nothing else on the ranks reads the section:
 - the model's rewrites (`Kernels.apply`): `kernels=triton` points the model's RMSNorm, rotary embedding,
   attention, SwiGLU gate and loss at the Triton ops of `ops/` (the loss fused with the output projection, so the
   logits are never materialised); `kernels.include` / `kernels.exclude` choose among those five

@@ -17,7 +17,7 @@ _OPTIM_KEYS = {"initial_lr": "optim.lr", "weight_decay": "optim.weight_decay", "
                "eps": "optim.eps", "momentum": "optim.momentum"}
 
 
-def build_optimizer(cfg, model: torch.nn.Module, impl: str = "torch") -> torch.optim.Optimizer:
+def build_optimizer(cfg, model: torch.nn.Module, impl: str) -> torch.optim.Optimizer:
     """The optim section's optimizer over `model`'s trained parameters: torch.optim's foreach AdamW, or ops.AdamW
     where `impl` (the kernel switch's `Kernels.optimizer`) is triton; the two save and load the same state dict."""
     # No weight decay on norms' gains (1-D parameters), as usual for transformers.

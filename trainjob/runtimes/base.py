@@ -1,6 +1,6 @@
 """What a runtime is: `Runtime`, the one unit that says how a job's ranks start on its nodes and find each
-other. Each runtime is one module of `trainjob/runtimes/` holding its subclass and the schema of its keys
-(`conf/runtime/<name>.yaml` holds their values). A runtime declares
+other. Each runtime is one module or folder of `trainjob/runtimes/` holding its subclass and the schema of its
+keys (`conf/runtime/<name>.yaml` holds their values). A runtime declares
 
 - its keys, with their defaults and their own checks (`schema`, `check`), and every rule it sets on the job:
   on its shape and the launcher it runs under (`check_job`, given what the launcher `Offers`), on the strategy,
