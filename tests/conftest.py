@@ -17,6 +17,8 @@ from hypothesis import settings
 
 from trainjob.run_files import RunDir
 
+pytest_plugins = ["tests.s3_server"]
+
 # Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors; it must be chosen before
 # triton is imported anywhere in the test session. Tests of what happens without it unset it themselves.
 if not torch.cuda.is_available():
