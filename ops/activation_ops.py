@@ -9,48 +9,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ops.unary_ops import _expm1, _log1p, _tanh
-
-
-@triton.jit
-def _hardtanh(x, lo, hi):
-    return tl.where(x < lo, lo, tl.where(x > hi, hi, x))
-
-
-@triton.jit
-def _hardtanh_backward(g, x, lo, hi):
-    return tl.where((x <= lo) | (x >= hi), 0.0, g)
-
-
-@triton.jit
-def _leaky_relu(x, slope):
-    return tl.where(x > 0, x, x * slope)
-
-
-@triton.jit
-def _leaky_relu_backward(g, x, slope):
-    return tl.where(x > 0, g, g * slope)
-
-
-@triton.jit
-def _elu(x, alpha, scale, input_scale):
-    return tl.where(x > 0, x * scale, _expm1(x * input_scale) * alpha * scale)
+from ops.pointwise_codegen import expression_bodies
+from ops.unary_ops import _expm1, _log1p, _tanh  # noqa: F401 (the expressions below call them too)
 
 
 @triton.jit
 def _elu_backward(g, x, alpha, scale, input_scale):
     # x is the input (PyTorch's is_result=False form)
     return tl.where(x > 0, g * scale, g * input_scale * alpha * scale * tl.exp(x * input_scale))
-
-
-@triton.jit
-def _elu_backward_result(g, y, alpha, scale, input_scale):
-    return tl.where(y > 0, g * scale, g * input_scale * (y + alpha * scale))
-
-
-@triton.jit
-def _softplus(x, beta, threshold):
-    return tl.where(x * beta > threshold, x, _log1p(tl.exp(x * beta)) / beta)
 
 
 @triton.jit
@@ -73,51 +39,6 @@ def _log_sigmoid_backward(g, x):
 
 
 @triton.jit
-def _hardsigmoid(x):
-    return tl.minimum(tl.maximum(x / 6.0 + 0.5, 0.0), 1.0)
-
-
-@triton.jit
-def _hardsigmoid_backward(g, x):
-    return tl.where((x > -3.0) & (x < 3.0), g / 6.0, 0.0)
-
-
-@triton.jit
-def _hardswish(x):
-    return x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0
-
-
-@triton.jit
-def _hardswish_backward(g, x):
-    return tl.where(x < -3.0, 0.0, tl.where(x <= 3.0, g * (x / 3.0 + 0.5), g))
-
-
-@triton.jit
-def _mish(x):
-    return x * _tanh(_softplus(x, 1.0, 20.0))
-
-
-@triton.jit
-def _threshold(x, threshold, value):
-    return tl.where(x <= threshold, value, x)
-
-
-@triton.jit
-def _threshold_backward(g, x, threshold):
-    return tl.where(x <= threshold, 0.0, g)
-
-
-@triton.jit
-def _sigmoid_backward(g, y):
-    return g * y * (1.0 - y)
-
-
-@triton.jit
-def _tanh_backward(g, y):
-    return g * (1.0 - y * y)
-
-
-@triton.jit
 def _logit(x, eps):
     z = tl.where(eps >= 0, tl.minimum(tl.maximum(x, eps), 1.0 - eps), x)
     return tl.log(z / (1.0 - z))
@@ -127,6 +48,27 @@ def _logit(x, eps):
 def _logit_backward(g, x, eps):
     inside = (eps < 0) | ((x >= eps) & (x <= 1.0 - eps))
     return tl.where(inside, g / (x * (1.0 - x)), 0.0)
+
+
+expression_bodies(globals(), {
+    "_hardtanh(x, lo, hi)": "tl.where(x < lo, lo, tl.where(x > hi, hi, x))",
+    "_hardtanh_backward(g, x, lo, hi)": "tl.where((x <= lo) | (x >= hi), 0.0, g)",
+    "_leaky_relu(x, slope)": "tl.where(x > 0, x, x * slope)",
+    "_leaky_relu_backward(g, x, slope)": "tl.where(x > 0, g, g * slope)",
+    "_elu(x, alpha, scale, input_scale)": "tl.where(x > 0, x * scale, _expm1(x * input_scale) * alpha * scale)",
+    "_elu_backward_result(g, y, alpha, scale, input_scale)":
+        "tl.where(y > 0, g * scale, g * input_scale * (y + alpha * scale))",
+    "_softplus(x, beta, threshold)": "tl.where(x * beta > threshold, x, _log1p(tl.exp(x * beta)) / beta)",
+    "_hardsigmoid(x)": "tl.minimum(tl.maximum(x / 6.0 + 0.5, 0.0), 1.0)",
+    "_hardsigmoid_backward(g, x)": "tl.where((x > -3.0) & (x < 3.0), g / 6.0, 0.0)",
+    "_hardswish(x)": "x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0",
+    "_hardswish_backward(g, x)": "tl.where(x < -3.0, 0.0, tl.where(x <= 3.0, g * (x / 3.0 + 0.5), g))",
+    "_mish(x)": "x * _tanh(_softplus(x, 1.0, 20.0))",
+    "_threshold(x, threshold, value)": "tl.where(x <= threshold, value, x)",
+    "_threshold_backward(g, x, threshold)": "tl.where(x <= threshold, 0.0, g)",
+    "_sigmoid_backward(g, y)": "g * y * (1.0 - y)",
+    "_tanh_backward(g, y)": "g * (1.0 - y * y)",
+})
 
 
 SPECS = {

@@ -8,27 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ops.pointwise_codegen import expression_bodies
 from ops.unary_ops import _log1p, _signbit, _trunc
-
-
-@triton.jit
-def _add(x, y):
-    return x + y
-
-
-@triton.jit
-def _sub(x, y):
-    return x - y
-
-
-@triton.jit
-def _mul(x, y):
-    return x * y
-
-
-@triton.jit
-def _div(x, y):
-    return x / y
 
 
 @triton.jit
@@ -66,64 +47,9 @@ def _fmod(x, y):
 
 
 @triton.jit
-def _maximum(x, y):
-    return tl.where((x != x) | (x > y), x, y)
-
-
-@triton.jit
-def _minimum(x, y):
-    return tl.where((x != x) | (x < y), x, y)
-
-
-@triton.jit
-def _fmax(x, y):
-    return tl.where((y != y) | (x > y), x, y)
-
-
-@triton.jit
-def _fmin(x, y):
-    return tl.where((y != y) | (x < y), x, y)
-
-
-@triton.jit
-def _bitwise_and(x, y):
-    return x & y
-
-
-@triton.jit
-def _bitwise_or(x, y):
-    return x | y
-
-
-@triton.jit
-def _bitwise_xor(x, y):
-    return x ^ y
-
-
-@triton.jit
-def _left_shift(x, y):
-    return x << y
-
-
-@triton.jit
-def _right_shift(x, y):
-    return x >> y
-
-
-@triton.jit
 def _copysign(x, y):
     a = tl.abs(x)
     return tl.where(_signbit(y), -a, a)
-
-
-@triton.jit
-def _hypot(x, y):
-    return tl.sqrt(x * x + y * y)
-
-
-@triton.jit
-def _xlogy(x, y):
-    return tl.where(y != y, y, tl.where(x == 0, 0.0, x * tl.log(y)))
 
 
 @triton.jit
@@ -136,11 +62,6 @@ def _logaddexp(x, y):
 def _logaddexp2(x, y):
     m = tl.maximum(x, y)
     return tl.where(tl.abs(m) == float("inf"), m, m + _log1p(tl.exp2(-tl.abs(x - y))) / 0.6931471805599453)
-
-
-@triton.jit
-def _heaviside(x, y):
-    return tl.where(x == 0, y, tl.where(x > 0, 1, 0).to(x.dtype))
 
 
 @triton.jit
@@ -160,49 +81,33 @@ def _pow(x, y):
         return tl.where(y == 0, 1, tl.where(y < 0, tl.where(tl.abs(x) == 1, r, 0.0), r + tl.where(r < 0, -0.5, 0.5)))
 
 
-@triton.jit
-def _eq(x, y):
-    return x == y
-
-
-@triton.jit
-def _ne(x, y):
-    return x != y
-
-
-@triton.jit
-def _lt(x, y):
-    return x < y
-
-
-@triton.jit
-def _le(x, y):
-    return x <= y
-
-
-@triton.jit
-def _gt(x, y):
-    return x > y
-
-
-@triton.jit
-def _ge(x, y):
-    return x >= y
-
-
-@triton.jit
-def _logical_and(x, y):
-    return (x != 0) & (y != 0)
-
-
-@triton.jit
-def _logical_or(x, y):
-    return (x != 0) | (y != 0)
-
-
-@triton.jit
-def _logical_xor(x, y):
-    return (x != 0) != (y != 0)
+expression_bodies(globals(), {
+    "_add(x, y)": "x + y",
+    "_sub(x, y)": "x - y",
+    "_mul(x, y)": "x * y",
+    "_div(x, y)": "x / y",
+    "_maximum(x, y)": "tl.where((x != x) | (x > y), x, y)",
+    "_minimum(x, y)": "tl.where((x != x) | (x < y), x, y)",
+    "_fmax(x, y)": "tl.where((y != y) | (x > y), x, y)",
+    "_fmin(x, y)": "tl.where((y != y) | (x < y), x, y)",
+    "_bitwise_and(x, y)": "x & y",
+    "_bitwise_or(x, y)": "x | y",
+    "_bitwise_xor(x, y)": "x ^ y",
+    "_left_shift(x, y)": "x << y",
+    "_right_shift(x, y)": "x >> y",
+    "_hypot(x, y)": "tl.sqrt(x * x + y * y)",
+    "_xlogy(x, y)": "tl.where(y != y, y, tl.where(x == 0, 0.0, x * tl.log(y)))",
+    "_heaviside(x, y)": "tl.where(x == 0, y, tl.where(x > 0, 1, 0).to(x.dtype))",
+    "_eq(x, y)": "x == y",
+    "_ne(x, y)": "x != y",
+    "_lt(x, y)": "x < y",
+    "_le(x, y)": "x <= y",
+    "_gt(x, y)": "x > y",
+    "_ge(x, y)": "x >= y",
+    "_logical_and(x, y)": "(x != 0) & (y != 0)",
+    "_logical_or(x, y)": "(x != 0) | (y != 0)",
+    "_logical_xor(x, y)": "(x != 0) != (y != 0)",
+})
 
 
 SPECS = {

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.rows import row_block
 from ops.settings import programs, row_settings
 
 
@@ -22,8 +23,7 @@ from ops.settings import programs, row_settings
 def _norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, n_cols, eps, RMS: tl.constexpr,
               HAS_W: tl.constexpr, HAS_B: tl.constexpr, WHOLE: tl.constexpr, ROWS: tl.constexpr,
               BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = row_block(n_rows, ROWS)
     base = rows[:, None] * n_cols
     if WHOLE:  # the row is in registers: one read, one write
         cols = tl.arange(0, BLOCK)

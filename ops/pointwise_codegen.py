@@ -83,16 +83,28 @@ def _kernel(name: str):
     if match is None:
         raise AttributeError(name)
     kinds, outputs, rank = match.group(1), int(match.group(2)), int(match.group(3))
-    source = _source(kinds, outputs, rank)
-    # Triton reads a kernel's source through `inspect`: give the generated text a file name of its own.
-    filename = f"<ops.pointwise_codegen {name}>"
+    return _jit(name, _source(kinds, outputs, rank), {"tl": tl, "__name__": __name__})
+
+
+def _jit(name: str, source: str, namespace: dict):
+    """The function `name` that `source` defines, run in `namespace`, made a `@triton.jit` function."""
+    # Triton reads a function's source through `inspect`: give the generated text a file name of its own.
+    filename = f"<{namespace['__name__']} {name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"tl": tl, "__name__": __name__}
     exec(compile(source, filename, "exec"), namespace)
     fn = namespace[name]
-    fn.__module__ = __name__
+    fn.__module__ = namespace["__name__"]
     fn.__qualname__ = name
     return triton.jit(fn)
+
+
+def expression_bodies(namespace: dict, expressions: dict[str, str]) -> None:
+    """Scalar bodies of one expression each: `{"_hypot(x, y)": "tl.sqrt(x * x + y * y)"}` puts `_hypot`, a
+    `@triton.jit` function returning that expression, in `namespace` (a module's globals, so that an expression
+    calls the module's other bodies and its `tl`)."""
+    for signature, expression in expressions.items():
+        name = signature.partition("(")[0]
+        namespace[name] = _jit(name, f"def {signature}:\n    return {expression}\n", namespace)
 
 
 def __getattr__(name: str):

@@ -14,28 +14,13 @@ import triton
 import triton.language as tl
 
 from ops import activation_ops, binary_ops, unary_ops
-from ops.pointwise_codegen import pointwise
+from ops.pointwise_codegen import expression_bodies, pointwise
 
 
 @triton.jit
 def _lerp(x, y, w):
     # PyTorch's two-sided form: exact at both ends.
     return tl.where(tl.abs(w) < 0.5, x + w * (y - x), y - (y - x) * (1.0 - w))
-
-
-@triton.jit
-def _addcmul(x, a, b, value):
-    return x + value * a * b
-
-
-@triton.jit
-def _addcdiv(x, a, b, value):
-    return x + value * a / b
-
-
-@triton.jit
-def _where(c, x, y):
-    return tl.where(c != 0, x, y)
 
 
 @triton.jit
@@ -46,29 +31,9 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
-def _clamp_min(x, lo):
-    return tl.where(x < lo, lo, x)
-
-
-@triton.jit
-def _clamp_max(x, hi):
-    return tl.where(x > hi, hi, x)
-
-
-@triton.jit
 def _nan_to_num(x, nan, posinf, neginf):
     r = tl.where(x != x, nan, x)
     return tl.where(x == float("inf"), posinf, tl.where(x == float("-inf"), neginf, r))
-
-
-@triton.jit
-def _fill(x, value):
-    return tl.zeros_like(x) + value
-
-
-@triton.jit
-def _copy(x):
-    return x
 
 
 @triton.jit
@@ -77,14 +42,17 @@ def _mse(x, y):
     return d * d
 
 
-@triton.jit
-def _mse_backward(g, x, y, scale):
-    return 2.0 * scale * (x - y) * g
-
-
-@triton.jit
-def _dropout_backward(g, mask, scale):
-    return g * mask * scale
+expression_bodies(globals(), {
+    "_addcmul(x, a, b, value)": "x + value * a * b",
+    "_addcdiv(x, a, b, value)": "x + value * a / b",
+    "_where(c, x, y)": "tl.where(c != 0, x, y)",
+    "_clamp_min(x, lo)": "tl.where(x < lo, lo, x)",
+    "_clamp_max(x, hi)": "tl.where(x > hi, hi, x)",
+    "_fill(x, value)": "tl.zeros_like(x) + value",
+    "_copy(x)": "x",
+    "_mse_backward(g, x, y, scale)": "2.0 * scale * (x - y) * g",
+    "_dropout_backward(g, mask, scale)": "g * mask * scale",
+})
 
 
 # name: (body, promotion: "default" (the operands' dtype), "float" (integers to float) or "bool" (a test)).

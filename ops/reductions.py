@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.rows import row_block
 from ops.settings import row_settings
 
 KIND = {"sum": 0, "prod": 1, "max": 2, "min": 3}
@@ -38,8 +39,7 @@ def _nan_aware(acc, m):
 @triton.jit(do_not_specialize=["n_rows", "n_cols"])
 def _row_reduce(x_ptr, y_ptr, n_rows, n_cols, neutral, OP: tl.constexpr, COMPUTE: tl.constexpr,
                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = row_block(n_rows, ROWS)
     acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE) + tl.cast(neutral, COMPUTE)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -73,8 +73,7 @@ def _multiply(a, b):
 @triton.jit(do_not_specialize=["n_rows", "n_cols"])
 def _row_arg(x_ptr, y_ptr, i_ptr, n_rows, n_cols, neutral, MAX: tl.constexpr, COMPUTE: tl.constexpr,
              ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = row_block(n_rows, ROWS)
     acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE) + tl.cast(neutral, COMPUTE)
     where = tl.zeros([ROWS, BLOCK], dtype=tl.int64)
     for start in range(0, n_cols, BLOCK):
@@ -96,8 +95,7 @@ def _row_arg(x_ptr, y_ptr, i_ptr, n_rows, n_cols, neutral, MAX: tl.constexpr, CO
 def _row_moments(x_ptr, y_ptr, m_ptr, n_rows, n_cols, correction, LSE: tl.constexpr, COMPUTE: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """LSE: y = logsumexp (m = the row max); else y = the variance with `correction`, m = the mean."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = row_block(n_rows, ROWS)
     acc = tl.zeros([ROWS, BLOCK], dtype=COMPUTE) + (float("-inf") if LSE else 0.0)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)

@@ -11,14 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.rows import row_block
 from ops.settings import row_settings
 
 
 @triton.jit
 def _softmax_fwd(x_ptr, y_ptr, n_rows, n_cols, LOG: tl.constexpr, WHOLE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = row_block(n_rows, ROWS)
     base = rows[:, None] * n_cols
     if WHOLE:  # the rows are in registers: one read, one write
         cols = tl.arange(0, BLOCK)
@@ -54,8 +54,7 @@ def _softmax_fwd(x_ptr, y_ptr, n_rows, n_cols, LOG: tl.constexpr, WHOLE: tl.cons
 @triton.jit
 def _softmax_bwd(y_ptr, g_ptr, dx_ptr, n_rows, n_cols, LOG: tl.constexpr, WHOLE: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = row_block(n_rows, ROWS)
     base = rows[:, None] * n_cols
     if WHOLE:
         cols = tl.arange(0, BLOCK)

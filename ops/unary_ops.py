@@ -12,17 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# --- unary, float results ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _exp(x):
-    return tl.exp(x)
-
-
-@triton.jit
-def _exp2(x):
-    return tl.exp2(x)
+from ops.pointwise_codegen import expression_bodies
 
 
 @triton.jit
@@ -34,60 +24,10 @@ def _expm1(x):
 
 
 @triton.jit
-def _log(x):
-    return tl.log(x)
-
-
-@triton.jit
-def _log2(x):
-    return tl.log2(x)
-
-
-@triton.jit
-def _log10(x):
-    return tl.log(x) / 2.302585092994046
-
-
-@triton.jit
 def _log1p(x):
     # Goldberg's: log(1 + x) * x / ((1 + x) - 1) keeps the digits of small x.
     u = 1.0 + x
     return tl.where(u == 1.0, x, tl.log(u) * x / (u - 1.0))
-
-
-@triton.jit
-def _sqrt(x):
-    return tl.sqrt(x)
-
-
-@triton.jit
-def _rsqrt(x):
-    return 1.0 / tl.sqrt(x)
-
-
-@triton.jit
-def _sin(x):
-    return tl.sin(x)
-
-
-@triton.jit
-def _cos(x):
-    return tl.cos(x)
-
-
-@triton.jit
-def _tan(x):
-    return tl.sin(x) / tl.cos(x)
-
-
-@triton.jit
-def _sinh(x):
-    return 0.5 * (_expm1(x) - _expm1(-x))
-
-
-@triton.jit
-def _cosh(x):
-    return 0.5 * (tl.exp(x) + tl.exp(-x))
 
 
 @triton.jit
@@ -107,82 +47,9 @@ def _asinh(x):
 
 
 @triton.jit
-def _acosh(x):
-    return tl.log(x + tl.sqrt(x * x - 1.0))
-
-
-@triton.jit
-def _atanh(x):
-    return 0.5 * _log1p(2.0 * x / (1.0 - x))
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _erf(x):
-    return tl.erf(x)
-
-
-@triton.jit
-def _erfc(x):
-    return 1.0 - tl.erf(x)
-
-
-@triton.jit
-def _reciprocal(x):
-    return 1.0 / x
-
-
-@triton.jit
-def _deg2rad(x):
-    return x * 0.017453292519943295
-
-
-@triton.jit
-def _rad2deg(x):
-    return x * 57.29577951308232
-
-
-@triton.jit
 def _sinc(x):
     p = x * 3.141592653589793
     return tl.where(x == 0, 1.0, tl.sin(p) / p)
-
-
-# --- unary, the operand's dtype ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _abs(x):
-    return tl.abs(x)
-
-
-@triton.jit
-def _neg(x):
-    return -x
-
-
-@triton.jit
-def _sign(x):
-    return tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype) + tl.where(x != x, x, 0)
-
-
-@triton.jit
-def _floor(x):
-    return tl.floor(x) if x.dtype.is_floating() else x
-
-
-@triton.jit
-def _ceil(x):
-    return tl.ceil(x) if x.dtype.is_floating() else x
-
-
-@triton.jit
-def _trunc(x):
-    return tl.where(x < 0, tl.ceil(x), tl.floor(x)) if x.dtype.is_floating() else x
 
 
 @triton.jit
@@ -197,52 +64,46 @@ def _round(x):
         return x
 
 
-@triton.jit
-def _frac(x):
-    return x - _trunc(x)
-
-
-@triton.jit
-def _relu(x):
-    return tl.where(x > 0, x, tl.where(x != x, x, 0))
-
-
-@triton.jit
-def _bitwise_not(x):
-    return ~x
-
-
-# --- unary, bool results -----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _logical_not(x):
-    return x == 0
-
-
-@triton.jit
-def _isnan(x):
-    return x != x
-
-
-@triton.jit
-def _isinf(x):
-    return (x == float("inf")) | (x == float("-inf"))
-
-
-@triton.jit
-def _isposinf(x):
-    return x == float("inf")
-
-
-@triton.jit
-def _isneginf(x):
-    return x == float("-inf")
-
-
-@triton.jit
-def _signbit(x):
-    return (x < 0) | ((x == 0) & (1.0 / x < 0))
+expression_bodies(globals(), {
+    # --- unary, float results ----------------------------------------------------------------------------------
+    "_exp(x)": "tl.exp(x)",
+    "_exp2(x)": "tl.exp2(x)",
+    "_log(x)": "tl.log(x)",
+    "_log2(x)": "tl.log2(x)",
+    "_log10(x)": "tl.log(x) / 2.302585092994046",
+    "_sqrt(x)": "tl.sqrt(x)",
+    "_rsqrt(x)": "1.0 / tl.sqrt(x)",
+    "_sin(x)": "tl.sin(x)",
+    "_cos(x)": "tl.cos(x)",
+    "_tan(x)": "tl.sin(x) / tl.cos(x)",
+    "_sinh(x)": "0.5 * (_expm1(x) - _expm1(-x))",
+    "_cosh(x)": "0.5 * (tl.exp(x) + tl.exp(-x))",
+    "_acosh(x)": "tl.log(x + tl.sqrt(x * x - 1.0))",
+    "_atanh(x)": "0.5 * _log1p(2.0 * x / (1.0 - x))",
+    "_sigmoid(x)": "1.0 / (1.0 + tl.exp(-x))",
+    "_erf(x)": "tl.erf(x)",
+    "_erfc(x)": "1.0 - tl.erf(x)",
+    "_reciprocal(x)": "1.0 / x",
+    "_deg2rad(x)": "x * 0.017453292519943295",
+    "_rad2deg(x)": "x * 57.29577951308232",
+    # --- unary, the operand's dtype ----------------------------------------------------------------------------
+    "_abs(x)": "tl.abs(x)",
+    "_neg(x)": "-x",
+    "_sign(x)": "tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype) + tl.where(x != x, x, 0)",
+    "_floor(x)": "tl.floor(x) if x.dtype.is_floating() else x",
+    "_ceil(x)": "tl.ceil(x) if x.dtype.is_floating() else x",
+    "_trunc(x)": "tl.where(x < 0, tl.ceil(x), tl.floor(x)) if x.dtype.is_floating() else x",
+    "_frac(x)": "x - _trunc(x)",
+    "_relu(x)": "tl.where(x > 0, x, tl.where(x != x, x, 0))",
+    "_bitwise_not(x)": "~x",
+    # --- unary, bool results -----------------------------------------------------------------------------------
+    "_logical_not(x)": "x == 0",
+    "_isnan(x)": "x != x",
+    "_isinf(x)": '(x == float("inf")) | (x == float("-inf"))',
+    "_isposinf(x)": 'x == float("inf")',
+    "_isneginf(x)": 'x == float("-inf")',
+    "_signbit(x)": "(x < 0) | ((x == 0) & (1.0 / x < 0))",
+})
 
 
 SPECS = {
