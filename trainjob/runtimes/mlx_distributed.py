@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes.util
 import glob
+from dataclasses import dataclass
 
 from trainjob.runtimes.function import MPIFunction
 
@@ -21,8 +22,15 @@ def has_libmpi() -> bool:
     return found == "libmpi.so" or any(glob.glob(f"{d}/libmpi.so") for d in dirs)
 
 
+@dataclass
+class MLXDistributedConfig:
+    name: str = "mlx-distributed"  # a function-only runtime (Client.train(func=..., runtime=...))
+
+
 class MLXDistributed(MPIFunction):
     name = "mlx-distributed"
+    schema = MLXDistributedConfig
+    runtime_ref = "mlx-distributed"
     framework = "mlx"
     kubeflow_image = "ghcr.io/kubeflow/trainer/mlx-runtime"
     extra = "mlx"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 from abc import abstractmethod
 from collections.abc import Mapping
-from dataclasses import field, make_dataclass
 from typing import Any, ClassVar
 
 from trainjob.nodes import LOCALHOST, free_port
@@ -42,14 +41,6 @@ class FunctionRuntime(Runtime):
     function_jobs = True
     function_only = True
     derives_runtime = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A runtime that names itself has one key, its name, and maps to Kubeflow's shipped runtime of that name."""
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            cls.schema = make_dataclass(f"{cls.__name__}Config", [("name", str, field(default=cls.name))])
-            cls.schema.__module__ = cls.__module__
-            cls.runtime_ref = cls.name
 
     def check(self, options: Any) -> None:
         raise OptionError("runtime", self.name, f"runs a user's function, not a trainer run: "
