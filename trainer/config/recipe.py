@@ -58,6 +58,14 @@ setattr(GenerationConfig, "async", False)
 GenerationConfig = dataclass(init=False, repr=False, eq=False)(GenerationConfig)
 
 
+def prompts_per_step(recipe, global_batch_size: int) -> tuple[int, str]:
+    """(the prompts a step's batch of data holds, how that follows from the keys) under `recipe` (the section): grpo
+    and rloo sample recipe.num_generations completions of each, ppo one of each for recipe.num_mini_batches steps."""
+    if recipe.name == "ppo":
+        return global_batch_size * recipe.num_mini_batches, "train.global_batch_size x recipe.num_mini_batches"
+    return global_batch_size // recipe.num_generations, "train.global_batch_size / recipe.num_generations"
+
+
 def is_async(recipe) -> bool:
     """Whether `recipe` (the section) asks for generation overlapping training."""
     return bool(getattr(recipe.generation, "async"))

@@ -87,7 +87,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
         if count <= 1:
             raise ValueError(f"the variance of {int(count)} value(s) with Bessel's correction: give more completions "
                              "a rank")
-        variance = variance * count / (count - 1)
+        variance = variance * (count / (count - 1))
     return variance
 
 
