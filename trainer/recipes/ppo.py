@@ -54,14 +54,10 @@ import torch
 from torch import nn
 
 from trainer.data import packing
-from trainer.data.prompts import prompt_text
-from trainer.models import lora
 from trainer.models.chunked import IGNORE
 from trainer.parallel.assembly import assemble
 from trainer.recipes.base import Recipe
 from trainer.recipes.grpo import GRPO, rows
-from trainer.recipes.reward_scorer import RewardModel
-from trainer.rewards import functions as reward_funcs
 
 # A micro-batch's tables from the rollout, by completion, in the order `loss` takes them.
 TABLES = ("starts", "old", "values", "advantages", "returns", "mask", "vmask")
@@ -202,17 +198,7 @@ class PPO(GRPO):
         Recipe.__init__(self, cfg, model, ctx)
         r = cfg.recipe
         self.r, self.G = r, 1
-        self.funcs = [(spec, reward_funcs.load(spec)) for spec in r.reward_funcs]
-        self.reward_model = RewardModel(cfg, ctx) if r.reward_model.path else None
-        count = len(self.funcs) + (self.reward_model is not None)
-        self.weights = list(r.reward_weights) if r.reward_weights is not None else [1.0] * count
-        self.text = prompt_text(cfg.model)
-        self.reference = None
-        if r.kl_coef > 0:
-            self.reference = (lora.without_adapters(model) if cfg.peft.name == "lora"
-                              else assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True))
-        self.dp_rank, self.dp_size = ctx.dims.data_parallel_rank()
-        self.generator = torch.Generator(ctx.device).manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank)
+        self.sampling(cfg, model, ctx, r.kl_coef)
         self.packing = packing.choose(cfg.data.packing, False)
         self.rollouts, self.rollout, self.order = None, None, None
         self.logps_fn = functools.partial(ctx.kernels.token_logps_entropy, temperature=r.temperature + 1e-7)
@@ -233,7 +219,7 @@ class PPO(GRPO):
     def micro_batches(self, batch: dict | None, accum: int) -> list:
         if batch is not None:
             self.rollout, self.done = self._rollout(batch, accum), 0
-        epoch, mini = divmod(self.done, self.r.num_mini_batches)
+        mini = self.done % self.r.num_mini_batches
         if mini == 0:  # each epoch its own order of the rollout's completions
             n = self.rollout["rows"][0].shape[0]
             self.order = torch.randperm(n, generator=self.generator, device=self.ctx.device)
@@ -352,7 +338,7 @@ def ppo_rows(prompts: list[list[int]], completions: list[list[int]], pad: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GRPO's rows (`trainer.recipes.grpo.rows`) with one more input after each completion, so that the value after
     its last token is read (TRL's padding_mask_p1), never a target."""
-    tokens, target, real = rows(prompts, [c + [pad] for c in completions], pad)
+    tokens, target, real = rows(prompts, [[*c, pad] for c in completions], pad)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         target[i, len(p) + len(c) - 1] = IGNORE
     return tokens, target, real
