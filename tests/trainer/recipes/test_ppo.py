@@ -166,22 +166,28 @@ def test_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1, err
 
 
-def test_a_value_head_on_the_policy_trains_beside_it(prompts, run_cli, tmp_path):
-    run = tmp_path / "run"
-    proc = run_cli(*ARGS, "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                   "model.ffn_dim=128", f"data.path={prompts}", "recipe.value_model=shared",
-                   "train.global_batch_size=8",
-                   "recipe.num_mini_batches=2", "recipe.num_ppo_epochs=2", "train.max_steps=4", "train.eval_every=4",
-                   f"hydra.run.dir={run}")
+def test_a_value_head_on_the_policy_trains_beside_its_adapters_and_stays_out_of_the_export(prompts, llama, run_cli,
+                                                                                           tmp_path):
+    run, out = tmp_path / "run", tmp_path / "export"
+    proc = run_cli(*ARGS, "model=hf", f"model.path={llama}", "peft=lora", f"data.path={prompts}",
+                   "recipe.value_model=shared", "train.global_batch_size=8", "recipe.num_mini_batches=2",
+                   "recipe.num_ppo_epochs=2", "train.max_steps=4", "train.eval_every=4", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     for m in lines:
         for key in ppo.METRICS:
             assert key in m, key
-    # Four steps on one rollout (2 epochs x 2 mini-batches): the same scores; the value loss moves as it learns.
+    # Four steps on one rollout (2 epochs x 2 mini-batches): the same scores; the first step is on policy.
     assert len({m["objective/scores"] for m in lines}) == 1
     assert lines[0]["objective/kl"] == 0 and lines[0]["val/ratio"] == pytest.approx(1, abs=1e-6)
+    assert lines[-1]["val/ratio"] != pytest.approx(1, abs=1e-6)
+    proc = run_cli(f"{run}/checkpoints/step-4", str(out), "--merge", module="trainer.export")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert not any("value" in name for name, _ in model.named_parameters())
 
 
 @pytest.mark.e2e
