@@ -190,6 +190,23 @@ def test_a_value_head_on_the_policy_trains_beside_its_adapters_and_stays_out_of_
     assert not any("value" in name for name, _ in model.named_parameters())
 
 
+def test_a_run_resumes_with_its_value_model(prompts, run_cli, tmp_path):
+    """The value model is kept in the policy's checkpoint: a resumed run loads it (and the input checks take its
+    tensors beside the policy's)."""
+    run = tmp_path / "run"
+    args = [*ARGS, "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+            f"data.path={prompts}", "train.global_batch_size=8", "recipe.num_ppo_epochs=1",
+            "train.checkpoint_every=2", "train.eval_every=100", f"hydra.run.dir={run}"]
+    assert run_cli(*args, "train.max_steps=2").returncode == 0
+    proc = run_cli(*args, "train.max_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(str(run))] == [1, 2, 3, 4]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(run / "checkpoints" / "step-4")).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.value_model.") for k in saved)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_lora_on_two_ranks_raises_the_reward_and_exports(strategy, prompts, llama, run_cli, tmp_path):
