@@ -1,11 +1,6 @@
-"""The reward function that tests/trainer/recipes/test_ppo.py names in `recipe.reward_funcs`: one token preferred."""
+"""The reward function that tests/trainer/recipes/test_ppo.py names in `recipe.reward_funcs`: one letter preferred."""
 
 from __future__ import annotations
-
-
-def letter_e(prompts, completions, **kwargs):
-    """The share of a completion's characters that are "e" (one byte-level token of the debug model)."""
-    return [text.count("e") / max(len(text), 1) for text in completions]
 
 
 def count_e(prompts, completions, **kwargs):
