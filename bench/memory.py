@@ -1,4 +1,4 @@
-"""Peak memory of one training step of recipe=sft, dpo, grpo and kd at Qwen's vocabulary (151,936), with the
+"""Peak memory of one training step of recipe=sft, dpo, grpo, kd and ppo at Qwen's vocabulary (151,936), with the
 logits made a chunk of tokens at a time (`trainer.models.chunked`, what the recipes run) against the whole
 (batch, seq, vocab) logits (the way before), and against TRL 1.16's SFTTrainer, DPOTrainer and GRPOTrainer on the
 same model and batch. CPU, float32.
@@ -39,8 +39,9 @@ sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.p
 VOCAB = 151_936
 PROMPT = 64  # grpo's prompt tokens
 GENERATIONS = 4
-ROWS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 1}  # sequences of `length` tokens a step holds
-LOGITS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 2}  # rows of (length, vocab) logits the whole way holds
+ROWS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 1, "ppo": 1}  # sequences of `length` tokens a step holds
+# rows of (length, vocab) logits the whole way holds
+LOGITS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 2, "ppo": 1}
 TRL_CASES = ("sft", "dpo", "grpo")
 
 
@@ -77,6 +78,51 @@ def _whole_logps(h, w, y):
 
     logits = F.linear(h, w).float()
     return -F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="none").view(y.shape)
+
+
+def _whole_logps_entropy(h, w, y, temperature):
+    """The way before for ppo: the whole logits, then the log-probabilities and the entropy."""
+    import torch
+
+    from trainer.models.chunked import IGNORE
+
+    logits = torch.nn.functional.linear(h, w).float() / temperature
+    logps = torch.log_softmax(logits, -1)
+    entropy = -(logps.exp() * logps).sum(-1).detach()
+    return logps.gather(-1, y.clamp(min=0)[..., None])[..., 0] * (y != IGNORE), entropy
+
+
+def _ppo(model, tokens, mode: str):
+    """One PPO step on one rollout (`tokens`, 1 row): the rollout's reads, its targets, the loss."""
+    import copy
+    import functools
+
+    import torch
+
+    from trainer.config.recipe import RecipeConfig
+    from trainer.models import chunked, score
+    from trainer.recipes import ppo
+
+    reference = copy.deepcopy(model).requires_grad_(False)
+    value = score.attach(copy.deepcopy(model))
+    target = tokens[:, 1:].clone()
+    target[:, : PROMPT - 1] = chunked.IGNORE
+    way = chunked.token_logps_entropy if mode == "chunked" else _whole_logps_entropy
+    fn = functools.partial(way, temperature=0.7)
+
+    def completion(x):
+        return x[:, PROMPT - 1:]
+
+    with torch.no_grad():
+        old, ref = (completion(m(tokens[:, :-1], target, loss_fn=fn)[0]) for m in (model, reference))
+        old_values = completion(value(tokens[:, :-1])[..., 0])
+    lengths = torch.tensor([old.shape[1]])
+    adv, returns, _ = ppo.rollout_targets(old, ref, old_values, torch.ones(1), lengths, RecipeConfig(name="ppo"))
+    logps = completion(model(tokens[:, :-1], target, loss_fn=fn)[0])
+    mask = torch.ones_like(old, dtype=torch.bool)
+    loss, _ = ppo.ppo_loss(logps, completion(value(tokens[:, :-1])[..., 0]), old, old_values, adv, returns, mask,
+                           mask, 0.2, 0.2, 0.1)
+    return loss
 
 
 def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
@@ -119,6 +165,8 @@ def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
         mask = target != chunked.IGNORE
         loss, _ = grpo.grpo_loss(logps, logps.detach(), torch.randn(GENERATIONS), mask, 0.2, None, 0.04, ref,
                                  "dapo", tokens_per_rank=mask.sum())
+    elif case == "ppo":
+        loss = _ppo(model, tokens, mode)
     else:
         teacher = copy.deepcopy(model).requires_grad_(False)
         with torch.no_grad():
@@ -200,7 +248,7 @@ def measure(case: str, mode: str, length: int, path: str, timeout: int) -> dict 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=["sft", "dpo", "grpo", "kd"], choices=list(ROWS))
+    parser.add_argument("--cases", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4097, 8192])
     parser.add_argument("--whole-tokens", type=int, default=2048,
                         help="run the whole-logits way only where the step holds at most this many tokens")

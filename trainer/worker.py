@@ -126,7 +126,13 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
     if cfg.model.name == "hf":  # which code runs the directory, and why
         log.info("%s", hf_impl.describe(cfg.model.path, cfg.model.impl))
     kernels = Kernels.of(cfg.kernels, cfg.optim)  # the kernel switch, decided once
-    model = assemble(cfg.model, cfg, dims, kernels, score_head=cfg.recipe.name == "reward")
+    ppo = cfg.recipe.name == "ppo"
+    model = assemble(cfg.model, cfg, dims, kernels, score_head=cfg.recipe.name == "reward",
+                     value_head=ppo and cfg.recipe.value_model == "shared")
+    if ppo and cfg.recipe.value_model == "separate":  # trained in the run's optimizer, kept in its checkpoints
+        from trainer.recipes import ppo as ppo_recipe
+
+        ppo_recipe.attach_value_model(model, cfg, dims, kernels)
     log.info("model %s: %.2fM parameters, world size %d, strategy %s on mesh %s, device %s, %d threads on CPUs %s",
              cfg.model.name, models.num_params(model) / 1e6, env.world_size, cfg.strategy.name,
              dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)), env.device, torch.get_num_threads(),

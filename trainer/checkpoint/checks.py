@@ -41,6 +41,9 @@ def damage(path: str) -> str | None:
     return None
 
 
+VALUE_TENSORS = ("model.value_model.", "model.value_head.")  # recipe=ppo's, kept in the policy's checkpoint
+
+
 def check_model(path: str, model_cfg, key: str, value) -> None:
     """Raise ConfigError (on `key`=`value`) unless checkpoint `path` holds the model `model_cfg` describes:
     the same tensors with the same full shapes."""
@@ -54,9 +57,11 @@ def check_model(path: str, model_cfg, key: str, value) -> None:
         return _same_tensors(path, saved, wanted, key, value)
     wanted = {name: tuple(t.shape) for name, t in built.state_dict().items()}
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    # LoRA adapters (peft=lora) come on top of the model's own tensors; DCP checks them when loading.
+    # LoRA adapters (peft=lora) and recipe=ppo's value model or head come on top of the model's own tensors; DCP
+    # checks them when loading.
     saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata) and ".lora_" not in k}
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata) and ".lora_" not in k
+             and not k.startswith(VALUE_TENSORS)}
     _same_tensors(path, saved, wanted, key, value)
 
 

@@ -12,7 +12,7 @@ from trainer.config.checks import require
 from trainer.config.degrees import Degrees
 from trainer.config.families import BY_NAME
 from trainer.config.model import BYTE_VOCAB_SIZE
-from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, is_async
+from trainer.config.recipe import DATA, DATA_ROWS, ONLINE, SAMPLING, is_async
 from trainer.config.runtime import JobShape
 from trainer.config.strategy import MULTI_STAGE_SCHEDULES
 from trainer.config.tracker import require_tracker_package
@@ -194,13 +194,16 @@ def _recipe(job) -> None:
                 "token rows of data=stdlib or data=parquet only")
 
 
+PPO_DATA_PARALLEL = ("ddp", "fsdp")  # where recipe=ppo trains its value model beside the policy
+
+
 def _grpo(job) -> None:
-    """GRPO's and RLOO's completions fill the global batch, each fits the model after its prompt, and something
-    scores them."""
+    """GRPO's, RLOO's and PPO's completions fill the global batch, each fits the model after its prompt, and
+    something scores them."""
     r, t = job.recipe, job.train
-    if r.name not in ONLINE:
+    if r.name not in SAMPLING:
         require(not r.reward_model.path, "recipe.reward_model.path", r.reward_model.path,
-                f"scores completions of recipe=grpo or rloo; recipe={r.name} samples none")
+                f"scores completions of recipe=grpo, rloo or ppo; recipe={r.name} samples none")
         return
     require(bool(r.reward_funcs) or bool(r.reward_model.path), "recipe.reward_funcs", list(r.reward_funcs),
             f"recipe={r.name} needs at least one reward function, as package.module:function, or "
@@ -210,17 +213,24 @@ def _grpo(job) -> None:
 
     for spec in r.reward_funcs:
         reward_funcs.load(spec)
-    require(t.global_batch_size % r.num_generations == 0, "recipe.num_generations", r.num_generations,
-            f"must divide train.global_batch_size={t.global_batch_size} (which counts completions: "
-            "num_generations of each prompt)")
     require(job.data.seq_len + r.max_completion_length <= job.model.max_seq_len, "recipe.max_completion_length",
             r.max_completion_length, f"data.seq_len={job.data.seq_len} (the longest prompt) plus this must be <= "
             f"model.max_seq_len={job.model.max_seq_len}")
+    if r.reward_model.path:
+        _reward_model(job)
+    if r.name == "ppo":
+        st = job.strategy
+        require(st.tp == 1, "strategy.tp", st.tp, "recipe=ppo reads the policy's entropy from each chunk's whole "
+                "vocabulary on one rank: use strategy=ddp or strategy=fsdp2 (tp 1)")
+        require(st.data_parallel in PPO_DATA_PARALLEL, "strategy.data_parallel", st.data_parallel,
+                f"recipe=ppo trains its value model beside the policy under {' or '.join(PPO_DATA_PARALLEL)}")
+        return
+    require(t.global_batch_size % r.num_generations == 0, "recipe.num_generations", r.num_generations,
+            f"must divide train.global_batch_size={t.global_batch_size} (which counts completions: "
+            "num_generations of each prompt)")
     require(not is_async(r) or job.strategy.name == "ddp", "recipe.generation.async", True,
             f"samples in a background thread from a copy of the whole weights; strategy={job.strategy.name} shards "
             "them, so every forward is collective across ranks: use strategy=ddp")
-    if r.reward_model.path:
-        _reward_model(job)
 
 
 def _reward(job) -> None:

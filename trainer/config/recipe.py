@@ -1,4 +1,4 @@
-"""The `recipe` section: which loss a run trains with (`recipe=pretrain|sft|dpo|grpo|rloo|reward|kd`) and its
+"""The `recipe` section: which loss a run trains with (`recipe=pretrain|sft|dpo|grpo|rloo|ppo|reward|kd`) and its
 settings, with the rules of its own values. The rules that tie it to the data, the model and the batch are cross-section
 rules (`trainer.config.across`)."""
 
@@ -10,10 +10,14 @@ from omegaconf import MISSING
 
 from trainer.config.checks import one_of, read_by, require
 
-RECIPES = ("pretrain", "sft", "dpo", "grpo", "rloo", "reward", "kd")
+RECIPES = ("pretrain", "sft", "dpo", "grpo", "rloo", "reward", "kd", "ppo")
 # The data each recipe trains on; a dataset of its own is for those recipes only.
-DATA = {"sft": "chat", "dpo": "preference", "reward": "preference", "grpo": "prompts", "rloo": "prompts"}
-ONLINE = ("grpo", "rloo")  # the recipes that sample completions and score them
+DATA = {"sft": "chat", "dpo": "preference", "reward": "preference", "grpo": "prompts", "rloo": "prompts",
+        "ppo": "prompts"}
+ONLINE = ("grpo", "rloo")  # the recipes that sample groups of completions and score them
+SAMPLING = (*ONLINE, "ppo")  # every recipe that samples completions and scores them (ppo: one a prompt)
+KL_ESTIMATORS = ("k1", "k3")  # ppo: TRL's PPOConfig.kl_estimator
+VALUE_MODELS = ("separate", "shared")  # ppo: a value model of its own, or a value head on the policy
 DATA_ROWS = {"chat": "rows with messages", "preference": "rows with prompt, chosen, rejected",
              "prompts": "rows with a prompt (text) or messages"}
 SCALE_REWARDS = ("group", "batch", "none")
@@ -52,6 +56,14 @@ class GenerationConfig:
 GenerationConfig.__annotations__ = {"async": bool}
 setattr(GenerationConfig, "async", False)
 GenerationConfig = dataclass(init=False, repr=False, eq=False)(GenerationConfig)
+
+
+def prompts_per_step(recipe, global_batch_size: int) -> tuple[int, str]:
+    """(the prompts a step's batch of data holds, how that follows from the keys) under `recipe` (the section): grpo
+    and rloo sample recipe.num_generations completions of each, ppo one of each for recipe.num_mini_batches steps."""
+    if recipe.name == "ppo":
+        return global_batch_size * recipe.num_mini_batches, "train.global_batch_size x recipe.num_mini_batches"
+    return global_batch_size // recipe.num_generations, "train.global_batch_size / recipe.num_generations"
 
 
 def is_async(recipe) -> bool:
@@ -104,8 +116,8 @@ class RecipeConfig:
     # generation batch, and how completions are sampled.
     num_generations: int = read_by("grpo", "rloo", default=8)
     # grpo, rloo: the reward functions, package.module:function.
-    reward_funcs: list[str] = read_by("grpo", "rloo", default_factory=list)
-    reward_weights: list[float] | None = read_by("grpo", "rloo", default=None)
+    reward_funcs: list[str] = read_by("grpo", "rloo", "ppo", default_factory=list)
+    reward_weights: list[float] | None = read_by("grpo", "rloo", "ppo", default=None)
     # grpo: how advantages are scaled: group, batch or none.
     scale_rewards: str = read_by("grpo", "rloo", default="group")
     # The clipping range's lower side (and upper, without epsilon_high); grpo: loss types grpo, bnpo, dr_grpo, dapo,
@@ -131,19 +143,39 @@ class RecipeConfig:
     vespo_k_neg: float = read_by("grpo", default=3.0)  # vespo: k for a negative advantage
     vespo_lambda_neg: float = read_by("grpo", default=2.0)  # vespo: lambda for a negative advantage
     num_iterations: int = read_by("grpo", "rloo", default=1)  # updates per generation batch
-    max_completion_length: int = read_by("grpo", "rloo", default=64)  # tokens sampled per completion at most
-    temperature: float = read_by("grpo", "rloo", default=1.0)  # sampling temperature
+    max_completion_length: int = read_by("grpo", "rloo", "ppo", default=64)  # tokens sampled per completion at most
+    temperature: float = read_by("grpo", "rloo", "ppo", default=1.0)  # sampling temperature
     top_k: int = read_by("grpo", "rloo", default=0)  # sample from the k likeliest tokens (0: every token)
     # Sample from the smallest set of tokens holding this probability.
     top_p: float = read_by("grpo", "rloo", default=1.0)
     min_p: float | None = read_by("grpo", "rloo", default=None)
     # rloo: scale advantages to mean 0 and std 1 over the generation batch.
     normalize_advantages: bool = read_by("rloo", default=False)
-    reward_model: RewardModelConfig = read_by("grpo", "rloo", default_factory=RewardModelConfig)
+    reward_model: RewardModelConfig = read_by("grpo", "rloo", "ppo", default_factory=RewardModelConfig)
     generation: GenerationConfig = read_by("grpo", "rloo", default_factory=GenerationConfig)
     # reward: TRL's center_rewards_coefficient, the weight of the mean squared sum of a pair's rewards in the loss
     # (null: none), keeping the rewards centred on 0.
     center_rewards_coefficient: float | None = read_by("reward", default=None)
+    # ppo: TRL's PPOConfig (the last release that ships it, 0.28), its names and defaults (conf/recipe/ppo.yaml sets
+    # max_completion_length=53 and temperature=0.7, TRL's response_length and temperature): the PPO epochs over each
+    # rollout batch, which holds num_mini_batches global batches (one optimizer step each), the reward scaled to mean
+    # 0 and std 1 per rollout (whiten_rewards), the KL penalty's coefficient and estimator (k1: logp - ref; k3:
+    # (ratio - 1) - log ratio), the policy's and the value's clipping ranges, the value loss's weight, GAE's discount
+    # and lambda, the score subtracted from a completion that does not end with an end token (null: none), and the
+    # value model (separate: its own model, from recipe.reward_model.path when given, else the policy's starting
+    # weights with a fresh head; shared: a value head on the policy).
+    num_ppo_epochs: int = read_by("ppo", default=4)
+    num_mini_batches: int = read_by("ppo", default=1)
+    whiten_rewards: bool = read_by("ppo", default=False)
+    kl_coef: float = read_by("ppo", default=0.05)
+    kl_estimator: str = read_by("ppo", default="k1")
+    cliprange: float = read_by("ppo", default=0.2)
+    vf_coef: float = read_by("ppo", default=0.1)
+    cliprange_value: float = read_by("ppo", default=0.2)
+    gamma: float = read_by("ppo", default=1.0)
+    lam: float = read_by("ppo", default=0.95)
+    missing_eos_penalty: float | None = read_by("ppo", default=None)
+    value_model: str = read_by("ppo", default="separate")
     teacher: TeacherConfig = read_by("kd", default_factory=TeacherConfig)
     kd: KDConfig = read_by("kd", default_factory=KDConfig)
 
@@ -164,6 +196,8 @@ class RecipeConfig:
             require(self.beta > 0, "recipe.beta", self.beta, "must be > 0")
         if self.name in ONLINE:
             self._check_grpo()
+        if self.name == "ppo":
+            self._check_ppo()
         if self.name == "reward":
             require(self.center_rewards_coefficient is None or self.center_rewards_coefficient >= 0,
                     "recipe.center_rewards_coefficient", self.center_rewards_coefficient, "must be >= 0, or null")
@@ -175,11 +209,7 @@ class RecipeConfig:
                 "must be >= 2 (advantages compare the completions of one prompt)")
         one_of("recipe.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         one_of("recipe.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_LEVELS)
-        rewards = len(self.reward_funcs) + bool(self.reward_model.path)
-        require(self.reward_weights is None or len(self.reward_weights) == rewards,
-                "recipe.reward_weights", None if self.reward_weights is None else list(self.reward_weights),
-                f"must give one weight per reward function ({len(self.reward_funcs)})"
-                + (" and one for recipe.reward_model" if self.reward_model.path else "") + ", or be null for 1 each")
+        self._check_reward_weights()
         for key in ("epsilon", "num_iterations", "max_completion_length"):
             require(getattr(self, key) > 0, f"recipe.{key}", getattr(self, key), "must be > 0")
         require(self.epsilon_high is None or self.epsilon_high > 0, "recipe.epsilon_high", self.epsilon_high,
@@ -216,6 +246,28 @@ class RecipeConfig:
         require(self.delta is None or self.delta > 0, "recipe.delta", self.delta, "must be > 0, or null for no cap")
         for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             require(getattr(self, key) > 0, f"recipe.{key}", getattr(self, key), "must be > 0")
+
+    def _check_reward_weights(self) -> None:
+        rewards = len(self.reward_funcs) + bool(self.reward_model.path)
+        require(self.reward_weights is None or len(self.reward_weights) == rewards,
+                "recipe.reward_weights", None if self.reward_weights is None else list(self.reward_weights),
+                f"must give one weight per reward function ({len(self.reward_funcs)})"
+                + (" and one for recipe.reward_model" if self.reward_model.path else "") + ", or be null for 1 each")
+
+    def _check_ppo(self) -> None:
+        """ppo: TRL's PPOConfig's values in their ranges."""
+        one_of("recipe.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        one_of("recipe.value_model", self.value_model, VALUE_MODELS)
+        for key in ("num_ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value", "max_completion_length",
+                    "temperature"):
+            require(getattr(self, key) > 0, f"recipe.{key}", getattr(self, key), "must be > 0")
+        for key in ("kl_coef", "vf_coef"):
+            require(getattr(self, key) >= 0, f"recipe.{key}", getattr(self, key), "must be >= 0")
+        for key in ("gamma", "lam"):
+            require(0 <= getattr(self, key) <= 1, f"recipe.{key}", getattr(self, key), "must be in [0, 1]")
+        require(self.missing_eos_penalty is None or self.missing_eos_penalty > 0, "recipe.missing_eos_penalty",
+                self.missing_eos_penalty, "must be > 0 (TRL: a positive value), or null for none")
+        self._check_reward_weights()
 
     def _check_kd(self) -> None:
         kd = self.kd

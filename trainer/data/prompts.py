@@ -19,6 +19,7 @@ import torch
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
+from trainer.config.recipe import prompts_per_step
 from trainer.data import trl_forms
 from trainer.data.chat import source_files, source_fingerprint, source_rows
 from trainer.data.corpus import build_once, dropped_text, eval_share, without_eval
@@ -106,14 +107,14 @@ def check_corpus(corpus: str, cfg) -> None:
     if info["max_token_id"] >= cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size, f"the prompts of data.path={d.path} hold token "
                           f"id {info['max_token_id']}: must be > {info['max_token_id']}")
-    per_step = cfg.train.global_batch_size // r.num_generations
+    per_step, how = prompts_per_step(r, cfg.train.global_batch_size)
     for split in ("train", "eval"):
         rows = info["rows"][split]
         if rows < per_step and split == "eval" and d.eval_percent is None:
             log.warning(without_eval(d, rows, per_step))
         elif rows < per_step:
             raise ConfigError("train.global_batch_size", cfg.train.global_batch_size, f"a step takes "
-                              f"{per_step} prompts (train.global_batch_size / recipe.num_generations); the {split} "
+                              f"{per_step} prompts ({how}); the {split} "
                               f"split of data.path={d.path} holds {rows} (data.eval_percent={eval_share(d):g})")
     from trainer.rewards import functions as reward_funcs
 

@@ -177,3 +177,27 @@ def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     from the whole logits (NaN where nothing is counted)."""
     count = (targets != IGNORE).sum()
     return -token_logps(hidden, weight, targets, chunk_tokens, softcap=softcap).sum() / count
+
+
+def token_logps_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                        chunk_tokens: int | None = None, ce: Callable = F.cross_entropy,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """((batch, seq) log p(target), (batch, seq) the entropy of the next-token distribution, no gradient) of the
+    logits divided by `temperature` (after the soft-cap), 0 where the target is IGNORE: `token_logps` and the
+    entropy from the same chunk of logits (recipe=ppo's policy, as TRL's PPOTrainer scales its logits). The
+    vocabulary whole on each rank (no tensor-parallel split)."""
+    hidden, weight, group, _ = _plain(hidden, weight)
+    if group is not None:
+        raise ValueError("token_logps_entropy takes the output matrix whole on each rank (no tensor parallelism)")
+
+    def fn(logits, target):
+        logits = _wide(logits) / temperature
+        with torch.no_grad():
+            entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+        return -ce(logits, target, reduction="none"), entropy
+
+    counted = (targets != IGNORE).flatten()
+    h, y = hidden.flatten(0, 1)[counted], targets.flatten()[counted]
+    logps, entropy = chunked(fn, h, weight, y, chunk_tokens=chunk_tokens, softcap=softcap)
+    return tuple(t.new_zeros(targets.numel()).masked_scatter(counted, t).view(targets.shape)
+                 for t in (logps, entropy))

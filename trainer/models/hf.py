@@ -128,7 +128,7 @@ def _refuse(path: str, found, name: str, shape) -> None:
 def load_weights(model: nn.Module, path: str) -> list[str]:
     """Fill `model`'s parameters (sharded or not, on any device) from the safetensors files in `path`; every
     rank calls this, and reads only its own slices. Returns the names of those left as they were: a score head
-    (`trainer.models.score`) that a causal LM's directory does not hold."""
+    (`trainer.models.score`) that a causal LM's directory does not hold, a value head."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -137,6 +137,10 @@ def load_weights(model: nn.Module, path: str) -> list[str]:
     # LoRA adapters (`.lora_A.`, `.lora_B.`) are not in a pretrained directory; trainer.models.lora starts them.
     head = "score" if getattr(inner, "score_head", False) else "lm_head"
     ours = {name.replace(WRAPPED, ""): p for name, p in inner.named_parameters() if ".lora_" not in name}
+    # recipe=ppo's value head (`trainer.models.score.attach_value_head`): no directory holds it, it starts fresh.
+    fresh = [name for name in ours if name.startswith("value_head.")]
+    for name in fresh:
+        del ours[name]
     fused = {n: p for n, p in ours.items() if _inner(n) in _fused_names(family)}
     state = {hf_name(name, family, head): param for name, param in ours.items() if name not in fused}
     reader = HuggingFaceStorageReader(path)
@@ -153,7 +157,7 @@ def load_weights(model: nn.Module, path: str) -> list[str]:
         if fused:
             _load_fused(fused, family, path, saved)
     inner.init_buffers()
-    return untouched
+    return untouched + fresh
 
 
 def on_cpu(model: nn.Module, path: str, load) -> nn.Module:

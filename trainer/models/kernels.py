@@ -116,11 +116,21 @@ class Kernels:
     def token_logps(self) -> Callable:
         """The model's `loss_fn` that gives (batch, seq) log p(target) (`chunked.token_logps`), its chunks'
         log-softmax the Triton cross-entropy where kernels=triton routes the loss."""
+        return self._with_ce(chunked.token_logps)
+
+    @property
+    def token_logps_entropy(self) -> Callable:
+        """`chunked.token_logps_entropy` (recipe=ppo's policy: log-probabilities and entropy at a temperature), its
+        chunks' log-softmax chosen as `token_logps`'."""
+        return self._with_ce(chunked.token_logps_entropy)
+
+    def _with_ce(self, fn: Callable) -> Callable:
+        """`fn` with the Triton cross-entropy (`ce=`) where kernels=triton routes the loss, else as it is."""
         if "fused_linear_cross_entropy" in self.model_ops:
             import ops
 
-            return functools.partial(chunked.token_logps, ce=ops.cross_entropy)
-        return chunked.token_logps
+            return functools.partial(fn, ce=ops.cross_entropy)
+        return fn
 
 
 def _model_ops(cfg) -> tuple[str, ...]:

@@ -20,6 +20,13 @@ def attach(model: nn.Module) -> nn.Module:
     return model
 
 
+def attach_value_head(model: nn.Module) -> nn.Module:
+    """`model` with a value head beside its LM head (recipe=ppo's recipe.value_model=shared): `value_head`, a linear
+    layer of one output and no bias on the final hidden states; the export leaves it out."""
+    model.value_head = nn.Linear(model.dim, 1, bias=False)
+    return model
+
+
 def last_tokens(tokens: torch.Tensor, pad: int, documents: torch.Tensor | None = None, count: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, position) of each sequence's rightmost token that is not `pad` (its first for one of padding only):

@@ -14,18 +14,22 @@ from trainer.parallel import ParallelDims, parallelize
 
 
 def assemble(model_cfg, cfg, dims: ParallelDims, kernels: Kernels, *, peft: bool = True, qat: bool = True,
-             frozen: bool = False, score_head: bool = False) -> nn.Module:
+             frozen: bool = False, score_head: bool = False, value_head: bool = False) -> nn.Module:
     """The model `model_cfg` (a `ModelConfig`) describes, ready on this rank under the run `cfg`'s strategy, its
     functions pointed at the kernels of the run's switch `kernels` (`trainer.models.kernels.Kernels`).
     `peft`: add `cfg.peft`'s adapters; `qat`: fake-quantise as `cfg.train.qat` says; `frozen`: no gradients;
     `score_head`: a sequence-classification head instead of the LM head (`trainer.models.score`), read from the
-    directory when it holds one, else drawn from the run seed."""
+    directory when it holds one, else drawn from the run seed; `value_head`: a value head beside the LM head
+    (recipe.value_model=shared), trained under peft=lora too."""
     with torch.device("meta"):
         model = kernels.apply(build(model_cfg))
         if score_head:
             score.attach(model)
     if peft:
         model = lora.apply(model, cfg.peft)
+    if value_head:
+        with torch.device("meta"):
+            score.attach_value_head(model)
     if qat and cfg.train.qat != "none":
         from trainer.models import qat as fake_quant
 

@@ -1,4 +1,4 @@
-"""The recipes, `recipe=pretrain|sft|dpo|grpo|rloo|reward|kd`: one object each (`trainer.recipes.base.Recipe`)
+"""The recipes, `recipe=pretrain|sft|dpo|grpo|rloo|ppo|reward|kd`: one object each (`trainer.recipes.base.Recipe`)
 that owns what a run's loss counts, its eval loss and, for dpo, grpo and rloo, its frozen reference, for kd its
 teacher. The section's schema and checks are in `trainer.config.recipe` (no torch there: the driver imports it);
 `build` makes a run's recipe object."""
@@ -16,6 +16,7 @@ OBJECTS = {
     "rloo": ("trainer.recipes.rloo", "RLOO"),
     "reward": ("trainer.recipes.reward", "Reward"),
     "kd": ("trainer.recipes.kd", "KD"),
+    "ppo": ("trainer.recipes.ppo", "PPO"),
 }
 
 

@@ -253,23 +253,30 @@ class GRPO(Recipe):
         super().__init__(cfg, model, ctx)
         r = cfg.recipe
         self.r, self.G = r, r.num_generations
-        self.funcs = [(spec, reward_funcs.load(spec)) for spec in r.reward_funcs]
-        self.reward_model = RewardModel(cfg, ctx) if r.reward_model.path else None
-        count = len(self.funcs) + (self.reward_model is not None)
-        self.weights = list(r.reward_weights) if r.reward_weights is not None else [1.0] * count
-        self.text = prompt_text(cfg.model)
-        self.reference = None
-        if r.beta > 0:
-            self.reference = (lora.without_adapters(model) if cfg.peft.name == "lora"
-                              else assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True))
-        self.dp_rank, self.dp_size = ctx.dims.data_parallel_rank()
-        self.generator = torch.Generator(ctx.device).manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank)
+        self.sampling(cfg, model, ctx, r.beta)
         self.buffer: list | None = None  # the generation batch's micro-batches
         self.tokens_per_rank = None  # loss_type=dapo's normaliser of the generation batch
         self.logps_fn = ctx.kernels.token_logps
         self.packing = packing.choose(cfg.data.packing, False)
         self.rollouts = AsyncRollouts(self) if is_async(r) else None  # it reads the batches itself, one ahead
         self.reward_stats: dict[str, torch.Tensor] = {}
+
+    def sampling(self, cfg, model, ctx, kl_weight: float) -> None:
+        """What sampling and scoring take (shared with recipe=ppo): the reward functions, the reward model, their
+        weights, the prompts' text, the frozen reference (none at `kl_weight` 0: the policy with its adapters off
+        under peft=lora, else a frozen copy of the starting weights), the data-parallel rank and its generator."""
+        r = cfg.recipe
+        self.funcs = [(spec, reward_funcs.load(spec)) for spec in r.reward_funcs]
+        self.reward_model = RewardModel(cfg, ctx) if r.reward_model.path else None
+        count = len(self.funcs) + (self.reward_model is not None)
+        self.weights = list(r.reward_weights) if r.reward_weights is not None else [1.0] * count
+        self.text = prompt_text(cfg.model)
+        self.reference = None
+        if kl_weight > 0:
+            self.reference = (lora.without_adapters(model) if cfg.peft.name == "lora"
+                              else assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True))
+        self.dp_rank, self.dp_size = ctx.dims.data_parallel_rank()
+        self.generator = torch.Generator(ctx.device).manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank)
 
     @property
     def rows_per_step(self) -> int:

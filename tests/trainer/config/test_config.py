@@ -260,9 +260,9 @@ def test_every_experiment_preset_composes_and_validates_given_its_paths(experime
         hf_model = make_family(str(tmp_path), "phi3")
     cfg = _compose([f"+experiment={experiment}", f"model.path={hf_model}", "data.path=/tmp/rows.jsonl",
                     "data.seq_len=64", *([f"recipe.teacher.path={hf_model}"] if "_kd" in experiment else []),
-                    *(["recipe.max_completion_length=64"] if "_grpo" in experiment else [])])
+                    *(["recipe.max_completion_length=64"] if experiment.endswith(("_grpo", "_ppo")) else [])])
     fill_config(cfg.model)
     validate(cfg)
-    assert cfg.model.name == "hf" and cfg.strategy.name == "fsdp2" and cfg.recipe.name in ("sft", "dpo", "grpo", "kd")
+    assert cfg.model.name == "hf" and cfg.strategy.name == "fsdp2" and cfg.recipe.name in ("sft", "dpo", "grpo", "kd", "ppo")
     with pytest.raises(config.ConfigError, match="model.path=None: model=hf needs a Hugging Face model directory"):
         fill_config(_compose([f"+experiment={experiment}"]).model)
