@@ -71,74 +71,79 @@ class Hub:
         self.server.server_close()
 
 
-def _handler(hub: Hub):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # quiet
-            pass
+class _Handler(BaseHTTPRequestHandler):
+    """Answers as the Hub answers, from `hub` (set on a subclass per server)."""
 
-        def _send(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
-            self.send_response(status)
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
+    hub: Hub
 
-        def _refuse(self, status: int, code: str) -> None:
-            self._send(status, json.dumps({"error": code}).encode(), {"X-Error-Code": code,
-                                                                       "Content-Type": "application/json"})
+    def log_message(self, *args):  # quiet
+        pass
 
-        def _repo(self, kind: str, repo_id: str, rev: str) -> Repo | None:
-            repo = hub.repos.get((kind, repo_id))
-            if repo is None:
-                self._refuse(401, "RepoNotFound")
-            elif rev not in ("main", repo.sha):
-                self._refuse(404, "RevisionNotFound")
-            else:
-                return repo
-            return None
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
-        def do_HEAD(self):
-            self.do_GET()
+    def _refuse(self, status: int, code: str) -> None:
+        self._send(status, json.dumps({"error": code}).encode(), {"X-Error-Code": code,
+                                                                   "Content-Type": "application/json"})
 
-        def do_GET(self):
-            path = unquote(urlparse(self.path).path)
-            hub.requests.append((self.command, path))
-            parts = path.strip("/").split("/")
-            if parts[0] == "api" and len(parts) >= 6 and parts[4] in ("revision", "tree"):
-                return self._api(parts[1], f"{parts[2]}/{parts[3]}", parts[4], parts[5])
-            kind = "datasets" if parts[0] == "datasets" else "models"
-            parts = parts[1:] if kind == "datasets" else parts
-            if len(parts) >= 5 and parts[2] == "resolve":
-                return self._file(kind, f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]))
-            self._send(404)
+    def _repo(self, kind: str, repo_id: str, rev: str) -> Repo | None:
+        repo = self.hub.repos.get((kind, repo_id))
+        if repo is None:
+            self._refuse(401, "RepoNotFound")
+        elif rev not in ("main", repo.sha):
+            self._refuse(404, "RevisionNotFound")
+        else:
+            return repo
+        return None
 
-        def _api(self, kind: str, repo_id: str, what: str, rev: str) -> None:
-            repo = self._repo(kind, repo_id, rev)
-            if repo is None:
-                return
-            if what == "revision":
-                body = {"id": repo_id, "sha": repo.sha, "private": False, "gated": "auto" if repo.gated else False,
-                        "siblings": [{"rfilename": n} for n in sorted(repo.files)]}
-            else:
-                body = [{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
-                        for n, b in sorted(repo.files.items())]
-            self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    def do_HEAD(self):
+        self.do_GET()
 
-        def _file(self, kind: str, repo_id: str, rev: str, name: str) -> None:
-            repo = self._repo(kind, repo_id, rev)
-            if repo is None:
-                return
-            if repo.gated and self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                return self._refuse(401, "GatedRepo")
-            if name not in repo.files:
-                return self._refuse(404, "EntryNotFound")
-            body = repo.files[name]
-            self._send(200, body, {"X-Repo-Commit": repo.sha, "ETag": f'"{hashlib.sha1(body).hexdigest()}"',
-                                   "Content-Type": "application/octet-stream"})
+    def do_GET(self):
+        path = unquote(urlparse(self.path).path)
+        self.hub.requests.append((self.command, path))
+        parts = path.strip("/").split("/")
+        if parts[0] == "api" and len(parts) >= 6 and parts[4] in ("revision", "tree"):
+            return self._api(parts[1], f"{parts[2]}/{parts[3]}", parts[4], parts[5])
+        kind = "datasets" if parts[0] == "datasets" else "models"
+        parts = parts[1:] if kind == "datasets" else parts
+        if len(parts) >= 5 and parts[2] == "resolve":
+            return self._file(kind, f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]))
+        self._send(404)
 
-    return Handler
+    def _api(self, kind: str, repo_id: str, what: str, rev: str) -> None:
+        repo = self._repo(kind, repo_id, rev)
+        if repo is None:
+            return
+        if what == "revision":
+            body = {"id": repo_id, "sha": repo.sha, "private": False, "gated": "auto" if repo.gated else False,
+                    "siblings": [{"rfilename": n} for n in sorted(repo.files)]}
+        else:
+            body = [{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                    for n, b in sorted(repo.files.items())]
+        self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+    def _file(self, kind: str, repo_id: str, rev: str, name: str) -> None:
+        repo = self._repo(kind, repo_id, rev)
+        if repo is None:
+            return
+        if repo.gated and self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return self._refuse(401, "GatedRepo")
+        if name not in repo.files:
+            return self._refuse(404, "EntryNotFound")
+        body = repo.files[name]
+        self._send(200, body, {"X-Repo-Commit": repo.sha, "ETag": f'"{hashlib.sha1(body).hexdigest()}"',
+                               "Content-Type": "application/octet-stream"})
+
+
+def _handler(hub: Hub) -> type:
+    return type("Handler", (_Handler,), {"hub": hub})
 
 
 @pytest.fixture
