@@ -45,6 +45,11 @@ def split(key: str, url: str) -> tuple[str, str]:
     return scheme, rest
 
 
+def _endpoint() -> str | None:
+    """The S3-compatible endpoint the environment names (MinIO, Ceph), as AWS's own clients read it."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 def filesystem(key: str, url: str):
     """(pyarrow filesystem, path inside it) for object store URL `url`, credentials and endpoint from the
     environment as the store's own clients read them. Raises StorageError."""
@@ -53,10 +58,9 @@ def filesystem(key: str, url: str):
     scheme, path = split(key, url)
     try:
         if scheme == "s3":
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
             retry = pafs.AwsStandardS3RetryStrategy(max_attempts=3)
-            return pafs.S3FileSystem(endpoint_override=endpoint, region=region, retry_strategy=retry), path
+            return pafs.S3FileSystem(endpoint_override=_endpoint(), region=region, retry_strategy=retry), path
         return pafs.GcsFileSystem(), path
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a bad region, endpoint or credentials
         raise StorageError(key, url, f"its filesystem cannot be opened ({type(e).__name__}: {e})") from None
@@ -69,8 +73,7 @@ def _fsspec(key: str, url: str, scheme: str):
     except ImportError:
         raise StorageError(key, url, f"{scheme}:// needs {library}, which is not installed: {EXTRA}") from None
     if scheme == "s3":
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return module.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True,
+        return module.S3FileSystem(endpoint_url=_endpoint(), skip_instance_cache=True,
                                    config_kwargs={"retries": {"max_attempts": 2}, "connect_timeout": 5})
     return module.GCSFileSystem(skip_instance_cache=True)
 
@@ -86,7 +89,7 @@ def _refusal(e: Exception, scheme: str) -> str:
             "GOOGLE_APPLICATION_CREDENTIALS or gcloud's application default credentials"
         return f"credentials refused ({text}): check {where}"
     if any(c in text for c in ("connect", "Connect", "timed out", "Timeout", "resolve")):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "the store") if scheme == "s3" else "the store"
+        endpoint = (_endpoint() or "the store") if scheme == "s3" else "the store"
         return f"the endpoint does not answer ({endpoint}: {text})"
     return f"the store refused it ({text})"
 
