@@ -62,7 +62,7 @@ def test_lora_sft_from_a_bucket_equals_the_local_paths_run(tiny, s3, run_cli, tm
     local = _run(run_cli, tmp_path / "local", f"model.path={model}", f"data.path={chats}/*.jsonl")
     assert local.returncode == 0, local.stderr[-3000:]
     remote = _run(run_cli, tmp_path / "s3", f"model.path={s3.url('models/tiny')}",
-                  f"data.path={s3.url('chats/*.jsonl')}")
+                  f"data.path={s3.url('chats/*.jsonl')}", "train.checkpoint_every=3")
     assert remote.returncode == 0, remote.stderr[-3000:]
     losses = [m["loss"] for m in read_metrics(str(tmp_path / "local"))]
     assert len(losses) == 3
@@ -88,6 +88,14 @@ def test_lora_sft_from_a_bucket_equals_the_local_paths_run(tiny, s3, run_cli, tm
                  f"data.path={s3.url('chats/*.jsonl')}", "train.max_steps=1", "train.eval_every=1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"model.path={s3.url('models/tiny')}: the copy in {saved['model']['path']}" in again.stderr
+    # trainer.export takes the base model's URL where the run's config names one (its copy, found again).
+    config = tmp_path / "s3" / "config.yaml"
+    config.write_text(config.read_text().replace(saved["model"]["path"], s3.url("models/tiny")))
+    out = tmp_path / "adapters"
+    exported = run_cli(str(tmp_path / "s3" / "checkpoints" / "step-3"), str(out), module="trainer.export")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f"model.path (of the run)={s3.url('models/tiny')}: the copy in {saved['model']['path']}" in exported.stderr
+    assert (out / "adapter_model.safetensors").is_file()
     secrets = [CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"]]
     assert _files_hold(tmp_path / "s3", secrets) == _files_hold(tmp_path / "again", secrets) == []
 
