@@ -17,7 +17,7 @@ from hypothesis import settings
 
 from trainjob.run_files import RunDir
 
-pytest_plugins = ["tests.s3_server"]
+pytest_plugins = ["tests.s3_server", "tests.hub_server"]
 
 # Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors; it must be chosen before
 # triton is imported anywhere in the test session. Tests of what happens without it unset it themselves.

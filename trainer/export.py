@@ -34,6 +34,7 @@ from trainer import models
 from trainer.checkpoint import store
 from trainer.checkpoint.checks import damage
 from trainer.checkpoint.layout import is_checkpoint
+from trainer.config.hf import local_model
 from trainer.config.hf_impl import choose
 from trainer.errors import ConfigError
 from trainer.models import hf, hf_transformers, lora, score
@@ -238,7 +239,8 @@ def export(checkpoint: str, out: str, merge: bool = False, quantize: bool = Fals
             f"folds LoRA adapters into the weights; {checkpoint} was trained with "
             f"peft={_peft(cfg).name}, so there is nothing to merge",
         )
-    if cfg.model.name == "hf":  # still a directory that the run's impl loads
+    if cfg.model.name == "hf":  # still a directory that the run's impl loads (a URL: its fetched copy)
+        cfg.model.path = local_model(cfg.model.path, "model.path (of the run)")
         choose(cfg.model.path, cfg.model.get("impl"), key="model.path (of the run)")
     scheme = _quantization(cfg, checkpoint, merge) if quantize else None
     model = load_model(checkpoint, cfg)

@@ -109,7 +109,8 @@ class DataConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
     POSITIVE: ClassVar[tuple[str, ...]] = ("seq_len",)
     name: str = MISSING  # the option chosen: stdlib, parquet, chat, preference or prompts
-    # Parquet files (a path, directory or glob) for `data=parquet`; unused by `stdlib`.
+    # Parquet files (a path, directory or glob) for `data=parquet`; unused by `stdlib`. A URL too (s3://b/c/*.parquet,
+    # hf://datasets/<org>/<name>/<glob>: fetched once into the storage cache, docs/storage.md).
     path: str | None = read_by("parquet", "chat", "preference", "prompts", default=None)
     # data=parquet: the column of text to tokenize, or (with text_column=null) a column of token-id lists.
     text_column: str | None = read_by("parquet", default="text")

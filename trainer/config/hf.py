@@ -14,9 +14,13 @@ import glob
 import json
 import math
 import os
+import sys
 
 from trainer.config.families import FAMILIES, Family
+from trainer.config.runtime import config_errors
 from trainer.errors import ConfigError
+from trainjob.storage import fetch
+from trainjob.storage.urls import is_url
 
 ARCHITECTURES = tuple(FAMILIES)
 # Families whose sliding_window, when set, applies to every layer (transformers has no layer_types for them).
@@ -97,6 +101,18 @@ def not_a_model_directory(path: str) -> str:
         return f"is a file, not a directory: give {MODEL_DIRECTORY}"
     found = sorted(os.listdir(path))[:5]
     return f"holds no config.json ({', '.join(found) or 'empty'}): give {MODEL_DIRECTORY}"
+
+
+def local_model(path: str | None, key: str = "model.path", cache_dir: str | None = None) -> str | None:
+    """`path` itself, or where it is a URL (hf://, s3://, gs://) the local copy of the model it names, fetched
+    with Kubeflow's model file patterns into the storage cache (`trainjob.storage.fetch`; `cache_dir`: the run's
+    data.cache_dir) unless the same versions are there; says which on stderr. A store's refusal: ConfigError."""
+    if not path or not is_url(path):
+        return path
+    with config_errors():
+        got = fetch.fetch(key, path, fetch.root(cache_dir), fetch.MODEL_PATTERNS)
+    print(f"{key}={path}: {'fetched into' if got.copied else 'the copy in'} {got.local}", file=sys.stderr)
+    return got.local
 
 
 def read_json(path: str | None, key: str = "model.path") -> dict:

@@ -25,7 +25,8 @@ class ModelConfig:
         "init_std"
     )
     name: str = MISSING  # the option chosen: a preset (debug, small, 1b, 8b) or hf (a Hugging Face directory)
-    # model=hf: a Hugging Face model directory; the keys below are then read from its config.json.
+    # model=hf: a Hugging Face model directory, or its URL (hf://<org>/<name>[@<revision>], s3://<bucket>/<prefix>,
+    # gs://...: fetched once into the storage cache, docs/storage.md); the keys below are read from its config.json.
     path: str | None = read_by("hf", default=None)
     # model=hf: the code that runs it, native (trainjob's decoder) or transformers (the directory's own modeling
     # code); unset, config.json chooses (trainer.config.hf_impl).

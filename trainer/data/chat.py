@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
-from trainer.data import trl_forms
+from trainer.data import sources, trl_forms
 from trainer.data.corpus import build_once, dropped_text, eval_share
 from trainer.data.hf_tokenizer import HFTokenizer, TemplateMaskError
 from trainer.errors import ConfigError, UserCodeError
@@ -111,7 +111,7 @@ def padding_id(tok: HFTokenizer) -> int:
 def source_fingerprint(cfg, model_path: str | None) -> dict:
     """What a built corpus was made from: the source files (path, size, time) and the digest of the tokenizer
     of the model directory `model_path` ("bytes" for None: a built-in preset's byte tokenizer)."""
-    files = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in source_files(cfg.path)]
+    files = [sources.identity(f) for f in source_files(sources.local(cfg))]
     if model_path is None:
         return {"files": files, "tokenizer": "bytes"}
     digest = hashlib.sha256()
@@ -190,7 +190,7 @@ def prepare(cfg) -> str:
     def write(tmp: str) -> dict:
         splits: dict[str, list] = {"train": [], "eval": []}
         dropped: dict[str, int] = {}
-        for doc_id, chats in documents(d.name, d.path):
+        for doc_id, chats in documents(d.name, sources.local(d)):
             encoded = _encode(d, tok, pad, model_path, doc_id, chats)
             if isinstance(encoded, str):
                 dropped[encoded] = dropped.get(encoded, 0) + 1

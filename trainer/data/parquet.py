@@ -14,19 +14,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from datacache.parquet import parquet_files
-from trainer.data import tokenizer
+from trainer.data import sources, tokenizer
 from trainer.errors import ConfigError
 
 MAX_TOKEN_ID = np.iinfo(np.uint16).max  # rows store uint16 ids
 
 
 def fingerprint(cfg) -> dict:
-    """What the corpus is built from: the files (path, size, time) and the column read."""
-    files = parquet_files(cfg.path)
+    """What the corpus is built from: the files (path, size, time; a URL's objects: URL, size, version) and the
+    column read."""
+    files = parquet_files(sources.local(cfg))
     if not files:
         raise ConfigError("data.path", cfg.path, "no Parquet files there: give a .parquet file, a directory "
                           "holding some, or a glob")
-    return {"files": [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files],
+    return {"files": [sources.identity(f) for f in files],
             "text_column": cfg.text_column, "tokens_column": cfg.tokens_column}
 
 
@@ -34,7 +35,7 @@ def documents(cfg) -> Iterator[tuple[str, np.ndarray]]:
     """(document id, token ids ending in EOS) for every non-null row of the column, file by file."""
     key, column = ("data.tokens_column", cfg.tokens_column) if cfg.tokens_column else ("data.text_column",
                                                                                         cfg.text_column)
-    files = parquet_files(cfg.path)
+    files = parquet_files(sources.local(cfg))
     # Document ids relative to the files' common folder: the same files elsewhere split the same way
     # (an absolute path made the train/eval split depend on where the data happened to lie).
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in files]) if files else ""

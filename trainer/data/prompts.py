@@ -20,7 +20,7 @@ import torch
 from datacache.local import LocalDataset
 from datacache.parquet import parquet_files
 from trainer.config.recipe import prompts_per_step
-from trainer.data import trl_forms
+from trainer.data import sources, trl_forms
 from trainer.data.chat import source_files, source_fingerprint, source_rows
 from trainer.data.corpus import build_once, dropped_text, eval_share, without_eval
 from trainer.data.text import Text
@@ -62,7 +62,7 @@ def prepare(cfg) -> str:
         dropped: dict[str, int] = {}
         columns: set[str] = set()
         root = None
-        for file, i, row in _prompt_rows(d.path):
+        for file, i, row in _prompt_rows(sources.local(d)):
             prompt = _prompt(row, file, i, d.path)
             ids = text.encode(prompt)[-d.seq_len:]
             if not ids:

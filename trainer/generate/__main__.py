@@ -28,13 +28,16 @@ from trainjob.cli import OneLineParser
 def _source(path: str):
     """(model loader, tokenizer directory or None, positions the model has) of SOURCE; checks it first."""
     from trainer import export
+    from trainer.config.hf import local_model
     from trainer.config.hf_impl import choose, read
     from trainer.models import hf, hf_transformers
 
+    path = local_model(path, "SOURCE")  # a model's URL (hf://, s3://, gs://): its fetched copy
     if os.path.isfile(os.path.join(path, ".metadata")):
         cfg = export.run_config(path)
         hf_dir = None
         if cfg.model.name == "hf":
+            cfg.model.path = local_model(cfg.model.path, "model.path (of the run)")
             choose(cfg.model.path, cfg.model.get("impl"), key="model.path (of the run)")
             hf_dir = cfg.model.path
         return (lambda: export.load_model(path, cfg)), hf_dir, int(cfg.model.max_seq_len)
@@ -48,7 +51,8 @@ def _source(path: str):
 
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", metavar="SOURCE", help="a checkpoint directory or a Hugging Face model directory")
+    parser.add_argument("source", metavar="SOURCE", help="a checkpoint directory, or a Hugging Face model "
+                        "directory or its URL (hf://<org>/<name>[@<revision>], s3://<bucket>/<prefix>, gs://...)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat it for a batch")
     parser.add_argument("--chat", action="store_true", help="send each prompt as a user message of the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from trainer.config import Config, ConfigError, JobShape
+from trainer.config.hf import local_model
 from trainer.config.hf_impl import fill_config
 from trainer.config.validate import validate
 from trainjob.files import directory_problem
@@ -31,6 +32,9 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
     _resolve(cfg)
     cfg.run_dir = run_dir
     if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
+        # A URL is fetched here, once: the config names the local copy, which the ranks read (it lies under
+        # data.cache_dir, which Docker's containers mount).
+        cfg.model.path = local_model(cfg.model.path, "model.path", cfg.data.cache_dir)
         fill_config(cfg.model)
     job, shape = validate(cfg, given)
     checked = None

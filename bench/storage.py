@@ -1,0 +1,163 @@
+"""Storage through an S3 server against local disk, side by side: the same `data=parquet` corpus (`--files`
+Parquet files of `--mb` MiB of text in all) built by `trainer.data.corpus.prepare` from a local glob and from
+`s3://<bucket>/corpus/*.parquet` on moto's S3 server on loopback (`moto[server]`, started here, in a thread of
+this process: the figures are an S3 client's, not a network's). Each row is timed `--rounds` times (the median
+shown), each round in a fresh cache:
+
+- the first build: local, the Parquet read and tokenized; S3, the objects listed (with their ETags), fetched into
+  the storage cache through pyarrow's S3 filesystem, then read and tokenized the same;
+- the second build, the same source again: the corpus found in the cache (local: the files' sizes and times
+  read; S3: the objects listed, their copy found, nothing fetched);
+- a changed object: one file rewritten, the corpus built again (S3: that version's objects fetched again).
+
+ROWS holds one function per row, each returning (local seconds, S3 seconds); a row for another use of the
+store (a checkpoint's save and load) is one more function in it.
+
+    python bench/storage.py [--files 8] [--mb 32] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import types
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# bench/ off the path: its scripts' names are installed packages' (tests/bench/test_script_path.py).
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _server() -> tuple[object, str]:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+
+    from trainjob.nodes import LOCALHOST, free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address=LOCALHOST, port=port, verbose=False)
+    server.start()
+    return server, f"http://{LOCALHOST}:{port}"
+
+
+def _write_parquet(folder: str, files: int, mb: float, seed: int = 0) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    words = [bytes(rng.integers(97, 123, size=n)).decode() for n in rng.integers(2, 10, size=4096)]
+    per_file = int(mb * 2**20 / files)
+    os.makedirs(folder, exist_ok=True)
+    for i in range(files):
+        docs, size = [], 0
+        while size < per_file:
+            doc = " ".join(rng.choice(words, size=int(rng.integers(50, 400))))
+            docs.append(doc)
+            size += len(doc)
+        pq.write_table(pa.table({"text": docs}), os.path.join(folder, f"part-{i:03d}.parquet"))
+
+
+def _data(path: str, cache: str):
+    return types.SimpleNamespace(name="parquet", seq_len=512, eval_percent=None, path=path, text_column="text",
+                                 tokens_column=None, cache_dir=cache, fingerprint=None)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Sources:
+    """The same Parquet files on local disk and in a bucket; a fresh cache per round."""
+
+    def __init__(self, root: str, endpoint: str, files: int, mb: float):
+        import boto3
+
+        self.root, self.local = root, os.path.join(root, "corpus")
+        _write_parquet(self.local, files, mb)
+        self.bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        self.client.create_bucket(Bucket=self.bucket)
+        for name in sorted(os.listdir(self.local)):
+            self.client.upload_file(os.path.join(self.local, name), self.bucket, f"corpus/{name}")
+        self.bytes = sum(os.path.getsize(os.path.join(self.local, n)) for n in os.listdir(self.local))
+
+    def build(self, where: str, cache: str) -> None:
+        from trainer.data import corpus
+
+        path = f"{self.local}/*.parquet" if where == "local" else f"s3://{self.bucket}/corpus/*.parquet"
+        corpus.prepare(_data(path, cache))
+
+    def change_one(self, seed: int) -> None:
+        """Rewrite the first file, locally and in the bucket: a new size and time, a new ETag."""
+        folder = os.path.join(self.root, f"changed-{seed}")
+        _write_parquet(folder, 1, 0.25, seed=seed)
+        first = sorted(os.listdir(self.local))[0]
+        shutil.copy(os.path.join(folder, "part-000.parquet"), os.path.join(self.local, first))
+        self.client.upload_file(os.path.join(self.local, first), self.bucket, f"corpus/{first}")
+
+
+def _first_build(src: Sources, cache: str) -> tuple[float, float]:
+    return _timed(lambda: src.build("local", cache + "-local")), _timed(lambda: src.build("s3", cache + "-s3"))
+
+
+def _second_build(src: Sources, cache: str) -> tuple[float, float]:
+    src.build("local", cache + "-local")
+    src.build("s3", cache + "-s3")
+    return _first_build(src, cache)
+
+
+def _changed_object(src: Sources, cache: str) -> tuple[float, float]:
+    src.build("local", cache + "-local")
+    src.build("s3", cache + "-s3")
+    src.change_one(seed=len(os.listdir(src.root)))
+    return _first_build(src, cache)
+
+
+ROWS = [("corpus: first build", _first_build), ("corpus: second build (cached)", _second_build),
+        ("corpus: one object changed", _changed_object)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--mb", type=float, default=32.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    server, endpoint = _server()
+    os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
+    os.environ.pop("TRAINJOB_STORAGE_CACHE", None)
+    root = tempfile.mkdtemp(prefix="bench-storage-")
+    try:
+        src = Sources(root, endpoint, args.files, args.mb)
+        print(f"{args.files} Parquet files, {src.bytes / 2**20:.1f} MiB; S3: moto's server on loopback; "
+              f"median of {args.rounds} rounds")
+        print(f"| {'what':<32} | {'local disk s':>12} | {'S3 s':>8} | {'S3 / local':>10} |")
+        print(f"|{'-' * 34}|{'-' * 14}|{'-' * 10}|{'-' * 12}|")
+        for name, row in ROWS:
+            times = [row(src, os.path.join(root, f"cache-{name[:6]}-{r}-{uuid.uuid4().hex[:6]}"))
+                     for r in range(args.rounds)]
+            local = statistics.median(t[0] for t in times)
+            s3 = statistics.median(t[1] for t in times)
+            print(f"| {name:<32} | {local:>12.3f} | {s3:>8.3f} | {s3 / local:>10.2f} |", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

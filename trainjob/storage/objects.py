@@ -1,0 +1,133 @@
+"""Object stores (`s3://<bucket>/<key>`, `gs://<bucket>/<key>`): `filesystem(key, url)` gives the pyarrow filesystem
+and path that read and write a URL; `listing(key, url)` the objects a URL names (a prefix, one object or a glob)
+with their sizes and versions (S3's and GCS's ETags), listed through fsspec (s3fs, gcsfs: the `storage` extra),
+which, unlike pyarrow, reports ETags. Credentials come from where the stores' own clients look: AWS's environment
+variables and ~/.aws (`AWS_ENDPOINT_URL` for S3-compatible stores such as MinIO and Ceph), Google's application
+default credentials. Every failure is a `StorageError`: one line naming the key, the URL and the cause."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+
+from trainjob.storage.errors import StorageError
+from trainjob.storage.urls import scheme_of
+
+# The fsspec library that lists each scheme, and the extra that installs it.
+LIBRARIES = {"s3": "s3fs", "gs": "gcsfs"}
+EXTRA = "pip install 'trainjob[storage]'"
+GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class Obj:
+    """One object: its path inside the store (`bucket/key`), size in bytes and version (the ETag)."""
+
+    path: str
+    size: int
+    version: str
+
+
+def split(key: str, url: str) -> tuple[str, str]:
+    """(scheme, `bucket/key`) of an object store URL; refuses another scheme, a URL with no bucket, or one with
+    credentials in it (they would be written wherever the URL is)."""
+    scheme = scheme_of(url)
+    if scheme not in LIBRARIES:
+        raise StorageError(key, url, "is not an object store URL: give s3://<bucket>/<key> or gs://<bucket>/<key>")
+    rest = url.split("://", 1)[1].strip("/")
+    bucket = rest.split("/", 1)[0]
+    if "@" in bucket or ":" in bucket:
+        raise StorageError(key, scheme + "://…", "holds credentials: give them in the environment (AWS_ACCESS_KEY_ID, "
+                           "~/.aws, GOOGLE_APPLICATION_CREDENTIALS), never in the URL")
+    if not bucket:
+        raise StorageError(key, url, f"names no bucket: give {scheme}://<bucket>/<key>")
+    return scheme, rest
+
+
+def _endpoint() -> str | None:
+    """The S3-compatible endpoint the environment names (MinIO, Ceph), as AWS's own clients read it."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def filesystem(key: str, url: str):
+    """(pyarrow filesystem, path inside it) for object store URL `url`, credentials and endpoint from the
+    environment as the store's own clients read them. Raises StorageError."""
+    import pyarrow.fs as pafs
+
+    scheme, path = split(key, url)
+    try:
+        if scheme == "s3":
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            retry = pafs.AwsStandardS3RetryStrategy(max_attempts=3)
+            return pafs.S3FileSystem(endpoint_override=_endpoint(), region=region, retry_strategy=retry), path
+        return pafs.GcsFileSystem(), path
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a bad region, endpoint or credentials
+        raise StorageError(key, url, f"its filesystem cannot be opened ({type(e).__name__}: {e})") from None
+
+
+def _fsspec(key: str, url: str, scheme: str):
+    library = LIBRARIES[scheme]
+    try:
+        module = __import__(library)
+    except ImportError:
+        raise StorageError(key, url, f"{scheme}:// needs {library}, which is not installed: {EXTRA}") from None
+    if scheme == "s3":
+        return module.S3FileSystem(endpoint_url=_endpoint(), skip_instance_cache=True,
+                                   config_kwargs={"retries": {"max_attempts": 2}, "connect_timeout": 5})
+    return module.GCSFileSystem(skip_instance_cache=True)
+
+
+def _refusal(e: Exception, scheme: str) -> str:
+    """What a store's refusal means, in words (the exception's text names the bucket, key or code)."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, FileNotFoundError):
+        return f"no such bucket or object ({text})"
+    if isinstance(e, PermissionError) or any(c in text for c in ("AccessDenied", "InvalidAccessKeyId",
+                                                                   "SignatureDoesNotMatch", "403")):
+        where = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws" if scheme == "s3" else \
+            "GOOGLE_APPLICATION_CREDENTIALS or gcloud's application default credentials"
+        return f"credentials refused ({text}): check {where}"
+    if any(c in text for c in ("connect", "Connect", "timed out", "Timeout", "resolve")):
+        endpoint = (_endpoint() or "the store") if scheme == "s3" else "the store"
+        return f"the endpoint does not answer ({endpoint}: {text})"
+    return f"the store refused it ({text})"
+
+
+def listing(key: str, url: str) -> list[Obj]:
+    """The objects `url` names, sorted: every object under it where it is a prefix, the one object where it is
+    one, those matching where it holds a glob (`s3://b/corpus/*.parquet`). None there: StorageError."""
+    scheme, path = split(key, url)
+    fs = _fsspec(key, url, scheme)
+    glob_at = min((path.find(c) for c in GLOB_CHARS if c in path), default=-1)
+    base = path if glob_at < 0 else path[:glob_at].rsplit("/", 1)[0]
+    try:
+        if "/" not in path.rstrip("/"):  # a bare bucket: its existence first, so a missing one says so
+            fs.info(path)
+        found = fs.find(base, detail=True, withdirs=False)
+    except Exception as e:  # botocore's and gcsfs's errors arrive as OSError subclasses, or their own
+        raise StorageError(key, url, _refusal(e, scheme)) from None
+    objs = [Obj(p, int(info.get("size") or 0), _version(info)) for p, info in found.items()]
+    if glob_at >= 0:
+        objs = [o for o in objs if fnmatch.fnmatchcase(o.path, path)]
+    elif path.rstrip("/") not in {o.path for o in objs}:
+        objs = [o for o in objs if o.path.startswith(path.rstrip("/") + "/")]
+    if not objs:
+        raise StorageError(key, url, "no such object: nothing there (no object at that key or under that prefix)")
+    return sorted(objs, key=lambda o: o.path)
+
+
+def _version(info: dict) -> str:
+    """The object's version: its ETag (S3; GCS's etag or generation)."""
+    return str(info.get("ETag") or info.get("etag") or info.get("generation") or info.get("md5Hash") or "").strip('"')
+
+
+def download(key: str, url: str, obj: Obj, dest: str) -> None:
+    """Copy object `obj` of `url`'s store to the local file `dest`, read through its pyarrow filesystem."""
+    fs, _ = filesystem(key, url)
+    try:
+        with fs.open_input_stream(obj.path) as src, open(dest, "wb") as out:
+            while chunk := src.read(1 << 22):
+                out.write(chunk)
+    except OSError as e:
+        raise StorageError(key, url, f"{obj.path} cannot be read ({_refusal(e, scheme_of(url) or 's3')})") from None
