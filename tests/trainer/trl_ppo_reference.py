@@ -1,6 +1,6 @@
 """TRL's PPOTrainer (0.28, the last release that ships `PPOTrainer`/`PPOConfig`) as the reference of recipe=ppo:
-its own source, read from the virtualenv that holds that release (`VENV`, made apart from the project's: TRL 0.28
-and TRL 1.16 cannot share one environment). `PPOTrainer.train` computes the rollout's rewards, GAE and whitening
+its own source, read from where that release is installed apart from the project's environment (`PLACE`: TRL 0.28
+and TRL 1.16 cannot share one; `pip install --no-deps --target .trl-ppo trl==0.28.0`, which `.ci/run` does). `PPOTrainer.train` computes the rollout's rewards, GAE and whitening
 and the loss inline; the blocks of its source that do so are cut out by their first and last statements and run
 on given tensors, with TRL's own `masked_mean`, `masked_var` and `masked_whiten`. Nothing of the loss is re-typed
 here. `PPOConfig`'s defaults are read from its dataclass fields (the module is parsed, not imported: it subclasses
@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import torch
 
 VERSION = "0.28.0"
-VENV = os.environ.get("TRL_PPO_VENV", "/work/trl-ppo-venv")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLACE = os.environ.get("TRL_PPO_PATH", os.path.join(REPO, ".trl-ppo"))
 # What the rollout block and the loss block of `PPOTrainer.train` start and end with.
 ROLLOUT = ("response_idxs = torch.arange(responses.shape[1]", "advantages = torch.masked_fill(advantages, padding_mask")
 LOSS = ("vpredclipped = torch.clamp(", "loss = pg_loss + args.vf_coef * vf_loss")
@@ -26,8 +27,10 @@ INVALID_LOGPROB = 1.0  # TRL's trl.trainer.utils.INVALID_LOGPROB, what padding's
 
 
 def source_dir() -> str | None:
-    """trl/experimental/ppo of the reference release, or None where that virtualenv is absent."""
-    for dist in glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages", f"trl-{VERSION}.dist-info")):
+    """trl/experimental/ppo of the reference release, or None where it is not installed (a `--target` folder or a
+    virtualenv)."""
+    for dist in [*glob.glob(os.path.join(PLACE, f"trl-{VERSION}.dist-info")),
+                 *glob.glob(os.path.join(PLACE, "lib", "python3*", "site-packages", f"trl-{VERSION}.dist-info"))]:
         path = os.path.join(os.path.dirname(dist), "trl", "experimental", "ppo")
         if os.path.isfile(os.path.join(path, "ppo_trainer.py")):
             return path
@@ -35,8 +38,8 @@ def source_dir() -> str | None:
 
 
 def missing() -> str:
-    return (f"TRL {VERSION}'s PPOTrainer is the reference: make {VENV} with `python3 -m venv {VENV} && "
-            f"{VENV}/bin/pip install --no-deps trl=={VERSION}` (or set TRL_PPO_VENV)")
+    return (f"TRL {VERSION}'s PPOTrainer is the reference: pip install --no-deps --target {PLACE} trl=={VERSION} "
+            f"(or set TRL_PPO_PATH to a folder or virtualenv that holds it)")
 
 
 def _read(name: str) -> str:

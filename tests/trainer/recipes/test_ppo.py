@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 needs_trl = pytest.mark.skipif(trl.source_dir() is None, reason=trl.missing())
 
 ONE_TOKEN = "tests.trainer.ppo_rewards:count_e"
+ON_PATH = {"PYTHONPATH": REPO}  # where a user's reward module must be: importable by the ranks
 TOY = "tests.trainer.grpo_rewards:lowercase"
 ARGS = [*[a for a in TINY if not a.startswith(("data.seq_len", "train.global_batch_size", "model."))], "recipe=ppo",
         "data=prompts", "data.seq_len=16", "data.eval_percent=20", "lr_schedule.warmup_steps=0",
@@ -171,7 +172,8 @@ def test_a_value_head_on_the_policy_trains_beside_its_adapters_and_stays_out_of_
     run, out = tmp_path / "run", tmp_path / "export"
     proc = run_cli(*ARGS, "model=hf", f"model.path={llama}", "peft=lora", f"data.path={prompts}",
                    "recipe.value_model=shared", "train.global_batch_size=8", "recipe.num_mini_batches=2",
-                   "recipe.num_ppo_epochs=2", "train.max_steps=4", "train.eval_every=4", f"hydra.run.dir={run}")
+                   "recipe.num_ppo_epochs=2", "train.max_steps=4", "train.eval_every=4", f"hydra.run.dir={run}",
+                   env=ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
@@ -197,8 +199,9 @@ def test_a_run_resumes_with_its_value_model(prompts, run_cli, tmp_path):
     args = [*ARGS, "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
             f"data.path={prompts}", "train.global_batch_size=8", "recipe.num_ppo_epochs=1",
             "train.checkpoint_every=2", "train.eval_every=100", f"hydra.run.dir={run}"]
-    assert run_cli(*args, "train.max_steps=2").returncode == 0
-    proc = run_cli(*args, "train.max_steps=4")
+    first = run_cli(*args, "train.max_steps=2", env=ON_PATH)
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = run_cli(*args, "train.max_steps=4", env=ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [m["step"] for m in read_metrics(str(run))] == [1, 2, 3, 4]
     from torch.distributed.checkpoint import FileSystemReader
