@@ -194,7 +194,8 @@ BAD = [
     (["data.cache.readers=65"], "data.cache.readers=65: must be 1 to 64"),
     (["data.cache.eval_endpoints=[http://node:50051]"],
      "data.cache.eval_endpoints[0]='http://node:50051': must be a Flight location such as grpc://host:50051"),
-    (["recipe.loss_type=dapo"], "recipe.loss_type='dapo': only recipe=grpo and recipe=dpo read it (recipe=pretrain"),
+    (["recipe.loss_type=dapo"],
+     "recipe.loss_type='dapo': only recipe=grpo, recipe=dpo and recipe=kto read it (recipe=pretrain"),
     (["recipe.importance_sampling_level=sequence"],
      "recipe.importance_sampling_level='sequence': only recipe=grpo reads it"),
 ]
