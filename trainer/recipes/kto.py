@@ -56,7 +56,7 @@ def kto_loss(policy: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor, kl: 
         losses = torch.where(chosen, 1 - F.sigmoid(beta * ratio), F.sigmoid(beta * ratio))
     else:
         raise ValueError(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
-    weights = torch.where(chosen, desirable_weight, undesirable_weight).to(losses.dtype)
+    weights = torch.where(chosen, losses.new_tensor(desirable_weight), losses.new_tensor(undesirable_weight))
     rewards, logps = beta * ratio.detach(), policy.detach()
     sums = {"rewards/chosen": rewards[chosen].sum(), "rewards/rejected": rewards[~chosen].sum(),
             "logps/chosen": logps[chosen].sum(), "logps/rejected": logps[~chosen].sum(),
@@ -67,11 +67,11 @@ def kto_loss(policy: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor, kl: 
 def kl_estimate(policy_kl: torch.Tensor, ref_kl: torch.Tensor) -> torch.Tensor:
     """TRL's KL estimate from the mismatched pairs' summed log-probabilities: their mean difference on this rank,
     averaged over the ranks (tensor-parallel peers hold the same rows, and count alike), at least 0."""
-    kl = (policy_kl - ref_kl).mean().detach().float()
+    kl = (policy_kl - ref_kl).mean().detach()
     if dist.is_initialized():
         dist.all_reduce(kl)
         kl = kl / dist.get_world_size()
-    return kl.clamp(min=0).to(policy_kl.dtype)
+    return kl.clamp(min=0)
 
 
 def across_ranks(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
