@@ -1,7 +1,7 @@
-"""Peak memory of one training step of recipe=sft, dpo, grpo and kd at Qwen's vocabulary (151,936), with the
+"""Peak memory of one training step of recipe=sft, dpo, kto, grpo and kd at Qwen's vocabulary (151,936), with the
 logits made a chunk of tokens at a time (`trainer.models.chunked`, what the recipes run) against the whole
-(batch, seq, vocab) logits (the way before), and against TRL 1.16's SFTTrainer, DPOTrainer and GRPOTrainer on the
-same model and batch. CPU, float32.
+(batch, seq, vocab) logits (the way before), and against TRL 1.16's SFTTrainer, DPOTrainer, KTOTrainer and
+GRPOTrainer on the same model and batch. CPU, float32.
 
     python bench/memory.py                                  # every case, lengths 512 .. 8192
     python bench/memory.py --cases dpo --lengths 4097       # one case
@@ -12,7 +12,8 @@ measurement runs in a fresh subprocess and reports its peak resident memory: the
 (`resource.getrusage(...).ru_maxrss`, Linux), which includes the interpreter, torch and the model (the `base`
 column: our process's RSS just before the step, the model loaded; TRL's, the trainer built). A step: sft one row
 of `length` tokens (the loss on its second half); dpo one pair, chosen and rejected `length` tokens each, against
-a frozen reference copy; grpo 4 completions of a 64-token prompt, rows of `length` tokens, the reference's
+a frozen reference copy; kto two unpaired completions of `length` tokens with their prompts (a quarter), one
+desirable, and their two mismatched KL sequences, against a frozen reference copy; grpo 4 completions of a 64-token prompt, rows of `length` tokens, the reference's
 log-probs then the policy's loss (loss_type=dapo) and its backward (TRL's step also generates the completions:
 generation holds one token's logits at a time); kd one row, the teacher a second copy, forward KL (the whole
 way: one chunk of every token). The whole-logits baselines run only where their logits hold at most
@@ -39,9 +40,10 @@ sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.p
 VOCAB = 151_936
 PROMPT = 64  # grpo's prompt tokens
 GENERATIONS = 4
-ROWS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 1}  # sequences of `length` tokens a step holds
-LOGITS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 2}  # rows of (length, vocab) logits the whole way holds
-TRL_CASES = ("sft", "dpo", "grpo")
+ROWS = {"sft": 1, "dpo": 2, "kto": 2, "grpo": GENERATIONS, "kd": 1}  # sequences of `length` tokens a step holds
+# rows of (length, vocab) logits the whole way holds
+LOGITS = {"sft": 1, "dpo": 2, "kto": 2, "grpo": GENERATIONS, "kd": 2}
+TRL_CASES = ("sft", "dpo", "kto", "grpo")
 
 
 def _rss_gb() -> float:
@@ -109,6 +111,8 @@ def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
         mask[:, length // 4: length], mask[:, length + length // 4:] = 1, 1
         settings = {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0}
         loss, _ = dpo.pair_loss(model, reference, tokens.view(1, -1), mask, settings, logps_fn)
+    elif case == "kto":
+        loss = _kto_step(model, tokens, length, logps_fn)
     elif case == "grpo":
         reference = copy.deepcopy(model).requires_grad_(False)
         target = tokens[:, 1:].clone()
@@ -129,6 +133,25 @@ def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
         loss, _ = model(tokens[:, :-1], tokens[:, 1:], loss_fn=lambda h, w, y: fn(h, w, targets=y))
     loss.backward()
     return float(loss), base
+
+
+def _kto_step(model, tokens, length: int, logps_fn):
+    """recipe=kto's loss of two unpaired rows (`trainer.data.unpaired`'s: prompt, then completion) of `length`
+    tokens, one desirable, with their KL sequences, against a frozen copy."""
+    import copy
+
+    import torch
+
+    from trainer.recipes import kto
+
+    reference = copy.deepcopy(model).requires_grad_(False)
+    prompt = length // 4
+    rows = torch.zeros(2, 2 * length, dtype=torch.long)
+    rows[:, :prompt], rows[:, length:2 * length - prompt] = tokens[:, :prompt], tokens[:, prompt:]
+    lengths = torch.tensor([[prompt, length - prompt]] * 2)
+    micro, _, _ = kto.micro_batch(rows, lengths, torch.tensor([1, 0]), "padding_free", kl=True)
+    settings = {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0}
+    return kto.unpaired_loss(model, reference, micro, settings, logps_fn)[0]
 
 
 def completion_lengths(completions, **kwargs):
@@ -165,6 +188,11 @@ def _trl(case: str, length: int, path: str) -> tuple[float, float]:
                                    "rejected": words(length - length // 4 - 1)}])
         args = trl.DPOConfig(max_length=2 * length, per_device_train_batch_size=1, beta=0.1, **common)
         trainer = trl.DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    elif case == "kto":
+        data = Dataset.from_list([{"prompt": words(length // 4), "completion": words(length - length // 4 - 1),
+                                   "label": label} for label in (True, False)])
+        args = trl.KTOConfig(max_length=length, per_device_train_batch_size=2, beta=0.1, **common)
+        trainer = trl.KTOTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
     else:
         data = Dataset.from_list([{"prompt": words(PROMPT)}] * GENERATIONS)
         args = trl.GRPOConfig(num_generations=GENERATIONS, per_device_train_batch_size=GENERATIONS,
@@ -200,7 +228,7 @@ def measure(case: str, mode: str, length: int, path: str, timeout: int) -> dict 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=["sft", "dpo", "grpo", "kd"], choices=list(ROWS))
+    parser.add_argument("--cases", nargs="+", default=["sft", "dpo", "kto", "grpo", "kd"], choices=list(ROWS))
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4097, 8192])
     parser.add_argument("--whole-tokens", type=int, default=2048,
                         help="run the whole-logits way only where the step holds at most this many tokens")

@@ -112,8 +112,39 @@ class Micro:
     labels: torch.Tensor
 
 
+def micro_batch(tokens: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor, way: str, kl: bool,
+                multiple: int = 1, device: torch.device | None = None) -> tuple[Micro, int, int]:
+    """The micro-batch of `trainer.data.unpaired` rows collated as `way` (a `data.packing`) says, with its KL
+    sequences where `kl`; and its sequences' real input tokens and completion tokens."""
+
+    def collate(prompts, completions):
+        (micro,), mask, real = grpo.micro_rows(prompts, completions, 0, way, 1, multiple, device)
+        return micro, real, int(mask.sum())
+
+    matched, real, trained = collate(*sequences(tokens, lengths, rotate=False))
+    mismatched = collate(*sequences(tokens, lengths, rotate=True))[0] if kl else None
+    return Micro(matched, mismatched, labels.to(device).bool()), real, trained
+
+
+def unpaired_loss(model, reference, micro: Micro, settings: dict, loss_fn
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """`kto_loss` of a micro-batch (its sums, and the KL estimate): the reference's and the KL pairs' forwards
+    under no_grad, then the policy's; `settings` holds kto_loss's beta, loss_type and weights."""
+
+    def logps(m, packed: packing.Packed) -> torch.Tensor:
+        return grpo.token_logps(m, packed, loss_fn).sum(-1)
+
+    with torch.no_grad():  # first: the policy's forward is then the last before its backward
+        ref = logps(reference, micro.matched)
+        kl = torch.zeros((), device=ref.device, dtype=ref.dtype)
+        if micro.kl is not None:
+            kl = kl_estimate(logps(model, micro.kl), logps(reference, micro.kl))
+    loss, sums = kto_loss(logps(model, micro.matched), ref, micro.labels, kl, **settings)
+    return loss, sums, kl
+
+
 class KTO(Recipe):
-    """`recipe=kto` on data=preference's unpaired rows: `kto_loss` against the frozen starting model (with
+    """`recipe=kto` on data=preference's unpaired rows: `unpaired_loss` against the frozen starting model (with
     peft=lora the policy with its adapters off, so the reference costs no second copy)."""
 
     def __init__(self, cfg, model, ctx):
@@ -128,33 +159,15 @@ class KTO(Recipe):
         self.logps_fn = ctx.kernels.token_logps
         self.packing = packing.choose(cfg.data.packing, ctx.pipeline is not None)
 
-    def _collate(self, prompts: list[list[int]], completions: list[list[int]]) -> tuple[packing.Packed, int, int]:
-        (micro,), mask, real = grpo.micro_rows(prompts, completions, 0, self.packing, 1, self.ctx.dims.tp,
-                                               self.ctx.device)
-        return micro, real, int(mask.sum())
-
     def _micro(self, tokens: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor) -> tuple[Micro, int, int]:
-        """A micro-batch of rows, and its sequences' real input tokens and completion tokens."""
-        matched, real, trained = self._collate(*sequences(tokens, lengths, rotate=False))
-        kl = None
-        if self.settings["loss_type"] == "kto":
-            kl = self._collate(*sequences(tokens, lengths, rotate=True))[0]
-        return Micro(matched, kl, labels.to(self.ctx.device).bool()), real, trained
-
-    def _logps(self, model, micro: packing.Packed) -> torch.Tensor:
-        return grpo.token_logps(model, micro, self.logps_fn).sum(-1)
+        return micro_batch(tokens, lengths, labels, self.packing, self.settings["loss_type"] == "kto",
+                           self.ctx.dims.tp, self.ctx.device)
 
     def _loss(self, micro: Micro) -> torch.Tensor:
         with self.ctx.autocast:
-            with torch.no_grad():  # first: the policy's forward is then the last before its backward
-                ref = self._logps(self.reference, micro.matched)
-                kl = torch.zeros((), device=ref.device, dtype=ref.dtype)
-                if micro.kl is not None:
-                    kl = kl_estimate(self._logps(self.model, micro.kl), self._logps(self.reference, micro.kl))
-            policy = self._logps(self.model, micro.matched)
-            loss, sums = kto_loss(policy, ref, micro.labels, kl, **self.settings)
+            loss, sums, kl = unpaired_loss(self.model, self.reference, micro, self.settings, self.logps_fn)
         stats = across_ranks(sums)
-        stats["kl"] = kl.detach()
+        stats["kl"] = kl
         for key, value in stats.items():  # TRL's: each metric averaged over the micro-batches that log it
             self.stats[f"sum:{key}"] = self.stats.get(f"sum:{key}", 0) + value.detach()
             self.stats[f"n:{key}"] = self.stats.get(f"n:{key}", 0) + 1

@@ -284,7 +284,8 @@ def test_kto_runs_that_cannot_train_are_refused(kto_setup, tmp_path, capsys):
         "recipe.loss_type=sigmoid": "recipe.loss_type='sigmoid': must be one of kto, apo_zero_unpaired",
         "recipe.beta=0": "recipe.beta=0.0: must be > 0",
         "recipe.desirable_weight=-1": "recipe.desirable_weight=-1.0: must be >= 0",
-        "recipe.label_smoothing=0.1": "recipe.label_smoothing=0.1: only recipe=dpo with recipe.loss_type=robust",
+        "recipe.label_smoothing=0.1": "recipe.label_smoothing=0.1: recipe=kto reads no label_smoothing; recipe=dpo",
+        "recipe.num_generations=4": "recipe.num_generations=4: recipe=kto reads no num_generations",
         "data.chat.mask=last": "data.chat.mask='last': recipe=kto counts each completion's tokens as TRL's",
         "train.global_batch_size=1": "train.global_batch_size=1: gives micro-batches of 1 row",
     }
