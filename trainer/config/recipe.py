@@ -100,7 +100,7 @@ class RecipeConfig:
     # kto: the weights of the desirable (label true) and the undesirable completions' losses, to counter unequal
     # numbers of each (TRL's KTOConfig; the KTO paper's Eq. 8 bounds their ratio).
     desirable_weight: float = read_by("kto", default=1.0)
-    undesirable_weight: float = read_by("kto", default=1.0)
+    undesirable_weight: float = read_by("kto", default=1.0)  # kto: the undesirable completions' losses' weight
     # dpo with loss_type=robust: the assumed share of flipped preference labels, in [0, 0.5).
     label_smoothing: float = read_by("dpo", default=0.0)
     # grpo: importance weights per token, or per completion (the mean of its tokens' log-ratios: GSPO); luspo must

@@ -24,7 +24,7 @@ import logging
 
 import numpy as np
 
-from trainer.data.chat import (build_settings, documents, in_eval, padding_id, template_tokenizer, write_rows)
+from trainer.data.chat import build_settings, documents, in_eval, padding_id, template_tokenizer, write_rows
 from trainer.data.corpus import build_once, dropped_text
 from trainer.data.hf_tokenizer import HFTokenizer
 from trainer.errors import UserCodeError

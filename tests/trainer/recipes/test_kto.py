@@ -63,7 +63,7 @@ def trl_batch(prompts, completions, labels, max_length: int, kl: bool) -> dict:
     examples_ = [{"prompt_ids": p, "completion_ids": c, "label": bool(y)}
                  for p, c, y in zip(prompts, completions, labels, strict=True)]
     if kl:
-        for example, shifted in zip(examples_, [completions[-1]] + completions[:-1], strict=True):
+        for example, shifted in zip(examples_, [completions[-1], *completions[:-1]], strict=True):
             example["KL_completion_ids"] = shifted
     return DataCollatorForUnpairedPreference(pad_token_id=PAD, max_length=max_length)(examples_)
 
@@ -197,20 +197,25 @@ def test_the_defaults_and_loss_types_are_trls():
     assert tuple(loss_type.metadata["choices"]) == kto.LOSS_TYPES
 
 
+GOOD, BAD = "I am fine, thank you.", "def main(): return 42"
+
+
+def unpaired_rows(n: int, seed: int) -> list[dict]:
+    """`n` conversational unpaired rows, about 70% desirable (a polite answer), the rest a code snippet."""
+    rng = random.Random(seed)
+    labels = [rng.random() < 0.7 for _ in range(n)]
+    return [{"prompt": [{"role": "user", "content": rng.choice(SAMPLE)[:30]}],
+             "completion": [{"role": "assistant", "content": GOOD if label else BAD}], "label": label}
+            for label in labels]
+
+
 @pytest.fixture(scope="module")
 def kto_setup(tmp_path_factory):
+    """A tiny Llama with its tokenizer and chat template, and 48 unpaired rows in a JSONL file."""
+    rows = unpaired_rows(48, 0)
     root = tmp_path_factory.mktemp("kto")
-    model = add_tokenizer(make_llama(str(root)))
-    rng = random.Random(0)
-    good, bad = "I am fine, thank you.", "def main(): return 42"
-    rows = []
-    for _ in range(48):
-        label = rng.random() < 0.7
-        rows.append({"prompt": [{"role": "user", "content": rng.choice(SAMPLE)[:30]}],
-                     "completion": [{"role": "assistant", "content": good if label else bad}], "label": label})
-    path = root / "unpaired.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return model, str(path), rows
+    (root / "unpaired.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return add_tokenizer(make_llama(str(root))), str(root / "unpaired.jsonl"), rows
 
 
 ARGS = ["recipe=kto", "data=preference", "data.seq_len=40", "train.global_batch_size=4", "train.progress=false",
@@ -264,8 +269,8 @@ def test_pairs_are_unpaired_as_trl_unpairs_them(kto_setup, run_cli, tmp_path):
     model, _, _ = kto_setup
     rng = random.Random(1)
     path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"prompt": rng.choice(SAMPLE)[:30], "chosen": "I am fine, thank you.",
-                                        "rejected": "def main(): return 42"}) + "\n" for _ in range(24)))
+    path.write_text("".join(json.dumps({"prompt": rng.choice(SAMPLE)[:30], "chosen": GOOD, "rejected": BAD}) + "\n"
+                            for _ in range(24)))
     proc = run_cli("model=hf", f"model.path={model}", *ARGS[:-1], f"data.path={path}", "train.max_steps=6",
                    "recipe.beta=0.5", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
