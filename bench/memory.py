@@ -12,14 +12,15 @@ measurement runs in a fresh subprocess and reports its peak resident memory: the
 (`resource.getrusage(...).ru_maxrss`, Linux), which includes the interpreter, torch and the model (the `base`
 column: our process's RSS just before the step, the model loaded; TRL's, the trainer built). A step: sft one row
 of `length` tokens (the loss on its second half); dpo one pair, chosen and rejected `length` tokens each, against
-a frozen reference copy; kto two unpaired rows of `length` tokens (a prompt of a quarter, then the completion),
-one desirable, and their two mismatched KL sequences, against a frozen reference copy; grpo 4 completions of a
-64-token prompt, rows of `length` tokens, the reference's log-probs then the policy's loss (loss_type=dapo) and
-its backward (TRL's step also generates the completions: generation holds one token's logits at a time); kd one
-row, the teacher a second copy, forward KL (the whole way: one chunk of every token). The whole-logits baselines run only where their logits hold at most
+a frozen reference copy; grpo 4 completions of a 64-token prompt, rows of `length` tokens, the reference's
+log-probs then the policy's loss (loss_type=dapo) and its backward (TRL's step also generates the completions:
+generation holds one token's logits at a time); kd one row, the teacher a second copy, forward KL (the whole
+way: one chunk of every token). The whole-logits baselines run only where their logits hold at most
 --whole-tokens rows (kd: both models'; the machine this was written on has 24 GiB, shared): the ratio shows at
 the lengths where both run. TRL's GRPO step runs up to --trl-grpo-length (its generation, token by token, is
 slow on a CPU).
+kto's step: two unpaired rows of `length` tokens (a prompt of a quarter, then the completion), one desirable, and
+their two mismatched KL sequences, against a frozen reference copy (TRL's: KTOTrainer on the same two rows).
 """
 
 from __future__ import annotations
