@@ -31,9 +31,7 @@ import torch.nn.functional as F
 
 from trainer.config import recipe as config_recipe
 from trainer.data import packing
-from trainer.models import lora
-from trainer.parallel.assembly import assemble
-from trainer.recipes import grpo
+from trainer.recipes import dpo, grpo
 from trainer.recipes.base import Recipe, local
 
 LOSS_TYPES = config_recipe.LOSS_TYPES["kto"]
@@ -149,10 +147,7 @@ class KTO(Recipe):
 
     def __init__(self, cfg, model, ctx):
         super().__init__(cfg, model, ctx)
-        if cfg.peft.name == "lora":
-            self.reference = lora.without_adapters(model)
-        else:
-            self.reference = assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True)
+        self.reference = dpo.frozen_reference(cfg, model, ctx)
         r = cfg.recipe
         self.settings = {"beta": r.beta, "loss_type": r.loss_type, "desirable_weight": r.desirable_weight,
                          "undesirable_weight": r.undesirable_weight}
