@@ -323,10 +323,10 @@ def test_two_ranks_under_ddp_and_fsdp2_and_lora(kto_setup, run_cli, tmp_path):
         proc = run_cli(*args, *extra, f"hydra.run.dir={tmp_path / name}")
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         runs[name] = read_metrics(str(tmp_path / name))
-    for key in ("loss", "kl", "rewards/margins", "grad_norm"):
-        ddp = [m.get(key) for m in runs["ddp"]]
-        assert [m.get(key) for m in runs["fsdp2"]] == pytest.approx(ddp, rel=1e-4, abs=1e-6), key
+    for key in ("loss", "kl", "rewards/chosen", "rewards/margins", "grad_norm"):  # a step of one kind: no margin
+        ddp = [m.get(key, math.nan) for m in runs["ddp"]]
+        assert [m.get(key, math.nan) for m in runs["fsdp2"]] == pytest.approx(ddp, rel=1e-4, abs=1e-6, nan_ok=True), key
     for name in runs:
         assert runs[name][0]["loss"] == pytest.approx(0.5, abs=1e-6)
-        assert runs[name][-1]["loss"] < 0.5 and runs[name][-1]["rewards/margins"] > 0, name
+        assert runs[name][-1]["loss"] < 0.45 and any(m.get("rewards/margins", 0) > 0 for m in runs[name]), name
     assert math.isfinite(runs["lora"][-1]["kl"])
