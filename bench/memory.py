@@ -1,7 +1,7 @@
-"""Peak memory of one training step of recipe=sft, dpo, grpo, kd and ppo at Qwen's vocabulary (151,936), with the
+"""Peak memory of one training step of recipe=sft, dpo, kto, grpo, kd and ppo at Qwen's vocabulary (151,936), with the
 logits made a chunk of tokens at a time (`trainer.models.chunked`, what the recipes run) against the whole
-(batch, seq, vocab) logits (the way before), and against TRL 1.16's SFTTrainer, DPOTrainer and GRPOTrainer on the
-same model and batch. CPU, float32.
+(batch, seq, vocab) logits (the way before), and against TRL 1.16's SFTTrainer, DPOTrainer, KTOTrainer and
+GRPOTrainer on the same model and batch. CPU, float32.
 
     python bench/memory.py                                  # every case, lengths 512 .. 8192
     python bench/memory.py --cases dpo --lengths 4097       # one case
@@ -19,6 +19,8 @@ way: one chunk of every token). The whole-logits baselines run only where their 
 --whole-tokens rows (kd: both models'; the machine this was written on has 24 GiB, shared): the ratio shows at
 the lengths where both run. TRL's GRPO step runs up to --trl-grpo-length (its generation, token by token, is
 slow on a CPU).
+kto's step: two unpaired rows of `length` tokens (a prompt of a quarter, then the completion), one desirable, and
+their two mismatched KL sequences, against a frozen reference copy (TRL's: KTOTrainer on the same two rows).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.p
 VOCAB = 151_936
 PROMPT = 64  # grpo's prompt tokens
 GENERATIONS = 4
-ROWS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 1, "ppo": 1}  # sequences of `length` tokens a step holds
+ROWS = {"sft": 1, "dpo": 2, "kto": 2, "grpo": GENERATIONS, "kd": 1, "ppo": 1}  # sequences of `length` tokens a step holds
 # rows of (length, vocab) logits the whole way holds
-LOGITS = {"sft": 1, "dpo": 2, "grpo": GENERATIONS, "kd": 2, "ppo": 1}
-TRL_CASES = ("sft", "dpo", "grpo")
+LOGITS = {"sft": 1, "dpo": 2, "kto": 2, "grpo": GENERATIONS, "kd": 2, "ppo": 1}
+TRL_CASES = ("sft", "dpo", "kto", "grpo")
 
 
 def _rss_gb() -> float:
@@ -155,6 +157,8 @@ def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
         mask[:, length // 4: length], mask[:, length + length // 4:] = 1, 1
         settings = {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0}
         loss, _ = dpo.pair_loss(model, reference, tokens.view(1, -1), mask, settings, logps_fn)
+    elif case == "kto":
+        loss = _kto_step(model, tokens, length, logps_fn)
     elif case == "grpo":
         reference = copy.deepcopy(model).requires_grad_(False)
         target = tokens[:, 1:].clone()
@@ -177,6 +181,25 @@ def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
         loss, _ = model(tokens[:, :-1], tokens[:, 1:], loss_fn=lambda h, w, y: fn(h, w, targets=y))
     loss.backward()
     return float(loss), base
+
+
+def _kto_step(model, tokens, length: int, logps_fn):
+    """recipe=kto's loss of two unpaired rows (`trainer.data.unpaired`'s: prompt, then completion) of `length`
+    tokens, one desirable, with their KL sequences, against a frozen copy."""
+    import copy
+
+    import torch
+
+    from trainer.recipes import kto
+
+    reference = copy.deepcopy(model).requires_grad_(False)
+    prompt = length // 4
+    rows = torch.zeros(2, 2 * length, dtype=torch.long)
+    rows[:, :prompt], rows[:, length:2 * length - prompt] = tokens[:, :prompt], tokens[:, prompt:]
+    lengths = torch.tensor([[prompt, length - prompt]] * 2)
+    micro, _, _ = kto.micro_batch(rows, lengths, torch.tensor([1, 0]), "padding_free", kl=True)
+    settings = {"beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0}
+    return kto.unpaired_loss(model, reference, micro, settings, logps_fn)[0]
 
 
 def completion_lengths(completions, **kwargs):
@@ -213,6 +236,11 @@ def _trl(case: str, length: int, path: str) -> tuple[float, float]:
                                    "rejected": words(length - length // 4 - 1)}])
         args = trl.DPOConfig(max_length=2 * length, per_device_train_batch_size=1, beta=0.1, **common)
         trainer = trl.DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    elif case == "kto":
+        data = Dataset.from_list([{"prompt": words(length // 4), "completion": words(length - length // 4 - 1),
+                                   "label": label} for label in (True, False)])
+        args = trl.KTOConfig(max_length=length, per_device_train_batch_size=2, beta=0.1, **common)
+        trainer = trl.KTOTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
     else:
         data = Dataset.from_list([{"prompt": words(PROMPT)}] * GENERATIONS)
         args = trl.GRPOConfig(num_generations=GENERATIONS, per_device_train_batch_size=GENERATIONS,

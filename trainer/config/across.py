@@ -38,6 +38,7 @@ def check(job, shape: JobShape) -> None:
     _qat(job)
     _trackers(job, offers)
     _batch_divides(job, dims)
+    _kto(job, dims)
     _pipeline(job, dims)
     for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
         _elastic_size(job, nodes, per_node * nodes)
@@ -192,6 +193,21 @@ def _recipe(job) -> None:
         require(not (c.endpoints or c.eval_endpoints or c.nodes), "data.cache", "set",
                 f"data={data} is read from its local corpus; cache nodes serve "
                 "token rows of data=stdlib or data=parquet only")
+
+
+def _kto(job, dims: Degrees) -> None:
+    """KTO's KL estimate pairs each prompt of a micro-batch with another row's completion, so a micro-batch holds
+    more than one row (TRL's per_device_train_batch_size > 1); its completions are TRL's, whole."""
+    if job.recipe.name != "kto":
+        return
+    t = job.train
+    rows = t.global_batch_size // max(1, dims.dp_size * t.grad_accum_steps)
+    require(job.recipe.loss_type != "kto" or rows > 1, "train.global_batch_size", t.global_batch_size,
+            f"gives micro-batches of {rows} row (/ (data-parallel size {dims.dp_size} x train.grad_accum_steps="
+            f"{t.grad_accum_steps})): recipe.loss_type=kto estimates its KL term from the mismatched pairs of a "
+            "micro-batch, which needs at least 2 rows (TRL's per_device_train_batch_size > 1)")
+    require(job.data.chat.mask == "assistant", "data.chat.mask", job.data.chat.mask, "recipe=kto counts each "
+            "completion's tokens as TRL's KTOTrainer does (all that follows the prompt): leave it assistant")
 
 
 PPO_DATA_PARALLEL = ("ddp", "fsdp")  # where recipe=ppo trains its value model beside the policy

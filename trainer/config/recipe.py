@@ -1,4 +1,4 @@
-"""The `recipe` section: which loss a run trains with (`recipe=pretrain|sft|dpo|grpo|rloo|ppo|reward|kd`) and its
+"""The `recipe` section: which loss a run trains with (`recipe=pretrain|sft|dpo|kto|grpo|rloo|ppo|reward|kd`) and its
 settings, with the rules of its own values. The rules that tie it to the data, the model and the batch are cross-section
 rules (`trainer.config.across`)."""
 
@@ -10,20 +10,22 @@ from omegaconf import MISSING
 
 from trainer.config.checks import one_of, read_by, require
 
-RECIPES = ("pretrain", "sft", "dpo", "grpo", "rloo", "reward", "kd", "ppo")
+RECIPES = ("pretrain", "sft", "dpo", "kto", "grpo", "rloo", "reward", "kd", "ppo")
 # The data each recipe trains on; a dataset of its own is for those recipes only.
-DATA = {"sft": "chat", "dpo": "preference", "reward": "preference", "grpo": "prompts", "rloo": "prompts",
-        "ppo": "prompts"}
+DATA = {"sft": "chat", "dpo": "preference", "kto": "preference", "reward": "preference", "grpo": "prompts",
+        "rloo": "prompts", "ppo": "prompts"}
 ONLINE = ("grpo", "rloo")  # the recipes that sample groups of completions and score them
 SAMPLING = (*ONLINE, "ppo")  # every recipe that samples completions and scores them (ppo: one a prompt)
 KL_ESTIMATORS = ("k1", "k3")  # ppo: TRL's PPOConfig.kl_estimator
 VALUE_MODELS = ("separate", "shared")  # ppo: a value model of its own, or a value head on the policy
-DATA_ROWS = {"chat": "rows with messages", "preference": "rows with prompt, chosen, rejected",
+DATA_ROWS = {"chat": "rows with messages",
+             "preference": "rows with prompt, chosen, rejected; recipe=kto also prompt, completion, label",
              "prompts": "rows with a prompt (text) or messages"}
 SCALE_REWARDS = ("group", "batch", "none")
-# recipe.loss_type per recipe, TRL 1.16's names (GRPOConfig, DPOConfig); conf/recipe/<name>.yaml sets TRL's default.
+# recipe.loss_type per recipe, TRL 1.16's names (GRPOConfig, DPOConfig, KTOConfig); conf/recipe/<name>.yaml sets
+# TRL's default.
 LOSS_TYPES = {"grpo": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
-              "dpo": ("sigmoid", "ipo", "hinge", "robust")}
+              "dpo": ("sigmoid", "ipo", "hinge", "robust"), "kto": ("kto", "apo_zero_unpaired")}
 IMPORTANCE_LEVELS = ("token", "sequence")
 # grpo: the keys of the policy term each recipe.loss_type reads (TRL 1.16's `_compute_loss`); set off its default
 # under a loss type that does not read it, a key is refused. cispo reads recipe.epsilon only while
@@ -93,17 +95,23 @@ class KDConfig:
 class RecipeConfig:
     # pretrain: next-token loss on every token; sft: only on the assistant's tokens of data=chat;
     # dpo: Direct Preference Optimization on data=preference against the frozen starting model;
+    # kto: Kahneman-Tversky Optimization on data=preference's unpaired rows (or its pairs, unpaired as TRL does);
     # grpo: Group Relative Policy Optimization on data=prompts with reward functions;
     # kd: knowledge distillation from recipe.teacher on any data.
     name: str = MISSING
-    # dpo: how far from the reference the policy may move (the KL penalty's inverse weight); grpo: the KL
+    # dpo, kto: how far from the reference the policy may move (the KL penalty's inverse weight); grpo: the KL
     # penalty's weight (0: no reference is held).
-    beta: float = read_by("dpo", "grpo", "rloo", default=0.1)
+    beta: float = read_by("dpo", "kto", "grpo", "rloo", default=0.1)
     # grpo: grpo | bnpo | dr_grpo | dapo (TRL's default, set in conf/recipe/grpo.yaml) | luspo (the clipped ratio,
     # each normalised its own way) | cispo (the capped ratio as a weight) | sapo (a soft gate) | vespo (a gamma
-    # weight per sequence); dpo: sigmoid (the default, conf/recipe/dpo.yaml) | ipo | hinge | robust. Each as TRL 1.16
-    # computes it (trainer.recipes.grpo, .dpo).
-    loss_type: str | None = read_by("grpo", "dpo", default=None)
+    # weight per sequence); dpo: sigmoid (the default, conf/recipe/dpo.yaml) | ipo | hinge | robust; kto: kto (the
+    # default, conf/recipe/kto.yaml) | apo_zero_unpaired. Each as TRL 1.16 computes it (trainer.recipes.grpo, .dpo,
+    # .kto).
+    loss_type: str | None = read_by("grpo", "dpo", "kto", default=None)
+    # kto: the weights of the desirable (label true) and the undesirable completions' losses, to counter unequal
+    # numbers of each (TRL's KTOConfig; the KTO paper's Eq. 8 bounds their ratio).
+    desirable_weight: float = read_by("kto", default=1.0)
+    undesirable_weight: float = read_by("kto", default=1.0)  # kto: the undesirable completions' losses' weight
     # dpo with loss_type=robust: the assumed share of flipped preference labels, in [0, 0.5).
     label_smoothing: float = read_by("dpo", default=0.0)
     # grpo: importance weights per token, or per completion (the mean of its tokens' log-ratios: GSPO); luspo must
@@ -185,15 +193,17 @@ class RecipeConfig:
             one_of("recipe.loss_type", self.loss_type, LOSS_TYPES[self.name])
         else:
             require(self.loss_type is None, "recipe.loss_type", self.loss_type,
-                    f"only recipe=grpo and recipe=dpo read it (recipe={self.name}: leave it null)")
+                    f"only recipe=grpo, recipe=dpo and recipe=kto read it (recipe={self.name}: leave it null)")
         require(self.label_smoothing == 0 or (self.name == "dpo" and self.loss_type == "robust"),
                 "recipe.label_smoothing", self.label_smoothing,
                 "only recipe=dpo with recipe.loss_type=robust reads it (TRL's other losses do not): leave it 0")
         require(0 <= self.label_smoothing < 0.5, "recipe.label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
         require(self.importance_sampling_level == "token" or self.name == "grpo", "recipe.importance_sampling_level",
                 self.importance_sampling_level, f"only recipe=grpo reads it (recipe={self.name}: leave it token)")
-        if self.name == "dpo":
+        if self.name in ("dpo", "kto"):
             require(self.beta > 0, "recipe.beta", self.beta, "must be > 0")
+        if self.name == "kto":
+            self._check_kto()
         if self.name in ONLINE:
             self._check_grpo()
         if self.name == "ppo":
@@ -268,6 +278,14 @@ class RecipeConfig:
         require(self.missing_eos_penalty is None or self.missing_eos_penalty > 0, "recipe.missing_eos_penalty",
                 self.missing_eos_penalty, "must be > 0 (TRL: a positive value), or null for none")
         self._check_reward_weights()
+
+    def _check_kto(self) -> None:
+        """kto: both loss types read beta and the two weights (TRL 1.16's `_compute_loss`); no key is one loss
+        type's alone, so none is refused for the loss type."""
+        for key in ("desirable_weight", "undesirable_weight"):
+            require(getattr(self, key) >= 0, f"recipe.{key}", getattr(self, key), "must be >= 0")
+        require(self.desirable_weight + self.undesirable_weight > 0, "recipe.desirable_weight",
+                self.desirable_weight, "and recipe.undesirable_weight are both 0, which weighs every loss to 0")
 
     def _check_kd(self) -> None:
         kd = self.kd

@@ -83,14 +83,22 @@ def source_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int,
                                                            .to_pylist()))
 
 
-def documents(name: str, path: str) -> Iterator[tuple[str, list[list[dict]]]]:
+def documents(name: str, path: str) -> Iterator[tuple[str, list]]:
     """(document id, its conversations) of every row, in any of TRL's forms the kind reads (`trl_forms`): one for
-    data=chat, two for data=preference (chosen, then rejected). A row of another form raises ConfigError."""
+    data=chat, two for data=preference (chosen, then rejected); for name "unpaired" (data=preference under
+    recipe=kto) its (prompt, completion, label) triples. A row of another form raises ConfigError."""
     root = None
     for file, i, row in source_rows(path, ()):
         root = root or os.path.dirname(os.path.abspath(file))
         doc = f"{os.path.relpath(os.path.abspath(file), root)}:{i}"
-        yield doc, trl_forms.conversations(name, row, f"row {i + 1} of {file}", path)
+        where = f"row {i + 1} of {file}"
+        yield doc, (trl_forms.unpaired(row, where, path) if name == "unpaired"
+                    else trl_forms.conversations(name, row, where, path))
+
+
+def in_eval(doc_id: str, data) -> bool:
+    """Whether document `doc_id` goes to the eval split (a hash of its id against `data.eval_percent`)."""
+    return zlib.crc32(doc_id.encode()) % 10_000 < eval_share(data) * 100
 
 
 def encode_row(tok: HFTokenizer, messages: list[dict], seq_len: int, pad_id: int, mask_mode: str = "assistant"
@@ -123,8 +131,10 @@ def source_fingerprint(cfg, model_path: str | None) -> dict:
     return {"files": files, "tokenizer": digest.hexdigest()}
 
 
-def _write(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], widths: tuple[int, int, int], out_dir: str) -> int:
-    """Rows (tokens, loss mask, lengths) of `widths` each, as Parquet shards in `out_dir`."""
+def write_rows(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], widths: tuple[int, int, int], out_dir: str,
+               labels: list[bool] | None = None) -> int:
+    """Rows (tokens, loss mask, lengths) of `widths` each, as Parquet shards in `out_dir`; with `labels`, a
+    `label` column (int8) beside them."""
     os.makedirs(out_dir)
     columns = [("tokens", np.int32), ("loss_mask", np.int8), ("lengths", np.int32)]
     arrays = {
@@ -132,14 +142,12 @@ def _write(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], widths: tuple[
         for i, (name, kind) in enumerate(columns)
     }
     for i, start in enumerate(range(0, max(len(rows), 1), ROWS_PER_SHARD)):
-        table = pa.table(
-            {
-                name: pa.FixedSizeListArray.from_arrays(pa.array(a[start : start + ROWS_PER_SHARD].reshape(-1)),
-                                                        widths[j])
-                for j, (name, a) in enumerate(arrays.items())
-            }
-        )
-        pq.write_table(table, os.path.join(out_dir, f"shard-{i:05d}.parquet"))
+        part = slice(start, start + ROWS_PER_SHARD)
+        table = {name: pa.FixedSizeListArray.from_arrays(pa.array(a[part].reshape(-1)), widths[j])
+                 for j, (name, a) in enumerate(arrays.items())}
+        if labels is not None:
+            table["label"] = pa.array(np.array(labels[part], dtype=np.int8))
+        pq.write_table(pa.table(table), os.path.join(out_dir, f"shard-{i:05d}.parquet"))
     return len(rows)
 
 
@@ -166,9 +174,8 @@ def _encode(d, tok: HFTokenizer, pad: int, model_path: str, doc_id: str, chats: 
     return encoded
 
 
-def prepare(cfg) -> str:
-    """The chat corpus directory for run config `cfg`, built first when missing."""
-    d, model_path = cfg.data, cfg.model.path
+def template_tokenizer(d, model_path: str) -> HFTokenizer:
+    """The tokenizer of model directory `model_path` with its chat template; ConfigError where it has none."""
     tok = HFTokenizer(model_path) if os.path.isfile(os.path.join(model_path, "tokenizer.json")) else None
     if tok is None or not tok.chat_template:
         raise ConfigError(
@@ -177,14 +184,20 @@ def prepare(cfg) -> str:
             f"data={d.name} needs the directory's tokenizer.json and a chat "
             "template (in tokenizer_config.json or chat_template.jinja)",
         )
-    settings = {
-        "name": d.name,
-        "seq_len": d.seq_len,
-        "eval_percent": eval_share(d),
-        "source": source_fingerprint(d, model_path),
-        "format": 3,
-        "mask": d.chat.mask,
-    }
+    return tok
+
+
+def build_settings(d, model_path: str) -> dict:
+    """What a conversation corpus is built from: the key of its build (`build_once`)."""
+    return {"name": d.name, "seq_len": d.seq_len, "eval_percent": eval_share(d),
+            "source": source_fingerprint(d, model_path), "format": 3, "mask": d.chat.mask}
+
+
+def prepare(cfg) -> str:
+    """The chat corpus directory for run config `cfg`, built first when missing."""
+    d, model_path = cfg.data, cfg.model.path
+    tok = template_tokenizer(d, model_path)
+    settings = build_settings(d, model_path)
     pad = padding_id(tok)
 
     def write(tmp: str) -> dict:
@@ -195,8 +208,7 @@ def prepare(cfg) -> str:
             if isinstance(encoded, str):
                 dropped[encoded] = dropped.get(encoded, 0) + 1
                 continue
-            in_eval = zlib.crc32(doc_id.encode()) % 10_000 < eval_share(d) * 100
-            splits["eval" if in_eval else "train"].append(encoded)
+            splits["eval" if in_eval(doc_id, d) else "train"].append(encoded)
         total = sum(len(rows) for rows in splits.values()) + sum(dropped.values())
         # a preference row: the chosen conversation's row, then the rejected one's
         splits = {name: [(*(np.concatenate(c) for c in list(zip(*convs, strict=True))[:2]),
@@ -204,7 +216,7 @@ def prepare(cfg) -> str:
                   for name, rows in splits.items()}
         n = 2 if d.name == "preference" else 1
         widths = (n * (d.seq_len + 1), n * (d.seq_len + 1), n)
-        counts = {name: _write(rows, widths, os.path.join(tmp, name)) for name, rows in splits.items()}
+        counts = {name: write_rows(rows, widths, os.path.join(tmp, name)) for name, rows in splits.items()}
         top = max((int(row[0].max()) for rows in splits.values() for row in rows), default=0)
         if dropped:
             log.warning("data=%s: %s", d.name, dropped_text(dropped, total))
@@ -214,7 +226,10 @@ def prepare(cfg) -> str:
 
 
 class ChatDataset(LocalDataset):
-    """A chat corpus split: each batch is `{"tokens", "loss_mask", "lengths"}` for this rank."""
+    """A chat corpus split: each batch is `{"tokens", "loss_mask", "lengths"}` for this rank, and `"label"` where
+    the split holds one (recipe=kto's unpaired rows)."""
 
     def __init__(self, path: str, **kw):
-        super().__init__(path, columns=("tokens", "loss_mask", "lengths"), **kw)
+        first = sorted(parquet_files(path))[:1]
+        label = bool(first) and "label" in pq.ParquetFile(first[0]).schema_arrow.names
+        super().__init__(path, columns=("tokens", "loss_mask", "lengths", *(("label",) if label else ())), **kw)

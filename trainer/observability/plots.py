@@ -25,6 +25,7 @@ LOG_SCALE_SPAN = 2.0
 # model's reward margin, GRPO's and RLOO's mean reward. Any other recipe: the next-token loss alone.
 RECIPE_AXES = {
     "dpo": ("DPO loss (nats/pair)", ("rewards/margins", "reward margin (nats, chosen - rejected)")),
+    "kto": ("KTO loss (per completion)", ("rewards/margins", "reward margin (nats, desirable - undesirable)")),
     "reward": ("pairwise loss (nats/pair)", ("margin", "score margin (chosen - rejected)")),
     "grpo": ("GRPO loss (clipped surrogate)", ("reward", "mean reward per completion")),
     "rloo": ("RLOO loss (clipped surrogate)", ("reward", "mean reward per completion")),

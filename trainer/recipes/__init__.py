@@ -1,5 +1,5 @@
-"""The recipes, `recipe=pretrain|sft|dpo|grpo|rloo|ppo|reward|kd`: one object each (`trainer.recipes.base.Recipe`)
-that owns what a run's loss counts, its eval loss and, for dpo, grpo and rloo, its frozen reference, for kd its
+"""The recipes, `recipe=pretrain|sft|dpo|kto|grpo|rloo|ppo|reward|kd`: one object each (`trainer.recipes.base.Recipe`)
+that owns what a run's loss counts, its eval loss and, for dpo, kto, grpo and rloo, its frozen reference, for kd its
 teacher. The section's schema and checks are in `trainer.config.recipe` (no torch there: the driver imports it);
 `build` makes a run's recipe object."""
 
@@ -12,6 +12,7 @@ OBJECTS = {
     "pretrain": ("trainer.recipes.pretrain", "Pretrain"),
     "sft": ("trainer.recipes.sft", "SFT"),
     "dpo": ("trainer.recipes.dpo", "DPO"),
+    "kto": ("trainer.recipes.kto", "KTO"),
     "grpo": ("trainer.recipes.grpo", "GRPO"),
     "rloo": ("trainer.recipes.rloo", "RLOO"),
     "reward": ("trainer.recipes.reward", "Reward"),

@@ -90,16 +90,21 @@ def pair_loss(model, reference, micro: packing.Packed, settings: dict, loss_fn=c
                     rejected_tokens=counts.chunk(2)[1])
 
 
+def frozen_reference(cfg, model, ctx):
+    """The frozen starting model that dpo and kto compare the policy `model` with: under peft=lora the policy with
+    its adapters off (no second copy), else a frozen copy assembled as the policy is."""
+    if cfg.peft.name == "lora":
+        return lora.without_adapters(model)
+    return assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True)
+
+
 class DPO(Recipe):
     """`recipe=dpo` on data=preference: `pair_loss` against the frozen starting model (with peft=lora the
     policy with its adapters off, so the reference costs no second copy); its rewards go on metrics lines."""
 
     def __init__(self, cfg, model, ctx):
         super().__init__(cfg, model, ctx)
-        if cfg.peft.name == "lora":
-            self.reference = lora.without_adapters(model)
-        else:
-            self.reference = assemble(cfg.model, cfg, ctx.dims, ctx.kernels, peft=False, qat=False, frozen=True)
+        self.reference = frozen_reference(cfg, model, ctx)
         r = cfg.recipe
         self.settings = {"beta": r.beta, "loss_type": r.loss_type, "label_smoothing": r.label_smoothing}
         self.logps_fn = ctx.kernels.token_logps

@@ -45,7 +45,7 @@ REFUSED = [
     (["launcher.namespace=ml"], "launcher.namespace='ml': launcher=local reads no namespace; launcher=kubernetes does"),
     (["launcher=docker", "+launcher.namespace=ml"],
      "launcher.namespace='ml': launcher=docker reads no namespace; launcher=kubernetes does"),
-    (["recipe.beta=0.3"], "recipe.beta=0.3: recipe=pretrain reads no beta; recipe=dpo, grpo or rloo do"),
+    (["recipe.beta=0.3"], "recipe.beta=0.3: recipe=pretrain reads no beta; recipe=dpo, kto, grpo or rloo do"),
     (["recipe=sft", "recipe.kd.alpha=0.3"], "recipe.kd.alpha=0.3: recipe=sft reads no kd.alpha; recipe=kd does"),
     (["peft.rank=4"], "peft.rank=4: peft=none reads no rank; peft=lora does"),
     (["optim=sgd", "optim.betas=[0.9,0.99]"], "optim.betas=[0.9, 0.99]: optim=sgd reads no betas; optim=adamw does"),
@@ -85,7 +85,7 @@ def test_a_key_an_experiment_file_sets_is_refused_where_the_chosen_option_never_
     cfg = compose(args)
     with open_dict(cfg):
         cfg.run_dir = "/tmp/unused"
-    with pytest.raises(ConfigError, match=r"recipe.beta=0.1: recipe=sft reads no beta; recipe=dpo, grpo or rloo do"):
+    with pytest.raises(ConfigError, match=r"recipe.beta=0.1: recipe=sft reads no beta; recipe=dpo, kto, grpo or rloo do"):
         validate(cfg, readers.given_keys(args))
     assert readers.given_keys(["+experiment=llama3_2_1b_dpo", "--cfg", "job"])["train.max_steps"] == 500
 
