@@ -135,6 +135,7 @@ def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
+    from trainer.data.packing import Packed
     from trainer.models import chunked
     from trainer.models.hf import from_hf
     from trainer.recipes import dpo, grpo, kd
@@ -153,10 +154,10 @@ def _ours(case: str, mode: str, length: int, path: str) -> tuple[float, float]:
             loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), target.flatten())
     elif case == "dpo":
         reference = copy.deepcopy(model).requires_grad_(False)
-        mask = torch.zeros(1, 2 * length, dtype=torch.long)
-        mask[:, length // 4: length], mask[:, length + length // 4:] = 1, 1
+        target = tokens[:, 1:].clone()  # the chosen row and the rejected one, each after a prompt of length / 4
+        target[:, : length // 4] = chunked.IGNORE
         settings = {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0}
-        loss, _ = dpo.pair_loss(model, reference, tokens.view(1, -1), mask, settings, logps_fn)
+        loss, _ = dpo.pair_loss(model, reference, Packed(tokens, target, seq=length - 1), settings, logps_fn)
     elif case == "kto":
         loss = _kto_step(model, tokens, length, logps_fn)
     elif case == "grpo":
