@@ -14,8 +14,10 @@ from omegaconf.errors import InterpolationResolutionError
 
 from trainer.config import Config, ConfigError, JobShape
 from trainer.config.hf_impl import fill_config
+from trainer.config.runtime import config_errors
 from trainer.config.validate import validate
 from trainjob.files import directory_problem
+from trainjob.storage.urls import is_url
 
 if TYPE_CHECKING:
     from trainer.prepare.inputs import Checked
@@ -32,7 +34,10 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
     cfg.run_dir = run_dir
     if cfg.model.name == "hf":  # its model.* keys come from the model directory's config.json
         fill_config(cfg.model)
+    if cfg.train.checkpoint_dir and not is_url(cfg.train.checkpoint_dir):
+        cfg.train.checkpoint_dir = os.path.abspath(cfg.train.checkpoint_dir)
     job, shape = validate(cfg, given)
+    _checkpoint_store(job)
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
     if shape.offers.reads_disk_here:
@@ -53,6 +58,23 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
         print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
               "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
     return job, shape, checked
+
+
+def _checkpoint_store(job: Config) -> None:
+    """A `train.checkpoint_dir` URL's store answers, takes these credentials and holds the bucket (on Kubernetes the
+    ranks' credentials are the storage Secret's, which this machine does not have: asked there); a fresh run finds
+    no checkpoint there to overwrite. Raises StorageError or ConfigError; writes nothing."""
+    from trainer.checkpoint import fs
+
+    url = job.train.checkpoint_dir
+    if not is_url(url) or job.launcher.name == "kubernetes":
+        return
+    fs.configure(job.train.checkpoint_retries)
+    with config_errors():  # the store's refusal, a config error like any other
+        fs.probe("train.checkpoint_dir", url)
+    if job.train.resume == "never" and fs.listdir(url):
+        raise ConfigError("train.resume", "never", f"{url} already holds checkpoints that a fresh run would "
+                          "overwrite: use train.resume=auto or another train.checkpoint_dir")
 
 
 def _unresolvable(node: Any, prefix: str = "") -> str | None:
