@@ -190,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         report_error(e.report(), argv[0])
         code = 1
     except OSError as e:  # a full disk, or an object store that failed a checkpoint (trainer.checkpoint.writing)
-        if e.errno not in (errno.ENOSPC, errno.EREMOTEIO):
+        if e.errno == errno.EREMOTEIO:  # every rank fails that save alike: the driver says it once
+            report_error(f"error: {e.strerror}", argv[0])
+        elif e.errno == errno.ENOSPC:
+            print(f"error: {e.strerror}", file=sys.stderr)
+        else:
             raise
-        print(f"error: {e.strerror}", file=sys.stderr)
         code = 1
     # Done: leave without the interpreter's teardown, where a collective backend's threads, destroyed
     # late, have been seen to abort (SIGABRT) a rank that had succeeded.

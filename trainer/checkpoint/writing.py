@@ -61,7 +61,11 @@ def _on_rank_0(work, root: str, step: int) -> None:
     said = [None if error is None else cause(error)]
     dist.broadcast_object_list(said, src=0)
     if said[0] is not None:
-        failed(error or RuntimeError(said[0]), root, step)
+        failed(error or RankZeroFailed(said[0]), root, step)
+
+
+class RankZeroFailed(RuntimeError):
+    """What rank 0's part of a save failed with, as the other ranks hear it (`cause` says it as rank 0 does)."""
 
 
 def keep_config(root: str, config: str) -> None:
@@ -104,6 +108,8 @@ def failed(error: BaseException, root: str, step: int) -> NoReturn:
 def cause(error: BaseException) -> str:
     """The first failure `error` wraps (DCP's CheckpointException holds each rank's), in one line."""
     for e in _chain(error):
+        if isinstance(e, RankZeroFailed):
+            return str(e)
         if not _wraps(e):
             text = str(e).strip()
             return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
