@@ -144,8 +144,7 @@ def manifests(
                 "stringData": {k: (v if reveal else MASK) for k, v in sorted(spec.secrets.items())},
             }
         )
-    secret_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(spec.secrets)]
-    secret_env += initializers.rank_env(lc.get("storage_secret"))  # the storage Secret's, by key, never its values
+    secret_env = _secret_env(spec, lc, secret)
     env = {
         "PYTHONUNBUFFERED": "1",
         **spec.runtime.unit.agent_env(spec.runtime.options),
@@ -166,6 +165,13 @@ def manifests(
     schedulers.apply_to_trainjob(sc, trainjob)
     out.append(trainjob)
     return out
+
+
+def _secret_env(spec: LaunchSpec, lc: Mapping[str, Any], secret: str) -> list[dict[str, Any]]:
+    """The ranks' variables from Secrets, by key, never a value: the run's own (`secret`: spec.secrets) and the
+    storage credentials of `launcher.storage_secret`."""
+    own = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(spec.secrets)]
+    return own + initializers.rank_env(lc.get("storage_secret"))
 
 
 def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], name: str, labels: dict[str, str],

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from launchers.docker import credentials
 from tests.conftest import TINY
 from tests.launchers.test_docker import docker  # noqa: F401 - the fixture: fake docker CLI on PATH
@@ -15,6 +17,7 @@ from tests.launchers.test_docker import docker  # noqa: F401 - the fixture: fake
 SECRETS = {"AWS_SECRET_ACCESS_KEY": "trainjob-test-secret", "HF_TOKEN": "hf_trainjobTESTtoken0123456789"}
 
 
+@pytest.mark.e2e
 def test_credentials_reach_the_containers_as_environment_and_no_file_of_the_run(s3, docker, run_cli,  # noqa: F811
                                                                                 tmp_path, monkeypatch):
     _, _, calls = docker

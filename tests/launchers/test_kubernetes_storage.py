@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import subprocess
-import sys
 
 import yaml
 
@@ -69,6 +67,7 @@ def test_a_hub_dataset_url_and_an_s3_model_map_to_the_initializers_paths(tmp_pat
     assert initializers.uris(run.spec.config) == {"model": ("s3://models/tiny", ""),
                                                   "dataset": ("hf://org/chats", "data/*.jsonl")}
     runtime, config_map, trainjob = launcher_of(run).manifests(run.spec)
+    crds.validate(runtime)
     crds.validate(trainjob)
     assert "secretRef" not in trainjob["spec"]["initializer"]["model"]  # no launcher.storage_secret: public data
     ranks = yaml.safe_load(next(iter(config_map["data"].values())))
@@ -90,11 +89,9 @@ def test_runtime_ref_runs_on_an_admins_cluster_runtime_and_creates_none(tmp_path
                            "trainjob-torch-volcano-initializers's own")
 
 
-def test_the_cluster_runtimes_an_admin_applies_validate_and_carry_policies_and_initializers():
-    proc = subprocess.run([sys.executable, "-m", "launchers.kubernetes.cluster_runtimes", "--image", "me/trainjob:1",
-                           "--max-restarts", "3"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    docs = list(yaml.safe_load_all(proc.stdout))
+def test_the_cluster_runtimes_an_admin_applies_validate_and_carry_policies_and_initializers(capsys):
+    assert cluster_runtimes.main(["--image", "me/trainjob:1", "--max-restarts", "3"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert docs == cluster_runtimes.cluster_runtimes("me/trainjob:1", 3)
     assert [d["metadata"]["name"] for d in docs] == [
         f"trainjob-torch{g}{i}" for g in ("", "-volcano", "-coscheduling", "-kai") for i in ("", "-initializers")]

@@ -125,6 +125,7 @@ def test_a_store_that_cannot_be_used_is_refused_before_launch(s3, run_cli, tmp_p
         assert not run_dir.exists()
 
 
+@pytest.mark.e2e
 def test_a_store_that_stops_answering_fails_that_save_and_leaves_the_last_whole(s3, cache_dir, tmp_path):
     from moto.server import ThreadedMotoServer
 

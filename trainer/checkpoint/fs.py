@@ -87,7 +87,7 @@ def getsize(path: str) -> int:
     return filesystem(path).size(path) if remote(path) else os.path.getsize(path)
 
 
-def open(path: str, mode: str = "rb"):  # noqa: A001 - the checkpoint modules' one way to open a file
+def open(path: str, mode: str = "rb"):  # the checkpoint modules' one way to open a file
     import builtins
 
     return filesystem(path).open(path, mode) if remote(path) else builtins.open(path, mode)

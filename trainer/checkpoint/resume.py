@@ -28,7 +28,7 @@ def decide(cfg) -> Start | None:
     own = layout.root(cfg)
     if cfg.train.resume == "never":
         return None
-    if cfg.train.resume == "auto":  # only this run's own checkpoint_dir (a new run directory with the same one goes on from it)
+    if cfg.train.resume == "auto":  # its checkpoint_dir: another run directory with the same one goes on from it
         path = lines.latest(own)
     elif lines.branched_from(own) == fs.real(cfg.train.resume):
         # A restart of a line that began at this explicit checkpoint (torchrun's restart, a pod's, the same

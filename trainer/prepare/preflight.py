@@ -37,7 +37,7 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
     if cfg.train.checkpoint_dir and not is_url(cfg.train.checkpoint_dir):
         cfg.train.checkpoint_dir = os.path.abspath(cfg.train.checkpoint_dir)
     job, shape = validate(cfg, given)
-    _checkpoint_store(job)
+    _checkpoint_store(job, shape.offers.reads_disk_here)
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
     if shape.offers.reads_disk_here:
@@ -60,14 +60,15 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
     return job, shape, checked
 
 
-def _checkpoint_store(job: Config) -> None:
-    """A `train.checkpoint_dir` URL's store answers, takes these credentials and holds the bucket (on Kubernetes the
-    ranks' credentials are the storage Secret's, which this machine does not have: asked there); a fresh run finds
-    no checkpoint there to overwrite. Raises StorageError or ConfigError; writes nothing."""
+def _checkpoint_store(job: Config, here: bool) -> None:
+    """A `train.checkpoint_dir` URL's store answers, takes these credentials and holds the bucket, where the ranks
+    run with this machine's (`here`: in its processes or its containers, given its environment; a cluster's take
+    a Secret's, which this machine does not have: asked there); a fresh run finds no checkpoint there to overwrite.
+    Raises ConfigError; writes nothing."""
     from trainer.checkpoint import fs
 
     url = job.train.checkpoint_dir
-    if not is_url(url) or job.launcher.name == "kubernetes":
+    if not is_url(url) or not here:
         return
     fs.configure(job.train.checkpoint_retries)
     with config_errors():  # the store's refusal, a config error like any other
