@@ -150,10 +150,22 @@ def test_a_store_that_stops_answering_fails_that_save_and_leaves_the_last_whole(
     last = failed - 2
     assert last >= 2
 
-    verify = subprocess.run([sys.executable, "-m", "trainer.checkpoint", "verify", f"{url}/step-{last}"],
+    # A writer that died half way: every object of a checkpoint but its manifest, written last.
+    client, half = s3.client(), last + 100
+    for name in _keys(s3, f"ckpt/outage/step-{last}/"):
+        if name != ".manifest.json":
+            client.copy_object(Bucket=s3.bucket, Key=f"ckpt/outage/step-{half}/{name}",
+                               CopySource={"Bucket": s3.bucket, "Key": f"ckpt/outage/step-{last}/{name}"})
+    verify = subprocess.run([sys.executable, "-m", "trainer.checkpoint", "verify", url],
                             env={**os.environ, **s3.env}, capture_output=True, text=True, timeout=120)
-    assert verify.returncode == 0 and verify.stdout.startswith(f"step {last}: whole"), verify.stdout + verify.stderr
-    again = _start(cache_dir, tmp_path, s3.env, *args[:-3], "train.max_steps=" + str(last + 2),
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    said = {line.split(":")[0]: line for line in verify.stdout.splitlines()}
+    assert said[f"step {last}"].startswith(f"step {last}: whole"), verify.stdout
+    assert said[f"step {half}"].startswith(
+        f"step {half}: damaged: its .manifest.json is missing: its writer did not finish"), verify.stdout
+    assert not said.get(f"step {failed}", "damaged").startswith(f"step {failed}: whole")
+    # The last whole one resumes, in one process where two wrote it (DCP reshards), passing the half-written one.
+    again = _start(cache_dir, tmp_path, s3.env, *TINY, f"train.max_steps={last + 2}", "train.eval_every=30",
                    "train.checkpoint_every=2", f"train.checkpoint_dir={url}", f"hydra.run.dir={tmp_path / 'b'}")
     err = _finish(again)
     assert again.returncode == 0, err[-3000:]
