@@ -70,7 +70,7 @@ class RankZeroFailed(RuntimeError):
 
 def keep_config(root: str, config: str) -> None:
     """Copy the run's config file `config` to `<root>/config.yaml`, where a `train.checkpoint_dir` of its own keeps
-    its checkpoints: what export and generate read of the run that wrote them (`config_of`)."""
+    its checkpoints: what export reads of the run that wrote them (`config_of`)."""
     if os.path.isfile(config):
         fs.makedirs(root)
         with open(config, "rb") as src, fs.open(os.path.join(root, CONFIG), "wb") as dst:

@@ -65,7 +65,7 @@ class Trainer:
             self.params[True], cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.head_dim or cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
-        if self.rank == 0 and t.checkpoint_dir:  # beside its checkpoints, for export and generate to read
+        if self.rank == 0 and t.checkpoint_dir:  # beside its checkpoints, for export to read
             writing.keep_config(t.checkpoint_dir, RunDir.of(cfg.run_dir).config)
         self.checkpointer = store.Checkpointer(layout.root(cfg), t,
                                                store.of_run(cfg, model, self.optimizer, device, self.engine),
