@@ -22,7 +22,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 def root(cfg) -> str:
     """Where the run `cfg` keeps its checkpoints: `train.checkpoint_dir`, a path or a URL, by default
     `<run_dir>/checkpoints`."""
-    return cfg.train.checkpoint_dir or RunDir.of(cfg.run_dir).checkpoints
+    return getattr(cfg.train, "checkpoint_dir", "") or RunDir.of(cfg.run_dir).checkpoints  # "": a config before it
 
 
 def paths(root: str, step: int) -> tuple[str, str]:
