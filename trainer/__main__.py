@@ -266,8 +266,8 @@ def _app(cfg: DictConfig) -> float:
     except UserCodeError as e:  # in process: the user's function raised; its checkpoints stay
         print(e.report(), file=sys.stderr)
         raise SystemExit(1) from None
-    except OSError as e:  # in process, the disk filled: what the run wrote whole stays, the rest is gone
-        if e.errno != errno.ENOSPC:
+    except OSError as e:  # in process, the disk filled or the checkpoints' store failed: what was whole stays
+        if e.errno not in (errno.ENOSPC, errno.EREMOTEIO):
             raise
         print(f"error: {e.strerror}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -31,16 +31,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import models
+from trainer.checkpoint import fs as checkpoint_fs
 from trainer.checkpoint import store
 from trainer.checkpoint.checks import damage
 from trainer.checkpoint.layout import is_checkpoint
+from trainer.checkpoint.writing import config_of
 from trainer.config.hf import local_model
 from trainer.config.hf_impl import choose
 from trainer.errors import ConfigError
 from trainer.models import hf, hf_transformers, lora, score
 from trainjob.cli import OneLineParser
 from trainjob.files import directory_problem, nearest_existing
-from trainjob.run_files import RunDir
 
 # Files of a model directory that describe how to tokenize and generate, copied as they are.
 TOKENIZER_FILES = (
@@ -62,18 +63,20 @@ def run_config(checkpoint: str) -> DictConfig:
             "must be a checkpoint directory such as <run_dir>/checkpoints/step-100 (it holds a .metadata file, or "
             "DeepSpeed's deepspeed.json)",
         )
-    path = RunDir.of(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))).config
-    if not os.path.isfile(path):
+    path = config_of(checkpoint)
+    if not checkpoint_fs.isfile(path):
         raise ConfigError(
             "CHECKPOINT",
             checkpoint,
-            f"its run's config {path} is missing: the checkpoint must stay in <run_dir>/checkpoints/",
+            f"its run's config {path} is missing: the checkpoint must stay in <run_dir>/checkpoints/ (or its "
+            "train.checkpoint_dir)",
         )
     problem = damage(checkpoint)
     if problem:
         raise ConfigError("CHECKPOINT", checkpoint, f"cannot be loaded: {problem}")
     try:
-        cfg = OmegaConf.load(path)
+        with checkpoint_fs.open(path, "r") as f:
+            cfg = OmegaConf.load(f)
     except Exception as e:  # YAML and OmegaConf raise many kinds: one line naming the file
         raise ConfigError("CHECKPOINT", checkpoint, f"its run's config {path} cannot be read: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

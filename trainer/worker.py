@@ -29,6 +29,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import config, models
+from trainer.checkpoint import fs as checkpoint_fs
 from trainer.checkpoint import resume
 from trainer.config import Config, ConfigError, hf_impl
 from trainer.errors import UserCodeError
@@ -119,6 +120,7 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
 
 def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> dict:
     torch.manual_seed(cfg.train.seed)
+    checkpoint_fs.configure(cfg.train.checkpoint_retries)  # before the first request to an object store
     dims = ParallelDims.from_config(cfg.strategy, env.world_size)
     # Where it starts: rank 0 decides and every rank checks that start (the driver decided it, in its process).
     checked = checked or inputs.check(cfg, dims, resume.agreed)
@@ -193,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserCodeError as e:
         report_error(e.report(), argv[0])
         code = 1
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
+    except OSError as e:  # a full disk, or an object store that failed a checkpoint (trainer.checkpoint.writing)
+        if e.errno == errno.EREMOTEIO:  # every rank fails that save alike: the driver says it once
+            report_error(f"error: {e.strerror}", argv[0])
+        elif e.errno == errno.ENOSPC:
+            print(f"error: {e.strerror}", file=sys.stderr)
+        else:
             raise
-        print(f"error: {e.strerror}", file=sys.stderr)
         code = 1
     # Done: leave without the interpreter's teardown, where a collective backend's threads, destroyed
     # late, have been seen to abort (SIGABRT) a rank that had succeeded.

@@ -50,7 +50,7 @@ from launchers.base import (
     node_command,
     run_name,
 )
-from launchers.docker import ssh
+from launchers.docker import credentials, ssh
 from launchers.docker.options import image_ok
 from trainjob.run_files import read_progress
 from trainjob.runtimes import UNKNOWN, Runtime
@@ -365,6 +365,7 @@ class DockerLauncher(Backend):
         """The docker commands that start `spec`: the network, the data cache nodes (`data.cache.nodes`),
         then one detached container per node."""
         lc = self.options
+        spec = credentials.with_credentials(spec)
         _check_spec(spec, str(lc.get("image") or ""))
         if spec.runtime is None:
             raise LauncherError("launcher=docker runs a runtime on every node: add runtime=torch-distributed")
@@ -494,6 +495,7 @@ class DockerLauncher(Backend):
                     time.sleep(1.0)
 
     def launch(self, spec: LaunchSpec) -> Job:
+        spec = credentials.with_credentials(spec)  # the storage credentials, by name, as the commands have them
         cmds = self.commands(spec)
         lc, name = self.options, job_name(spec)
         own_network = not lc.get("network")
@@ -630,4 +632,4 @@ def _docker_run(spec: LaunchSpec, lc: Mapping[str, Any], cname: str, role: str, 
         cmd += ["--env", f"{key}={value}"]
     for key in sorted(spec.secrets):
         cmd += ["--env", key]  # the value comes from the docker CLI's environment
-    return cmd
+    return cmd + credentials.mounts(spec.secrets)

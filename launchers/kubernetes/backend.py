@@ -488,7 +488,12 @@ class KubernetesLauncher(Backend):
         lines saying which failure policies apply."""
         manifests = self.manifests(spec)  # refuses what cannot run first
         restarts = None if cluster_runtime(spec, self.options) is None else spec.runtime.options.get("max_restarts", 0)
-        return "".join(f"# {line}\n" for line in schedulers.policies_text(restarts)) + to_yaml(manifests)
+        lines = schedulers.policies_text(restarts)
+        if not any(m["kind"] == "TrainingRuntime" for m in manifests) and self.options.get("runtime_ref"):
+            lines = [f"failure policies, initializers and pod group: the ClusterTrainingRuntime "
+                     f"{self.options['runtime_ref']}'s own (python -m launchers.kubernetes.cluster_runtimes prints "
+                     "trainjob's)"]
+        return "".join(f"# {line}\n" for line in lines) + to_yaml(manifests)
 
     def _job(self, name: str) -> KubernetesJob:
         return KubernetesJob(

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from launchers.base import MASK, LauncherError, LaunchSpec
-from launchers.kubernetes import schedulers
+from launchers.kubernetes import initializers, schedulers
 from trainjob.env import CACHE_ENDPOINTS_ENV
 from trainjob.run_files import RunDir
 from trainjob.runtimes import Nodes
@@ -91,6 +91,7 @@ def pod_files(spec: LaunchSpec, lc: Mapping[str, Any], name: str) -> dict[str, s
         moved = {"run_dir": f"{lc['run_root'].rstrip('/')}/{name}", "cache_dir": lc["cache_dir"]}
         for role, key in spec.path_keys.items():
             _set(config, key, moved[role])
+        initializers.pod_paths(config)  # a model or corpus URL: where its initializer wrote it
         name = os.path.basename(spec.config_path or RunDir.of(spec.run_dir).config)
         files[name] = yaml.safe_dump(config, sort_keys=False)
     return files
@@ -143,7 +144,7 @@ def manifests(
                 "stringData": {k: (v if reveal else MASK) for k, v in sorted(spec.secrets.items())},
             }
         )
-    secret_env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(spec.secrets)]
+    secret_env = _secret_env(spec, lc, secret)
     env = {
         "PYTHONUNBUFFERED": "1",
         **spec.runtime.unit.agent_env(spec.runtime.options),
@@ -166,12 +167,21 @@ def manifests(
     return out
 
 
+def _secret_env(spec: LaunchSpec, lc: Mapping[str, Any], secret: str) -> list[dict[str, Any]]:
+    """The ranks' variables from Secrets, by key, never a value: the run's own (`secret`: spec.secrets) and the
+    storage credentials of `launcher.storage_secret`."""
+    own = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}} for k in sorted(spec.secrets)]
+    return own + initializers.rank_env(lc.get("storage_secret"))
+
+
 def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], name: str, labels: dict[str, str],
                  runtime_spec: dict[str, Any] | None, out: list[dict[str, Any]]) -> dict[str, str]:
-    """The runtime the TrainJob runs on: a TrainingRuntime derived from the cluster's, carrying the failure
-    policies and the gang scheduler's settings, appended to `out`; Kubeflow's cache runtime as it is (its
-    dataset initializer is the cluster's to define)."""
+    """The runtime the TrainJob runs on: the ClusterTrainingRuntime `launcher.runtime_ref` names (an admin's, such
+    as `cluster_runtimes` prints; nothing created per job), else a TrainingRuntime derived from the cluster's,
+    carrying the failure policies, the gang scheduler's settings and the run's initializer jobs, appended to `out`;
+    Kubeflow's cache runtime as it is (its dataset initializer is the cluster's to define)."""
     kubeflow_cache = spec.cache_nodes.kubeflow if spec.cache_nodes else None
+    fetched = initializers.uris(spec.config)
     if kubeflow_cache is not None:
         if sc["name"] in schedulers.NEEDS_RUNTIME:
             raise LauncherError(
@@ -179,14 +189,28 @@ def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any],
                 f"would derive a runtime of its own without the dataset initializer: use scheduler=none or kueue, or "
                 f"data.cache.backend=trainjob"
             )
+        if fetched:
+            raise LauncherError("data.cache.backend=kubeflow's dataset initializer is the job's only initializer: "
+                                "give model.path and data.path as paths on a volume (launcher.volumes)")
         return {"kind": "ClusterTrainingRuntime", "name": lc.get("runtime_ref") or KUBEFLOW_CACHE_RUNTIME}
-    unit, options = spec.runtime.unit, spec.runtime.options
+    unit = spec.runtime.unit
+    if lc.get("runtime_ref"):
+        return {"kind": "ClusterTrainingRuntime", "name": lc["runtime_ref"]}
     if not unit.derives_runtime:  # the shipped runtime itself, by name, as Kubeflow's SDK submits a function job
-        if sc["name"] in schedulers.NEEDS_RUNTIME:
+        if sc["name"] in schedulers.NEEDS_RUNTIME or fetched:
+            what = f"scheduler={sc['name']}" if not fetched else f"{' and '.join(fetched)} initializers"
             raise LauncherError(f"runtime={unit.name} runs on the cluster's {unit.runtime_ref} runtime itself, and "
-                                f"scheduler={sc['name']} would derive a runtime of its own: use scheduler=none or "
-                                "kueue")
-        return {"kind": "ClusterTrainingRuntime", "name": lc.get("runtime_ref") or unit.runtime_ref}
+                                f"{what} would need a runtime of its own: use scheduler=none or kueue and local "
+                                "paths, or launcher.runtime_ref naming a runtime that has them")
+        return {"kind": "ClusterTrainingRuntime", "name": unit.runtime_ref}
+    out.append(_derived(spec, lc, sc, name, labels, runtime_spec))
+    return {"kind": "TrainingRuntime", "name": out[-1]["metadata"]["name"]}
+
+
+def _derived(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], name: str, labels: dict[str, str],
+             runtime_spec: dict[str, Any] | None) -> dict[str, Any]:
+    """The job's own TrainingRuntime, derived from `runtime_spec` (the cluster's; None: Kubeflow's stock one)."""
+    unit, options = spec.runtime.unit, spec.runtime.options
     # The job's own settings of the runtime's mlPolicy where they go beyond the torch plugin's (which reads the
     # TrainJob's numNodes and numProcPerNode): MPI's hostfile slots, implementation and SSH key path.
     policy = {k: v for k, v in unit.ml_policy(options, spec.nnodes, spec.nproc_per_node).items()
@@ -196,18 +220,19 @@ def _runtime_ref(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any],
     runtime = schedulers.derived_runtime(
         sc, base, f"{name}-runtime", lc["namespace"], labels, options.get("max_restarts", 0),
         framework=unit.framework, ml_policy=policy)
+    initializers.add_jobs(runtime["spec"], initializers.uris(spec.config))
     if unit.hosts_over_ssh:  # every node's ranks run our image (the TrainJob's image is the launcher's alone)
         for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
             for container in job["template"]["spec"]["template"]["spec"]["containers"]:
                 if container["name"] == "node":
                     container["image"] = lc["image"]
-    out.append(runtime)
-    return {"kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
+    return runtime
 
 
 def cluster_runtime(spec: LaunchSpec, lc: Mapping[str, Any]) -> str | None:
-    """The ClusterTrainingRuntime a job's runtime is derived from; None where the job runs on Kubeflow's cache
-    runtime itself."""
+    """The ClusterTrainingRuntime a launch reads: the one a job's runtime is derived from, or `launcher.runtime_ref`,
+    which the job runs on as it is (read to find it there); None where the job runs on Kubeflow's cache runtime or
+    a function runtime's shipped one."""
     if (spec.cache_nodes and spec.cache_nodes.kubeflow is not None) or not spec.runtime.unit.derives_runtime:
         return None
     return lc.get("runtime_ref") or spec.runtime.unit.runtime_ref
@@ -221,7 +246,7 @@ def _trainer(spec: LaunchSpec, lc: Mapping[str, Any], sc: Mapping[str, Any], env
     # Restarts are the JobSet's (the derived runtime's failurePolicy), each pod resuming from the claim; on
     # Kubeflow's cache runtime runtime.max_restarts is refused (0), so torchrun in a pod restarts nothing.
     command = unit.kubeflow_command(spec.runtime.options, Nodes(pod_command(spec), nproc_per_node=spec.nproc_per_node,
-                                                                env_names=(*env, *sorted(spec.secrets)),
+                                                                env_names=(*env, *(e["name"] for e in secret_env)),
                                                                 worker=spec.worker))
     if spec.packages:  # installed once per node before the ranks start
         command = ["bash", "-c", f"{shlex.join(unit.install_command(list(spec.packages), 'python'))} && exec "
@@ -269,6 +294,8 @@ def _job_spec(spec: LaunchSpec, lc: Mapping[str, Any], ref: dict[str, str], trai
     }
     if spec.cache_nodes and spec.cache_nodes.kubeflow is not None:
         job_spec["initializer"] = kubeflow_dataset_initializer(spec)
+    elif initializers.uris(spec.config):
+        job_spec["initializer"] = initializers.trainjob_initializer(spec, lc.get("storage_secret"))
     if lc.get("suspend"):
         job_spec["suspend"] = True
     if lc.get("active_deadline_seconds"):

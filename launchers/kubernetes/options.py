@@ -35,8 +35,14 @@ class KubernetesLauncherConfig:
     namespace: str = "default"  # the namespace of the TrainJob and its ConfigMap
     context: str | None = None  # the kubeconfig context (null: the current one)
     kubeconfig: str | None = None  # null: $KUBECONFIG or ~/.kube/config, else the in-cluster config
-    # The ClusterTrainingRuntime to run on; null: the runtime's name (torch-distributed).
+    # The ClusterTrainingRuntime every job runs on by name, creating no runtime of its own (an admin applies it once:
+    # `python -m launchers.kubernetes.cluster_runtimes` prints trainjob's); null: each job derives a TrainingRuntime
+    # from the runtime's shipped one (torch-distributed), with the failure policies, pod group and initializers.
     runtime_ref: str | None = None
+    # The Secret (in the namespace) holding the storage credentials: Kubeflow's initializers take it whole
+    # (secretRef: ACCESS_TOKEN for hf://; ACCESS_KEY_ID, SECRET_ACCESS_KEY, ENDPOINT, REGION for s3://), and the
+    # ranks those keys as HF_TOKEN and AWS_* (a checkpoint_dir in a bucket). Null: no credentials.
+    storage_secret: str | None = None
     job_name: str | None = None  # null: derived from the run directory's name, plus a unique suffix
     resources_per_node: Resources = field(default_factory=Resources)
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables of every node's container
@@ -98,6 +104,10 @@ def _check_names(lc: Mapping[str, Any], nnodes: int | None) -> None:
         lc["namespace"],
         "must be a DNS label: lower-case letters, digits and '-', at most 63 characters",
     )
+    for key in ("runtime_ref", "storage_secret"):
+        value = lc.get(key)
+        require(value is None or (len(value) <= 253 and all(RFC1123.match(p) for p in str(value).split("."))),
+                f"launcher.{key}", value, "must be a Kubernetes object name: lower-case letters, digits, '-' and '.'")
     if lc.get("job_name") is not None:
         require(
             len(lc["job_name"]) <= 52 and bool(RFC1035.match(lc["job_name"])),

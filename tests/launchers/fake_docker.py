@@ -14,13 +14,17 @@ import os
 import re
 import sys
 
+# The storage credentials a test gives the driver (launchers/docker/credentials.py), logged as this CLI sees them.
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN")
+
 
 def main(argv: list[str]) -> int:
     path = os.environ["FAKE_DOCKER_STATE"]
     with open(path) as f:
         state = json.load(f)
     with open(os.environ["FAKE_DOCKER_LOG"], "a") as f:
-        f.write(json.dumps({"argv": argv, "token": os.environ.get("TRAINJOB_CACHE_TOKEN")}) + "\n")
+        f.write(json.dumps({"argv": argv, "token": os.environ.get("TRAINJOB_CACHE_TOKEN"),
+                            "credentials": {k: v for k, v in os.environ.items() if k in CREDENTIALS}}) + "\n")
     code, out, err = 0, "", ""
     if argv[:2] == ["network", "create"]:
         state["networks"].append(argv[-1])

@@ -1,4 +1,5 @@
-"""`python -m trainer.checkpoint verify RUN_DIR_OR_CHECKPOINT`: one line per checkpoint, whole or damaged and why
+"""`python -m trainer.checkpoint verify RUN_DIR_OR_CHECKPOINT` (a path, or a `train.checkpoint_dir` URL or one of its
+checkpoints'): one line per checkpoint, whole or damaged and why
 (its files against its manifest, its DCP metadata and shards); exit 0 when every one is whole, 1 when one is
 not, 2 when the path holds no checkpoint."""
 
@@ -8,21 +9,28 @@ import logging
 import os
 import sys
 
-from trainer.checkpoint import layout, manifest
+from trainer.checkpoint import fs, layout, manifest
 from trainer.checkpoint.checks import damage
 
 
 def _checkpoints(target: str) -> list[str]:
     """The checkpoints `verify` looks at: `target` itself, or the `step-<N>` folders of a run directory (or of
     its checkpoints/ folder)."""
+    target = target.rstrip("/") if fs.remote(target) else target
     if layout.is_checkpoint(target) or manifest.has_manifest(target):
         return [target]
     for root in (os.path.join(target, "checkpoints"), target):
-        if os.path.isdir(root):
-            found = [os.path.join(root, n) for n in os.listdir(root) if layout.step_of(n) is not None]
-            if found:
-                return sorted(found, key=layout.step_of)
+        found = [os.path.join(root, n) for n in fs.listdir(root) if layout.step_of(n) is not None]
+        if found:
+            return sorted(found, key=layout.step_of)
     return []
+
+
+def _unfinished(path: str) -> str:
+    """Why `path`, a `step-<N>` folder, is not a checkpoint."""
+    if fs.remote(path) and fs.isfile(os.path.join(path, ".metadata")):
+        return f"its {layout.MANIFEST} is missing: its writer did not finish"
+    return "its .metadata is missing"
 
 
 def verify(target: str) -> int:
@@ -35,7 +43,7 @@ def verify(target: str) -> int:
     for path in found:
         m = layout.STEP_DIR.match(os.path.basename(path))
         name = f"step {m.group(1)}" if m else path
-        problem = damage(path) if layout.is_checkpoint(path) else "its .metadata is missing"
+        problem = damage(path) if layout.is_checkpoint(path) else _unfinished(path)
         if problem:
             damaged += 1
             print(f"{name}: damaged: {problem} ({path})")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer.checkpoint import layout, manifest
+from trainer.checkpoint import fs, layout, manifest
 from trainer.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ def damage(path: str) -> str | None:
     if problem or layout.is_deepspeed(path):  # DeepSpeed's files are known by its manifest alone
         return problem
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = manifest.reader(path).read_metadata()
     except Exception as e:  # unpickling garbage raises anything: UnpicklingError, EOFError, ValueError, ...
         return f"its .metadata cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     ends: dict[str, int] = {}
@@ -33,10 +33,11 @@ def damage(path: str) -> str | None:
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         shard = os.path.join(path, name)
-        if not os.path.isfile(shard):
+        if not fs.isfile(shard):
             return f"its shard {name} is missing"
-        if os.path.getsize(shard) < end:
-            return f"its shard {name} is truncated ({os.path.getsize(shard)} of {end} bytes)"
+        size = fs.getsize(shard)
+        if size < end:
+            return f"its shard {name} is truncated ({size} of {end} bytes)"
     manifest.notice_unverifiable(path)  # only for one that loads: a damaged one gets its one error line
     return None
 
@@ -56,7 +57,7 @@ def check_model(path: str, model_cfg, key: str, value) -> None:
         saved = {k: tuple(v) for k, v in layout.deepspeed_record(path)["model"].items() if ".lora_" not in k}
         return _same_tensors(path, saved, wanted, key, value)
     wanted = {name: tuple(t.shape) for name, t in built.state_dict().items()}
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = manifest.reader(path).read_metadata().state_dict_metadata
     # LoRA adapters (peft=lora) and recipe=ppo's value model or head come on top of the model's own tensors; DCP
     # checks them when loading.
     saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
@@ -95,7 +96,8 @@ def check_data_order(path: str, cfg) -> None:
     else:
         with warnings.catch_warnings():  # that it reads in this process alone, which is the intent
             warnings.simplefilter("ignore")
-            dcp.load(saved, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+            dcp.load(saved, storage_reader=manifest.reader(path), planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
     for name, value in saved["train"]["data"].items():
         if value != -1 and value != wanted[name]:
             key = _ORDER_KEYS[name]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from trainer.checkpoint import layout, manifest, writing
+from trainer.checkpoint import fs, layout, manifest, writing
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,18 @@ def _state(root: str, step: int, model, optimizer, train_state: dict, device: to
 
 
 def _writer(path: str) -> dcp.FileSystemWriter:
-    return manifest.HashingWriter(path) if manifest.HASH_FILES else dcp.FileSystemWriter(path)
+    """The writer of checkpoint directory `path`: one that records its files for the manifest (always in an object
+    store, where the manifest is what makes it whole)."""
+    return manifest.writer(path) if manifest.HASH_FILES or fs.remote(path) else dcp.FileSystemWriter(path)
+
+
+def _hashing(writer: dcp.FileSystemWriter) -> bool:
+    return isinstance(writer, manifest.HashingWriter | manifest.HashingFsspecWriter)
 
 
 def _written(writer: dcp.FileSystemWriter, root: str, step: int) -> None:
     """This rank's files of checkpoint `step` are closed: leave their sizes and hashes for the manifest."""
-    if isinstance(writer, manifest.HashingWriter):
+    if _hashing(writer):
         manifest.write_part(layout.paths(root, step)[0], dist.get_rank(), writer.files)
 
 
@@ -66,7 +72,7 @@ def _complete(root: str, step: int, keep_latest_k: int, writer: dcp.FileSystemWr
     """Every rank has written its part of checkpoint `step` (with `writer`): write its manifest, rename it whole,
     keep the newest `keep_latest_k`."""
     return writing.complete(root, step, keep_latest_k,
-                            manifest.write_manifest if isinstance(writer, manifest.HashingWriter) else None)
+                            manifest.write_manifest if _hashing(writer) else None)
 
 
 def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
@@ -138,14 +144,14 @@ def load(path: str, model, optimizer, train_state: dict, device: torch.device) -
     `train_state` gives the keys (and types) to read back. The RNG state is restored only when the
     checkpoint holds one for this rank (it may have been saved with another world size).
     """
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = manifest.reader(path).read_metadata().state_dict_metadata
     options = _options(keys)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd, "train": dict(train_state)}
     has_rng = any(k.startswith(_rng_key() + ".") for k in keys)
     if has_rng:
         state[_rng_key()] = _rng_state(device)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=manifest.reader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
     if has_rng:
@@ -162,7 +168,7 @@ def load_model(path: str, model: torch.nn.Module) -> list[str]:
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP says it assumes a single process: it is one here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=manifest.reader(path))
     return []
 
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 
-from trainer.checkpoint import layout
+from trainer.checkpoint import fs, layout
 from trainer.checkpoint.checks import damage
 
 log = logging.getLogger(__name__)
@@ -37,9 +35,9 @@ def latest(root: str) -> str | None:
 def _move_aside(root: str, kind: str, paths: list[str]) -> str:
     """Move checkpoints `paths` of `root` into a new `root/<kind>-<time>-<unique>/` (two within one second must
     not collide); that folder."""
-    aside = tempfile.mkdtemp(prefix=time.strftime(f"{kind}-%Y%m%d-%H%M%S-", time.gmtime()), dir=root)
+    aside = fs.unique_dir(root, time.strftime(f"{kind}-%Y%m%d-%H%M%S-", time.gmtime()))
     for path in paths:
-        os.rename(path, os.path.join(aside, os.path.basename(path)))
+        fs.rename(path, os.path.join(aside, os.path.basename(path)))
     return aside
 
 
@@ -63,9 +61,9 @@ def set_aside_damaged(root: str) -> None:
 def set_aside_later(root: str, start: str) -> None:
     """Resuming from `start` continues the line it is on: move the checkpoints of `root` that are not on
     it (those after `start` when it is in `root`, else all) into `root/abandoned-<time>/`, and say so."""
-    start = os.path.realpath(start)
+    start = fs.real(start)
     step = layout.step_of(start)
-    from_step = step if step is not None and os.path.dirname(start) == os.path.realpath(root) else -1
+    from_step = step if step is not None and os.path.dirname(start) == fs.real(root).rstrip("/") else -1
     later = [path for n, path in layout.steps(root) if n > from_step]
     if not later:
         return
@@ -80,21 +78,21 @@ def prune(root: str, keep_latest_k: int) -> None:
     """Delete all but the newest `keep_latest_k` checkpoints of `root` (one line per directory: the lowest steps
     are the oldest)."""
     for _, old in layout.steps(root)[:-keep_latest_k]:
-        shutil.rmtree(old, ignore_errors=True)
+        fs.rmtree(old)
 
 
 def record_branch(root: str, start: str) -> None:
     """Note in `root` that this run's line starts at checkpoint `start` (an explicit train.resume), so that a
     restart with the same config goes on along the line instead of branching again."""
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, BRANCH_FILE), "w") as f:
-        json.dump({"from": os.path.realpath(start)}, f)
+    fs.makedirs(root)
+    with fs.open(os.path.join(root, BRANCH_FILE), "w") as f:
+        json.dump({"from": fs.real(start)}, f)
 
 
 def branched_from(root: str) -> str | None:
     """The checkpoint this run's line started from (see `record_branch`), or None."""
     try:
-        with open(os.path.join(root, BRANCH_FILE)) as f:
+        with fs.open(os.path.join(root, BRANCH_FILE), "r") as f:
             return json.load(f)["from"]
     except (OSError, ValueError, KeyError):
         return None

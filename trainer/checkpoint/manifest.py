@@ -12,7 +12,6 @@ Checkpoints written before there were manifests load with a one-line notice that
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -20,14 +19,18 @@ import threading
 from contextlib import contextmanager
 
 import xxhash
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from trainer.checkpoint import fs
+from trainer.checkpoint.layout import MANIFEST
 
 log = logging.getLogger(__name__)
 # Whether saves write a manifest of their files' sizes and hashes; bench/checkpoint.py turns it off to measure what
 # hashing adds to a save.
 HASH_FILES = True
-MANIFEST = ".manifest.json"
 HASH = "xxh3_128"
 CHUNK = 8 << 20
 _PART = ".manifest.rank{}.json"
@@ -38,7 +41,7 @@ _verified: dict[str, tuple] = {}  # directory -> its files' state when last foun
 def file_hash(path: str) -> tuple[int, str]:
     """(size, hash) of the file `path`, read in chunks."""
     h, size = xxhash.xxh3_128(), 0
-    with open(path, "rb") as f:
+    with fs.open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
             size += len(chunk)
@@ -65,8 +68,8 @@ class _HashingStream:
 
     def close(self) -> None:
         if not self.raw.closed:
-            self.raw.close()
-            whole = self.sequential and os.path.getsize(self.path) == self.size
+            self.raw.close()  # an object store's upload completes here
+            whole = self.sequential and fs.getsize(self.path) == self.size
             self.record(
                 os.path.basename(self.path), *((self.size, self.hash.hexdigest()) if whole else file_hash(self.path))
             )
@@ -75,7 +78,9 @@ class _HashingStream:
         return getattr(self.raw, name)
 
 
-class _HashingFileSystem(FileSystem):
+class _Hashing:
+    """What DCP's file systems (its local one, its fsspec one) write, hashed as it goes (`files`)."""
+
     def __init__(self):
         super().__init__()
         self.files: dict[str, tuple[int, str]] = {}
@@ -87,16 +92,32 @@ class _HashingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode):
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with open(path, "wb") as raw:
+        with super().create_stream(path, mode) as raw:
+            if mode != "wb":
+                yield raw
+                return
             stream = _HashingStream(raw, str(path), self._record)
             try:
                 yield stream
             finally:
                 stream.close()
+
+
+class _HashingFileSystem(_Hashing, FileSystem):
+    pass
+
+
+class _StoreFileSystem(FsspecFileSystem):
+    """DCP's fsspec file system, on the filesystem `fs.filesystem` makes (no listing cache, bounded retries), also
+    when DCP sets its path again (`reset`)."""
+
+    def init_path(self, path, **kwargs):
+        self.fs = fs.filesystem(str(path))
+        return path
+
+
+class _HashingFsspecFileSystem(_Hashing, _StoreFileSystem):
+    pass
 
 
 class HashingWriter(FileSystemWriter):
@@ -111,9 +132,35 @@ class HashingWriter(FileSystemWriter):
         return {name: v for name, v in self.fs.files.items() if not name.endswith(".tmp")}
 
 
+class HashingFsspecWriter(FsspecWriter):
+    """The same for a checkpoint in an object store: DCP's fsspec writer, each object hashed as it is uploaded."""
+
+    def __init__(self, path: str):
+        super().__init__(path, sync_files=False)  # no fsync: an upload is whole; `fs` replaced just below
+        self.fs = _HashingFsspecFileSystem()
+        self.path = self.fs.init_path(path)
+
+    files = HashingWriter.files
+
+
+def writer(path: str) -> FileSystemWriter:
+    """The writer of checkpoint directory `path`, which records its files for the manifest."""
+    return HashingFsspecWriter(path) if fs.remote(path) else HashingWriter(path)
+
+
+def reader(path: str) -> FileSystemReader:
+    """DCP's reader of checkpoint `path`, local or in an object store."""
+    if fs.remote(path):
+        found = FsspecReader(path)  # its filesystem replaced just below
+        found.fs = _StoreFileSystem()
+        found.path = found.fs.init_path(path)
+        return found
+    return FileSystemReader(path)
+
+
 def write_part(directory: str, rank: int, files: dict[str, tuple[int, str]]) -> None:
     """A rank's files are closed: leave their sizes and hashes for rank 0 to gather (`write_manifest`)."""
-    with open(os.path.join(directory, _PART.format(rank)), "w") as f:
+    with fs.open(os.path.join(directory, _PART.format(rank)), "w") as f:
         json.dump({name: {"size": size, HASH: digest} for name, (size, digest) in files.items()}, f)
 
 
@@ -121,16 +168,19 @@ def write_manifest(directory: str, last: str = ".metadata") -> None:
     """Every rank has written its files and its part: gather the parts, add `last` (the file that makes it a
     checkpoint, written last), write the manifest."""
     files = {}
-    for part in sorted(glob.glob(os.path.join(glob.escape(directory), _PART.format("*")))):
-        with open(part) as f:
+    prefix, suffix = _PART.split("{}")
+    for name in sorted(n for n in fs.listdir(directory) if n.startswith(prefix) and n.endswith(suffix)):
+        part = os.path.join(directory, name)
+        with fs.open(part, "r") as f:
             files.update(json.load(f))
-        os.remove(part)
+        fs.remove(part)
     size, digest = file_hash(os.path.join(directory, last))
     files[last] = {"size": size, HASH: digest}
-    with open(os.path.join(directory, MANIFEST), "w") as f:
+    with fs.open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump({"hash": HASH, "files": dict(sorted(files.items()))}, f, indent=1)
         f.flush()
-        os.fsync(f.fileno())
+        if not fs.remote(directory):
+            os.fsync(f.fileno())
 
 
 def write_manifest_of_all(directory: str, last: str) -> None:
@@ -147,9 +197,9 @@ def write_manifest_of_all(directory: str, last: str) -> None:
 
 def _file_problem(directory: str, name: str, entry: dict) -> str | None:
     path = os.path.join(directory, name)
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         return f"its file {name} is missing"
-    size = os.path.getsize(path)
+    size = fs.getsize(path)
     if size != entry["size"]:
         return f"its file {name} is {size} bytes, {entry['size']} were written"
     if file_hash(path)[1] != entry[HASH]:
@@ -173,10 +223,10 @@ def problem(directory: str) -> str | None:
     """What is wrong with the files of checkpoint `directory` against its manifest, or None when each is as
     written. None too for a checkpoint without a manifest (written before them): see `notice_unverifiable`."""
     path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
+    if not fs.isfile(path):
         return None
     try:
-        with open(path) as f:
+        with fs.open(path, "r") as f:
             manifest = json.load(f)
         files = manifest["files"]
         if manifest.get("hash") != HASH or not all(
@@ -197,16 +247,16 @@ def problem(directory: str) -> str | None:
 
 
 def _state(directory: str, files) -> tuple:
-    """What tells whether a checkpoint's files changed since they were verified: their sizes and mtimes."""
+    """What tells whether a checkpoint's files changed since they were verified: their sizes and mtimes (an
+    object's size and ETag)."""
     state = []
     for name in files:
-        try:
-            st = os.stat(os.path.join(directory, name))
-        except OSError:
+        found = fs.stamp(os.path.join(directory, name))
+        if found is None:
             return ()
-        state.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+        state.append((name, *found))
     return tuple(state)
 
 
 def has_manifest(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, MANIFEST))
+    return fs.isfile(os.path.join(directory, MANIFEST))

@@ -1,19 +1,17 @@
-"""Where a run starts, decided once and carried: `decide` works out the checkpoint from `train.resume` (auto: this
-run directory's newest whole one; never: none; a path: that one, or, on a restart of the line that began there,
-the line's newest); `agreed` has rank 0 decide and hands its decision to every rank. `check` refuses a start the
+"""Where a run starts, decided once and carried: `decide` works out the checkpoint from `train.resume` (auto: the
+newest whole one in `train.checkpoint_dir`; never: none; a path: that one, or, on a restart of the line that began
+there, the line's newest); `agreed` has rank 0 decide and hands its decision to every rank. `check` refuses a start the
 run cannot load (one ConfigError line, before the first step), `settle` has rank 0 set aside what the start leaves
 behind before the ranks load it, and `restore` loads it through the run's store."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from trainer.checkpoint import checks, layout, lines
+from trainer.checkpoint import checks, fs, layout, lines
 from trainer.errors import ConfigError
-from trainjob.run_files import RunDir
 
 
 @dataclass(frozen=True)
@@ -27,12 +25,12 @@ class Start:
 
 def decide(cfg) -> Start | None:
     """The checkpoint the run `cfg` starts from now, or None (a fresh start); reads, moves nothing."""
-    own = RunDir.of(cfg.run_dir).checkpoints
+    own = layout.root(cfg)
     if cfg.train.resume == "never":
         return None
-    if cfg.train.resume == "auto":  # only this run directory's own checkpoints
+    if cfg.train.resume == "auto":  # its checkpoint_dir: another run directory with the same one goes on from it
         path = lines.latest(own)
-    elif lines.branched_from(own) == os.path.realpath(cfg.train.resume):
+    elif lines.branched_from(own) == fs.real(cfg.train.resume):
         # A restart of a line that began at this explicit checkpoint (torchrun's restart, a pod's, the same
         # config run again) goes on from the line's newest checkpoint rather than branching again.
         path = lines.latest(own) or cfg.train.resume
@@ -75,7 +73,7 @@ def settle(start: Start | None, cfg) -> None:
     one and those of the line `start` leaves (`lines.set_aside_damaged`, `lines.set_aside_later`), and notes an
     explicit start, so that later restarts go on along its line; the others wait for it."""
     if dist.get_rank() == 0:
-        own = RunDir.of(cfg.run_dir).checkpoints
+        own = layout.root(cfg)
         if cfg.train.resume != "never":
             lines.set_aside_damaged(own)
         if start is not None:

@@ -20,6 +20,7 @@ from trainer.errors import ConfigError
 from trainjob import runtimes
 from trainjob.run_files import RunDir
 from trainjob.runtimes import RunFacts
+from trainjob.storage.urls import is_url
 
 
 def check(job, shape: JobShape) -> None:
@@ -42,12 +43,21 @@ def check(job, shape: JobShape) -> None:
     _pipeline(job, dims)
     for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
         _elastic_size(job, nodes, per_node * nodes)
+    _checkpoint_dir(job)
+
+
+def _checkpoint_dir(job) -> None:
+    """Where checkpoints go, against the rest of the run: a fresh run overwrites none (a URL's store is asked once
+    it is known to answer: `trainer.prepare.preflight`); DeepSpeed writes its own to local files only."""
     t = job.train
-    if t.resume == "never":
-        ckpt = RunDir.of(job.run_dir).checkpoints
+    remote = is_url(t.checkpoint_dir)
+    require(not (remote and job.strategy.data_parallel == "deepspeed"), "train.checkpoint_dir", t.checkpoint_dir,
+            "DeepSpeed writes its checkpoints to local files: give a local (shared) directory, or another strategy")
+    if t.resume == "never" and not remote:
+        ckpt = t.checkpoint_dir or RunDir.of(job.run_dir).checkpoints
         require(not (os.path.isdir(ckpt) and os.listdir(ckpt)), "train.resume", t.resume,
                 f"{ckpt} already holds checkpoints that a fresh run would overwrite: use train.resume=auto "
-                "or another run directory")
+                "or another run directory (or train.checkpoint_dir)")
 
 
 def _runtime(job, shape: JobShape, gpus: int) -> None:

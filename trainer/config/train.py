@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from trainer.config.checks import one_of, require
 from trainer.config.precision import AUTO, DTYPES
+from trainjob.storage.urls import is_url, scheme_of
 
 # train.qat: quantization-aware training with torchao (int8 activations quantised per token at run time, int4
 # weights in groups of train.qat_group_size along each row).
@@ -42,7 +43,13 @@ class TrainConfig:
     # Save checkpoints in the background (dcp.async_save): a step waits only for the copy of the state to CPU
     # memory; the next save, SIGTERM and the end of the run wait for the write in flight.
     checkpoint_async: bool = False
-    # auto: resume from the latest checkpoint in run_dir; never: start fresh; or a checkpoint path.
+    # Where checkpoints go: a local directory or an object store's URL (s3://bucket/prefix, gs://...), written by
+    # every rank directly; empty: <run_dir>/checkpoints. Another run directory with the same one resumes from it.
+    checkpoint_dir: str = ""
+    # Attempts beyond the first of each request to checkpoint_dir's object store on a transient error (a refused or
+    # reset connection, a timeout, a throttled or failed request), with backoff; then the save fails.
+    checkpoint_retries: int = 3
+    # auto: resume from the latest checkpoint in checkpoint_dir; never: start fresh; or a checkpoint path or URL.
     resume: str = "auto"
     progress: bool = True  # the progress line on a terminal (rank 0)
     # Seconds between SIGTERM (preemption, docker stop) and SIGKILL, for the step in flight and a checkpoint:
@@ -56,7 +63,10 @@ class TrainConfig:
     def check(self) -> None:
         one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
         require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
-        if self.resume not in ("auto", "never"):
+        require(self.checkpoint_retries >= 0, "train.checkpoint_retries", self.checkpoint_retries, "must be >= 0")
+        require(scheme_of(self.checkpoint_dir) in (None, "s3", "gs"), "train.checkpoint_dir", self.checkpoint_dir,
+                "must be a local directory or an s3:// or gs:// URL")
+        if self.resume not in ("auto", "never") and not is_url(self.resume):  # a URL: checked where it is read
             require(any(os.path.isfile(os.path.join(self.resume, f)) for f in (".metadata", DEEPSPEED_FILE)),
                     "train.resume", self.resume, "must be auto, never, or a checkpoint directory (such as "
                     f"<run_dir>/checkpoints/step-100, which holds a .metadata file, or DeepSpeed's {DEEPSPEED_FILE})")

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from datacache import StreamingDataset
 from trainer import models, parallel, recipes
-from trainer.checkpoint import checks, resume, store
+from trainer.checkpoint import checks, layout, resume, store, writing
 from trainer.config import torch_dtype
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
@@ -65,7 +65,9 @@ class Trainer:
             self.params[True], cfg.model.n_layers, cfg.model.n_heads,
             cfg.model.head_dim or cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.peak_flops = metrics.peak_flops(device, bf16)
-        self.checkpointer = store.Checkpointer(RunDir.of(cfg.run_dir).checkpoints, t,
+        if self.rank == 0 and t.checkpoint_dir:  # beside its checkpoints, for export to read
+            writing.keep_config(t.checkpoint_dir, RunDir.of(cfg.run_dir).config)
+        self.checkpointer = store.Checkpointer(layout.root(cfg), t,
                                                store.of_run(cfg, model, self.optimizer, device, self.engine),
                                                self._train_state)
 

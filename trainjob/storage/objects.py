@@ -8,6 +8,7 @@ default credentials. Every failure is a `StorageError`: one line naming the key,
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 from dataclasses import dataclass
 
@@ -66,19 +67,42 @@ def filesystem(key: str, url: str):
         raise StorageError(key, url, f"its filesystem cannot be opened ({type(e).__name__}: {e})") from None
 
 
-def _fsspec(key: str, url: str, scheme: str):
+def fsspec_filesystem(key: str, url: str, retries: int = 1, cached: bool = False):
+    """URL `url`'s fsspec filesystem (s3fs, gcsfs; not installed: StorageError naming the extra), with no listing
+    cache (other processes write the same prefixes) and `retries` bounded retries of each request beyond the first
+    (botocore's own, in its standard mode; s3fs's loop makes one attempt of what botocore has retried). `cached`:
+    fsspec keeps one instance per settings (a process's many calls); else a fresh one, which reads the credentials
+    the environment holds now."""
+    scheme, _ = split(key, url)
     library = LIBRARIES[scheme]
     try:
         module = __import__(library)
     except ImportError:
         raise StorageError(key, url, f"{scheme}:// needs {library}, which is not installed: {EXTRA}") from None
-    if scheme == "s3":
-        return module.S3FileSystem(endpoint_url=_endpoint(), skip_instance_cache=True,
-                                   config_kwargs={"retries": {"max_attempts": 2}, "connect_timeout": 5})
-    return module.GCSFileSystem(skip_instance_cache=True)
+    for name in ("botocore", "aiobotocore", "s3fs"):  # a line per connection at INFO: the run's log is not theirs
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if scheme == "gs":
+        return module.GCSFileSystem(skip_instance_cache=not cached)
+    store = module.S3FileSystem(endpoint_url=_endpoint(), skip_instance_cache=not cached, use_listings_cache=False,
+                                config_kwargs={"retries": {"total_max_attempts": retries + 1, "mode": "standard"},
+                                               "connect_timeout": 5, "read_timeout": 60})
+    store.retries = 1
+    return store
 
 
-def _refusal(e: Exception, scheme: str) -> str:
+def probe(key: str, url: str) -> None:
+    """Raise StorageError unless `url`'s store answers and this process may list its bucket (the library installed,
+    the endpoint reachable, the bucket there, the credentials taken). Writes nothing."""
+    scheme, path = split(key, url)
+    try:
+        fsspec_filesystem(key, url).ls(path.split("/", 1)[0], detail=False)
+    except StorageError:
+        raise
+    except Exception as e:  # botocore's and gcsfs's errors arrive as OSError subclasses, or their own
+        raise StorageError(key, url, refusal(e, scheme)) from None
+
+
+def refusal(e: Exception, scheme: str) -> str:
     """What a store's refusal means, in words (the exception's text names the bucket, key or code)."""
     text = f"{type(e).__name__}: {e}"
     if isinstance(e, FileNotFoundError):
@@ -98,7 +122,7 @@ def listing(key: str, url: str) -> list[Obj]:
     """The objects `url` names, sorted: every object under it where it is a prefix, the one object where it is
     one, those matching where it holds a glob (`s3://b/corpus/*.parquet`). None there: StorageError."""
     scheme, path = split(key, url)
-    fs = _fsspec(key, url, scheme)
+    fs = fsspec_filesystem(key, url)
     glob_at = min((path.find(c) for c in GLOB_CHARS if c in path), default=-1)
     base = path if glob_at < 0 else path[:glob_at].rsplit("/", 1)[0]
     try:
@@ -106,7 +130,7 @@ def listing(key: str, url: str) -> list[Obj]:
             fs.info(path)
         found = fs.find(base, detail=True, withdirs=False)
     except Exception as e:  # botocore's and gcsfs's errors arrive as OSError subclasses, or their own
-        raise StorageError(key, url, _refusal(e, scheme)) from None
+        raise StorageError(key, url, refusal(e, scheme)) from None
     objs = [Obj(p, int(info.get("size") or 0), _version(info)) for p, info in found.items()]
     if glob_at >= 0:
         objs = [o for o in objs if fnmatch.fnmatchcase(o.path, path)]
@@ -130,4 +154,4 @@ def download(key: str, url: str, obj: Obj, dest: str) -> None:
             while chunk := src.read(1 << 22):
                 out.write(chunk)
     except OSError as e:
-        raise StorageError(key, url, f"{obj.path} cannot be read ({_refusal(e, scheme_of(url) or 's3')})") from None
+        raise StorageError(key, url, f"{obj.path} cannot be read ({refusal(e, scheme_of(url) or 's3')})") from None
