@@ -39,6 +39,7 @@ def check(job, shape: JobShape) -> None:
     _trackers(job, offers)
     _batch_divides(job, dims)
     _pipeline(job, dims)
+    _experts(job, dims)
     for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
         _elastic_size(job, nodes, per_node * nodes)
     t = job.train
@@ -128,6 +129,22 @@ def _parallel(job, dims: Degrees, runnable: bool) -> None:
 
 
 PIPELINE_RECIPES = ("pretrain", "sft")
+EXPERT_PARALLEL_RECIPES = ("pretrain", "sft")
+
+
+def _experts(job, dims: Degrees) -> None:
+    """Expert parallelism (strategy.ep > 1): a mixture of experts in our decoder, its experts split evenly."""
+    if dims.ep == 1:
+        return
+    m = job.model
+    require(m.n_experts > 0, "strategy.ep", dims.ep, f"splits a mixture of experts over ranks; model {m.name} has "
+            "no experts (model.n_experts=0): use strategy.ep=1")
+    require(m.n_experts % dims.ep == 0, "strategy.ep", dims.ep,
+            f"must divide model.n_experts={m.n_experts}: each rank holds experts / ep of them")
+    require(m.impl != "transformers", "strategy.ep", dims.ep, "model.impl=transformers runs transformers' own "
+            "modeling code, whose experts trainjob does not split: use model.impl=native, or strategy.ep=1")
+    require(job.recipe.name in EXPERT_PARALLEL_RECIPES, "recipe", job.recipe.name, f"strategy.ep={dims.ep} runs "
+            f"recipes {', '.join(EXPERT_PARALLEL_RECIPES)}: use strategy.ep=1")
 
 
 def _pipeline(job, dims: Degrees, at: str = "") -> None:
