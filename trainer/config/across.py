@@ -30,6 +30,7 @@ def check(job, shape: JobShape) -> None:
     _model_and_data(job, offers)
     _runtime(job, shape, gpus)
     _parallel(job, dims, runnable=not offers.runs_here or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
+    _experts(job, dims)
     _recipe(job)
     _grpo(job)
     _reward(job)
@@ -39,7 +40,6 @@ def check(job, shape: JobShape) -> None:
     _trackers(job, offers)
     _batch_divides(job, dims)
     _pipeline(job, dims)
-    _experts(job, dims)
     for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
         _elastic_size(job, nodes, per_node * nodes)
     t = job.train
