@@ -1,6 +1,6 @@
 """Expert parallelism (`strategy.ep`, `trainer.parallel.expert_parallel`): the experts split over ranks, tokens sent
 to them by all-to-all, train the single process's loss curve (router loss included) on the native mixture and a
-Qwen3-MoE model; with FSDP2 sharding the experts over the other ranks too; an ep=2 checkpoint resumes at ep=1
+Qwen3-MoE and a Mixtral model; with FSDP2 sharding the experts over the other ranks too; an ep=2 checkpoint resumes at ep=1
 and the reverse, and exports a Hugging Face model that transformers loads with the trained model's logits. What
 does not divide or compose is refused in one line, before anything runs.
 
@@ -72,13 +72,15 @@ def test_ep2_within_fsdp2_over_four_ranks_trains_the_single_process_curve(run_cl
 
 
 @pytest.mark.e2e
-def test_a_qwen3_moe_model_under_ep2_trains_the_single_process_curve_and_exports_whole(run_cli, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_hugging_face_mixture_under_ep2_trains_the_single_process_curve_and_exports_whole(run_cli, tmp_path,
+                                                                                            family):
     from transformers import AutoModelForCausalLM
 
     from trainer import export
 
-    path = add_tokenizer(make_family(str(tmp_path), "qwen3_moe"))
-    args = ["model=hf", f"model.path={path}", "model.output_router_logits=true", "data.seq_len=32",
+    path = add_tokenizer(make_family(str(tmp_path), family))
+    args = ["model=hf", f"model.path={path}", "data.seq_len=32",
             "train.global_batch_size=4", "train.max_steps=4", "train.eval_every=4", "train.checkpoint_every=4",
             "train.progress=false", "train.log_every=1", "lr_schedule.warmup_steps=1"]
     _ok(run_cli(*args, f"hydra.run.dir={tmp_path / 'single'}"))
