@@ -34,27 +34,33 @@ ROWS, SEQ = 4, 512  # per rank and step
 def _counting(dist, sent: dict) -> None:
     """Wrap the collectives that FSDP2 and the experts' dispatch call, adding the bytes each sends to `sent`."""
 
-    def size(group) -> int:
-        return dist.get_world_size(group)
+    def arg(args, kwargs, index: int, name: str):
+        return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
     def wrap(name, count):
         original = getattr(dist, name)
 
         def call(*args, **kwargs):
-            sent[name] = sent.get(name, 0) + count(*args, **kwargs)
+            sent[name] = sent.get(name, 0) + count(lambda i, n: arg(args, kwargs, i, n))
             return original(*args, **kwargs)
 
         setattr(dist, name, call)
 
-    def all_to_all(out, x, out_splits=None, in_splits=None, group=None, **_):
-        row = x[0].numel() * x.element_size() if x.shape[0] else 0
-        return (x.shape[0] - in_splits[dist.get_rank(group)]) * row if in_splits else x.nbytes * (size(group) - 1)
+    def all_to_all(a) -> int:
+        x, splits, group = a(1, "input"), a(3, "input_split_sizes"), a(4, "group")
+        if not splits:
+            return x.nbytes * (dist.get_world_size(group) - 1) // dist.get_world_size(group)
+        return (x.shape[0] - splits[dist.get_rank(group)]) * (x[0].nbytes if x.shape[0] else 0)
+
+    def shared(a, tensor: tuple[int, str], group: int, factor: int) -> int:
+        """`factor` x (n - 1) / n of the tensor's bytes, over a group of n."""
+        n = dist.get_world_size(a(group, "group"))
+        return factor * a(*tensor).nbytes * (n - 1) // n
 
     wrap("all_to_all_single", all_to_all)
-    wrap("all_gather_single", lambda out, x, group=None, **_: x.nbytes * (size(group) - 1))
-    wrap("reduce_scatter_single", lambda out, x, op=None, group=None, **_: x.nbytes * (size(group) - 1)
-         // size(group))
-    wrap("all_reduce", lambda x, op=None, group=None, **_: 2 * x.nbytes * (size(group) - 1) // size(group))
+    wrap("all_gather_single", lambda a: shared(a, (1, "input_tensor"), 2, dist.get_world_size(a(2, "group"))))
+    wrap("reduce_scatter_single", lambda a: shared(a, (1, "input"), 3, 1))
+    wrap("all_reduce", lambda a: shared(a, (0, "tensor"), 2, 2))
 
 
 def rank_main(ep: int, steps: int, out: str) -> None:
@@ -99,7 +105,7 @@ def rank_main(ep: int, steps: int, out: str) -> None:
 
 def measure(ep: int, nproc: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run(["torchrun", f"--nproc-per-node={nproc}", "--master-port=0", __file__, "--rank",
+        proc = subprocess.run(["torchrun", f"--nproc-per-node={nproc}", "--standalone", __file__, "--rank",
                                str(ep), str(steps), out], cwd=REPO, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": REPO})
         if proc.returncode != 0:
