@@ -1,7 +1,9 @@
 """`ParallelDims`: the parallel degrees (`trainer.config.degrees.Degrees`, checked and filled there, without
 torch) and the DeviceMesh they describe, built once per rank (as TorchTitan's `distributed/parallel_dims.py`).
 
-The mesh always has the four named dimensions `pp`, `dp_replicate`, `dp_shard` and `tp` (some of size 1).
+The mesh always has the four named dimensions `pp`, `dp_replicate`, `dp_shard` and `tp` (some of size 1). Under
+expert parallelism (`strategy.ep > 1`) a second mesh over the same ranks splits `dp_shard` into `dp_shard_mod_ep`
+and `ep` (`expert_mesh`: `trainer.parallel.expert_parallel`).
 Ranks that differ only in their `tp` or `pp` coordinates share each batch. What is applied follows from the degrees
 and `strategy.data_parallel` alone (see `trainer.parallel.parallelize`): a new combination is a yaml preset.
 """

@@ -130,9 +130,9 @@ class ExpertParallel:
     def summed(self, counts: torch.Tensor, prob_sum: torch.Tensor, rows: int):
         """The router's statistics (routed tokens per expert, summed probabilities, rows) summed over the
         data-parallel ranks: those of the global batch."""
-        totals = torch.cat([counts, counts.new_tensor([rows])])
+        totals = torch.cat([counts.double(), counts.new_tensor([rows], dtype=torch.float64)])  # counts exact
         dist.all_reduce(totals, group=self.stats_group)
-        return totals[:-1], _AllReduce.apply(prob_sum, self.stats_group), int(totals[-1])
+        return totals[:-1].to(counts.dtype), _AllReduce.apply(prob_sum, self.stats_group), int(totals[-1])
 
 
 def apply(model: nn.Module, dims, policy) -> None:

@@ -63,11 +63,13 @@ def test_ep2_trains_the_single_process_curve_and_its_checkpoints_reshard_both_wa
 
 
 @pytest.mark.e2e
-def test_ep2_within_fsdp2_over_four_ranks_trains_the_single_process_curve(run_cli, tmp_path, single):
-    """dp_shard=4 split into ep=2 x 2: each expert on two ranks, sharded by FSDP2 between them."""
-    run_dir = tmp_path / "ep2-dp4"
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_within_fsdp2_over_four_ranks_trains_the_single_process_curve(run_cli, tmp_path, single, ep):
+    """dp_shard=4 split into ep x 4 / ep: at ep=2 each expert on two ranks, sharded by FSDP2 between them; at
+    ep=4 one expert per rank."""
+    run_dir = tmp_path / f"ep{ep}-dp4"
     _ok(run_cli(*MOE, "+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_ep",
-                f"hydra.run.dir={run_dir}", timeout=600))
+                f"strategy.ep={ep}", f"hydra.run.dir={run_dir}", timeout=600))
     _same_curve(run_dir, single)
 
 
