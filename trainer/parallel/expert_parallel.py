@@ -87,7 +87,8 @@ class _AllReduce(torch.autograd.Function):
 
 class ExpertParallel:
     """A rank's dispatch of one model's mixtures of experts: `group` its ep ranks (it is rank `rank` of `size`);
-    the router's statistics are summed over `stats_group`, every data-parallel rank (None: the world)."""
+    the router's statistics are summed over `stats_group`, every data-parallel rank (None: the world, as
+    `apply` gives it: ep runs with tp = pp = 1, so every rank holds rows of its own)."""
 
     def __init__(self, group, rank: int, size: int, stats_group=None):
         self.group, self.rank, self.size, self.stats_group = group, rank, size, stats_group
