@@ -31,6 +31,7 @@ def check(job, shape: JobShape) -> None:
     _model_and_data(job, offers)
     _runtime(job, shape, gpus)
     _parallel(job, dims, runnable=not offers.runs_here or gpus > 0 or os.environ.get("TRITON_INTERPRET") == "1")
+    _experts(job, dims)
     _recipe(job)
     _grpo(job)
     _reward(job)
@@ -139,6 +140,22 @@ def _parallel(job, dims: Degrees, runnable: bool) -> None:
 
 
 PIPELINE_RECIPES = ("pretrain", "sft")
+EXPERT_PARALLEL_RECIPES = ("pretrain", "sft")
+
+
+def _experts(job, dims: Degrees) -> None:
+    """Expert parallelism (strategy.ep > 1): a mixture of experts in our decoder, its experts split evenly."""
+    if dims.ep == 1:
+        return
+    m = job.model
+    require(m.n_experts > 0, "strategy.ep", dims.ep, f"splits a mixture of experts over ranks; model {m.name} has "
+            "no experts (model.n_experts=0): use strategy.ep=1")
+    require(m.n_experts % dims.ep == 0, "strategy.ep", dims.ep,
+            f"must divide model.n_experts={m.n_experts}: each rank holds experts / ep of them")
+    require(m.impl != "transformers", "strategy.ep", dims.ep, "model.impl=transformers runs transformers' own "
+            "modeling code, whose experts trainjob does not split: use model.impl=native, or strategy.ep=1")
+    require(job.recipe.name in EXPERT_PARALLEL_RECIPES, "recipe", job.recipe.name, f"strategy.ep={dims.ep} runs "
+            f"recipes {', '.join(EXPERT_PARALLEL_RECIPES)}: use strategy.ep=1")
 
 
 def _pipeline(job, dims: Degrees, at: str = "") -> None:

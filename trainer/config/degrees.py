@@ -29,12 +29,13 @@ class Degrees:
     world_size: int
     data_parallel: str = "fsdp"
     pp: int = 1
+    ep: int = 1  # expert parallelism: groups of ep ranks within dp_shard (not a dimension of its own)
 
     @classmethod
     def of(cls, strategy: StrategyConfig, world_size: int) -> Degrees:
         """The strategy's degrees for `world_size` ranks, solved once per process for each combination."""
         return _solved(int(strategy.dp_replicate), int(strategy.dp_shard), int(strategy.tp), int(world_size),
-                       str(strategy.data_parallel), int(strategy.pp))
+                       str(strategy.data_parallel), int(strategy.pp), int(strategy.ep))
 
     def __post_init__(self) -> None:
         given = self.degrees()
@@ -57,6 +58,9 @@ class Degrees:
         require(product == self.world_size, "strategy", given,
                 f"pp x dp_replicate x dp_shard x tp = {product} must equal the world size {self.world_size} (or "
                 "give one of them as -1 for the rest of the world, e.g. strategy.dp_shard=-1 to shard it with FSDP2)")
+        require(self.ep >= 1 and self.dp_shard % self.ep == 0, "strategy.ep", self.ep,
+                f"must divide strategy.dp_shard={self.dp_shard}: the experts are split over groups of ep of FSDP2's "
+                "ranks (give strategy.dp_shard=-1 to shard over the rest of the world)")
 
     def degrees(self) -> dict[str, int]:
         return {n: getattr(self, n) for n in NAMES}
@@ -83,8 +87,9 @@ class Degrees:
 
 
 @functools.cache
-def _solved(dp_replicate: int, dp_shard: int, tp: int, world_size: int, data_parallel: str, pp: int) -> Degrees:
-    return Degrees(dp_replicate, dp_shard, tp, world_size, data_parallel, pp)
+def _solved(dp_replicate: int, dp_shard: int, tp: int, world_size: int, data_parallel: str, pp: int,
+            ep: int) -> Degrees:
+    return Degrees(dp_replicate, dp_shard, tp, world_size, data_parallel, pp, ep)
 
 
 def mesh_degrees(strategy: StrategyConfig, world: int) -> dict[str, int]:

@@ -44,6 +44,10 @@ class StrategyConfig:
     pp_stages_per_rank: int | None = None
     # The first block of each stage but the first (stages - 1 increasing block indices); empty: an even split.
     pp_split_points: list[int] = field(default_factory=list)
+    # ep > 1: expert parallelism (TorchTitan's expert_parallel_degree): each mixture-of-experts layer's experts
+    # split over groups of ep data-parallel ranks (ep divides dp_shard; it adds no ranks), tokens sent to their
+    # experts' ranks by all-to-all; the experts sharded by FSDP2 over the other dp_shard / ep ranks.
+    ep: int = 1
     # How data-parallel ranks hold the model: fsdp (FSDP2 over dp_shard, HSDP over dp_replicate x dp_shard),
     # ddp (a whole, plain copy per rank: DistributedDataParallel over dp_replicate; no dp_shard, no tp) or
     # deepspeed (the DeepSpeed engine's ZeRO over dp_replicate, under runtime=deepspeed-distributed).
@@ -74,6 +78,7 @@ class StrategyConfig:
                 "must be 1, 2 or 3 (ZeRO's stages: the optimizer's state, the gradients too, the parameters too)")
         one_of("strategy.offload_optimizer", self.offload_optimizer, OFFLOAD)
         self._check_pipeline()
+        self._check_experts()
         if self.data_parallel in ("ddp", "deepspeed"):
             holds = {"ddp": "a whole, plain copy of the model on every rank",
                      "deepspeed": "the model in the DeepSpeed engine, which partitions it by strategy.zero_stage"}
@@ -99,6 +104,17 @@ class StrategyConfig:
             require(self.pp == 1, "strategy.pp", self.pp, f"strategy={self.name} (data_parallel="
                     f"{self.data_parallel}) does not compose with pipeline parallelism: use strategy=fsdp2_pp, or "
                     "strategy=pp")
+
+    def _check_experts(self) -> None:
+        require(self.ep >= 1, "strategy.ep", self.ep, "must be >= 1 (1: every rank holds every expert)")
+        if self.ep == 1:
+            return
+        require(self.data_parallel == "fsdp", "strategy.ep", self.ep, f"expert parallelism splits the experts over "
+                f"FSDP2's ranks (strategy.dp_shard); strategy.data_parallel={self.data_parallel} does not compose "
+                "with it: use strategy=fsdp2_ep")
+        for name, what in (("pp", "pipeline"), ("tp", "tensor")):
+            require(getattr(self, name) == 1, f"strategy.{name}", getattr(self, name), f"strategy.ep={self.ep} does "
+                    f"not compose with {what} parallelism: use strategy.{name}=1, or strategy.ep=1")
 
     def stages_per_rank(self) -> int:
         """How many pipeline stages each rank runs."""

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from trainer.config import ConfigError, StrategyConfig, torch_dtype
 from trainer.models.lora import LoRALinear
 from trainer.models.moe import MoE
+from trainer.parallel import expert_parallel
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import Pipeline, StagedModel, split, stage_ids, stage_layers
 
@@ -83,10 +84,13 @@ def _parallelize_part(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig,
     if cfg.compile:
         for block in model.layers.children():
             block.compile(fullgraph=False)
+    if dims.ep > 1:  # the experts split, and sharded on a mesh of their own, before their blocks are
+        expert_parallel.apply(model, dims, mixed_precision(cfg, device.type))
     if dims.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, cfg, device.type)
     model.to_empty(device=device)
+    expert_parallel.mark(model)
     return model
 
 
@@ -272,11 +276,16 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, cfg: StrategyConfig, device_type: str) -> None:
-    """`fully_shard` each transformer block and the root over `dp_mesh` (2-D: HSDP), with mixed precision."""
-    policy = MixedPrecisionPolicy(
+def mixed_precision(cfg: StrategyConfig, device_type: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision from strategy.param_dtype and reduce_dtype."""
+    return MixedPrecisionPolicy(
         param_dtype=torch_dtype(cfg.param_dtype, device_type), reduce_dtype=torch_dtype(cfg.reduce_dtype, device_type)
     )
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, cfg: StrategyConfig, device_type: str) -> None:
+    """`fully_shard` each transformer block and the root over `dp_mesh` (2-D: HSDP), with mixed precision."""
+    policy = mixed_precision(cfg, device_type)
     layers = list(model.layers.children())
     for i, block in enumerate(layers):
         # The last block's parameters are needed again first in backward: keeping them saves an all-gather.
