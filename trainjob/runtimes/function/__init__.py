@@ -47,8 +47,8 @@ class FunctionRuntime(Runtime):
         """A runtime that names itself has one key, its name, and maps to Kubeflow's shipped runtime of that name."""
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
-            cls.schema = make_dataclass(f"{cls.__name__}Config", [("name", str, field(default=cls.name))],
-                                       module=cls.__module__)
+            cls.schema = make_dataclass(f"{cls.__name__}Config", [("name", str, field(default=cls.name))])
+            cls.schema.__module__ = cls.__module__
             cls.runtime_ref = cls.name
 
     def check(self, options: Any) -> None:
