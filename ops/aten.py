@@ -29,6 +29,7 @@ from ops import (
     pointwise_aten,
     pointwise_ops,
     reductions,
+    sampling,
     scans,
     sorting,
 )
@@ -180,7 +181,8 @@ _OWN = {
     "_foreach_mul_.Tensor": _foreach_mul_,
 }
 _FUNCTIONS = {**_OWN, **attention.ATEN, **pointwise_aten.ATEN, **copies.ATEN, **reductions.ATEN, **scans.ATEN,
-              **sorting.ATEN, **norms.ATEN, **indexing.ATEN, **foreach.ATEN}
+              **sorting.ATEN, **norms.ATEN, **indexing.ATEN, **sampling.ATEN,
+              **foreach.ATEN}
 # Each routed overload's function, in the table's order.
 OPS = {aten: _FUNCTIONS[aten] for _, aten in TABLE}
 if set(_FUNCTIONS) != set(OPS):
