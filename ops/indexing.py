@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ops import pointwise_ops, reductions, scans
+from ops.catalog import Declined
 from ops.pointwise_codegen import pointwise
 from ops.pointwise_ops import OPS
 from ops.settings import POINTWISE_BLOCK, warps
@@ -96,6 +97,8 @@ def put(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, pe
         out: torch.Tensor | None = None) -> torch.Tensor:
     """scatter / scatter_add (`index` of src's shape) or index_copy / index_add (`index` 1-D) along `dim`,
     into a copy of `self` (or `out`). Sums are taken in fp32 for 16-bit dtypes."""
+    if add and self.dtype == torch.bool:
+        raise Declined("an atomic add of bools")
     dim = dim % max(self.dim(), 1)
     wide = add and self.dtype in (torch.float16, torch.bfloat16)
     result = self.to(torch.float32 if wide else self.dtype, memory_format=torch.contiguous_format).clone()
@@ -115,6 +118,47 @@ def put(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, pe
                        BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
     result = result.to(self.dtype)
     return result if out is None else out.copy_(result)
+
+
+def _positions(index: torch.Tensor, dim: int, shape) -> torch.Tensor:
+    """For each element of `index`, the flat position in a contiguous tensor of `shape` of the element it
+    names: its own coordinates, but along `dim` the index's value (gather's and scatter's addressing)."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    idx = pointwise_ops.where(OPS["lt"](index, 0), pointwise_ops.add(index, shape[dim]), index)
+    linear = pointwise_ops.mul(idx, strides[dim])
+    for d in range(index.dim()):
+        if d != dim and index.shape[d] > 1:
+            coord = arange(index.shape[d], device=index.device).view([-1 if e == d else 1 for e in range(index.dim())])
+            linear = pointwise_ops.add(linear, pointwise_ops.mul(coord, strides[d]))
+    return linear.expand(index.shape).reshape(-1)
+
+
+def gather(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """`torch.gather`: out[i..] = self[i.., index[i..] along dim, i..]; the index may be smaller than self."""
+    shape = list(self.shape) or [1]
+    dim = dim % len(shape)
+    if not index.numel():
+        return torch.empty(index.shape, dtype=self.dtype, device=self.device)
+    where = _positions(index if index.dim() else index.reshape(1), dim, shape)
+    return take(self.contiguous().reshape(-1), 0, where, per_element=False).view(index.shape)
+
+
+def scatter(self: torch.Tensor, dim: int, index: torch.Tensor, src, add: bool, out=None) -> torch.Tensor:
+    """`scatter` / `scatter_add`: self[i.., index[i..] along dim, i..] = (or +=) src[i..], over index's elements
+    (the index may be smaller than self and src); `src` a tensor or a number."""
+    shape = list(self.shape) or [1]
+    dim = dim % len(shape)
+    if not index.numel():
+        return OPS["copy"](self) if out is None else out
+    index = index if index.dim() else index.reshape(1)
+    if isinstance(src, torch.Tensor) and src.dim():
+        values = src[tuple(slice(0, s) for s in index.shape)]
+    else:
+        values = torch.full(index.shape, src.item() if isinstance(src, torch.Tensor) else src, dtype=self.dtype,
+                            device=self.device)
+    where = _positions(index, dim, shape)
+    result = put(self.reshape(-1), 0, where, values.reshape(-1), False, add).view(self.shape)
+    return result if out is None else OPS["copy"](result, out=out)
 
 
 def cat(tensors, dim: int = 0) -> torch.Tensor:
@@ -425,15 +469,13 @@ def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=
 
 ATEN = {
     "index_select": lambda self, dim, index: take(self, dim, index, False),
-    "gather": lambda self, dim, index, *, sparse_grad=False: take(self, dim, index, True),
-    "scatter.src": lambda self, dim, index, src: put(self, dim, index, src, True, False),
-    "scatter.value": lambda self, dim, index, value: put(
-        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False),
-    "scatter_.value": lambda self, dim, index, value: put(
-        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False, out=self),
-    "scatter_.src": lambda self, dim, index, src: put(self, dim, index, src, True, False, out=self),
-    "scatter_add": lambda self, dim, index, src: put(self, dim, index, src, True, True),
-    "scatter_add_": lambda self, dim, index, src: put(self, dim, index, src, True, True, out=self),
+    "gather": lambda self, dim, index, *, sparse_grad=False: gather(self, dim, index),
+    "scatter.src": lambda self, dim, index, src: scatter(self, dim, index, src, False),
+    "scatter.value": lambda self, dim, index, value: scatter(self, dim, index, value, False),
+    "scatter_.value": lambda self, dim, index, value: scatter(self, dim, index, value, False, out=self),
+    "scatter_.src": lambda self, dim, index, src: scatter(self, dim, index, src, False, out=self),
+    "scatter_add": lambda self, dim, index, src: scatter(self, dim, index, src, True),
+    "scatter_add_": lambda self, dim, index, src: scatter(self, dim, index, src, True, out=self),
     "index_add": lambda self, dim, index, source, *, alpha=1: put(
         self, dim, index, pointwise_ops.mul(source, alpha) if alpha != 1 else source, False, True),
     "index_add_": lambda self, dim, index, source, *, alpha=1: put(
