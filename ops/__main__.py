@@ -1,4 +1,5 @@
-"""`python -m ops list`: the ATen ops `ops.aten` routes (our op, its ATen overloads, forward/backward, dtypes)
+"""`python -m ops list`: the ATen ops `ops.aten` routes (our op, its ATen overloads, forward/backward, the dtypes
+it computes itself: a call in another is PyTorch's)
 and their count, read from `ops.aten_routes` without loading torch or triton."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from ops.catalog import rows, summary
 
 def main(argv: list[str]) -> int:
     if argv == ["list"]:
-        print(f"{'op':<28}{'overloads':>10}  {'routes':<9}{'dtypes':<30}aten")
+        print(f"{'op':<28}{'overloads':>10}  {'routes':<9}{'dtypes':<56}aten")
         for row in rows():
-            print(f"{row.op:<28}{len(row.overloads):>10}  {row.routes:<9}{row.dtypes:<30}{', '.join(row.overloads)}")
+            print(f"{row.op:<28}{len(row.overloads):>10}  {row.routes:<9}{row.dtypes:<56}{', '.join(row.overloads)}")
         print(summary())
         return 0
     print("usage: python -m ops list", file=sys.stderr)

@@ -5,6 +5,10 @@ by its name in its family's module, `ATEN` there, or here) through `torch.librar
 on the CPU key when TRITON_INTERPRET=1, so that it runs here), below autograd: PyTorch's own derivative
 formulas call the backward ops, which are routed too. `disable()` (or leaving `use_kernels()`) removes
 the registrations, which restores PyTorch's kernels exactly. `calls` counts the routed calls per op.
+
+A call our kernel does not compute is declined: its dtype (the first tensor's, and a `dtype=` asked for) is not
+among those `ops.catalog` declares for the op, or its function raises `catalog.Declined`; PyTorch's own
+kernel for that dispatch key, taken before ours replaced it, runs it (`declined` counts them).
 """
 
 from __future__ import annotations
@@ -29,14 +33,20 @@ from ops import (
     pointwise_aten,
     pointwise_ops,
     reductions,
+    sampling,
     scans,
     sorting,
 )
 from ops.aten_routes import NAMES, TABLE
 from ops.blas import matmul
+from ops.catalog import Declined, dtypes_of
 from ops.softmaxes import softmax_backward, softmax_forward
 
 calls: collections.Counter = collections.Counter()
+declined: collections.Counter = collections.Counter()
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
+           "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+           "bool": torch.bool}
 
 
 def _gelu(self, *, approximate="none"):
@@ -180,7 +190,8 @@ _OWN = {
     "_foreach_mul_.Tensor": _foreach_mul_,
 }
 _FUNCTIONS = {**_OWN, **attention.ATEN, **pointwise_aten.ATEN, **copies.ATEN, **reductions.ATEN, **scans.ATEN,
-              **sorting.ATEN, **norms.ATEN, **indexing.ATEN, **foreach.ATEN}
+              **sorting.ATEN, **norms.ATEN, **indexing.ATEN, **sampling.ATEN,
+              **foreach.ATEN}
 # Each routed overload's function, in the table's order.
 OPS = {aten: _FUNCTIONS[aten] for _, aten in TABLE}
 if set(_FUNCTIONS) != set(OPS):
@@ -191,10 +202,62 @@ _library: torch.library.Library | None = None
 _routed: list[str] = []
 
 
-def _counted(name, fn):
+def _call_dtypes(args, kwargs) -> list[torch.dtype]:
+    """The dtypes a call computes in: its first tensor's (or its first list's first tensor's) and a `dtype=`."""
+    found = [kwargs["dtype"]] if kwargs.get("dtype") is not None else []
+    for a in args:
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            a = a[0]
+        if isinstance(a, torch.Tensor):
+            return [a.dtype, *found]
+    return found
+
+
+def _number_as_tensor(value, like: torch.Tensor | None) -> torch.Tensor:
+    """A Python number where the schema wants a tensor, as PyTorch's wrapped number promotes: the number's
+    own widest dtype beside a tensor of its kind (so its value keeps its precision), else its default dtype."""
+    kind = (bool, int, float, complex)
+    rank = next(i for i, t in enumerate(kind) if isinstance(value, t))
+    default = (torch.bool, torch.int64, torch.get_default_dtype(), torch.complex64)[rank]
+    if like is None:
+        return torch.tensor(value, dtype=default)
+    like_rank = 3 if like.is_complex() else 2 if like.is_floating_point() else 0 if like.dtype == torch.bool else 1
+    widest = (torch.bool, torch.int64, torch.float64, torch.complex128)[rank]
+    dtype = default if rank > like_rank else like.dtype if rank < like_rank or like.dim() == 0 else widest
+    return torch.tensor(value, dtype=dtype, device=like.device)
+
+
+def _boxed_args(schema, args) -> list:
+    """`args` as PyTorch's kernel takes them boxed: a number that the Python kernel was handed for a tensor
+    argument (a wrapped number) made a tensor again."""
+    like = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return [_number_as_tensor(a, like) if isinstance(a, (bool, int, float, complex)) and
+            isinstance(arg.type, torch.TensorType) else a for a, arg in zip(args, schema.arguments, strict=False)]
+
+
+def _kernel(name, fn, key: str):
+    """`fn` as the kernel of ATen's `name` on dispatch key `key`, counted, declining to PyTorch's kernel."""
+    dispatch_key = getattr(torch._C.DispatchKey, key)
+    has = torch._C._dispatch_has_computed_kernel_for_dispatch_key(f"aten::{name}", key)
+    # None: this build of PyTorch has no kernel there (CUDA's in a CPU build), so no call can reach it.
+    pytorch = torch._C._dispatch_get_computed_kernel_for_dispatch_key(f"aten::{name}", dispatch_key) if has else None
+    keyset = torch._C.DispatchKeySet(dispatch_key)
+    takes = {_DTYPES[d] for d in dtypes_of(name)}
+    op, _, overload = name.partition(".")
+    schema = getattr(getattr(torch.ops.aten, op), overload or "default")._schema
+    # PyTorch's kernels call others with a wrapped number as `self` (`ne(x, 0)` casts its 0): PyTorch's work.
+    numeric_self = bool(schema.arguments) and isinstance(schema.arguments[0].type, torch.TensorType)
+
     def impl(*args, **kwargs):
-        calls[name] += 1
-        return fn(*args, **kwargs)
+        wrapped = numeric_self and bool(args) and isinstance(args[0], (bool, int, float, complex))
+        if not wrapped and all(d in takes for d in _call_dtypes(args, kwargs)):
+            calls[name] += 1
+            try:
+                return fn(*args, **kwargs)
+            except Declined:
+                calls[name] -= 1
+        declined[name] += 1
+        return pytorch.call_boxed(keyset, *_boxed_args(schema, args), **kwargs)
 
     return impl
 
@@ -222,7 +285,7 @@ def enable(include: list[str] | None = None, exclude: list[str] | None = None) -
         warnings.simplefilter("ignore", UserWarning)  # "overriding a previously registered kernel" is the point
         for name in names:
             for key in keys:
-                _library.impl(name, _counted(name, OPS[name]), key)
+                _library.impl(name, _kernel(name, OPS[name], key), key)
     _routed = names
 
 

@@ -1,9 +1,8 @@
-"""Indexing, shape and random ops: two Triton kernels (`_take`: read along one dimension at given positions;
-`_put`: write or add along one dimension at given positions), `_arange` and `_random` (Philox uniform and
-normal numbers, seeded from PyTorch's seed and a counter), and ops composed of these and of the generated
-pointwise kernels: index_select, gather, scatter, scatter_add, index_add, index_put, cat, flip, repeat,
-tril/triu, arange, full/zeros/ones, uniform_, normal_, bernoulli_, multinomial, masked_select, nonzero, native_dropout,
-mse_loss and nll_loss (forward and backward), index (`x[i]`), isin, masked_scatter, exponential_.
+"""Indexing and shape ops: two Triton kernels (`_take`: read along one dimension at given positions;
+`_put`: write or add along one dimension at given positions), `_arange`, and ops composed of these and of the
+generated pointwise kernels: index_select, gather, scatter, scatter_add, index_add, index_put, cat, flip, repeat,
+tril/triu, arange, full/zeros/ones, masked_select, nonzero, mse_loss and nll_loss (forward and backward), index
+(`x[i]`), isin, masked_scatter. The random ops are `ops.sampling`'s.
 
 Tensors are read as (outer, dim, inner) contiguous views, so a non-contiguous input is copied once (by the
 routed copy kernel). `masked_select` and `nonzero` size their output from a count (`.item()`, one sync,
@@ -12,7 +11,6 @@ as PyTorch's do); their positions come from the scan kernel. `ATEN` holds the fu
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -20,11 +18,10 @@ import triton
 import triton.language as tl
 
 from ops import pointwise_ops, reductions, scans
+from ops.catalog import Declined
 from ops.pointwise_codegen import pointwise
 from ops.pointwise_ops import OPS
 from ops.settings import POINTWISE_BLOCK, warps
-
-_counter = itertools.count()
 
 
 @triton.jit
@@ -67,14 +64,6 @@ def _arange(out_ptr, n, start, step, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (start + offs * step).to(out_ptr.dtype.element_ty), mask=offs < n)
 
 
-@triton.jit
-def _random(out_ptr, n, seed, a, b, NORMAL: tl.constexpr, BLOCK: tl.constexpr):
-    """Uniform in [a, b), or normal with mean a and standard deviation b."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    v = a + b * tl.randn(seed, offs) if NORMAL else a + (b - a) * tl.rand(seed, offs)
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=offs < n)
-
-
 def _grid(n: int):
     return (triton.cdiv(n, POINTWISE_BLOCK),)
 
@@ -108,6 +97,8 @@ def put(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, pe
         out: torch.Tensor | None = None) -> torch.Tensor:
     """scatter / scatter_add (`index` of src's shape) or index_copy / index_add (`index` 1-D) along `dim`,
     into a copy of `self` (or `out`). Sums are taken in fp32 for 16-bit dtypes."""
+    if add and self.dtype == torch.bool:
+        raise Declined("an atomic add of bools")
     dim = dim % max(self.dim(), 1)
     wide = add and self.dtype in (torch.float16, torch.bfloat16)
     result = self.to(torch.float32 if wide else self.dtype, memory_format=torch.contiguous_format).clone()
@@ -127,6 +118,47 @@ def put(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, pe
                        BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
     result = result.to(self.dtype)
     return result if out is None else out.copy_(result)
+
+
+def _positions(index: torch.Tensor, dim: int, shape) -> torch.Tensor:
+    """For each element of `index`, the flat position in a contiguous tensor of `shape` of the element it
+    names: its own coordinates, but along `dim` the index's value (gather's and scatter's addressing)."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    idx = pointwise_ops.where(OPS["lt"](index, 0), pointwise_ops.add(index, shape[dim]), index)
+    linear = pointwise_ops.mul(idx, strides[dim])
+    for d in range(index.dim()):
+        if d != dim and index.shape[d] > 1:
+            coord = arange(index.shape[d], device=index.device).view([-1 if e == d else 1 for e in range(index.dim())])
+            linear = pointwise_ops.add(linear, pointwise_ops.mul(coord, strides[d]))
+    return linear.expand(index.shape).reshape(-1)
+
+
+def gather(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """`torch.gather`: out[i..] = self[i.., index[i..] along dim, i..]; the index may be smaller than self."""
+    shape = list(self.shape) or [1]
+    dim = dim % len(shape)
+    if not index.numel():
+        return torch.empty(index.shape, dtype=self.dtype, device=self.device)
+    where = _positions(index if index.dim() else index.reshape(1), dim, shape)
+    return take(self.contiguous().reshape(-1), 0, where, per_element=False).view(index.shape)
+
+
+def scatter(self: torch.Tensor, dim: int, index: torch.Tensor, src, add: bool, out=None) -> torch.Tensor:
+    """`scatter` / `scatter_add`: self[i.., index[i..] along dim, i..] = (or +=) src[i..], over index's elements
+    (the index may be smaller than self and src); `src` a tensor or a number."""
+    shape = list(self.shape) or [1]
+    dim = dim % len(shape)
+    if not index.numel():
+        return OPS["copy"](self) if out is None else out
+    index = index if index.dim() else index.reshape(1)
+    if isinstance(src, torch.Tensor) and src.dim():
+        values = src[tuple(slice(0, s) for s in index.shape)]
+    else:
+        values = torch.full(index.shape, src.item() if isinstance(src, torch.Tensor) else src, dtype=self.dtype,
+                            device=self.device)
+    where = _positions(index, dim, shape)
+    result = put(self.reshape(-1), 0, where, values.reshape(-1), False, add).view(self.shape)
+    return result if out is None else OPS["copy"](result, out=out)
 
 
 def cat(tensors, dim: int = 0) -> torch.Tensor:
@@ -204,36 +236,6 @@ def triangle(self: torch.Tensor, diagonal: int, lower: bool, out=None) -> torch.
     cols = arange(self.shape[-1], device=self.device)[None, :]
     out = torch.empty_like(self) if out is None else out
     return _BANDS[lower](self, rows, cols, diagonal, out=out)
-
-
-def _seed() -> int:
-    return (torch.initial_seed() * 1000003 + next(_counter)) % (2**31 - 1)
-
-
-def random_(self: torch.Tensor, a: float, b: float, normal: bool) -> torch.Tensor:
-    """Fill `self` with uniform numbers in [a, b) or normal ones (mean a, std b): Philox, seeded per call."""
-    target = self if self.is_contiguous() else torch.empty_like(self, memory_format=torch.contiguous_format)
-    n = target.numel()
-    if n:
-        _random[_grid(n)](target, n, _seed(), float(a), float(b), NORMAL=normal, BLOCK=POINTWISE_BLOCK,
-                          num_warps=warps(POINTWISE_BLOCK))
-    return self if target is self else self.copy_(target)
-
-
-def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False, *, generator=None):
-    """Samples by the Gumbel-max trick: argmax(log p - log(-log u)), one draw at a time without replacement."""
-    probs = self if self.dim() == 2 else self[None]
-    logp = OPS["log"](probs)
-    picks = []
-    for _ in range(num_samples):
-        u = random_(torch.empty_like(logp, dtype=torch.float32), 1e-20, 1.0, False)
-        noise = OPS["neg"](OPS["log"](OPS["neg"](OPS["log"](u))))
-        pick = reductions.arg_reduce(pointwise_ops.add(logp, noise), -1, True, True)[1]
-        picks.append(pick)
-        if not replacement:
-            logp = put(logp, 1, pick, torch.full_like(pick, -math.inf, dtype=logp.dtype), True, False)
-    out = cat(picks, -1)
-    return out if self.dim() == 2 else out[0]
 
 
 def nonzero(self: torch.Tensor) -> torch.Tensor:
@@ -334,14 +336,6 @@ def masked_scatter_backward(grad_output, mask, sizes):
     if selected.numel():
         OPS["copy"](selected, out=out[:selected.numel()])
     return out.view(sizes)
-
-
-def native_dropout(input, p, train):
-    if not train or p == 0:
-        return OPS["copy"](input), torch.ones_like(input, dtype=torch.bool)
-    u = random_(torch.empty_like(input, dtype=torch.float32, memory_format=torch.contiguous_format), 0.0, 1.0, False)
-    mask = OPS["ge"](u, p)
-    return OPS["dropout_backward"](input, mask, 1.0 / (1.0 - p)) if p < 1 else pointwise_ops.mul(input, 0), mask
 
 
 def mse_loss(self, target, reduction=1):
@@ -475,15 +469,13 @@ def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=
 
 ATEN = {
     "index_select": lambda self, dim, index: take(self, dim, index, False),
-    "gather": lambda self, dim, index, *, sparse_grad=False: take(self, dim, index, True),
-    "scatter.src": lambda self, dim, index, src: put(self, dim, index, src, True, False),
-    "scatter.value": lambda self, dim, index, value: put(
-        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False),
-    "scatter_.value": lambda self, dim, index, value: put(
-        self, dim, index, torch.full(index.shape, value, dtype=self.dtype, device=self.device), True, False, out=self),
-    "scatter_.src": lambda self, dim, index, src: put(self, dim, index, src, True, False, out=self),
-    "scatter_add": lambda self, dim, index, src: put(self, dim, index, src, True, True),
-    "scatter_add_": lambda self, dim, index, src: put(self, dim, index, src, True, True, out=self),
+    "gather": lambda self, dim, index, *, sparse_grad=False: gather(self, dim, index),
+    "scatter.src": lambda self, dim, index, src: scatter(self, dim, index, src, False),
+    "scatter.value": lambda self, dim, index, value: scatter(self, dim, index, value, False),
+    "scatter_.value": lambda self, dim, index, value: scatter(self, dim, index, value, False, out=self),
+    "scatter_.src": lambda self, dim, index, src: scatter(self, dim, index, src, False, out=self),
+    "scatter_add": lambda self, dim, index, src: scatter(self, dim, index, src, True),
+    "scatter_add_": lambda self, dim, index, src: scatter(self, dim, index, src, True, out=self),
     "index_add": lambda self, dim, index, source, *, alpha=1: put(
         self, dim, index, pointwise_ops.mul(source, alpha) if alpha != 1 else source, False, True),
     "index_add_": lambda self, dim, index, source, *, alpha=1: put(
@@ -511,23 +503,12 @@ ATEN = {
         size, 0, dtype=dtype or torch.get_default_dtype(), device=device),
     "ones": lambda size, *, dtype=None, layout=None, device=None, pin_memory=None: _full(
         size, 1, dtype=dtype or torch.get_default_dtype(), device=device),
-    "uniform_": lambda self, from_=0.0, to=1.0, *, generator=None: random_(self, from_, to, False),
-    "normal_": lambda self, mean=0.0, std=1.0, *, generator=None: random_(self, mean, std, True),
-    "multinomial": multinomial,
-    "exponential_": lambda self, lambd=1.0, *, generator=None: OPS["div"](
-        OPS["neg"](OPS["log1p"](OPS["neg"](random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0,
-                                                              False)))), lambd, out=self),
     "index.Tensor": index,
     "isin.Tensor_Tensor": isin,
     "masked_scatter": masked_scatter,
     "masked_scatter_": lambda self, mask, source: OPS["copy"](
         masked_scatter(self, mask, source), out=self),
     "masked_scatter_backward": masked_scatter_backward,
-    "bernoulli_.float": lambda self, p=0.5, *, generator=None: OPS["lt"](
-        random_(torch.empty_like(self, dtype=torch.float32), 0.0, 1.0, False), p, out=self),
-    "native_dropout": native_dropout,
-    "native_dropout_backward": lambda grad_output, mask, scale: OPS["dropout_backward"](
-        grad_output, mask, scale).to(grad_output.dtype),
     "slice_backward": slice_backward,
     "histc": histc,
     "repeat_interleave.Tensor": repeat_interleave,

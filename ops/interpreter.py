@@ -1,9 +1,13 @@
-"""Running the kernels under Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors): one correction, and
+"""Running the kernels under Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors): two corrections, and
 launches that dispatch no ATen op of their own (their host copies run in PyTorch's `copy_`).
 
-The interpreter keeps bf16 values as their raw 16 bits (numpy has no bf16) and its `tl.dot` multiplies
-those bits as integers. A GPU multiplies bf16 tiles exactly into an fp32 accumulator, so widening both
-tiles to fp32 first gives the GPU's result.
+The interpreter keeps bf16 values as their raw 16 bits (numpy has no bf16), and so
+- its `tl.dot` multiplies those bits as integers. A GPU multiplies bf16 tiles exactly into an fp32
+  accumulator, so widening both tiles to fp32 first gives the GPU's result;
+- its casts to bf16 cut fp32 values toward zero, and cast integers to bf16 (and bf16 to integers) as raw
+  bits. A GPU's cast to bf16 rounds to nearest even, as PyTorch's does (Triton's default for a narrowing
+  float cast, and the `rtne` a kernel may name): every cast to or from bf16 here goes through fp32 and
+  PyTorch's rounding, so a bf16 result computed here is the GPU's.
 
 Each interpreted launch copies its tensor arguments to host storages and back with ATen ops (`copy_`,
 `set_`, `empty`); a compiled launch dispatches none. They run with the Python dispatch modes set aside, so a
@@ -26,8 +30,8 @@ def launching() -> bool:
 
 
 def install() -> None:
-    """Make the interpreter's `tl.dot` widen bf16 tiles and its launches run without the Python dispatch
-    modes (once; only when TRITON_INTERPRET=1)."""
+    """Make the interpreter's `tl.dot` widen bf16 tiles, its bf16 casts round to nearest even, and its
+    launches run without the Python dispatch modes (once; only when TRITON_INTERPRET=1)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     import triton.language as tl
@@ -46,7 +50,45 @@ def install() -> None:
 
     create_dot.widens_bf16 = True
     InterpreterBuilder.create_dot = create_dot
+    _bf16_casts_round_to_nearest_even()
     _launch_without_modes()
+
+
+def _to_bf16_bits(values):
+    """numpy values (any real dtype) as bf16's raw bits, through fp32, rounded to nearest even as PyTorch's
+    `c10::BFloat16` rounds (a NaN stays a quiet NaN). numpy alone: nothing dispatched inside a launch."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(np.asarray(values, dtype=np.float32)), np.uint16(0x7FC0), rounded)
+
+
+def _bf16_casts_round_to_nearest_even() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle, _get_np_dtype
+
+    cast, to_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
+
+    def cast_impl(self, src, dst_type):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if src_ty == dst_ty or tl.bfloat16 not in (src_ty, dst_ty):
+            return cast(self, src, dst_type)
+        if src_ty == tl.bfloat16:  # exact: the bits are fp32's top half
+            wide = (src.data.astype(np.uint32) << 16).view(np.float32)
+            return TensorHandle(wide.astype(_get_np_dtype(dst_type)), dst_ty)
+        return TensorHandle(_to_bf16_bits(src.data), dst_ty)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        from triton._C.libtriton import ir
+
+        if dst_type.scalar == tl.bfloat16 and rounding_mode in (None, ir.ROUNDING_MODE.RTNE):
+            return cast_impl(self, src, dst_type)
+        return to_fp(self, src, dst_type, rounding_mode)
+
+    InterpreterBuilder.cast_impl = cast_impl  # the create_*_to_* casts call it
+    InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
 def _launch_without_modes() -> None:

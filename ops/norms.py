@@ -237,7 +237,8 @@ def _stats_shape(x, normalized_shape):
 
 def _native_layer_norm(input, normalized_shape, weight, bias, eps):
     y, mean, rstd, _ = norm_forward(input, _shape(normalized_shape), weight, bias, float(eps), False)
-    stats = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
+    # PyTorch's own: a GPU keeps a 16-bit input's statistics in fp32, the CPU in the input's dtype.
+    stats = torch.float32 if input.is_cuda and input.dtype in (torch.float16, torch.bfloat16) else input.dtype
     shape = _stats_shape(input, _shape(normalized_shape))
     return y, mean.to(stats).view(shape), rstd.to(stats).view(shape)
 

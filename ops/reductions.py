@@ -286,7 +286,8 @@ def vector_norm(x: torch.Tensor, ord=2, dim=None, keepdim: bool = False, dtype=N
         return reduce(a, dim, keepdim, "sum")
     if ord == 2:
         return _sum(source, dim, keepdim, source.dtype, squares=True)
-    return OPS["pow"](reduce(OPS["pow"](a, ord), dim, keepdim, "sum"), 1.0 / ord)
+    wide = a.to(torch.float32) if a.dtype in (torch.float16, torch.bfloat16) else a  # |x|**ord overflows 16 bits
+    return OPS["pow"](reduce(OPS["pow"](wide, ord), dim, keepdim, "sum"), 1.0 / ord).to(source.dtype)
 
 
 def _dim_list(dim):

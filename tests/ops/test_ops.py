@@ -42,6 +42,7 @@ from tests.ops.families.foreach import *  # noqa: F403
 from tests.ops.families.reductions import *  # noqa: F403
 from tests.ops.families.attention import *  # noqa: F403
 from tests.ops.families.aten_ops import *  # noqa: F403
+from tests.ops.families.sampling import *  # noqa: F403
 # isort: on
 
 

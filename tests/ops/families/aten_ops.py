@@ -349,6 +349,21 @@ def test_random_fills_and_sampling_have_the_right_statistics():
     assert two.shape == (1, 2) and two[0, 0] != two[0, 1] and 1 not in two.tolist()[0]
 
 
+def test_casts_to_bf16_and_fp16_round_to_nearest_even_as_pytorch_does():
+    x = torch.randn(10000, device=DEVICE) * 3
+    x[:4] = torch.tensor([float("inf"), -float("inf"), 3.4e38, 1.0 + 2**-8])  # overflow; a tie to even
+    for dtype in (torch.bfloat16, torch.float16):
+        got = routed("_to_copy", lambda t, d=dtype: t.to(d), x)
+        assert torch.equal(got, x.to(dtype)), (dtype, (got != x.to(dtype)).sum().item())
+    ints = torch.arange(-300, 300, device=DEVICE)
+    assert torch.equal(routed("_to_copy", lambda t: t.to(torch.bfloat16), ints), ints.to(torch.bfloat16))
+    finite = x[4:].to(torch.bfloat16)
+    assert torch.equal(routed("_to_copy", lambda t: t.to(torch.int64), finite), finite.to(torch.int64))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = routed("arange", lambda d=dtype: torch.arange(0, 10, 3, dtype=d, device=DEVICE))
+        assert torch.equal(got, torch.arange(0, 10, 3, dtype=dtype)), (dtype, got)
+
+
 def test_factories_and_foreach_ops_match_torch():
     assert torch.equal(routed("arange", lambda: torch.arange(2, 11, 3, device=DEVICE)), torch.arange(2, 11, 3))
     assert torch.equal(routed("arange", lambda: torch.arange(0.5, 2, 0.25, device=DEVICE)), torch.arange(0.5, 2, 0.25))

@@ -72,3 +72,48 @@ def test_aten_routes_the_matmuls_embedding_and_arithmetic():
     torch.testing.assert_close(y.double(), y64, atol=1e-4, rtol=1e-5)
     for t, r in ((a, a64), (b, b64), (w, w64)):
         torch.testing.assert_close(t.grad.double(), r.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_calls_the_kernels_do_not_compute_are_pytorchs():
+    """A call in a dtype the op's row of `python -m ops list` does not name, or with an argument its kernel
+    does not take, is declined to PyTorch's kernel: same result and dtype, or the same refusal."""
+    from ops.aten import declined
+
+    a, b = torch.arange(6, device=DEVICE).view(2, 3), torch.arange(6, device=DEVICE).view(3, 2)
+    c = torch.ones(1, 2, 2, dtype=torch.int64, device=DEVICE)
+    calls_ = [lambda: torch.mm(a, b), lambda: torch.bmm(a[None], b[None]), lambda: torch.addmm(c[0], a, b),
+              lambda: torch.baddbmm(c, a[None], b[None]), lambda: torch.mv(a, b[:, 0]),
+              lambda: torch.nn.functional.hardtanh(torch.arange(-3, 4, device=DEVICE)),
+              lambda: torch.randn(5, dtype=torch.float64, device=DEVICE).exp(),
+              lambda: torch.zeros(3, dtype=torch.bool, device=DEVICE).index_add(
+                  0, torch.tensor([0, 2], device=DEVICE), torch.ones(2, dtype=torch.bool, device=DEVICE))]
+    for call in calls_:
+        torch.manual_seed(0)
+        expected = call()
+        before = sum(declined.values())
+        with ops.use_kernels():
+            torch.manual_seed(0)
+            got = call()
+        assert sum(declined.values()) > before
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
+    with ops.use_kernels(), pytest.raises(RuntimeError, match="can't be cast"):
+        torch.arange(3, device=DEVICE).logit_()
+
+
+def test_gather_and_scatter_take_an_index_smaller_than_the_tensor():
+    x = torch.randn(4, 5, device=DEVICE)
+    index = torch.tensor([[0, 3], [2, 1], [-1, 0]], device=DEVICE) % 4
+    src = torch.randn(3, 3, device=DEVICE)
+    with ops.use_kernels(include=["gather", "scatter", "scatter_add"]):
+        got = (x.gather(0, index), x.scatter(0, index, src), x.scatter_add(0, index, src), x.scatter(1, index, 2.5))
+    expected = (x.gather(0, index), x.scatter(0, index, src), x.scatter_add(0, index, src), x.scatter(1, index, 2.5))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_layer_norm_statistics_keep_pytorchs_dtype_on_this_device():
+    x = torch.randn(2, 8, device=DEVICE, dtype=torch.float16)
+    expected = torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)
+    with ops.use_kernels(include=["native_layer_norm"]):
+        got = torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)
+    assert [t.dtype for t in got] == [t.dtype for t in expected]
