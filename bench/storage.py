@@ -10,10 +10,20 @@ shown), each round in a fresh cache:
   read; S3: the objects listed, their copy found, nothing fetched);
 - a changed object: one file rewritten, the corpus built again (S3: that version's objects fetched again).
 
-ROWS holds one function per row, each returning (local seconds, S3 seconds); a row for another use of the
-store (a checkpoint's save and load) is one more function in it.
+ROWS holds one function per row, each returning (local seconds, S3 seconds).
 
-    python bench/storage.py [--files 8] [--mb 32] [--rounds 3]
+Then, for each model preset of `--models`, a checkpoint saved and loaded through the same server against local
+disk (`train.checkpoint_dir`): in this process (a one-rank gloo group) on the CPU, the model (and its optimizer's
+state with `--optim adamw`) saved `--saves` times by `trainer.checkpoint.store.Checkpointer` through DCP's store, as
+the loop saves, into a local directory and into `s3://bench/ckpt`, then loaded back as a resume loads it
+(`dcp_store.load`, the checkpoint verified against its manifest first, as `resume.check` does). Medians of the saves
+after the first (which plans). The S3 server keeps objects in memory, so the S3 rows are the cost of the S3
+protocol, fsspec and HTTP, not of a network or a disk.
+
+    python bench/storage.py [--files 8] [--mb 32] [--rounds 3] [--models debug,small] [--optim sgd] [--saves 3]
+
+The 1b model's weights alone (4 GB; `--optim sgd`) need about 16 GB of memory here: the model, the copy the S3
+server keeps, and the load's.
 """
 
 from __future__ import annotations
@@ -127,6 +137,60 @@ def _changed_object(src: Sources, cache: str) -> tuple[float, float]:
     return _first_build(src, cache)
 
 
+def _checkpoint_row(name: str, root: str, args) -> dict:
+    """A checkpoint of model preset `name` saved and loaded under `root` (a directory or an s3:// URL)."""
+    import torch
+
+    from trainer import models
+    from trainer.checkpoint import checks, dcp_store, fs, lines, store
+    from trainer.config.compose import compose
+
+    torch.manual_seed(0)
+    model = models.build(compose([f"model={name}"]).model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if args.optim == "adamw" else \
+        torch.optim.SGD(model.parameters(), lr=1e-4)
+    model(torch.randint(0, 256, (1, 9))).float().mean().backward()
+    optimizer.step()
+    dcp = dcp_store.DCPStore(model, optimizer, torch.device("cpu"), False)
+    saver = store.Checkpointer(root, types.SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1),
+                               dcp, lambda: {"step": 0})
+    saves = []
+    for i in range(args.saves):
+        saves.append(_timed(lambda step=i + 1: saver.save(step)))
+    path = lines.latest(root)
+    size = sum(fs.getsize(os.path.join(path, n)) for n in fs.listdir(path))
+    start = time.perf_counter()
+    assert checks.damage(path) is None
+    dcp.load(path, {"step": 0})
+    load = time.perf_counter() - start
+    save = statistics.median(saves[1:] or saves)
+    return {"model": name, "store": "S3 (moto, loopback)" if fs.remote(root) else "local disk",
+            "params": models.num_params(model), "gb": size / 1e9, "save_s": save, "load_s": load}
+
+
+def _checkpoints(args, root: str) -> None:
+    import boto3
+    import torch.distributed as dist
+
+    from trainer.checkpoint import fs
+
+    boto3.client("s3").create_bucket(Bucket="bench")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    print(f"\n| {'model':<8} | {'params':>8} | {'store':<20} | {'GB':>6} | {'save s':>7} | {'load s':>7} | "
+          f"{'save GB/s':>9} | {'load GB/s':>9} |")
+    print("|" + "|".join("-" * (w + 2) for w in (8, 8, 20, 6, 7, 7, 9, 9)) + "|")
+    try:
+        for name in args.models.split(","):
+            for where in (os.path.join(root, "ckpt", name), f"s3://bench/ckpt/{name}"):
+                r = _checkpoint_row(name, where, args)
+                print(f"| {name:<8} | {r['params'] / 1e6:>7.1f}M | {r['store']:<20} | {r['gb']:>6.3f} | "
+                      f"{r['save_s']:>7.2f} | {r['load_s']:>7.2f} | {r['gb'] / r['save_s']:>9.3f} | "
+                      f"{r['gb'] / r['load_s']:>9.3f} |", flush=True)
+                fs.rmtree(where)
+    finally:
+        dist.destroy_process_group()
+
+
 ROWS = [("corpus: first build", _first_build), ("corpus: second build (cached)", _second_build),
         ("corpus: one object changed", _changed_object)]
 
@@ -136,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--mb", type=float, default=32.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="debug,small", help="the checkpoints' model presets ('' for none)")
+    parser.add_argument("--optim", default="sgd", choices=("adamw", "sgd"),
+                        help="sgd: no optimizer state, the checkpoint holds the model's weights alone")
+    parser.add_argument("--saves", type=int, default=3)
     args = parser.parse_args(argv)
     server, endpoint = _server()
     os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
@@ -153,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             local = statistics.median(t[0] for t in times)
             s3 = statistics.median(t[1] for t in times)
             print(f"| {name:<32} | {local:>12.3f} | {s3:>8.3f} | {s3 / local:>10.2f} |", flush=True)
+        if args.models:
+            _checkpoints(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         server.stop()
