@@ -65,6 +65,7 @@ def test_ep2_trains_the_single_process_curve_and_its_checkpoints_reshard_both_wa
 
 
 @pytest.mark.e2e
+@pytest.mark.extended
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_within_fsdp2_over_four_ranks_trains_the_single_process_curve(run_cli, tmp_path, single, ep):
     """dp_shard=4 split into ep x 4 / ep: at ep=2 each expert on two ranks, sharded by FSDP2 between them; at
@@ -76,7 +77,7 @@ def test_ep_within_fsdp2_over_four_ranks_trains_the_single_process_curve(run_cli
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.extended)])
 def test_a_hugging_face_mixture_under_ep2_trains_the_single_process_curve_and_exports_whole(run_cli, tmp_path,
                                                                                             family):
     from transformers import AutoModelForCausalLM

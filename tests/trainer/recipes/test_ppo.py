@@ -211,7 +211,7 @@ def test_a_run_resumes_with_its_value_model(prompts, run_cli, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.extended)])
 def test_lora_on_two_ranks_raises_the_reward_and_exports(strategy, prompts, llama, run_cli, tmp_path):
     """GRPO's toy reward (the share of lowercase letters) on the tiny Llama: a one-token reward ("e" among its 320
     tokens) rises too rarely for 30 steps of 16 completions."""
