@@ -39,6 +39,7 @@ def check(job, shape: JobShape) -> None:
     _trackers(job, offers)
     _batch_divides(job, dims)
     _pipeline(job, dims)
+    _context(job, dims)
     for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
         _elastic_size(job, nodes, per_node * nodes)
     t = job.train
@@ -128,6 +129,26 @@ def _parallel(job, dims: Degrees, runnable: bool) -> None:
 
 
 PIPELINE_RECIPES = ("pretrain", "sft")
+# The recipes whose losses context parallelism shares over the cp ranks: the next-token loss, and dpo's
+# log-probabilities over the gathered rows.
+CONTEXT_RECIPES = ("pretrain", "sft", "dpo")
+
+
+def _context(job, dims: Degrees) -> None:
+    """Context parallelism (strategy.cp > 1): rows cut into 2 x cp chunks, the native decoder's attention."""
+    if dims.cp == 1:
+        return
+    require(not job.data.seq_len % (2 * dims.cp), "data.seq_len", job.data.seq_len, f"must be divisible by 2 x "
+            f"strategy.cp = {2 * dims.cp} (context parallelism cuts each row into 2 x cp chunks)")
+    require(job.model.impl != "transformers", "strategy.cp", dims.cp, "model.impl=transformers runs transformers' "
+            "own attention, which does not exchange keys and values over ranks: use model.impl=native, or "
+            "strategy.cp=1")
+    require(job.recipe.name in CONTEXT_RECIPES, "recipe", job.recipe.name, f"strategy.cp={dims.cp} runs "
+            f"{', '.join(CONTEXT_RECIPES)}; recipe={job.recipe.name} does not compose with context parallelism: "
+            "use strategy.cp=1")
+    require(dims.tp == 1 or job.recipe.name != "dpo", "strategy.tp", dims.tp, f"recipe=dpo under strategy.cp="
+            f"{dims.cp} reads log-probabilities over whole rows, which tensor parallelism's sequence split does not "
+            "give: use strategy.tp=1")
 
 
 def _pipeline(job, dims: Degrees, at: str = "") -> None:

@@ -177,7 +177,7 @@ BAD = [
     (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2", "strategy.dp_replicate=3"],
      "strategy.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2", "strategy.dp_shard=3"],
-     "dp_replicate x dp_shard x tp = 3 must equal the world size 4"),
+     "dp_replicate x dp_shard x cp x tp = 3 must equal the world size 4"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=ddp", "strategy.tp=2"],
      "strategy.tp=2: strategy=ddp uses only strategy.dp_replicate; this must be 1"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp", "model.n_kv_heads=1"],
