@@ -4,7 +4,9 @@ sit, `(1 + w)` norms, q/k norms, biases, GeLU-tanh gates, multipliers, soft-capp
 interleaved with global ones and their own RoPE base, layers without RoPE, mixtures of experts in
 `trainer.models.moe`). Their defaults (`Options`) are Llama's.
 
-It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside. Layers are
+It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside (context parallelism
+through the `context_parallel` object they set, which splits the rows, exchanges keys and values and shares the
+loss). Layers are
 kept in a ModuleDict keyed by index so that their names stay stable under any wrapping. The head count
 used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
 The normalisation, rotary, gating and loss functions are attributes (PyTorch's by default) that
@@ -396,7 +398,8 @@ class Transformer(nn.Module):
         """The final normed hidden states, (batch, seq, dim), divided by `logits_scaling`: what the output
         projection reads. `documents` (batch, seq) numbers the documents packed into each row: attention stays
         within a document and positions restart with each. `cache` (a `KVCache` the new tokens were appended
-        to): the tokens continue the ones it holds."""
+        to): the tokens continue the ones it holds. Under context parallelism (`context_parallel`), this rank's share
+        of each row's tokens, at their true positions."""
         o = self.options
         staged = self.tok_embeddings is None  # a later pipeline stage: `tokens` are the hidden states
         seq = tokens.shape[1] * self.sequence_shards if staged else tokens.shape[1]
@@ -446,7 +449,9 @@ class Transformer(nn.Module):
         where `output_router_logits` asks for it. The loss is taken here, inside forward, so that wrappers' hooks
         (DDP, FSDP) see it. `loss_fn(hidden, output matrix, targets)` (as `projected` gives them; with
         `softcap=` the final soft-cap where the model has one), when given, is the loss instead (recipe=kd's
-        divergence, dpo's and grpo's log-probabilities). `documents`, `cache`: see `hidden_states`."""
+        divergence, dpo's and grpo's log-probabilities). `documents`, `cache`: see `hidden_states`. Under context
+        parallelism the loss is this rank's share of the whole rows' mean (`ContextParallel.share`); `loss_fn` and the
+        logits read the whole rows' hidden states, gathered back."""
         h = self.hidden_states(tokens, documents, cache)
         if self.output is None and self.tied_output is None:  # a pipeline stage before the last
             return h

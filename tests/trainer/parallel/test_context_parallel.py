@@ -7,12 +7,14 @@ curve; what cp does not compose with is refused in one line before any work."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 
 from tests.conftest import DIST, REFERENCE, TINY, compose_refused, read_metrics, read_summary
-from tests.trainer.hf_models import make_named
+from tests.trainer.hf_models import SAMPLE, make_named
+from tests.trainer.recipes.test_dpo import ARGS as DPO_ARGS
 from tests.trainer.recipes.test_sft import _chats
 from trainer.parallel.context import held_chunks, split, unsplit
 
@@ -102,18 +104,39 @@ def test_a_cp2_checkpoint_resumes_under_cp1_on_the_uninterrupted_curve(run_cli, 
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
-def test_cp_sft_on_packed_chats_of_a_hugging_face_family_equals_one_process(run_cli, tmp_path_factory, family):
-    """gemma2: soft-capped attention and final logits, sliding-window layers; qwen3_moe: experts and the router's
-    load-balancing loss (over the whole rows' routing). data.packing is padding_free: one packed row a
-    micro-batch, its documents split with it."""
+@pytest.mark.parametrize(("family", "packing"), [("gemma2", "padding_free"), ("qwen3_moe", "max_length")])
+def test_cp_sft_on_chats_of_a_hugging_face_family_equals_one_process(run_cli, tmp_path_factory, family, packing):
+    """gemma2: soft-capped attention and final logits, sliding-window layers, on packed rows (padding_free: one
+    packed row a micro-batch, its documents split with it); qwen3_moe: experts and the router's load-balancing
+    loss (over the whole rows' routing), on padded rows: under padding_free the few pad tokens that round a packed
+    row to a multiple of 2 x cp would take part in the router's statistics, which one process's row lacks."""
     root = tmp_path_factory.mktemp(f"cp-{family}")
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(24, seed=3)))
     args = ["model=hf", f"model.path={make_named(str(root), family)}", "recipe=sft", "data=chat",
             f"data.path={chats}", "data.seq_len=48", "data.eval_percent=25", "train.global_batch_size=4",
             "train.max_steps=6", "train.eval_every=6", "train.progress=false", "train.log_every=1",
-            "lr_schedule.warmup_steps=1"]
+            "lr_schedule.warmup_steps=1", f"data.packing={packing}"]
+    runs = {}
+    for name, extra in (("single", []), ("cp2", [*DIST, *CP])):
+        runs[name] = root / name
+        proc = run_cli(*args, *extra, f"hydra.run.dir={runs[name]}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_curve(runs["cp2"], runs["single"], 6)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_cp_dpo_equals_one_process(run_cli, tmp_path_factory):
+    """recipe=dpo reads its log-probabilities over whole rows (the final hidden states gathered back into row
+    order), the frozen reference under cp too."""
+    root = tmp_path_factory.mktemp("cp-dpo")
+    rng = random.Random(0)
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": rng.choice(SAMPLE)[:30], "chosen": "I am fine, thank you.",
+                                         "rejected": "def main(): return 42"}) + "\n" for _ in range(40)))
+    args = [*DPO_ARGS, "model=hf", f"model.path={make_named(str(root), 'llama')}", f"data.path={pairs}",
+            "train.max_steps=6", "train.eval_every=6"]
     runs = {}
     for name, extra in (("single", []), ("cp2", [*DIST, *CP])):
         runs[name] = root / name
