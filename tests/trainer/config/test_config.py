@@ -71,6 +71,7 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
                  ("strategy", "fsdp2_tp"): distributed,
                  ("strategy", "pp"): distributed,
                  ("strategy", "fsdp2_pp"): distributed,
+                 ("strategy", "fsdp2_cp"): distributed,
                  ("strategy", "deepspeed"): ["runtime=deepspeed-distributed", "runtime.nproc_per_node=2"],
                  ("runtime", "deepspeed-distributed"): ["strategy=deepspeed"],
                  ("launcher", "docker"): distributed,
@@ -154,7 +155,7 @@ def test_tensor_parallel_peers_share_batches():
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp",
                     "train.global_batch_size=6"])
     shape = validate(cfg).shape
-    assert config.mesh_degrees(cfg.strategy, 4) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert config.mesh_degrees(cfg.strategy, 4) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert shape.dims.dp_size == 2
 
 

@@ -56,10 +56,11 @@ def test_what_cannot_run_under_cp_is_refused_in_one_line(tmp_path, capsys, overr
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-def _same_curve(run_dir, ref_dir, steps: int) -> None:
+def _same_curve(run_dir, ref_dir, steps: int, near_zero: float = 0.0) -> None:
+    """`near_zero`: an absolute tolerance besides RTOL, for a loss that falls to nearly 0 (dpo's)."""
     metrics, ref = read_metrics(str(run_dir)), read_metrics(str(ref_dir))
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in ref], rel=RTOL)
+    assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in ref], rel=RTOL, abs=near_zero)
     assert [m["grad_norm"] for m in metrics] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4)
     final = read_summary(str(run_dir))["final_eval_loss"]
     assert final == pytest.approx(read_summary(str(ref_dir))["final_eval_loss"], rel=RTOL)
@@ -142,4 +143,5 @@ def test_cp_dpo_equals_one_process(run_cli, tmp_path_factory):
         runs[name] = root / name
         proc = run_cli(*args, *extra, f"hydra.run.dir={runs[name]}")
         assert proc.returncode == 0, proc.stderr[-3000:]
-    _same_curve(runs["cp2"], runs["single"], 6)
+    # The pairs are soon told apart: the loss falls from log 2 to ~5e-3, where float32's rounding is ~1e-5 of it.
+    _same_curve(runs["cp2"], runs["single"], 6, near_zero=1e-6)
