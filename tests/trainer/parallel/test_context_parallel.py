@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import DIST, REFERENCE, TINY, compose_refused, read_metrics, read_summary
 from tests.trainer.hf_models import SAMPLE, make_named
+from tests.trainer.parallel.test_strategies import resumes_in_one_process
 from tests.trainer.recipes.test_dpo import ARGS as DPO_ARGS
 from tests.trainer.recipes.test_sft import _chats
 from trainer.parallel.context import held_chunks, split, unsplit
@@ -88,19 +89,7 @@ def test_cp_pretraining_reproduces_the_single_process_loss_curve(run_cli, tmp_pa
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_a_cp2_checkpoint_resumes_under_cp1_on_the_uninterrupted_curve(run_cli, tmp_path):
-    args = [*TINY, "train.max_steps=8", "train.eval_every=4", "train.checkpoint_every=4"]
-    whole = run_cli(*args, *DIST, *CP, f"hydra.run.dir={tmp_path / 'cp2'}")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    checkpoint = tmp_path / "cp2" / "checkpoints" / "step-4"
-    single = run_cli(*args, f"train.resume={checkpoint}", f"hydra.run.dir={tmp_path / 'cp1'}")
-    assert single.returncode == 0, single.stderr[-3000:]
-    summary = read_summary(str(tmp_path / "cp1"))
-    assert summary["resumed_from"] == str(checkpoint) and summary["steps_this_run"] == 4
-    resumed, original = read_metrics(str(tmp_path / "cp1")), read_metrics(str(tmp_path / "cp2"))
-    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
-    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in original[4:]], rel=RTOL)
-    assert summary["final_eval_loss"] == pytest.approx(read_summary(str(tmp_path / "cp2"))["final_eval_loss"],
-                                                       rel=RTOL)
+    resumes_in_one_process(run_cli, tmp_path, [*DIST, *CP], rtol=RTOL)
 
 
 @pytest.mark.slow
