@@ -108,7 +108,10 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 def softcapped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     is_causal: bool = False, enable_gqa: bool = False, scale: float | None = None, *,
                     softcap: float) -> torch.Tensor:
-    """`softcapped_attention` with scaled_dot_product_attention's signature (`attn_mask` None: causal)."""
+    """`softcapped_attention` with scaled_dot_product_attention's signature (`attn_mask` None: causal; boolean, or
+    additive: 0 where a key is read)."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask == 0
     return softcapped_attention(q, k, v, attn_mask, scale if scale is not None else q.shape[-1] ** -0.5, softcap)
 
 

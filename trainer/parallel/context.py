@@ -93,10 +93,19 @@ class Exchange:
             if documents is not None:
                 mask = (mask & (documents[:, start:end, None] == documents[:, None, :end]))[:, None]
             self.parts.append((slice(i * width, (i + 1) * width), end, mask))
+        self.additive: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def masks(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The chunks' masks as additive ones of `dtype` (0 or -inf), made once for every layer: given a boolean
+        mask, scaled_dot_product_attention makes such a copy at each call and keeps it for the backward."""
+        if dtype not in self.additive:
+            self.additive[dtype] = [torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf")) for _, _, mask in self.parts]
+        return self.additive[dtype]
 
     def attend(self, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
         """`fn` (scaled_dot_product_attention's signature) of the rank's queries (batch, heads, its tokens, dim)
         over the whole row's keys and values, gathered from the cp ranks in one collective."""
         k, v = self.cp.gather(torch.stack((k, v)), dim=3).unbind(0)
         return torch.cat([fn(q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=mask, is_causal=False, **kw)
-                          for rows, end, mask in self.parts], dim=2)
+                          for (rows, end, _), mask in zip(self.parts, self.masks(q.dtype), strict=True)], dim=2)
