@@ -6,7 +6,12 @@ GPUs; NCCL needs one GPU per process). Step time is the median wall-clock gap be
 `--warmup`, so everything the loop does counts. Peak memory is each rank's allocated GPU memory, or its
 maximum RSS on CPUs.
 
-    python bench/strategies.py [--nproc 2] [--steps 20] [--warmup 5] [override ...]
+    python bench/strategies.py [--nproc 2] [--steps 20] [--warmup 5] [--only fsdp2,fsdp2_cp] [override ...]
+
+Context parallelism's peak memory per rank against one process, on 8,192-token rows of `debug`:
+
+    python bench/strategies.py --nproc 2 --steps 4 --warmup 1 --only fsdp2_cp data.seq_len=8192 \
+        model.max_seq_len=8192 train.global_batch_size=1
 """
 
 from __future__ import annotations
@@ -46,13 +51,15 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--only", default=",".join(STRATEGIES),
+                        help="the presets to measure, comma-separated (default: every one)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     common = [*args.overrides, f"train.max_steps={args.steps}", f"train.eval_every={args.steps}",
               f"train.checkpoint_every={args.steps * 10}", "train.progress=false", "train.resume=never"]
     runs = [("single (in-process)", [])]
     runs += [(s, ["+runtime=torch-distributed", f"runtime.nproc_per_node={args.nproc}", f"strategy={s}"])
-             for s in STRATEGIES]
+             for s in args.only.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(runs):

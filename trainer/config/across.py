@@ -42,6 +42,7 @@ def check(job, shape: JobShape) -> None:
     _batch_divides(job, dims)
     _kto(job, dims)
     _pipeline(job, dims)
+    _context(job, dims)
     for nodes in counts[:-1]:  # an elastic job runs at any of its sizes
         _elastic_size(job, nodes, per_node * nodes)
     _checkpoint_dir(job)
@@ -156,6 +157,30 @@ def _experts(job, dims: Degrees) -> None:
             "modeling code, whose experts trainjob does not split: use model.impl=native, or strategy.ep=1")
     require(job.recipe.name in EXPERT_PARALLEL_RECIPES, "recipe", job.recipe.name, f"strategy.ep={dims.ep} runs "
             f"recipes {', '.join(EXPERT_PARALLEL_RECIPES)}: use strategy.ep=1")
+
+
+# The recipes whose losses context parallelism shares over the cp ranks: the next-token loss, and dpo's
+# log-probabilities over the gathered rows.
+CONTEXT_RECIPES = ("pretrain", "sft", "dpo")
+
+
+def _context(job, dims: Degrees) -> None:
+    """Context parallelism (strategy.cp > 1): rows cut into 2 x cp chunks, the native decoder's attention."""
+    if dims.cp == 1:
+        return
+    require(not job.data.seq_len % (2 * dims.cp), "data.seq_len", job.data.seq_len, f"must be divisible by 2 x "
+            f"strategy.cp = {2 * dims.cp} (context parallelism cuts each row into 2 x cp chunks)")
+    require(job.model.impl != "transformers", "strategy.cp", dims.cp, "model.impl=transformers runs transformers' "
+            "own attention, which does not exchange keys and values over ranks: use model.impl=native, or "
+            "strategy.cp=1")
+    require(job.recipe.name in CONTEXT_RECIPES, "recipe", job.recipe.name, f"strategy.cp={dims.cp} runs "
+            f"{', '.join(CONTEXT_RECIPES)}; recipe={job.recipe.name} does not compose with context parallelism: "
+            "use strategy.cp=1")
+    require(dims.ep == 1, "strategy.ep", dims.ep, f"strategy.cp={dims.cp} splits each row's tokens over ranks that "
+            "expert parallelism's all-to-all does not yet take together: use strategy.ep=1, or strategy.cp=1")
+    require(dims.tp == 1 or job.recipe.name != "dpo", "strategy.tp", dims.tp, f"recipe=dpo under strategy.cp="
+            f"{dims.cp} reads log-probabilities over whole rows, which tensor parallelism's sequence split does not "
+            "give: use strategy.tp=1")
 
 
 def _pipeline(job, dims: Degrees, at: str = "") -> None:

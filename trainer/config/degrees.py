@@ -5,6 +5,7 @@ DeviceMesh they describe on the rank."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from trainer.config.strategy import StrategyConfig
 
 # The mesh's dimensions, outermost first (TorchTitan's order): pipeline stages across the slowest links.
-NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,13 @@ class Degrees:
     data_parallel: str = "fsdp"
     pp: int = 1
     ep: int = 1  # expert parallelism: groups of ep ranks within dp_shard (not a dimension of its own)
+    cp: int = 1  # context parallelism: each row's tokens split over cp ranks (`trainer.parallel.context`)
 
     @classmethod
     def of(cls, strategy: StrategyConfig, world_size: int) -> Degrees:
         """The strategy's degrees for `world_size` ranks, solved once per process for each combination."""
         return _solved(int(strategy.dp_replicate), int(strategy.dp_shard), int(strategy.tp), int(world_size),
-                       str(strategy.data_parallel), int(strategy.pp), int(strategy.ep))
+                       str(strategy.data_parallel), int(strategy.pp), int(strategy.ep), int(strategy.cp))
 
     def __post_init__(self) -> None:
         given = self.degrees()
@@ -54,9 +56,9 @@ class Degrees:
             require(not self.world_size % known, f"strategy.{rest[0]}", -1,
                     f"the other degrees multiply to {known}, which does not divide the world size {self.world_size}")
             object.__setattr__(self, rest[0], self.world_size // known)  # frozen: filled once, here
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = math.prod(self.degrees().values())
         require(product == self.world_size, "strategy", given,
-                f"pp x dp_replicate x dp_shard x tp = {product} must equal the world size {self.world_size} (or "
+                f"{' x '.join(NAMES)} = {product} must equal the world size {self.world_size} (or "
                 "give one of them as -1 for the rest of the world, e.g. strategy.dp_shard=-1 to shard it with FSDP2)")
         require(self.ep >= 1 and self.dp_shard % self.ep == 0, "strategy.ep", self.ep,
                 f"must divide strategy.dp_shard={self.dp_shard}: the experts are split over groups of ep of FSDP2's "
@@ -67,13 +69,20 @@ class Degrees:
 
     @property
     def dp_size(self) -> int:
-        """How many ranks see different data (tensor-parallel and pipeline peers share batches)."""
+        """How many ranks see different data (tensor-, context- and pipeline-parallel peers share batches)."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def sequence_multiple(self) -> int:
+        """What a packed row's width is a multiple of: tensor parallelism's sequence split, times context
+        parallelism's 2 x cp chunks."""
+        return self.tp * (2 * self.cp if self.cp > 1 else 1)
+
+    @property
     def fsdp(self) -> bool:
-        """FSDP2 shards the model over the data-parallel ranks (HSDP when dp_replicate > 1 too)."""
-        return self.data_parallel == "fsdp" and self.dp_size > 1
+        """FSDP2 shards the model over the data-parallel ranks and the context-parallel ones (HSDP when dp_replicate
+        > 1 too)."""
+        return self.data_parallel == "fsdp" and self.dp_size * self.cp > 1
 
     @property
     def deepspeed(self) -> bool:
@@ -88,10 +97,10 @@ class Degrees:
 
 @functools.cache
 def _solved(dp_replicate: int, dp_shard: int, tp: int, world_size: int, data_parallel: str, pp: int,
-            ep: int) -> Degrees:
-    return Degrees(dp_replicate, dp_shard, tp, world_size, data_parallel, pp, ep)
+            ep: int, cp: int) -> Degrees:
+    return Degrees(dp_replicate, dp_shard, tp, world_size, data_parallel, pp, ep, cp)
 
 
 def mesh_degrees(strategy: StrategyConfig, world: int) -> dict[str, int]:
-    """The strategy's (pp, dp_replicate, dp_shard, tp) degrees for `world` ranks, the -1 filled in."""
+    """The strategy's (pp, dp_replicate, dp_shard, cp, tp) degrees for `world` ranks, the -1 filled in."""
     return Degrees.of(strategy, world).degrees()

@@ -85,6 +85,6 @@ def job_shape(cfg: Any, offers: Offers) -> JobShape:
         with config_errors():
             unit.check_job(r, counts, offers)
     world, s = per_node * counts[-1], cfg.strategy
-    require((s.tp == 1 and s.pp == 1) or world > 1, "strategy", s.name, f"strategy={s.name} needs more than one "
-            f"process: add runtime=torch-distributed (world size is {world})")
+    require((s.tp == 1 and s.pp == 1 and s.cp == 1) or world > 1, "strategy", s.name,
+            f"strategy={s.name} needs more than one process: add runtime=torch-distributed (world size is {world})")
     return JobShape(counts, per_node, Degrees.of(s, world), offers, unit)

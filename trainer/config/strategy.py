@@ -48,6 +48,9 @@ class StrategyConfig:
     # split over groups of ep data-parallel ranks (ep divides dp_shard; it adds no ranks), tokens sent to their
     # experts' ranks by all-to-all; the experts sharded by FSDP2 over the other dp_shard / ep ranks.
     ep: int = 1
+    # cp > 1: context parallelism, each row's tokens split over cp ranks (2 x cp chunks, rank r holding chunks r
+    # and 2 cp - 1 - r), the keys and values all-gathered for attention (`trainer.parallel.context`).
+    cp: int = 1
     # How data-parallel ranks hold the model: fsdp (FSDP2 over dp_shard, HSDP over dp_replicate x dp_shard),
     # ddp (a whole, plain copy per rank: DistributedDataParallel over dp_replicate; no dp_shard, no tp) or
     # deepspeed (the DeepSpeed engine's ZeRO over dp_replicate, under runtime=deepspeed-distributed).
@@ -82,7 +85,7 @@ class StrategyConfig:
         if self.data_parallel in ("ddp", "deepspeed"):
             holds = {"ddp": "a whole, plain copy of the model on every rank",
                      "deepspeed": "the model in the DeepSpeed engine, which partitions it by strategy.zero_stage"}
-            for name in ("dp_shard", "tp"):
+            for name in ("dp_shard", "cp", "tp"):
                 require(getattr(self, name) == 1, f"strategy.{name}", getattr(self, name),
                         f"strategy={self.name} uses only strategy.dp_replicate; this must be 1 "
                         f"(strategy.data_parallel={self.data_parallel} keeps {holds[self.data_parallel]})")
@@ -100,6 +103,8 @@ class StrategyConfig:
             require(stages in (None, 1), "strategy.pp_stages_per_rank", stages,
                     f"strategy.pp_schedule={self.pp_schedule} runs one stage per rank: must be 1 (or use "
                     "strategy.pp_schedule=interleaved_1f1b)")
+        require(self.cp == 1 or self.pp == 1, "strategy.cp", self.cp, "context parallelism does not compose with "
+                f"pipeline parallelism (strategy.pp={self.pp}): give strategy.cp=1 or strategy.pp=1")
         if self.data_parallel in ("ddp", "deepspeed"):
             require(self.pp == 1, "strategy.pp", self.pp, f"strategy={self.name} (data_parallel="
                     f"{self.data_parallel}) does not compose with pipeline parallelism: use strategy=fsdp2_pp, or "

@@ -4,7 +4,9 @@ sit, `(1 + w)` norms, q/k norms, biases, GeLU-tanh gates, multipliers, soft-capp
 interleaved with global ones and their own RoPE base, layers without RoPE, mixtures of experts in
 `trainer.models.moe`). Their defaults (`Options`) are Llama's.
 
-It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside. Layers are
+It knows nothing of parallelism: strategies in `trainer.parallel` shard it from outside (context parallelism
+through the `context_parallel` object they set, which splits the rows, exchanges keys and values and shares the
+loss). Layers are
 kept in a ModuleDict keyed by index so that their names stay stable under any wrapping. The head count
 used in `forward` comes from the projection's local width, so tensor-parallel shards need no change.
 The normalisation, rotary, gating and loss functions are attributes (PyTorch's by default) that
@@ -16,6 +18,7 @@ tokens, and each attention layer appends its keys and values to its own slot of 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -102,6 +105,16 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def softcapped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    is_causal: bool = False, enable_gqa: bool = False, scale: float | None = None, *,
+                    softcap: float) -> torch.Tensor:
+    """`softcapped_attention` with scaled_dot_product_attention's signature (`attn_mask` None: causal; boolean, or
+    additive: 0 where a key is read)."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask == 0
+    return softcapped_attention(q, k, v, attn_mask, scale if scale is not None else q.shape[-1] ** -0.5, softcap)
+
+
 class Attention(nn.Module):
     rope_fn = staticmethod(apply_rotary)
     attention_fn = staticmethod(F.scaled_dot_product_attention)
@@ -141,13 +154,17 @@ class Attention(nn.Module):
         if kv is not None:  # decoding: attend to every key so far (the cache gives the mask)
             k, v = kv.update(k, v)
         # mask (packed rows): (batch, 1, seq, seq) or one row's `Segments`, causal within each document; else
-        # plain causal.
-        if self.softcap is not None:
+        # plain causal. Under context parallelism, the exchange of keys and values over the ranks of the row
+        # (`trainer.parallel.context.Exchange`), which attends as `Segments` does.
+        if isinstance(mask, Segments) and self.softcap is not None:
+            mask = mask.dense()
+        if hasattr(mask, "attend"):
+            fn = self.attention_fn if self.softcap is None else functools.partial(softcapped_sdpa,
+                                                                                  softcap=self.softcap)
+            out = mask.attend(fn, q, k, v, enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
+        elif self.softcap is not None:
             scale = self.scale if self.scale is not None else self.head_dim**-0.5
-            out = softcapped_attention(q, k, v, mask.dense() if isinstance(mask, Segments) else mask, scale,
-                                       self.softcap)
-        elif isinstance(mask, Segments):
-            out = mask.attend(self.attention_fn, q, k, v, enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
+            out = softcapped_attention(q, k, v, mask, scale, self.softcap)
         else:
             out = self.attention_fn(q, k, v, attn_mask=mask, is_causal=mask is None,
                                     enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
@@ -288,6 +305,14 @@ class Segments:
         return torch.cat([fn(a, b, c, attn_mask=None, is_causal=True, **kw) for a, b, c in parts], dim=2)
 
 
+def _document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) positions of packed rows' tokens, restarting with each document."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
 def _positions(seq: int, device: torch.device, documents: torch.Tensor | None, cache):
     """(positions of the `seq` tokens, positions of the keys they attend to, the attention mask or None: causal).
     Plain rows give the slice 0..seq: the rotary tables are then read as views, with no index op. Packed rows
@@ -296,10 +321,7 @@ def _positions(seq: int, device: torch.device, documents: torch.Tensor | None, c
         return cache.positions, cache.key_positions, cache.mask
     if documents is None:
         return slice(0, seq), slice(0, seq), None
-    index = torch.arange(seq, device=device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    positions = _document_positions(documents)
     if documents.shape[0] == 1:
         return positions, positions, Segments(documents)
     same = documents[:, :, None] == documents[:, None, :]
@@ -331,6 +353,9 @@ class Transformer(nn.Module):
     # How many ranks split a later pipeline stage's input along the sequence (tensor parallelism's sequence
     # parallelism): the rotary tables cover the whole sequence. Set by `trainer.parallel.pipeline`.
     sequence_shards = 1
+    # Context parallelism (strategy.cp > 1): a `trainer.parallel.context.ContextParallel` that splits each row over
+    # the cp ranks, exchanges keys and values and shares the loss. Set by `trainer.parallel.parallelize`.
+    context_parallel = None
 
     def __init__(self, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
                  vocab_size: int, max_seq_len: int, rope_theta: float, norm_eps: float,
@@ -376,17 +401,22 @@ class Transformer(nn.Module):
         """The final normed hidden states, (batch, seq, dim), divided by `logits_scaling`: what the output
         projection reads. `documents` (batch, seq) numbers the documents packed into each row: attention stays
         within a document and positions restart with each. `cache` (a `KVCache` the new tokens were appended
-        to): the tokens continue the ones it holds."""
+        to): the tokens continue the ones it holds. Under context parallelism (`context_parallel`), this rank's share
+        of each row's tokens, at their true positions."""
         o = self.options
         staged = self.tok_embeddings is None  # a later pipeline stage: `tokens` are the hidden states
         seq = tokens.shape[1] * self.sequence_shards if staged else tokens.shape[1]
-        positions, keys, mask = _positions(seq, tokens.device, documents, cache)
+        if self.context_parallel is not None and cache is None:  # this rank's share of each row
+            positions, masks = self._context_split(seq, documents, tokens.device)
+            tokens = self.context_parallel.split(tokens)
+        else:
+            positions, keys, mask = _positions(seq, tokens.device, documents, cache)
+            dense = mask.dense() if isinstance(mask, Segments) and o.sliding_window else mask
+            masks = {False: mask, True: _window(dense, positions, keys, o.sliding_window, tokens.device)
+                     if o.sliding_window else mask}
         tables = {False: (self.rope_cos[positions], self.rope_sin[positions])}
         tables[True] = (self.rope_local_cos[positions], self.rope_local_sin[positions]) \
             if o.rope_local_theta is not None else tables[False]
-        dense = mask.dense() if isinstance(mask, Segments) and o.sliding_window else mask
-        masks = {False: mask, True: _window(dense, positions, keys, o.sliding_window, tokens.device) if o.sliding_window
-                                 else mask}
         h = tokens if staged else self.tok_embeddings(tokens)
         if o.embedding_multiplier != 1.0 and not staged:  # in the model's dtype, as transformers scales Gemma's
             h = h * torch.tensor(o.embedding_multiplier, dtype=h.dtype)
@@ -402,6 +432,14 @@ class Transformer(nn.Module):
         h = self.norm(h)
         return h / o.logits_scaling if o.logits_scaling != 1.0 else h
 
+    def _context_split(self, seq: int, documents: torch.Tensor | None, device: torch.device):
+        """(the true positions of this rank's tokens, each kind of layer's `Exchange`) under context parallelism."""
+        cp, window = self.context_parallel, self.options.sliding_window
+        positions = cp.positions(seq, device) if documents is None else cp.split(_document_positions(documents))
+        masks = {False: cp.attention(seq, documents, None, device)}
+        masks[True] = cp.attention(seq, documents, window, device) if window else masks[False]
+        return positions, masks
+
     @property
     def output_weight(self) -> torch.Tensor:
         """The (vocab, dim) matrix that turns hidden states into logits."""
@@ -414,10 +452,18 @@ class Transformer(nn.Module):
         where `output_router_logits` asks for it. The loss is taken here, inside forward, so that wrappers' hooks
         (DDP, FSDP) see it. `loss_fn(hidden, output matrix, targets)` (as `projected` gives them; with
         `softcap=` the final soft-cap where the model has one), when given, is the loss instead (recipe=kd's
-        divergence, dpo's and grpo's log-probabilities). `documents`, `cache`: see `hidden_states`."""
+        divergence, dpo's and grpo's log-probabilities). `documents`, `cache`: see `hidden_states`. Under context
+        parallelism the loss is this rank's share of the whole rows' mean (`ContextParallel.share`); `loss_fn` and the
+        logits read the whole rows' hidden states, gathered back."""
         h = self.hidden_states(tokens, documents, cache)
         if self.output is None and self.tied_output is None:  # a pipeline stage before the last
             return h
+        cp = self.context_parallel if cache is None else None
+        if cp is not None and targets is not None and loss_fn is None:  # the rank's tokens' share of the mean
+            logps = chunked.token_logps(*self.projected(h), cp.split(targets), softcap=self.final_softcap)
+            return self._with_router_loss(cp.share(-logps.sum(), targets))
+        if cp is not None:  # a recipe's own token losses, or the logits: over whole rows
+            h = cp.gather(h)
         if loss_fn is not None:
             return loss_fn(*self.projected(h), targets, **self.cap)
         if targets is not None and self.fused_loss_fn is not None:
@@ -447,7 +493,11 @@ class Transformer(nn.Module):
         load goes to `moe_stats` (a metrics line's `moe/aux_loss` and `moe/expert_load_max`)."""
         if not self.options.n_experts:
             return loss
-        aux, load = load_balancing([m for m in self.modules() if isinstance(m, MoE)])
+        layers = [m for m in self.modules() if isinstance(m, MoE)]
+        if self.context_parallel is not None:  # the router's statistics over the whole rows
+            for layer in layers:
+                layer.router_logits = self.context_parallel.gather(layer.router_logits, dim=0)
+        aux, load = load_balancing(layers)
         self.moe_stats = {"moe/aux_loss": aux.detach(), "moe/expert_load_max": load.max()}
         if not self.options.output_router_logits:
             return loss

@@ -1,6 +1,6 @@
 """`parallelize(model, dims, cfg)`: one function applies, from the degrees, tensor parallelism, activation
-checkpointing, torch.compile, and then FSDP2/HSDP or DDP, in TorchTitan's order
-(`models/llama3/infra/parallelize.py`).
+checkpointing, torch.compile, context parallelism (`trainer.parallel.context`, the rows split over the cp ranks),
+and then FSDP2/HSDP (over dp_shard x cp) or DDP, in TorchTitan's order (`models/llama3/infra/parallelize.py`).
 
 Tensor parallelism (DTensor, as TorchTitan plans it for Llama): attention q/k/v and MLP w1/w3 are split by
 output (column-wise: heads and hidden units), attention o and MLP w2 by input (row-wise); between blocks
@@ -42,6 +42,7 @@ from trainer.config import ConfigError, StrategyConfig, torch_dtype
 from trainer.models.lora import LoRALinear
 from trainer.models.moe import MoE
 from trainer.parallel import expert_parallel
+from trainer.parallel.context import ContextParallel
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import Pipeline, StagedModel, split, stage_ids, stage_layers
 
@@ -86,12 +87,24 @@ def _parallelize_part(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig,
             block.compile(fullgraph=False)
     if dims.ep > 1:  # the experts split, and sharded on a mesh of their own, before their blocks are
         expert_parallel.apply(model, dims, mixed_precision(cfg, device.type))
+    if dims.cp > 1:
+        model.context_parallel = ContextParallel(mesh["cp"])
     if dims.fsdp:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, cfg, device.type)
+        apply_fsdp(model, _fsdp_mesh(dims), cfg, device.type)
     model.to_empty(device=device)
     expert_parallel.mark(model)
     return model
+
+
+def _fsdp_mesh(dims: ParallelDims):
+    """The ranks FSDP2 shards over (and averages the gradients of): dp_shard, with the context-parallel ranks
+    (TorchTitan's dp_shard_cp: they hold the same model and read the same rows), and dp_replicate as HSDP's
+    outer dimension."""
+    mesh = dims.mesh
+    if dims.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard
 
 
 def _pipelined(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn.Module:

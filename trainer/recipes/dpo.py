@@ -115,7 +115,7 @@ class DPO(Recipe):
         tokens, target = pair_rows(tokens, mask.to(tokens.device))
         lengths = None if lengths is None else torch.cat([lengths[:, 0], lengths[:, 1]])
         real = packing.input_lengths(lengths, *target.shape)
-        return packing.collate(tokens, target, real, self.packing, self.ctx.dims.tp)
+        return packing.collate(tokens, target, real, self.packing, self.ctx.dims.sequence_multiple)
 
     def _loss(self, micro: packing.Packed) -> torch.Tensor:
         with self.ctx.autocast:

@@ -34,7 +34,7 @@ class Pretrain(Recipe):
 
     def micro_batches(self, batch: dict, accum: int) -> list:
         tokens, target, real = self._collated(batch)
-        micros = [packing.collate(*parts, self.packing, self.ctx.dims.tp)
+        micros = [packing.collate(*parts, self.packing, self.ctx.dims.sequence_multiple)
                   for parts in zip(tokens.chunk(accum), target.chunk(accum), real.chunk(accum), strict=True)]
         chunks = tuple(m.target for m in micros)
         self.count(int(real.sum()), sum((c != IGNORE).sum() for c in chunks))
@@ -72,7 +72,7 @@ class Pretrain(Recipe):
         return local(loss.detach())
 
     def eval_loss(self, batch: dict) -> torch.Tensor:
-        m = packing.collate(*self._collated(batch), self.packing, self.ctx.dims.tp)
+        m = packing.collate(*self._collated(batch), self.packing, self.ctx.dims.sequence_multiple)
         with self.ctx.loss_context():
             loss = self._run(m.tokens, m.target, m.documents, 1.0, backward=False)
         return loss * self._eval_weight(m.target)

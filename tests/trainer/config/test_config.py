@@ -73,6 +73,7 @@ def test_every_option_of_every_group_composes_and_validates(group, monkeypatch, 
                  ("strategy", "pp"): distributed,
                  ("strategy", "fsdp2_pp"): distributed,
                  ("strategy", "fsdp2_ep"): [*distributed, "model.n_experts=4", "model.n_experts_per_token=2"],
+                 ("strategy", "fsdp2_cp"): distributed,
                  ("strategy", "deepspeed"): ["runtime=deepspeed-distributed", "runtime.nproc_per_node=2"],
                  ("runtime", "deepspeed-distributed"): ["strategy=deepspeed"],
                  ("launcher", "docker"): distributed,
@@ -156,7 +157,7 @@ def test_tensor_parallel_peers_share_batches():
     cfg = _compose(["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2_tp",
                     "train.global_batch_size=6"])
     shape = validate(cfg).shape
-    assert config.mesh_degrees(cfg.strategy, 4) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert config.mesh_degrees(cfg.strategy, 4) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert shape.dims.dp_size == 2
 
 
@@ -179,7 +180,7 @@ BAD = [
     (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2", "strategy.dp_replicate=3"],
      "strategy.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=4", "strategy=fsdp2", "strategy.dp_shard=3"],
-     "dp_replicate x dp_shard x tp = 3 must equal the world size 4"),
+     "dp_replicate x dp_shard x cp x tp = 3 must equal the world size 4"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=ddp", "strategy.tp=2"],
      "strategy.tp=2: strategy=ddp uses only strategy.dp_replicate; this must be 1"),
     (["+runtime=torch-distributed", "runtime.nproc_per_node=2", "strategy=tp", "model.n_kv_heads=1"],

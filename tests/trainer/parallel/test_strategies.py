@@ -58,24 +58,32 @@ def test_strategy_reproduces_the_single_process_loss_curve(run_cli, tmp_path, re
     assert len(summary["peak_memory_gb_per_rank"]) == summary["world_size"]
 
 
-def test_checkpoint_from_fsdp2_on_two_ranks_resumes_under_ddp_on_one(run_cli, tmp_path):
+def resumes_in_one_process(run_cli, tmp_path, strategy: list[str], rtol: float = RTOL) -> tuple[list[str], dict]:
+    """Eight tiny steps under `strategy` (its overrides) in tmp_path/sharded, its step-4 checkpoint resumed in one
+    process in tmp_path/one, whose steps 5-8 and final eval loss must be the uninterrupted run's. (The runs'
+    arguments, the one-process run's summary.)"""
     args = [*TINY, "train.max_steps=8", "train.eval_every=4", "train.checkpoint_every=4"]
-    sharded = run_cli(*args, *DIST, "strategy=fsdp2", f"hydra.run.dir={tmp_path / 'fsdp2'}")
+    sharded = run_cli(*args, *strategy, f"hydra.run.dir={tmp_path / 'sharded'}")
     assert sharded.returncode == 0, sharded.stderr[-3000:]
-    checkpoint = tmp_path / "fsdp2" / "checkpoints" / "step-4"
-    single = run_cli(*args, f"train.resume={checkpoint}", f"hydra.run.dir={tmp_path / 'ddp'}")
+    checkpoint = tmp_path / "sharded" / "checkpoints" / "step-4"
+    single = run_cli(*args, f"train.resume={checkpoint}", f"hydra.run.dir={tmp_path / 'one'}")
     assert single.returncode == 0, single.stderr[-3000:]
-    summary = read_summary(str(tmp_path / "ddp"))
+    summary = read_summary(str(tmp_path / "one"))
     assert summary["resumed_from"] == str(checkpoint) and summary["steps_this_run"] == 4
-    resumed, original = read_metrics(str(tmp_path / "ddp")), read_metrics(str(tmp_path / "fsdp2"))
+    resumed, original = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "sharded"))
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
-    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in original[4:]], rel=RTOL)
-    assert summary["final_eval_loss"] == pytest.approx(read_summary(str(tmp_path / "fsdp2"))["final_eval_loss"],
-                                                       rel=RTOL)
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in original[4:]], rel=rtol)
+    assert summary["final_eval_loss"] == pytest.approx(read_summary(str(tmp_path / "sharded"))["final_eval_loss"],
+                                                       rel=rtol)
+    return args, summary
+
+
+def test_checkpoint_from_fsdp2_on_two_ranks_resumes_under_ddp_on_one(run_cli, tmp_path):
+    args, summary = resumes_in_one_process(run_cli, tmp_path, [*DIST, "strategy=fsdp2"])
 
     # And back: the single-rank checkpoint loads into tensor-parallel shards.
     back = run_cli(*args, "train.max_steps=8", *DIST, "strategy=tp",
-                   f"train.resume={tmp_path / 'ddp' / 'checkpoints' / 'step-8'}", "train.max_steps=8",
+                   f"train.resume={tmp_path / 'one' / 'checkpoints' / 'step-8'}", "train.max_steps=8",
                    f"hydra.run.dir={tmp_path / 'tp'}")
     assert back.returncode == 0, back.stderr[-3000:]
     assert read_summary(str(tmp_path / "tp"))["final_eval_loss"] == pytest.approx(summary["final_eval_loss"],

@@ -1,0 +1,136 @@
+"""Context parallelism (strategy.cp): the load-balanced split of a row and its inverse; cp=2 on two gloo ranks (and
+fsdp2 x cp, tp x cp on four) ends at one process's losses, for the native model's pretraining and for Hugging Face
+families fine-tuned with SFT on packed conversations (documents never attending across their boundary; soft-capped
+and sliding-window attention, a mixture's router loss); a cp=2 checkpoint resumes under cp=1 on the uninterrupted
+curve; what cp does not compose with is refused in one line before any work."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tests.conftest import DIST, REFERENCE, TINY, compose_refused, read_metrics, read_summary
+from tests.trainer.hf_models import SAMPLE, make_named
+from tests.trainer.parallel.test_strategies import resumes_in_one_process
+from tests.trainer.recipes.test_dpo import ARGS as DPO_ARGS
+from tests.trainer.recipes.test_sft import _chats
+from trainer.parallel.context import held_chunks, split, unsplit
+
+# Every rank computes the same sums in other orders (attention chunk by chunk over gathered keys, losses summed
+# per rank): float32 rounding only, ~1e-7 measured; a wrong chunk, position or mask moves the loss by > 1e-2.
+RTOL = 1e-5
+CP = ["strategy=fsdp2_cp"]
+FOUR = ["+runtime=torch-distributed", "runtime.nproc_per_node=4"]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_the_load_balanced_split_gives_each_rank_its_head_and_tail_and_unsplits_to_the_row(cp):
+    row = torch.arange(2 * cp * 3).reshape(1, -1).repeat(2, 1)
+    parts = [split(row, cp, rank) for rank in range(cp)]
+    for rank, part in enumerate(parts):
+        head, tail = held_chunks(cp, rank)
+        assert (head, tail) == (rank, 2 * cp - 1 - rank)
+        assert part[0].tolist() == [*range(3 * head, 3 * head + 3), *range(3 * tail, 3 * tail + 3)]
+    # Every rank attends over as many keys: the ends of its two chunks add up the same.
+    assert len({sum(3 * (c + 1) for c in held_chunks(cp, rank)) for rank in range(cp)}) == 1
+    assert torch.equal(unsplit(torch.cat(parts, dim=1), cp), row)
+    assert torch.equal(unsplit(torch.cat([p.T for p in parts], dim=0), cp, dim=0), row.T)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ([*DIST, *CP, "data.seq_len=30"], "data.seq_len=30: must be divisible by 2 x strategy.cp = 4 (context "
+     "parallelism cuts each row into 2 x cp chunks)"),
+    ([*FOUR, *CP, "strategy.pp=2", "strategy.dp_shard=1"], "strategy.cp=2: context parallelism does not compose "
+     "with pipeline parallelism (strategy.pp=2)"),
+    ([*DIST, "strategy=ddp", "strategy.cp=2", "strategy.dp_replicate=1"], "strategy.cp=2: strategy=ddp uses only "
+     "strategy.dp_replicate; this must be 1"),
+    ([*DIST, *CP, "recipe=grpo", "data=prompts", "data.path=/tmp/p.jsonl",
+      "recipe.reward_funcs=[trainer.rewards.shipped:contains_answer]"], "recipe='grpo': strategy.cp=2 runs pretrain, "
+     "sft, dpo; recipe=grpo does not compose with context parallelism"),
+    ([*CP], "strategy='fsdp2_cp': strategy=fsdp2_cp needs more than one process"),
+])
+def test_what_cannot_run_under_cp_is_refused_in_one_line(tmp_path, capsys, overrides, message):
+    err = compose_refused(tmp_path, capsys, *TINY, *overrides)
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def _same_curve(run_dir, ref_dir, steps: int, near_zero: float = 0.0) -> None:
+    """`near_zero`: an absolute tolerance besides RTOL, for a loss that falls to nearly 0 (dpo's)."""
+    metrics, ref = read_metrics(str(run_dir)), read_metrics(str(ref_dir))
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in ref], rel=RTOL, abs=near_zero)
+    assert [m["grad_norm"] for m in metrics] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4)
+    final = read_summary(str(run_dir))["final_eval_loss"]
+    assert final == pytest.approx(read_summary(str(ref_dir))["final_eval_loss"], rel=RTOL, abs=near_zero)
+
+
+VARIANTS = {
+    "cp2": [*DIST, *CP],
+    "fsdp2xcp-4-ranks": [*FOUR, *CP, "strategy.dp_shard=2"],
+    "tpxcp-4-ranks": [*FOUR, *CP, "strategy.dp_shard=1", "strategy.tp=2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cp_pretraining_reproduces_the_single_process_loss_curve(run_cli, tmp_path, single_reference, variant):
+    run_dir = tmp_path / variant
+    proc = run_cli(*REFERENCE, *VARIANTS[variant], f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(str(run_dir))
+    assert summary["world_size"] == (2 if variant == "cp2" else 4)
+    _same_curve(run_dir, single_reference, 6)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_cp2_checkpoint_resumes_under_cp1_on_the_uninterrupted_curve(run_cli, tmp_path):
+    resumes_in_one_process(run_cli, tmp_path, [*DIST, *CP], rtol=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize(("family", "packing"), [("gemma2", "padding_free"), ("qwen3_moe", "max_length")])
+def test_cp_sft_on_chats_of_a_hugging_face_family_equals_one_process(run_cli, tmp_path_factory, family, packing):
+    """gemma2: soft-capped attention and final logits, sliding-window layers, on packed rows (padding_free: one
+    packed row a micro-batch, its documents split with it); qwen3_moe: experts and the router's load-balancing
+    loss (over the whole rows' routing), on padded rows: under padding_free the few pad tokens that round a packed
+    row to a multiple of 2 x cp would take part in the router's statistics, which one process's row lacks."""
+    root = tmp_path_factory.mktemp(f"cp-{family}")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(24, seed=3)))
+    args = ["model=hf", f"model.path={make_named(str(root), family)}", "recipe=sft", "data=chat",
+            f"data.path={chats}", "data.seq_len=48", "data.eval_percent=25", "train.global_batch_size=4",
+            "train.max_steps=6", "train.eval_every=6", "train.progress=false", "train.log_every=1",
+            "lr_schedule.warmup_steps=1", f"data.packing={packing}"]
+    runs = {}
+    for name, extra in (("single", []), ("cp2", [*DIST, *CP])):
+        runs[name] = root / name
+        proc = run_cli(*args, *extra, f"hydra.run.dir={runs[name]}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_curve(runs["cp2"], runs["single"], 6)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_cp_dpo_equals_one_process(run_cli, tmp_path_factory):
+    """recipe=dpo reads its log-probabilities over whole rows (the final hidden states gathered back into row
+    order), the frozen reference under cp too."""
+    root = tmp_path_factory.mktemp("cp-dpo")
+    rng = random.Random(0)
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": rng.choice(SAMPLE)[:30], "chosen": "I am fine, thank you.",
+                                         "rejected": "def main(): return 42"}) + "\n" for _ in range(40)))
+    args = [*DPO_ARGS, "model=hf", f"model.path={make_named(str(root), 'llama')}", f"data.path={pairs}",
+            "train.max_steps=6", "train.eval_every=6"]
+    runs = {}
+    for name, extra in (("single", []), ("cp2", [*DIST, *CP])):
+        runs[name] = root / name
+        proc = run_cli(*args, *extra, f"hydra.run.dir={runs[name]}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    # The pairs are soon told apart: the loss falls from log 2 to ~5e-3, where float32's rounding is ~1e-5 of it.
+    _same_curve(runs["cp2"], runs["single"], 6, near_zero=1e-6)
