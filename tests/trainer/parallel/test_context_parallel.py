@@ -76,7 +76,8 @@ VARIANTS = {
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [v if v == "cp2" else pytest.param(v, marks=pytest.mark.extended)
+                                     for v in VARIANTS])
 def test_cp_pretraining_reproduces_the_single_process_loss_curve(run_cli, tmp_path, single_reference, variant):
     run_dir = tmp_path / variant
     proc = run_cli(*REFERENCE, *VARIANTS[variant], f"hydra.run.dir={run_dir}")
@@ -94,7 +95,8 @@ def test_a_cp2_checkpoint_resumes_under_cp1_on_the_uninterrupted_curve(run_cli, 
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.parametrize(("family", "packing"), [("gemma2", "padding_free"), ("qwen3_moe", "max_length")])
+@pytest.mark.parametrize(("family", "packing"), [("gemma2", "padding_free"),
+                                               pytest.param("qwen3_moe", "max_length", marks=pytest.mark.extended)])
 def test_cp_sft_on_chats_of_a_hugging_face_family_equals_one_process(run_cli, tmp_path_factory, family, packing):
     """gemma2: soft-capped attention and final logits, sliding-window layers, on packed rows (padding_free: one
     packed row a micro-batch, its documents split with it); qwen3_moe: experts and the router's load-balancing
