@@ -110,7 +110,10 @@ def measure(ep: int, nproc: int, steps: int) -> dict:
                               env={**os.environ, "PYTHONPATH": REPO})
         if proc.returncode != 0:
             return {"ep": ep, "error": proc.stderr.strip().splitlines()[-1]}
-        ranks = [json.load(open(os.path.join(out, f"rank-{r}.json"))) for r in range(nproc)]
+        ranks = []
+        for r in range(nproc):
+            with open(os.path.join(out, f"rank-{r}.json")) as f:
+                ranks.append(json.load(f))
     sent = {k: max(r["sent"].get(k, 0) for r in ranks) for k in ranks[0]["sent"]}
     return {"ep": ep, "step_s": max(r["step_s"] for r in ranks), "peak_gb": max(r["peak_gb"] for r in ranks),
             "sent": sent}

@@ -41,7 +41,8 @@ sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.p
 VOCAB = 151_936
 PROMPT = 64  # grpo's prompt tokens
 GENERATIONS = 4
-ROWS = {"sft": 1, "dpo": 2, "kto": 2, "grpo": GENERATIONS, "kd": 1, "ppo": 1}  # sequences of `length` tokens a step holds
+# sequences of `length` tokens a step holds
+ROWS = {"sft": 1, "dpo": 2, "kto": 2, "grpo": GENERATIONS, "kd": 1, "ppo": 1}
 # rows of (length, vocab) logits the whole way holds
 LOGITS = {"sft": 1, "dpo": 2, "kto": 2, "grpo": GENERATIONS, "kd": 2, "ppo": 1}
 TRL_CASES = ("sft", "dpo", "kto", "grpo")

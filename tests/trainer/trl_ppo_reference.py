@@ -1,10 +1,11 @@
 """TRL's PPOTrainer (0.28, the last release that ships `PPOTrainer`/`PPOConfig`) as the reference of recipe=ppo:
-its own source, read from where that release is installed apart from the project's environment (`PLACE`: TRL 0.28
-and TRL 1.16 cannot share one; `pip install --no-deps --target .trl-ppo trl==0.28.0`, which `.ci/run` does). `PPOTrainer.train` computes the rollout's rewards, GAE and whitening
-and the loss inline; the blocks of its source that do so are cut out by their first and last statements and run
-on given tensors, with TRL's own `masked_mean`, `masked_var` and `masked_whiten`. Nothing of the loss is re-typed
-here. `PPOConfig`'s defaults are read from its dataclass fields (the module is parsed, not imported: it subclasses
-transformers' TrainingArguments of that release)."""
+its own source, read from where that release is installed apart from the project's environment (`PLACE`: TRL
+0.28 and TRL 1.16 cannot share one; `pip install --no-deps --target .trl-ppo trl==0.28.0`, which `.ci/run`
+does). `PPOTrainer.train` computes the rollout's rewards, GAE and whitening and the loss inline; the blocks of its
+source that do so are cut out by their first and last statements and run on given tensors, with TRL's own
+`masked_mean`, `masked_var` and `masked_whiten`. Nothing of the loss is re-typed here. `PPOConfig`'s defaults are
+read from its dataclass fields (the module is parsed, not imported: it subclasses transformers' TrainingArguments
+of that release)."""
 
 from __future__ import annotations
 

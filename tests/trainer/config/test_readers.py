@@ -85,7 +85,8 @@ def test_a_key_an_experiment_file_sets_is_refused_where_the_chosen_option_never_
     cfg = compose(args)
     with open_dict(cfg):
         cfg.run_dir = "/tmp/unused"
-    with pytest.raises(ConfigError, match=r"recipe.beta=0.1: recipe=sft reads no beta; recipe=dpo, kto, grpo or rloo do"):
+    with pytest.raises(ConfigError,
+                       match=r"recipe.beta=0.1: recipe=sft reads no beta; recipe=dpo, kto, grpo or rloo do"):
         validate(cfg, readers.given_keys(args))
     assert readers.given_keys(["+experiment=llama3_2_1b_dpo", "--cfg", "job"])["train.max_steps"] == 500
 

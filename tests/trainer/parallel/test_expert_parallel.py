@@ -1,7 +1,7 @@
 """Expert parallelism (`strategy.ep`, `trainer.parallel.expert_parallel`): the experts split over ranks, tokens sent
 to them by all-to-all, train the single process's loss curve (router loss included) on the native mixture and a
-Qwen3-MoE and a Mixtral model; with FSDP2 sharding the experts over the other ranks too; an ep=2 checkpoint resumes at ep=1
-and the reverse, and exports a Hugging Face model that transformers loads with the trained model's logits. What
+Qwen3-MoE and a Mixtral model; with FSDP2 sharding the experts over the other ranks too; an ep=2 checkpoint resumes
+at ep=1 and the reverse, and exports a Hugging Face model that transformers loads with the trained model's logits. What
 does not divide or compose is refused in one line, before anything runs.
 
 All of it runs real torchrun processes with gloo collectives (all_to_all_single on the CPU)."""
