@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from launchers.options import offers
 from trainer.config import Config, ConfigError, JobShape
 from trainer.config.hf import local_model
 from trainer.config.hf_impl import fill_config
@@ -41,11 +40,11 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
         named = cfg.model.path
         cfg.model.path = local_model(named, "model.path", cfg.data.cache_dir)
         fill_config(cfg.model)
-        if not offers(cfg.launcher).reads_disk_here:
-            cfg.model.path = named
     if cfg.train.checkpoint_dir and not is_url(cfg.train.checkpoint_dir):
         cfg.train.checkpoint_dir = os.path.abspath(cfg.train.checkpoint_dir)
     job, shape = validate(cfg, given)
+    if cfg.model.name == "hf" and not shape.offers.reads_disk_here:
+        cfg.model.path = job.model.path = named
     _checkpoint_store(job, shape.offers.reads_disk_here)
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
