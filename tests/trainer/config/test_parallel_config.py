@@ -53,7 +53,7 @@ def test_a_new_combination_is_a_yaml_file(tmp_path):
     job, shape = validate(cfg)
     assert job.strategy.name == "hsdp_tp" and shape.world == 8 and shape.counts == range(1, 2)
     dims = shape.dims
-    assert dims.degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert dims.degrees() == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
     assert dims.fsdp and not dims.ddp and dims.dp_size == 4
     with pytest.raises(config.ConfigError, match="strategy='hsdp_tp': strategy=hsdp_tp needs more than one process"):
         validate(_compose(f"hydra.searchpath=[file://{tmp_path}]", "strategy=hsdp_tp"))
