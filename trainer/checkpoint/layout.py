@@ -19,10 +19,10 @@ MANIFEST = ".manifest.json"  # the manifest's name (trainer.checkpoint.manifest)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def root(cfg) -> str:
-    """Where the run `cfg` keeps its checkpoints: `train.checkpoint_dir`, a path or a URL, by default
-    `<run_dir>/checkpoints`."""
-    return getattr(cfg.train, "checkpoint_dir", "") or RunDir.of(cfg.run_dir).checkpoints  # "": a config before it
+def root(checkpoint_dir: str, run_dir: str) -> str:
+    """Where a run keeps its checkpoints: its `train.checkpoint_dir`, a path or a URL, by default
+    `<run_dir>/checkpoints` ("": a config written before the key)."""
+    return checkpoint_dir or RunDir.of(run_dir).checkpoints
 
 
 def paths(root: str, step: int) -> tuple[str, str]:

@@ -1,8 +1,9 @@
 """Where a run starts, decided once and carried: `decide` works out the checkpoint from `train.resume` (auto: the
 newest whole one in `train.checkpoint_dir`; never: none; a path: that one, or, on a restart of the line that began
-there, the line's newest); `agreed` has rank 0 decide and hands its decision to every rank. `check` refuses a start the
-run cannot load (one ConfigError line, before the first step), `settle` has rank 0 set aside what the start leaves
-behind before the ranks load it, and `restore` loads it through the run's store."""
+there, the line's newest); `agreed` has rank 0 decide and hands its decision to every rank; `reach`, before either,
+asks a URL's store. `check` refuses a start the run cannot load (one ConfigError line, before the first step),
+`settle` has rank 0 set aside what the start leaves behind before the ranks load it, and `restore` loads it through
+the run's store."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from trainer.checkpoint import checks, fs, layout, lines
 from trainer.errors import ConfigError
+from trainjob.options import OptionError
+from trainjob.storage import objects
 
 
 @dataclass(frozen=True)
@@ -23,9 +26,27 @@ class Start:
     branches: bool
 
 
+def reach(cfg) -> None:
+    """Raise ConfigError unless the run `cfg`'s `train.checkpoint_dir`, where it is an object store's URL, answers,
+    takes this process's credentials and holds the bucket, and, for a fresh run, holds no checkpoint it would
+    overwrite. Run where the ranks run (the driver, where they run on this machine; each rank): a cluster's ranks
+    take a Secret's credentials, which the driver does not have. Writes nothing."""
+    url = cfg.train.checkpoint_dir
+    if not fs.remote(url):
+        return
+    fs.configure(cfg.train.checkpoint_retries)
+    try:
+        objects.probe("train.checkpoint_dir", url)
+    except OptionError as e:  # the store's refusal, a config error like any other
+        raise ConfigError(e.key, e.value, e.allowed) from None
+    if cfg.train.resume == "never" and fs.listdir(url):
+        raise ConfigError("train.resume", "never", f"{url} already holds checkpoints that a fresh run would "
+                          "overwrite: use train.resume=auto or another train.checkpoint_dir")
+
+
 def decide(cfg) -> Start | None:
     """The checkpoint the run `cfg` starts from now, or None (a fresh start); reads, moves nothing."""
-    own = layout.root(cfg)
+    own = layout.root(cfg.train.checkpoint_dir, cfg.run_dir)
     if cfg.train.resume == "never":
         return None
     if cfg.train.resume == "auto":  # its checkpoint_dir: another run directory with the same one goes on from it
@@ -73,7 +94,7 @@ def settle(start: Start | None, cfg) -> None:
     one and those of the line `start` leaves (`lines.set_aside_damaged`, `lines.set_aside_later`), and notes an
     explicit start, so that later restarts go on along its line; the others wait for it."""
     if dist.get_rank() == 0:
-        own = layout.root(cfg)
+        own = layout.root(cfg.train.checkpoint_dir, cfg.run_dir)
         if cfg.train.resume != "never":
             lines.set_aside_damaged(own)
         if start is not None:

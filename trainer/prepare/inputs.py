@@ -60,9 +60,9 @@ class Checked:
 
 def check(cfg: Config, dims: Degrees, decide: Callable[[Config], resume.Start | None] = resume.decide) -> Checked:
     """Build or find the corpus and check everything the job will read before its first step: the corpus
-    (rows for one global batch, token ids), the cache nodes, the checkpoint it resumes from, which `decide` works
-    out last (`trainer.checkpoint.resume.decide` in the driver's process; `agreed` on the ranks, where rank 0
-    decides for all). Raises ConfigError."""
+    (rows for one global batch, token ids), the cache nodes, the checkpoint store (`resume.reach`) and the
+    checkpoint it resumes from, which `decide` works out last (`trainer.checkpoint.resume.decide` in the driver's
+    process; `agreed` on the ranks, where rank 0 decides for all). Raises ConfigError."""
     check_memory(cfg, dims)
     kind = KINDS[cfg.data.name]
     corpus = kind.prepare(cfg) if needs_corpus(cfg.data) else None
@@ -72,6 +72,7 @@ def check(cfg: Config, dims: Degrees, decide: Callable[[Config], resume.Start | 
         if getattr(cfg.data.cache, key):
             split_dataset(cfg.data, split, corpus, global_batch_size=cfg.train.global_batch_size,
                           rank=0, world_size=dims.dp_size, loop=False)
+    resume.reach(cfg)
     start = decide(cfg)
     resume.check(start, cfg)
     return Checked(corpus, start)

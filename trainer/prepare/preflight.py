@@ -15,7 +15,6 @@ from omegaconf.errors import InterpolationResolutionError
 from trainer.config import Config, ConfigError, JobShape
 from trainer.config.hf import local_model
 from trainer.config.hf_impl import fill_config
-from trainer.config.runtime import config_errors
 from trainer.config.validate import validate
 from trainjob.files import directory_problem
 from trainjob.storage.urls import is_url
@@ -45,7 +44,6 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
     job, shape = validate(cfg, given)
     if cfg.model.name == "hf" and not shape.offers.reads_disk_here:
         cfg.model.path = job.model.path = named
-    _checkpoint_store(job, shape.offers.reads_disk_here)
     checked = None
     # Where the ranks read this machine's data cache (a docker dry run prints its commands only, and reads nothing).
     if shape.offers.reads_disk_here:
@@ -66,25 +64,6 @@ def check(cfg: DictConfig, given: Mapping[str, object] | None = None) -> tuple[C
         print(f"warning: data.cache.token goes in clear to {', '.join(map(str, plain))}: use grpc+tls:// nodes "
               "(data.cache.tls_root_cert for a private CA) where the network is not trusted", file=sys.stderr)
     return job, shape, checked
-
-
-def _checkpoint_store(job: Config, here: bool) -> None:
-    """A `train.checkpoint_dir` URL's store answers, takes these credentials and holds the bucket, where the ranks
-    run with this machine's (`here`: in its processes or its containers, given its environment; a cluster's take
-    a Secret's, which this machine does not have: asked there); a fresh run finds no checkpoint there to overwrite.
-    Raises ConfigError; writes nothing."""
-    from trainer.checkpoint import fs
-    from trainjob.storage import objects
-
-    url = job.train.checkpoint_dir
-    if not is_url(url) or not here:
-        return
-    fs.configure(job.train.checkpoint_retries)
-    with config_errors():  # the store's refusal, a config error like any other
-        objects.probe("train.checkpoint_dir", url)
-    if job.train.resume == "never" and fs.listdir(url):
-        raise ConfigError("train.resume", "never", f"{url} already holds checkpoints that a fresh run would "
-                          "overwrite: use train.resume=auto or another train.checkpoint_dir")
 
 
 def _unresolvable(node: Any, prefix: str = "") -> str | None:

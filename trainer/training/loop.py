@@ -67,7 +67,7 @@ class Trainer:
         self.peak_flops = metrics.peak_flops(device, bf16)
         if self.rank == 0 and t.checkpoint_dir:  # beside its checkpoints, for export to read
             writing.keep_config(t.checkpoint_dir, RunDir.of(cfg.run_dir).config)
-        self.checkpointer = store.Checkpointer(layout.root(cfg), t,
+        self.checkpointer = store.Checkpointer(layout.root(t.checkpoint_dir, cfg.run_dir), t,
                                                store.of_run(cfg, model, self.optimizer, device, self.engine),
                                                self._train_state)
 
