@@ -30,4 +30,10 @@ COPY trainjob trainjob
 # `deepspeed` (`--build-arg EXTRAS=tracking,runtimes,deepspeed`, as CI's image holds them).
 ARG EXTRAS=tracking
 RUN pip install --no-cache-dir -e ".[$EXTRAS]"
+# What every container's processes would otherwise redo at each start, done once here: trainjob's bytecode (the
+# containers run as the launching user, who cannot write it beside the sources, so each process compiled them
+# again) and matplotlib's font list (each container's HOME is new: the rank that imports it scanned the fonts).
+ENV MPLCONFIGDIR=/opt/matplotlib
+RUN python -m compileall -q /opt/trainjob && mkdir -m 1777 "$MPLCONFIGDIR" \
+    && python -c "import matplotlib.font_manager" && chmod -R a+rwX "$MPLCONFIGDIR"
 ENV PYTHONUNBUFFERED=1

@@ -19,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import faulthandler
+import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +41,13 @@ from trainer.parallel import ParallelDims
 from trainer.parallel.assembly import assemble
 from trainer.prepare import inputs
 from trainer.training import loop, preemption
-from trainjob import runtimes
+from trainjob import runtimes, startup
 from trainjob.env import DRIVER_REPORTS_ENV
 from trainjob.files import write_whole
 from trainjob.run_files import RunDir
 
 log = logging.getLogger("trainer")
+IMPORTED_AT = time.time()  # a rank started as `python -m trainer.worker`: its imports are done
 
 
 @dataclass
@@ -101,6 +104,8 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
     cfg = cfg if isinstance(cfg, Config) else config.typed(cfg)
     env = init_distributed(cfg.runtime.name if cfg.runtime is not None else None)
     handler = setup_logging(cfg.run_dir, env.rank)
+    if (started := startup.marks(IMPORTED_AT, time.time())) is not None:
+        log.info("startup %s", json.dumps(started))
     try:
         summary = _train(cfg, env, checked)
     except BaseException:

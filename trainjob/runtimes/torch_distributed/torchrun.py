@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 
 from trainjob.env import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
+from trainjob.startup import mark_agent_ready
 
 
 def exit_code(error: ChildFailedError) -> int:
@@ -29,6 +30,7 @@ def exit_code(error: ChildFailedError) -> int:
 
 
 def main(argv: list[str]) -> int:
+    mark_agent_ready()  # its ranks report when, in their log (trainjob.startup)
     args = run.parse_args(argv)
     reported = bool(os.environ.get(DRIVER_REPORTS_ENV))  # the driver says what failed, once
     try:
