@@ -32,25 +32,24 @@ ARGS = [*[a for a in TINY if not a.startswith(("data.seq_len", "train.global_bat
         "recipe.max_completion_length=8", f"recipe.reward_funcs=[{ONE_TOKEN}]"]
 
 
+def _prompts(tmp_path_factory, name: str, count: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "sun", "sky"]
+    path = tmp_path_factory.mktemp("prompts") / name
+    path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(3))}) + "\n"
+                            for _ in range(count)))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> str:
-    rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "sun", "sky"]
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(3))}) + "\n"
-                            for _ in range(160)))
-    return str(path)
+    return _prompts(tmp_path_factory, "prompts.jsonl", 160, seed=0)
 
 
 @pytest.fixture(scope="module")
 def many_prompts(tmp_path_factory) -> str:
     """Prompts for 64 a step, and an eval split of 64 at data.eval_percent=20."""
-    rng = random.Random(1)
-    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "sun", "sky"]
-    path = tmp_path_factory.mktemp("prompts") / "many.jsonl"
-    path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(3))}) + "\n"
-                            for _ in range(400)))
-    return str(path)
+    return _prompts(tmp_path_factory, "many.jsonl", 400, seed=1)
 
 
 @pytest.fixture(scope="module")
