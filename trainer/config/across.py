@@ -159,9 +159,10 @@ def _experts(job, dims: Degrees) -> None:
             f"recipes {', '.join(EXPERT_PARALLEL_RECIPES)}: use strategy.ep=1")
 
 
-# The recipes whose losses context parallelism shares over the cp ranks: the next-token loss, and dpo's
-# log-probabilities over the gathered rows.
-CONTEXT_RECIPES = ("pretrain", "sft", "dpo")
+# The recipes whose losses context parallelism shares over the cp ranks: the next-token loss, and the recipes' own
+# token losses over the gathered rows (WHOLE_ROWS). ppo, kto and reward cut their rows to no multiple of 2 x cp.
+WHOLE_ROWS = ("dpo", "kd", "grpo", "rloo")
+CONTEXT_RECIPES = ("pretrain", "sft", *WHOLE_ROWS)
 
 
 def _context(job, dims: Degrees) -> None:
@@ -178,9 +179,9 @@ def _context(job, dims: Degrees) -> None:
             "use strategy.cp=1")
     require(dims.ep == 1, "strategy.ep", dims.ep, f"strategy.cp={dims.cp} splits each row's tokens over ranks that "
             "expert parallelism's all-to-all does not yet take together: use strategy.ep=1, or strategy.cp=1")
-    require(dims.tp == 1 or job.recipe.name != "dpo", "strategy.tp", dims.tp, f"recipe=dpo under strategy.cp="
-            f"{dims.cp} reads log-probabilities over whole rows, which tensor parallelism's sequence split does not "
-            "give: use strategy.tp=1")
+    require(dims.tp == 1 or job.recipe.name not in WHOLE_ROWS, "strategy.tp", dims.tp, f"recipe={job.recipe.name} "
+            f"under strategy.cp={dims.cp} reads log-probabilities over whole rows, which tensor parallelism's sequence "
+            "split does not give: use strategy.tp=1")
 
 
 def _pipeline(job, dims: Degrees, at: str = "") -> None:

@@ -79,6 +79,12 @@ class Degrees:
         return self.tp * (2 * self.cp if self.cp > 1 else 1)
 
     @property
+    def row_peers(self) -> int:
+        """How many ranks in a row of the world hold the same rows: the context- and tensor-parallel peers, the
+        mesh's innermost dimensions (a gather over the world keeps every row_peers-th rank's share, one of each)."""
+        return self.cp * self.tp
+
+    @property
     def fsdp(self) -> bool:
         """FSDP2 shards the model over the data-parallel ranks and the context-parallel ones (HSDP when dp_replicate
         > 1 too)."""

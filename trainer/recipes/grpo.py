@@ -394,17 +394,21 @@ class GRPO(Recipe):
     def _advantages(self, total: torch.Tensor) -> torch.Tensor:
         if self.r.scale_rewards != "batch":
             return advantages(total, self.G, self.r.scale_rewards)
-        # The whole batch's std: every rank's rewards (tensor-parallel peers hold the same ones: one of each).
-        everyone = [torch.empty_like(total) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, total)
-        tp = self.ctx.dims.tp
-        unique = torch.cat(everyone[::tp])
-        return advantages(unique, self.G, "batch").view(self.dp_size, -1)[self.dp_rank]
+        # The whole batch's std: every rank's rewards, one of each.
+        return advantages(self.batch_wide(total), self.G, "batch").view(self.dp_size, -1)[self.dp_rank]
+
+    def batch_wide(self, values: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's `values`, in rank order: gathered over the world, one of each group of peers
+        holding the same rows (context- and tensor-parallel)."""
+        everyone = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, values)
+        return torch.cat(everyone[:: self.ctx.dims.row_peers])
 
     def micro_rows(self, prompts: list[list[int]], completions: list[list[int]], accum: int
                    ) -> tuple[list[packing.Packed], torch.Tensor, int]:
         """`micro_rows` on this rank's device, as `data.packing` says."""
-        return micro_rows(prompts, completions, self.text.pad, self.packing, accum, self.ctx.dims.tp, self.ctx.device)
+        return micro_rows(prompts, completions, self.text.pad, self.packing, accum, self.ctx.dims.sequence_multiple,
+                          self.ctx.device)
 
     def token_logps(self, model, micro: packing.Packed) -> torch.Tensor:
         return token_logps(model, micro, self.logps_fn)
@@ -437,7 +441,7 @@ def rows(prompts: list[list[int]], completions: list[list[int]], pad: int, multi
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, targets, real input positions of each row): each row the prompt, its completion, then `pad` up to
     the longest row; the targets IGNORE but for the completion's tokens. The inputs' width is a multiple of
-    `multiple` (the tensor-parallel degree: sequence parallelism splits it evenly)."""
+    `multiple` (`sequence_multiple`: tensor parallelism's sequence split, context parallelism's 2 x cp chunks)."""
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     width = -(-(longest - 1) // multiple) * multiple + 1
     tokens = torch.full((len(prompts), width), pad, dtype=torch.long)

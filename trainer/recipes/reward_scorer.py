@@ -21,7 +21,8 @@ from trainer.parallel.assembly import assemble
 
 class RewardModel:
     def __init__(self, cfg, ctx):
-        self.path, self.device, self.tp = cfg.recipe.reward_model.path, ctx.device, ctx.dims.tp
+        self.path, self.device = cfg.recipe.reward_model.path, ctx.device
+        self.multiple = ctx.dims.sequence_multiple  # the rows' widths: tp's sequence split, cp's chunks
         self.packing = packing.choose(cfg.data.packing, False)
         self.name = os.path.basename(os.path.normpath(self.path))  # as TRL names a model's rewards
         with open(os.path.join(self.path, "config.json")) as f:
@@ -35,12 +36,12 @@ class RewardModel:
     def __call__(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
         """(n,) the score of each completion after its prompt."""
         rows = [p + c for p, c in zip(prompts, completions, strict=True)]
-        width = -(-max(len(r) for r in rows) // self.tp) * self.tp
+        width = -(-max(len(r) for r in rows) // self.multiple) * self.multiple
         tokens = torch.full((len(rows), width + 1), self.pad, dtype=torch.long)  # the inputs: [:, :-1]
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row)
         target = torch.full((len(rows), width), IGNORE, device=self.device)  # none: the score reads the last token
         micro = packing.collate(tokens.to(self.device), target, torch.tensor([len(r) for r in rows]), self.packing,
-                                self.tp)
+                                self.multiple)
         count = 0 if micro.keep is None else len(rows)
         return score.scores(self.model, micro.tokens[:, :-1], self.pad, micro.inputs_documents, count)

@@ -24,7 +24,6 @@ clip_ratio/region_mean (shares of completions clipped), completions/mean_length,
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from trainer.recipes.grpo import GRPO
 
@@ -86,11 +85,8 @@ class RLOO(GRPO):
         adv = rloo_advantages(total, self.G)
         if not self.r.normalize_advantages:
             return adv
-        # Over the whole generation batch: every rank's (tensor-parallel peers hold the same ones: one of each).
-        everyone = [torch.empty_like(adv) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, adv)
-        unique = torch.cat(everyone[:: self.ctx.dims.tp])
-        return normalized(unique).view(self.dp_size, -1)[self.dp_rank]
+        # Over the whole generation batch: every rank's.
+        return normalized(self.batch_wide(adv)).view(self.dp_size, -1)[self.dp_rank]
 
     def loss(self, micro) -> torch.Tensor:
         rows, mask, adv, old = micro

@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from tests.conftest import DIST, REFERENCE, TINY, compose_refused, read_metrics, read_summary
-from tests.trainer.hf_models import SAMPLE, make_named
+from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama, make_named, make_qwen2
 from tests.trainer.parallel.test_strategies import resumes_in_one_process
 from tests.trainer.recipes.test_dpo import ARGS as DPO_ARGS
+from tests.trainer.recipes.test_grpo import ARGS as GRPO_ARGS
+from tests.trainer.recipes.test_grpo import REWARDS_ON_PATH, TOY
+from tests.trainer.recipes.test_kd import ARGS as KD_ARGS
 from tests.trainer.recipes.test_sft import _chats
 from trainer.parallel.context import held_chunks, split, unsplit
 
@@ -47,9 +50,12 @@ def test_the_load_balanced_split_gives_each_rank_its_head_and_tail_and_unsplits_
      "with pipeline parallelism (strategy.pp=2)"),
     ([*DIST, "strategy=ddp", "strategy.cp=2", "strategy.dp_replicate=1"], "strategy.cp=2: strategy=ddp uses only "
      "strategy.dp_replicate; this must be 1"),
-    ([*DIST, *CP, "recipe=grpo", "data=prompts", "data.path=/tmp/p.jsonl",
-      "recipe.reward_funcs=[trainer.rewards.shipped:contains_answer]"], "recipe='grpo': strategy.cp=2 runs pretrain, "
-     "sft, dpo; recipe=grpo does not compose with context parallelism"),
+    ([*DIST, *CP, "recipe=ppo", "data=prompts", "data.path=/tmp/p.jsonl",
+      "recipe.reward_funcs=[trainer.rewards.shipped:contains_answer]"], "recipe='ppo': strategy.cp=2 runs pretrain, "
+     "sft, dpo, kd, grpo, rloo; recipe=ppo does not compose with context parallelism"),
+    ([*FOUR, *CP, "strategy.dp_shard=1", "strategy.tp=2", "recipe=grpo", "data=prompts", "data.path=/tmp/p.jsonl",
+      "recipe.reward_funcs=[trainer.rewards.shipped:contains_answer]"], "strategy.tp=2: recipe=grpo under "
+     "strategy.cp=2 reads log-probabilities over whole rows, which tensor parallelism's sequence split does not give"),
     ([*CP], "strategy='fsdp2_cp': strategy=fsdp2_cp needs more than one process"),
 ])
 def test_what_cannot_run_under_cp_is_refused_in_one_line(tmp_path, capsys, overrides, message):
@@ -136,3 +142,55 @@ def test_cp_dpo_equals_one_process(run_cli, tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-3000:]
     # The pairs are soon told apart: the loss falls from log 2 to ~5e-3, where float32's rounding is ~1e-5 of it.
     _same_curve(runs["cp2"], runs["single"], 6, near_zero=1e-6)
+
+
+def _single_and_cp2(run_cli, root, args: list[str], env: dict | None = None) -> dict:
+    """The run directories of `args` in one process and under cp=2 on two gloo ranks."""
+    runs = {}
+    for name, extra in (("single", []), ("cp2", [*DIST, *CP])):
+        runs[name] = root / name
+        proc = run_cli(*args, *extra, f"hydra.run.dir={runs[name]}", env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize("recipe", ["grpo", "rloo"])
+def test_cp_grpo_and_rloo_equal_one_process(run_cli, tmp_path_factory, recipe):
+    """grpo and rloo sample with the key-value cache (whole rows on each cp rank, the same completions: their
+    generators are seeded by the data-parallel rank) and read the policy's, the sampling policy's and the
+    reference's log-probabilities over whole rows padded to a multiple of 2 x cp; the batch-wide scaling of the
+    rewards takes one of the cp peers' rewards. Two updates per generation batch, so that the ratio moves."""
+    root = tmp_path_factory.mktemp(f"cp-{recipe}")
+    rng = random.Random(0)
+    prompts = root / "prompts.jsonl"
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far"]
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(2, 4)))})
+                               + "\n" for _ in range(40)))
+    scaled = "recipe.scale_rewards=batch" if recipe == "grpo" else "recipe.normalize_advantages=true"
+    args = [*GRPO_ARGS, f"recipe={recipe}", f"data.path={prompts}", f"recipe.reward_funcs=[{TOY}]", scaled,
+            "recipe.num_iterations=2", "train.max_steps=4", "train.eval_every=4"]
+    runs = _single_and_cp2(run_cli, root, args, REWARDS_ON_PATH)
+    single, cp2 = read_metrics(str(runs["single"])), read_metrics(str(runs["cp2"]))
+    assert [m["reward"] for m in cp2] == [m["reward"] for m in single]  # the same completions
+    assert [m["kl"] for m in cp2] == pytest.approx([m["kl"] for m in single], rel=RTOL, abs=1e-7)
+    assert cp2[1]["clip_ratio/region_mean"] == pytest.approx(single[1]["clip_ratio/region_mean"], abs=1e-6)
+    _same_curve(runs["cp2"], runs["single"], 4, near_zero=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_cp_kd_equals_one_process(run_cli, tmp_path_factory):
+    """recipe=kd under cp: the teacher's final hidden states and the student's gathered back into row order, the
+    divergence over whole rows on every cp rank."""
+    root = tmp_path_factory.mktemp("cp-kd")
+    student, teacher = add_tokenizer(make_llama(str(root))), add_tokenizer(make_qwen2(str(root)))
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _chats(24, seed=5)))
+    args = ["model=hf", f"model.path={student}", f"recipe.teacher.path={teacher}", f"data.path={chats}", *KD_ARGS,
+            "train.max_steps=4", "train.eval_every=4"]
+    runs = _single_and_cp2(run_cli, root, args)
+    single, cp2 = read_metrics(str(runs["single"])), read_metrics(str(runs["cp2"]))
+    assert [m["kd/divergence"] for m in cp2] == pytest.approx([m["kd/divergence"] for m in single], rel=RTOL)
+    _same_curve(runs["cp2"], runs["single"], 4)

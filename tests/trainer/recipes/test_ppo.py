@@ -27,20 +27,29 @@ needs_trl = pytest.mark.skipif(trl.source_dir() is None, reason=trl.missing())
 
 ONE_TOKEN = "tests.trainer.ppo_rewards:count_e"
 ON_PATH = {"PYTHONPATH": REPO}  # where a user's reward module must be: importable by the ranks
-TOY = "tests.trainer.grpo_rewards:lowercase"
 ARGS = [*[a for a in TINY if not a.startswith(("data.seq_len", "train.global_batch_size", "model."))], "recipe=ppo",
         "data=prompts", "data.seq_len=16", "data.eval_percent=20", "lr_schedule.warmup_steps=0",
         "recipe.max_completion_length=8", f"recipe.reward_funcs=[{ONE_TOKEN}]"]
 
 
+def _prompts(tmp_path_factory, name: str, count: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "sun", "sky"]
+    path = tmp_path_factory.mktemp("prompts") / name
+    path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(3))}) + "\n"
+                            for _ in range(count)))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> str:
-    rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "sun", "sky"]
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(3))}) + "\n"
-                            for _ in range(160)))
-    return str(path)
+    return _prompts(tmp_path_factory, "prompts.jsonl", 160, seed=0)
+
+
+@pytest.fixture(scope="module")
+def many_prompts(tmp_path_factory) -> str:
+    """Prompts for 64 a step, and an eval split of 64 at data.eval_percent=20."""
+    return _prompts(tmp_path_factory, "many.jsonl", 400, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -212,21 +221,28 @@ def test_a_run_resumes_with_its_value_model(prompts, run_cli, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.extended)])
-def test_lora_on_two_ranks_raises_the_reward_and_exports(strategy, prompts, llama, run_cli, tmp_path):
-    """GRPO's toy reward (the share of lowercase letters) on the tiny Llama: a one-token reward ("e" among its 320
-    tokens) rises too rarely for 30 steps of 16 completions."""
+def test_lora_on_two_ranks_raises_the_reward_and_exports(strategy, many_prompts, llama, run_cli, tmp_path):
+    """A one-token reward (the count of "e", which 12 of the tiny Llama's 320 tokens hold) at TRL's PPO defaults
+    (4 epochs of one mini-batch a rollout, kl_coef 0.05, temperature 0.7, cliprange 0.2, vf_coef 0.1) and the
+    blueprint's 64 completions a rollout (conf/experiment/qwen2_5_1_5b_ppo.yaml); the learning rate LoRA's on a
+    tiny model. The untrained policy is nearly uniform (entropy 5.7 nats of log 320 = 5.8): with 16 completions a
+    rollout it samples ~5 tokens holding an "e", which the whitened advantages of the other ~120 tokens drown, and
+    30 steps at 4 epochs are 8 rollouts, each moving the policy no further than the clipped ratio lets it (4 epochs
+    learn little more per rollout than 1). 64 completions a rollout: the mean count rose from 0.30 over the first 8
+    steps to 0.45 over the last 8 (ddp; one process at temperature 1: 0.21 to 0.37)."""
     run, out = tmp_path / "run", tmp_path / "export"
-    proc = run_cli(*[a for a in ARGS if not a.startswith("recipe.reward_funcs")], "model=hf", f"model.path={llama}",
-                   "peft=lora", f"data.path={prompts}", f"recipe.reward_funcs=[{TOY}]", "train.global_batch_size=16",
-                   "optim.lr=1e-2", "recipe.temperature=1.0", "train.max_steps=30", "train.eval_every=30",
+    proc = run_cli(*ARGS, "model=hf", f"model.path={llama}", "peft=lora", f"data.path={many_prompts}",
+                   "train.global_batch_size=64", "optim.lr=1e-2", "train.max_steps=30", "train.eval_every=30",
                    f"strategy={strategy}", "+runtime=torch-distributed", "runtime.nproc_per_node=2",
-                   f"hydra.run.dir={run}", env={"PYTHONPATH": REPO})
+                   f"hydra.run.dir={run}", env={"PYTHONPATH": REPO}, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = read_metrics(str(run))
     assert len(lines) == 30
-    first = sum(m["objective/scores"] for m in lines[:6]) / 6
-    last = sum(m["objective/scores"] for m in lines[-6:]) / 6
-    assert last > first + 0.05, (first, last)
+    first = sum(m["rewards/count_e/mean"] for m in lines[:8]) / 8
+    last = sum(m["rewards/count_e/mean"] for m in lines[-8:]) / 8
+    print(f"{strategy}: mean count of e, first 8 steps {first:.3f}, last 8 {last:.3f}; explained variance "
+          f"{[round(m['val/explained_variance'], 3) for m in lines[::4]]}")
+    assert last > first + 0.08, (first, last)
     assert lines[-1]["val/explained_variance"] > 0
     proc = run_cli(f"{run}/checkpoints/step-30", str(out), "--merge", module="trainer.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
