@@ -216,10 +216,11 @@ SEEDED_RUNS = {
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("recipe", ["pretrain", pytest.param("grpo", marks=pytest.mark.e2e)])
+@pytest.mark.e2e
+@pytest.mark.parametrize("recipe", ["pretrain", pytest.param("grpo", marks=pytest.mark.extended)])
 def test_two_seeded_triton_runs_give_identical_losses(run_cli, tmp_path, recipe):
     """Issue 59's point 5: `kernels=triton` (every op routed, Triton's interpreter) twice with the same seed gives
-    the same losses, bit for bit: the random ops draw from the seeded generators as PyTorch's do. GRPO (e2e: its
+    the same losses, bit for bit: the random ops draw from the seeded generators as PyTorch's do. GRPO (extended: its
     sampling under the interpreter takes minutes here) samples the same completions: the same rewards and lengths."""
     args = ["model=debug", "model.n_layers=1", *SEEDED_RUNS[recipe], "kernels=triton", "train.max_steps=2",
             "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "train.progress=false",
