@@ -42,17 +42,19 @@ import json
 import logging
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.flight as flight
 import pyarrow.parquet as pq
 
 from datacache import kubeflow
 from datacache.parquet import parquet_files
 from datacache.sql import SqlError, query
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as pads
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,7 @@ _COMPARE = {ast.Eq: "__eq__", ast.NotEq: "__ne__", ast.Lt: "__lt__", ast.LtE: "_
 def parse_filter(text: str) -> pads.Expression:
     """A row filter such as `split == 'train' and length >= 128` or `lang in ['en', 'fr']` as a pyarrow
     expression: column names, literals, comparisons, `in`, and `and`/`or`/`not`. Nothing is evaluated."""
+    import pyarrow.dataset as pads  # here, not at the top: it imports pandas, seconds of every rank's start
 
     def build(node):
         if isinstance(node, ast.BoolOp):
@@ -211,6 +214,8 @@ def _read_shard(files: list[str], shard: int, num_shards: int, columns: list[str
         if total == 0:
             raise SqlError("its result holds no rows")
     else:
+        import pyarrow.dataset as pads
+
         dataset = pads.dataset(files, format="parquet")
         expr = parse_filter(row_filter) if row_filter else None
         if expr is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.dataset as pads
 
 TABLE = "data"
 QUERIES = ("SELECT", "WITH", "VALUES")  # what a statement that returns rows starts with
@@ -24,6 +23,7 @@ class SqlError(ValueError):
 
 def query(files: list[str], sql: str) -> tuple[pa.Schema, int, Iterator[pa.RecordBatch]]:
     """(the result's schema, its rows, its record batches in order) of `sql` over `files` as table `data`."""
+    import pyarrow.dataset as pads
     from datafusion import SessionConfig, SessionContext  # only a node given --sql needs DataFusion
 
     ctx = SessionContext(SessionConfig().with_target_partitions(1).with_repartition_file_scans(False))

@@ -44,7 +44,6 @@ from trainer.models.moe import MoE
 from trainer.parallel import expert_parallel
 from trainer.parallel.context import ContextParallel
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.pipeline import Pipeline, StagedModel, split, stage_ids, stage_layers
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn.Module:
@@ -108,6 +107,10 @@ def _fsdp_mesh(dims: ParallelDims):
 
 
 def _pipelined(model: nn.Module, dims: ParallelDims, cfg: StrategyConfig) -> nn.Module:
+    # Imported here: torch.distributed.pipelining imports torch._dynamo, seconds of a rank's start (and of each
+    # elastic restart) that a run without pipeline parallelism never needs.
+    from trainer.parallel.pipeline import Pipeline, StagedModel, split, stage_ids, stage_layers
+
     pp_mesh, device = dims.mesh["pp"], _device(dims.mesh)
     stages = dims.pp * cfg.stages_per_rank()
     layers = stage_layers(len(model.layers), stages, list(cfg.pp_split_points))

@@ -24,7 +24,7 @@ from trainer.config import torch_dtype
 from trainer.data.splits import split_dataset, trains_without_eval
 from trainer.errors import UserCodeError
 from trainer.models.kernels import Kernels
-from trainer.observability import metrics, plots
+from trainer.observability import metrics
 from trainer.parallel import ParallelDims, deepspeed
 from trainer.recipes.base import Context
 from trainer.training import optimizer, preemption
@@ -224,6 +224,8 @@ class Trainer:
         }
         if self.rank == 0:
             write_summary(self.cfg.run_dir, summary)
+            from trainer.observability import plots  # matplotlib: at the end, not in each rank's start
+
             plots.save_loss_png(self.cfg.run_dir)
         if evaluated:
             log.info("done: step %d, eval loss %.4f, train loss %.4f", self.step, eval_loss, logger.train_loss)
