@@ -138,9 +138,11 @@ def train_split(chats: list[list[dict]], path: str) -> list[list[dict]]:
 Steps = tuple[list[int], list[float], list[float]]  # real tokens, CPU seconds, wall seconds of each step
 
 
-def ours(model: str, data: str, packing: str, steps: int, work: str) -> Steps:
-    """Each step after the first of a run of `steps` steps under data.packing=`packing`: its real tokens and wall
-    seconds from the metrics lines, its CPU seconds from `STEP_TIMER`."""
+def ours(model: str, data: str, how: tuple[str, ...], steps: int, work: str) -> Steps:
+    """Each step after the first of a run of `steps` steps under data.packing=`how[0]` and the overrides
+    `how[1:]` (peft=lora): its real tokens and wall seconds from the metrics lines, its CPU seconds from
+    `STEP_TIMER`."""
+    packing, *overrides = how
     run_dir = os.path.join(work, f"run-{packing}-{time.time_ns()}")
     cmd = [
         sys.executable,
@@ -160,6 +162,7 @@ def ours(model: str, data: str, packing: str, steps: int, work: str) -> Steps:
         "train.log_every=1",
         "train.progress=false",
         f"hydra.run.dir={run_dir}",
+        *overrides,
     ]
     timer, timed = os.path.join(work, "timer"), f"{run_dir}.steps.jsonl"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([timer, REPO]), "PACKING_BENCH_STEPS": timed}
@@ -179,11 +182,17 @@ TRL_RUNS = {
     "padding_free=True": {"padding_free": True},
     "bf16=False, no grad. checkpointing": {"bf16": False, "gradient_checkpointing": False},
 }
+# LoRA: our peft section's defaults (rank 8, alpha 16, no dropout, the attention's projections), given to
+# both sides alike; TRL takes them as a peft LoraConfig.
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+OUR_LORA = ("peft=lora", f"peft.rank={LORA['r']}", f"peft.alpha={LORA['lora_alpha']}",
+            f"peft.dropout={LORA['lora_dropout']}", f"peft.target_modules=[{','.join(LORA['target_modules'])}]")
 
 
-def trl(model: str, chats: list[list[dict]], settings: dict, steps: int, work: str) -> Steps:
-    """Each step after the first of TRL's SFTTrainer on `chats`, in order, `steps` steps, with `settings` over its
-    defaults: the rows' real tokens, its CPU and wall seconds."""
+def trl(model: str, chats: list[list[dict]], how: tuple[dict, bool], steps: int, work: str) -> Steps:
+    """Each step after the first of TRL's SFTTrainer on `chats`, in order, `steps` steps, with `how[0]`'s settings
+    over its defaults, and with `how[1]` peft's LoRA (`LORA`): the rows' real tokens, its CPU and wall seconds."""
+    settings, lora = how
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
@@ -220,12 +229,18 @@ def trl(model: str, chats: list[list[dict]], settings: dict, steps: int, work: s
         disable_tqdm=True,
         **settings,
     )
+    peft = {}
+    if lora:
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **LORA)
     trainer = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(model),
         args=config,
         processing_class=tok,
         train_dataset=Dataset.from_list([{"messages": c} for c in rows]),
         callbacks=[Timer()],
+        **peft,
     )
     lengths = [len(r) for r in trainer.train_dataset["input_ids"]]
     trainer.train()
@@ -245,6 +260,17 @@ def rate(tokens: list[int], seconds: list[float]) -> float:
     return statistics.median(t / s for t, s in zip(tokens, seconds, strict=True))
 
 
+def configurations(data: str, train: list[list[dict]]) -> dict[str, tuple]:
+    """Every run by name: (its function, its rows, how), full fine-tuning's then LoRA's (whose names end in
+    "LoRA")."""
+    runs = {f"trainjob data.packing={p}": (ours, data, (p,)) for p in ("max_length", "longest", "padding_free")}
+    runs |= {f"TRL 1.16 SFTTrainer {name}": (trl, train, (settings, False)) for name, settings in TRL_RUNS.items()}
+    runs["trainjob data.packing=padding_free LoRA"] = (ours, data, ("padding_free", *OUR_LORA))
+    for name in ("(defaults)", "bf16=False, no grad. checkpointing"):
+        runs[f"TRL 1.16 SFTTrainer {name} LoRA"] = (trl, train, (TRL_RUNS[name], True))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64, help="conversations (the train split: about 98%% of them)")
@@ -256,6 +282,8 @@ def main() -> None:
         help="torch's threads, ours and TRL's alike (on a shared "
         "machine one thread each is the fair measure: parallel regions wait for the slowest thread)",
     )
+    parser.add_argument("--only", choices=("all", "full", "lora"), default="all",
+                        help="the runs of full fine-tuning, of LoRA, or all")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = torch_threads = str(args.threads)  # our runs' processes read it
     import torch
@@ -272,8 +300,8 @@ def main() -> None:
             f.writelines(json.dumps({"messages": c}) + "\n" for c in chats)
         train = train_split(chats, data)
         steps = len(train) // BATCH
-        runs = {f"trainjob data.packing={p}": (ours, data, p) for p in ("max_length", "longest", "padding_free")}
-        runs |= {f"TRL 1.16 SFTTrainer {name}": (trl, train, settings) for name, settings in TRL_RUNS.items()}
+        runs = {name: run for name, run in configurations(data, train).items()
+                if args.only == "all" or (args.only == "lora") == name.endswith("LoRA")}
         results: dict[str, Steps] = {name: ([], [], []) for name in runs}
         order = list(runs)
         for round_ in range(args.rounds):
@@ -281,15 +309,19 @@ def main() -> None:
                 fn, rows, how = runs[name]
                 for pooled, got in zip(results[name], fn(model, rows, how, steps, work), strict=True):
                     pooled.extend(got)
-    cpu_rates = {name: rate(r[0], r[1]) for name, r in results.items()}
-    wall_rates = {name: rate(r[0], r[2]) for name, r in results.items()}
-    base = cpu_rates["trainjob data.packing=padding_free"]
     print(
         f"SFT, {steps} steps of {BATCH} conversations (16..1024 tokens), data.seq_len={SEQ_LEN}, CPU "
         f"({'native' if native_bf16() else 'no native'} bf16), {torch_threads} thread(s), {args.rounds} interleaved "
         "round(s); each figure the median over the steps after the first of each step's real tokens over its "
-        "seconds; padding_free's ratio over CPU seconds\n"
+        "seconds; the ratio is trainjob's padding_free (with LoRA for the LoRA rows) over CPU seconds\n"
     )
+    table(results, args.rounds)
+
+
+def table(results: dict[str, Steps], rounds: int) -> None:
+    """The markdown table of `results`, each row's ratio against our padding_free run of its kind (LoRA or not)."""
+    cpu_rates = {name: rate(r[0], r[1]) for name, r in results.items()}
+    wall_rates = {name: rate(r[0], r[2]) for name, r in results.items()}
     wide = max(len(name) for name in results)
     print(
         f"| {'run':<{wide}} | {'real tokens':>11} | {'CPU s/step':>10} | {'wall s/step':>11} | {'tok/CPU s':>9} "
@@ -297,11 +329,14 @@ def main() -> None:
     )
     print(f"|{'-' * (wide + 2)}|{'-' * 12}:|{'-' * 11}:|{'-' * 12}:|{'-' * 10}:|{'-' * 11}:|{'-' * 16}:|")
     for name, (tokens, cpu, wall) in results.items():
+        base = cpu_rates.get("trainjob data.packing=padding_free" + (" LoRA" if name.endswith("LoRA") else ""))
+        ratio = f"{base / cpu_rates[name]:>14.2f}x" if base else f"{'-':>15}"
         print(
-            f"| {name:<{wide}} | {sum(tokens) // args.rounds:>11} | {statistics.median(cpu):>10.3f} "
+            f"| {name:<{wide}} | {sum(tokens) // rounds:>11} | {statistics.median(cpu):>10.3f} "
             f"| {statistics.median(wall):>11.3f} | {cpu_rates[name]:>9.0f} | {wall_rates[name]:>10.0f} "
-            f"| {base / cpu_rates[name]:>14.2f}x |"
+            f"| {ratio} |"
         )
+
 
 if __name__ == "__main__":
     main()

@@ -61,24 +61,26 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     device = next(inner.parameters()).device
     collective = any(isinstance(p, DTensor) for p in inner.parameters())
     tp = _tp_degree(inner)
-    tokens, valid = left_padded(prompts, pad, device, multiple=tp)
-    cache = KVCache(len(inner.layers), tokens.shape[1] + max_new_tokens * tp)
+    cache = KVCache(len(inner.layers), -(-width // tp) * tp + max_new_tokens * tp)
+    logits = _prefill(inner, prompts, pad, cache, tp, packed=not collective and _packs(inner))
     stop = torch.tensor(sorted(set(eos)), dtype=torch.long, device=device)
     out = torch.full((len(prompts), max_new_tokens), pad, dtype=torch.long, device=device)
     running = torch.arange(len(prompts), device=device)  # the prompt of each row still in the batch
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    cache.append(valid)
-    logits = _last_logits(inner, tokens, cache)
     for i in range(max_new_tokens):
         step = sampling.next_token(logits, temperature, top_k, top_p, generator, min_p, running, len(prompts))
         step = torch.where(done, pad, step)
         out[running, i] = step
-        done |= torch.isin(step, stop)
-        if i == max_new_tokens - 1 or _all_ended(done, collective):
+        if len(stop):
+            done |= torch.isin(step, stop)
+        if i == max_new_tokens - 1:
+            break
+        ended = _ended(done, collective)  # one look at the device a step
+        if ended is None:
             break
         # Ended rows leave the batch and its cache once they are a quarter of it (each move copies the cache);
         # under a collective forward (every rank steps until all have ended) they stay, writing padding.
-        if not collective and 4 * int(done.sum()) >= len(done):
+        if not collective and 4 * ended >= len(done):
             kept = (~done).nonzero().squeeze(1)
             running, step, done = running[kept], step[kept], done[kept]
             cache.keep(kept)
@@ -88,8 +90,48 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     return [_until_end(row, set(eos)) for row in out.tolist()]
 
 
+def _packs(model: nn.Module) -> bool:
+    """Whether the prompts' prefill runs packed (`_prefill`): our decoder, unsharded, whose attention goes
+    document by document (no sliding window nor soft-capped scores, which read a mask over the whole row)."""
+    return (hasattr(model, "tied_output") and model.options.sliding_window is None
+            and model.options.attn_softcap is None)
+
+
+def _prefill(model: nn.Module, prompts: Sequence[Sequence[int]], pad: int, cache: KVCache, tp: int,
+             packed: bool) -> torch.Tensor:
+    """Run the prompts into `cache` and give the logits after each, (batch, vocab). `packed`: the distinct
+    prompts one after another in one row, no padding computed (GRPO's generations of a prompt share it);
+    else left padded (to a multiple of `tp`)."""
+    device = next(model.parameters()).device
+    if not packed:
+        tokens, valid = left_padded(prompts, pad, device, multiple=tp)
+        cache.append(valid)
+        return _last_logits(model, tokens, cache)
+    distinct: dict[tuple[int, ...], int] = {}
+    owners = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
+    lengths = [len(p) for p in distinct]
+    cache.append_packed(lengths, max(lengths), owners)
+    tokens = torch.tensor([t for p in distinct for t in p], dtype=torch.long, device=device)[None]
+    ends = torch.tensor(lengths, device=device).cumsum(0) - 1
+    h = model.hidden_states(tokens, cache=cache)[0, ends]
+    out = model.output(h) if model.output is not None else model.tied_output(h, model.tok_embeddings.weight)
+    return chunked.capped(out, model.final_softcap)[owners]
+
+
+def _ended(done: torch.Tensor, collective: bool) -> int | None:
+    """How many of this rank's rows have ended, or None when every row has (with `collective`: every rank's)."""
+    if collective:
+        running = (~done).sum().to(torch.int64)
+        dist.all_reduce(running)
+        return None if int(running) == 0 else 0
+    ended = int(done.sum())
+    return None if ended == len(done) else ended
+
+
 def _next_columns(step: torch.Tensor, pad: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens of the next call and which are real: one column, or `tp` columns whose last is the token."""
+    if tp == 1:
+        return step[:, None], torch.ones(step.shape[0], 1, dtype=torch.bool, device=step.device)
     tokens = torch.full((step.shape[0], tp), pad, dtype=torch.long, device=step.device)
     tokens[:, -1] = step
     valid = torch.zeros(step.shape[0], tp, dtype=torch.bool, device=step.device)
@@ -116,15 +158,6 @@ def _last_logits(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torc
     logits = model(tokens, cache=cache)[:, -1]
     # Under tensor parallelism with loss parallelism the logits are split over the vocabulary.
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
-
-
-def _all_ended(done: torch.Tensor, collective: bool) -> bool:
-    """Whether every row has ended: this rank's, or with `collective` every rank's."""
-    if not collective:
-        return bool(done.all())
-    running = (~done).sum().to(torch.int64)
-    dist.all_reduce(running)
-    return int(running) == 0
 
 
 def _until_end(row: list[int], eos: set[int]) -> list[int]:

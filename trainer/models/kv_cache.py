@@ -6,12 +6,20 @@ as `transformers` numbers them) and their attention mask (causal, padding keys h
 layer writes its keys and values into its own `LayerCache` slot, allocated on first use with the layer's
 local head count, so a tensor-parallel shard caches only its own heads. Its tensors are allocated once, at the
 whole batch and `max_len`; rows that have ended leave (`keep`): the rows still running move to the front of the
-same tensors and the calls that follow read only them.
+same tensors and the calls that follow read only them. Positions are counted on as tokens come (one column's
+costs no pass over the cached ones).
+
+A batch's prompts can instead come first as one packed row (`append_packed`: their tokens one after another,
+no padding, each attending within itself): the prefill then computes no padding, and each layer scatters the
+keys and values into the left-padded rows that the one-column calls after it read (a prompt that several rows
+share, as GRPO's generations of one prompt do, is computed once and cached in each).
 """
 
 from __future__ import annotations
 
 import torch
+
+from trainer.models.llama import Segments
 
 
 class LayerCache:
@@ -23,11 +31,19 @@ class LayerCache:
         self.v: torch.Tensor | None = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens' keys and values (batch, kv_heads, new, head_dim); return all of them so far."""
-        start, end, rows = self.owner.start, self.owner.length, k.shape[0]
+        """Store the new tokens' keys and values (batch, kv_heads, new, head_dim); return all of them so far
+        (packed prompts: the ones given, which attend within each prompt)."""
+        owner = self.owner
         if self.k is None:
-            shape = (k.shape[0], k.shape[1], self.owner.max_len, k.shape[3])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+            shape = (owner.batch, k.shape[1], owner.max_len, k.shape[3])
+            # Zeros: packed prompts leave their rows' padding unwritten, and a masked key must still be finite.
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        if owner.packed is not None:
+            rows, columns, source = owner.packed
+            self.k[rows, :, columns] = k[0].transpose(0, 1)[source]
+            self.v[rows, :, columns] = v[0].transpose(0, 1)[source]
+            return k, v
+        start, end, rows = owner.start, owner.length, k.shape[0]
         self.k[:rows, :, start:end] = k
         self.v[:rows, :, start:end] = v
         return self.k[:rows, :, :end], self.v[:rows, :, :end]
@@ -45,37 +61,85 @@ class KVCache:
     def __init__(self, n_layers: int, max_len: int):
         self.max_len = max_len
         self.layers = [LayerCache(self) for _ in range(n_layers)]
-        self.start = self.length = 0
+        self.start = self.length = self.batch = 0
         self.valid: torch.Tensor | None = None  # (batch, max_len): which cached tokens are real, not padding
+        self.count: torch.Tensor | None = None  # (batch,): how many real tokens each row holds
         self.positions: torch.Tensor | None = None
         self.key_positions: torch.Tensor | None = None  # (batch, length): where a sliding window measures from
         self.mask: torch.Tensor | None = None
+        # Packed prompts: the (row, column) of each cached token and its index in the packed row.
+        self.packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._positions: torch.Tensor | None = None  # (batch, max_len): every cached token's position
+
+    def _allocate(self, batch: int, device: torch.device) -> None:
+        self.batch = batch
+        self.valid = torch.zeros(batch, self.max_len, dtype=torch.bool, device=device)
+        self._positions = torch.zeros(batch, self.max_len, dtype=torch.long, device=device)
+        self.count = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def _take(self, new: int) -> None:
+        if self.length + new > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} tokens; {self.length} + {new} do not fit")
+        self.start, self.length = self.length, self.length + new
+        self.packed = None
 
     def append(self, valid: torch.Tensor) -> None:
         """Take the next tokens, `valid` (batch, new) saying which are real (False for left padding), before
         the forward that reads them; sets `positions` (batch, new), `key_positions` (batch, length) and `mask`
         (batch, 1, new, length)."""
         batch, new = valid.shape
-        if self.length + new > self.max_len:
-            raise ValueError(f"the cache holds {self.max_len} tokens; {self.length} + {new} do not fit")
+        self._take(new)
         if self.valid is None:
-            self.valid = torch.zeros(batch, self.max_len, dtype=torch.bool, device=valid.device)
-        self.start, self.length = self.length, self.length + new
-        self.valid[:, self.start : self.length] = valid
-        seen = self.valid[:, : self.length]
-        self.key_positions = (seen.cumsum(1) - 1).clamp(min=0)
-        self.positions = self.key_positions[:, self.start :]
-        query = torch.arange(self.start, self.length, device=valid.device)[:, None]
-        key = torch.arange(self.length, device=valid.device)[None, :]
+            self._allocate(batch, valid.device)
+        start, end = self.start, self.length
+        self.valid[:batch, start:end] = valid
+        seen = self.valid[:batch, :end]
+        counted = valid.cumsum(1) if new > 1 else valid.long()
+        self.positions = (self.count[:batch, None] + counted - 1).clamp(min=0)
+        self.count[:batch] += counted[:, -1]
+        self._positions[:batch, start:end] = self.positions
+        self.key_positions = self._positions[:batch, :end]
         # A padding query still sees itself, so that no row of the mask is empty (SDPA would give NaN there);
         # no real token ever sees a padding key, so what a padding position computes goes nowhere.
-        mask = ((key <= query)[None] & seen[:, None, :]) | (key == query)[None]
-        self.mask = mask[:, None]
+        if new == 1:
+            mask = seen.clone()
+            mask[:, -1] = True
+            self.mask = mask[:, None, None]
+            return
+        query = torch.arange(start, end, device=valid.device)[:, None]
+        key = torch.arange(end, device=valid.device)[None, :]
+        self.mask = (((key <= query)[None] & seen[:, None, :]) | (key == query)[None])[:, None]
+
+    def append_packed(self, lengths: list[int], width: int, owners: torch.Tensor) -> None:
+        """Take prompts of `lengths` tokens as one packed row (1, sum(lengths)), before the forward that reads
+        it; row r of the batch is prompt `owners[r]` (a prompt many rows share is computed once), cached left
+        padded to `width` columns, as `append` of the padded rows caches it."""
+        self._take(width)
+        device = owners.device
+        self._allocate(len(owners), device)
+        sizes = torch.tensor(lengths, device=device)
+        starts = sizes.cumsum(0) - sizes
+        prompt = torch.repeat_interleave(torch.arange(len(lengths), device=device), sizes)
+        positions = torch.arange(int(sizes.sum()), device=device) - starts[prompt]
+        # Each row's cached tokens: the row, its column, and its token in the packed row.
+        counts = sizes[owners]
+        rows = torch.repeat_interleave(torch.arange(len(owners), device=device), counts)
+        offset = torch.arange(int(counts.sum()), device=device) - (counts.cumsum(0) - counts)[rows]
+        columns = width - counts[rows] + offset
+        self.packed = rows, columns, starts[owners][rows] + offset
+        self.valid[rows, columns] = True
+        self._positions[rows, columns] = offset
+        self.count.copy_(counts)
+        self.positions = self.key_positions = positions[None]
+        self.mask = Segments(prompt[None], list(lengths))
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the rows `rows` (indices into the rows held now, ascending), in that order, in place: the
         next `append` takes `len(rows)` rows."""
-        self.valid[: len(rows), : self.length] = self.valid[rows, : self.length]
-        self.valid = self.valid[: len(rows)]
+        n = len(rows)
+        self.valid[:n, : self.length] = self.valid[rows, : self.length]
+        self._positions[:n, : self.length] = self._positions[rows, : self.length]
+        self.count[:n] = self.count[rows]
+        self.valid, self._positions, self.count = self.valid[:n], self._positions[:n], self.count[:n]
         for layer in self.layers:
             layer.keep(rows)

@@ -291,9 +291,9 @@ class Segments:
     made, nor scores across documents computed); `dense()` is the boolean mask, for the layers that need one
     (sliding windows, soft-capped scores)."""
 
-    def __init__(self, documents: torch.Tensor):
+    def __init__(self, documents: torch.Tensor, lengths: list[int] | None = None):
         self.documents = documents
-        self.lengths = torch.unique_consecutive(documents[0], return_counts=True)[1].tolist()
+        self.lengths = lengths or torch.unique_consecutive(documents[0], return_counts=True)[1].tolist()
 
     def dense(self) -> torch.Tensor:
         same = self.documents[:, :, None] == self.documents[:, None, :]

@@ -42,7 +42,14 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not self.adapter_on:
             return out
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        # The scaling on the rank-wide product, not the output (the same numbers where alpha / rank is a power of
+        # two, as at the defaults); no dropout pass where there is none. Unsharded, B's product adds onto the
+        # base's output inside the matrix product (addmm), with no output-sized temporary.
+        low = self.lora_A(x if isinstance(self.lora_dropout, nn.Identity) else self.lora_dropout(x)) * self.scaling
+        if isinstance(out, DTensor):
+            return out + self.lora_B(low)
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), self.lora_B.weight.t())
+        return flat.view(out.shape)
 
 
 def apply(model: nn.Module, cfg) -> nn.Module:
