@@ -40,8 +40,10 @@ class LayerCache:
             self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
         if owner.packed is not None:
             rows, columns, source = owner.packed
-            self.k[rows, :, columns] = k[0].transpose(0, 1)[source]
-            self.v[rows, :, columns] = v[0].transpose(0, 1)[source]
+            # Indexed on the leading dimensions of a (batch, max_len, heads, head_dim) view: the form of index_put
+            # that the routed kernels (kernels=triton) take.
+            self.k.transpose(1, 2)[rows, columns] = k[0].transpose(0, 1)[source]
+            self.v.transpose(1, 2)[rows, columns] = v[0].transpose(0, 1)[source]
             return k, v
         start, end, rows = owner.start, owner.length, k.shape[0]
         self.k[:rows, :, start:end] = k
