@@ -44,9 +44,14 @@ def reach(cfg) -> None:
                           "overwrite: use train.resume=auto or another train.checkpoint_dir")
 
 
+def _own(cfg) -> str:
+    """The run's own checkpoint root (`train.checkpoint_dir`, absent from a config written before the key)."""
+    return layout.root(getattr(cfg.train, "checkpoint_dir", ""), cfg.run_dir)
+
+
 def decide(cfg) -> Start | None:
     """The checkpoint the run `cfg` starts from now, or None (a fresh start); reads, moves nothing."""
-    own = layout.root(cfg.train.checkpoint_dir, cfg.run_dir)
+    own = _own(cfg)
     if cfg.train.resume == "never":
         return None
     if cfg.train.resume == "auto":  # its checkpoint_dir: another run directory with the same one goes on from it
@@ -94,7 +99,7 @@ def settle(start: Start | None, cfg) -> None:
     one and those of the line `start` leaves (`lines.set_aside_damaged`, `lines.set_aside_later`), and notes an
     explicit start, so that later restarts go on along its line; the others wait for it."""
     if dist.get_rank() == 0:
-        own = layout.root(cfg.train.checkpoint_dir, cfg.run_dir)
+        own = _own(cfg)
         if cfg.train.resume != "never":
             lines.set_aside_damaged(own)
         if start is not None:
