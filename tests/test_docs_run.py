@@ -232,6 +232,7 @@ def _needs_elsewhere() -> list[tuple[str, str]]:
             for c in _commands(b.text) if (m := MODULE.match(c))]
 
 
+@pytest.mark.e2e
 def test_a_command_that_needs_a_cluster_or_a_gpu_is_still_a_command_of_ours():
     """Where a block cannot run here, each of its modules answers `--help` (the command exists, as written)."""
     found = _needs_elsewhere()

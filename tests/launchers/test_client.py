@@ -100,6 +100,7 @@ def test_launchers_never_import_the_trainer_or_torch():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_local_overrides_job_and_function_job_under_torchrun(home, tmp_path):
     client = Client("local")
     run_dir = tmp_path / "run"

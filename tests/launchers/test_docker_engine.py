@@ -79,6 +79,7 @@ def same_run(run_dir: str, reference: str) -> None:
                                                                      rel=1e-6)
 
 
+@pytest.mark.e2e
 def test_two_nodes_train_as_local_torchrun_each_on_its_own_cpus_and_a_relaunch_resumes(run_cli, tmp_path,
                                                                                          ddp_reference):
     """2 nodes x 1 process, their batches from 2 cache containers, give the losses of local torchrun with 2
@@ -151,6 +152,7 @@ def job_name_of(run_dir: str) -> str:
     return run_name(os.path.abspath(run_dir), max_len=49)
 
 
+@pytest.mark.e2e
 def test_a_node_that_fails_to_start_takes_the_others_and_the_network_with_it(run_cli, tmp_path):
     run_dir = tmp_path / "run"
     name = job_name_of(str(run_dir))
@@ -197,6 +199,7 @@ def test_a_rank_whose_corpus_is_not_the_drivers_refuses_before_its_first_step(tm
     assert leftovers(job.name) == []
 
 
+@pytest.mark.e2e
 def test_the_client_follows_a_job_and_a_dry_run_prints_what_a_launch_runs(run_cli, tmp_path, cache_dir,
                                                                           monkeypatch):
     run_dir = tmp_path / "run"

@@ -102,6 +102,7 @@ def test_deepspeed_init_distributed_on_two_docker_nodes_joins_from_mpis_environm
 
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("home")
+@pytest.mark.e2e
 def test_packages_to_install_go_into_each_node_containers_own_environment_and_a_pip_failure_fails_the_job(tmp_path):
     """Each node container makes an environment of its own in its HOME (the image's is root's), pip-installs the job's
     packages there and runs its ranks in it: XGBoost's 2 node containers each; under mpirun (runtime=mpi, 2 hosts of

@@ -349,6 +349,7 @@ def test_sweep_submits_one_trainjob_per_point_and_waits_for_their_losses(run_cli
         assert {"name": "trainjob-runs", "persistentVolumeClaim": {"claimName": "runs"}} in volumes
 
 
+@pytest.mark.e2e
 def test_optuna_sweep_reads_each_trainjobs_metrics_on_the_shared_storage_and_deletes_a_pruned_one(
     run_cli, tmp_path, apiserver
 ):

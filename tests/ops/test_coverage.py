@@ -41,6 +41,7 @@ def _all_ours(cov):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.e2e
 def test_the_cli_step_runs_in_our_kernels(triton_step):
     cov = triton_step
     ours = {name for name, row in cov.rows.items() if not row.kind and row.ours}

@@ -53,6 +53,7 @@ E2E = pytest.mark.e2e
 @pytest.mark.parametrize(("stage", "offload"), [pytest.param(1, "none", marks=E2E), (3, "none"),
                                                 pytest.param(2, "none", marks=E2E),
                                                 pytest.param(2, "cpu", marks=E2E)])
+@pytest.mark.e2e
 def test_each_zero_stage_on_two_ranks_gives_one_process_losses(runs, stage, offload):
     run_dir, single = runs(stage, offload), runs(None)
     summary = read_summary(run_dir)
@@ -81,6 +82,7 @@ def test_deepspeeds_own_checkpoint_resumes_to_the_same_next_losses(runs, run_cli
     assert verify.returncode == 0 and verify.stdout.count(": whole (") == 2, verify.stdout
 
 
+@pytest.mark.e2e
 def test_the_export_gathers_zero3_partitions_into_safetensors_transformers_loads(runs, run_cli, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

@@ -30,6 +30,7 @@ def test_mpirun_is_installed():
     assert shutil.which("mpirun"), "runtime=mpi needs OpenMPI's mpirun: apt-get install -y openmpi-bin"
 
 
+@pytest.mark.e2e
 def test_mpi_ddp_gives_torchruns_losses(run_cli, tmp_path, ddp_reference):
     proc = run_cli(*REFERENCE, *MPI, f"hydra.run.dir={tmp_path / 'mpi'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,6 +42,7 @@ def test_mpi_ddp_gives_torchruns_losses(run_cli, tmp_path, ddp_reference):
     assert summary["final_eval_loss"] == pytest.approx(read_summary(ddp_reference)["final_eval_loss"], rel=RTOL)
 
 
+@pytest.mark.e2e
 def test_mpi_fsdp2_gives_torchruns_losses(run_cli, tmp_path):
     torch = run_cli(*REFERENCE, *DIST, "strategy=fsdp2", f"hydra.run.dir={tmp_path / 'torch'}")
     assert torch.returncode == 0, torch.stderr[-3000:]

@@ -113,6 +113,7 @@ def test_cli_refuses_in_one_line_with_exit_2_and_no_run_dir(cli_rows, parquet_di
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_cli_refuses_a_checkpoint_of_another_model_shape(run_cli, tmp_path, saved_checkpoint):
     proc = run_cli(*ONE_STEP, f"train.resume={saved_checkpoint}", "model.dim=128", timeout=240)
     line = _refused(proc, tmp_path)

@@ -21,6 +21,7 @@ from trainer.training.optimizer import lr_factor
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.e2e
 def test_resuming_from_an_earlier_step_sets_the_later_checkpoints_aside(run_cli, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -57,6 +58,7 @@ def test_resuming_from_an_earlier_step_sets_the_later_checkpoints_aside(run_cli,
     assert os.listdir(ckpts / aside[0]) == ["step-8"]
 
 
+@pytest.mark.e2e
 def test_a_metrics_line_cut_short_is_dropped_and_the_run_goes_on(run_cli, tmp_path):
     run_dir = tmp_path / "run"
     first = run_cli(*TINY, "train.max_steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")
@@ -79,6 +81,7 @@ def test_a_metrics_line_cut_short_is_dropped_and_the_run_goes_on(run_cli, tmp_pa
            "with 0.01" in log
 
 
+@pytest.mark.e2e
 def test_a_restart_after_an_explicit_resume_continues_the_new_line(run_cli, tmp_path):
     """The saved config keeps train.resume=<step-4>: a restart of the same config (torchrun's, a pod's, the
     worker run again) goes on from the new line's newest checkpoint, sets nothing aside, and still does so
@@ -105,6 +108,7 @@ def test_a_restart_after_an_explicit_resume_continues_the_new_line(run_cli, tmp_
     assert read_summary(str(run_dir))["steps_this_run"] == 8
 
 
+@pytest.mark.e2e
 def test_resuming_with_another_global_batch_is_refused_in_one_line(run_cli, tmp_path):
     """The data position is step x global batch: another batch size would repeat or skip rows."""
     run_dir = tmp_path / "run"

@@ -103,6 +103,7 @@ def _files(run_dir) -> dict[str, bytes]:
             and "logs" not in p.parts and p.name != ".lock"}
 
 
+@pytest.mark.e2e
 def test_nothing_of_a_run_changes_under_a_second_driver_a_rerun_or_another_seed(trained, run_cli_batch, holder,
                                                                               tmp_path):
     """And a copy of the run whose newest checkpoint is damaged goes on from the one before, saying so."""
@@ -174,6 +175,7 @@ def test_any_truncated_shard_or_garbage_metadata_is_found_before_loading(trained
     assert "is truncated" in damage(str(copy))
 
 
+@pytest.mark.e2e
 def test_a_full_disk_while_checkpointing_says_so_and_leaves_no_partial_checkpoint(run_cli, tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()

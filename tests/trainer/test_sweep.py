@@ -88,6 +88,7 @@ def _trials(storage: str) -> list:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.e2e
 def test_two_trials_run_at_once_each_on_its_own_cpus(study):
     sweep, _, _, seen, most = study
     assert most == 2
@@ -161,6 +162,7 @@ def test_the_same_command_goes_on_with_the_stored_study(study, cache_dir, tmp_pa
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.e2e
 def test_a_trial_running_when_its_sweep_was_killed_is_failed_and_asked_again(cache_dir, tmp_path):
     storage, sweep = f"sqlite:///{tmp_path / 'killed.db'}", str(tmp_path / "sweep")
     args = [
@@ -223,6 +225,7 @@ def test_bad_sweep_settings_are_one_line_and_exit_2_before_any_trial(run_cli_bat
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_several_objectives_give_the_pareto_front(run_cli, tmp_path):
     sweep = tmp_path / "pareto"
     proc = run_cli(
@@ -267,6 +270,7 @@ def test_a_trial_whose_config_is_refused_ends_the_sweep_with_exit_2(run_cli, tmp
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_a_grid_runs_each_point_once(run_cli, tmp_path):
     sweep = tmp_path / "grid"
     proc = run_cli(
@@ -289,6 +293,7 @@ def test_a_grid_runs_each_point_once(run_cli, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_a_point_asked_again_is_not_trained_again(run_cli, tmp_path):
     sweep, db = tmp_path / "again", tmp_path / "again.db"
     proc = run_cli(

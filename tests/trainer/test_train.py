@@ -60,6 +60,7 @@ def test_torchrun_ddp_matches_in_process_loss_curve(single_reference, ddp_refere
         read_summary(single_reference)["final_eval_loss"], rel=CURVE_RTOL)
 
 
+@pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted_one(run_cli, tmp_path, cache_dir):
     args = [*TINY, "model.dim=128", "model.n_layers=4", "train.max_steps=30", "train.eval_every=10",
             "train.checkpoint_every=10", "train.keep_latest_k=3"]
@@ -109,6 +110,7 @@ def test_multirun_sweep_produces_one_run_per_point(run_cli, tmp_path):
     assert lrs == ["0.001", "0.0003"]
 
 
+@pytest.mark.e2e
 def test_relaunch_with_a_new_config_keeps_the_old_one_and_refuses_to_overwrite_checkpoints(run_cli, tmp_path):
     run_dir = tmp_path / "run"
     first = run_cli(*TINY, "train.max_steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")
@@ -127,6 +129,7 @@ def test_relaunch_with_a_new_config_keeps_the_old_one_and_refuses_to_overwrite_c
     assert read_summary(str(run_dir))["resumed_from"] == str(run_dir / "checkpoints" / "step-2")
 
 
+@pytest.mark.e2e
 def test_training_streams_its_data_from_cache_nodes(run_cli, tmp_path, cache_dir, ddp_reference):
     from omegaconf import OmegaConf
 
@@ -179,6 +182,7 @@ def family_root(tmp_path_factory):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", ["debug", *FAMILY_RUNS])
+@pytest.mark.e2e
 def test_triton_kernels_give_the_same_first_losses_as_torch(run_cli, family_root, tmp_path, family):
     """`kernels=triton` under Triton's interpreter (CPU) against `kernels=torch`, on one layer of the debug
     model's shape (plain suite) and on each family's tiny model (e2e: the interpreter is slow), short sequences
@@ -246,6 +250,7 @@ def test_two_seeded_triton_runs_give_identical_losses(run_cli, tmp_path, recipe)
     assert evals[0] == evals[1]
 
 
+@pytest.mark.e2e
 def test_killing_the_driver_stops_torchrun_and_its_ranks(tmp_path, cache_dir):
     from tests.conftest import rank_pids
 

@@ -32,6 +32,7 @@ def _cache_node_pids(config_path: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_run_starts_its_cache_nodes_reads_from_them_and_stops_them(run_cli, tmp_path, ddp_reference):
     run_dir = tmp_path / "run"
     proc = run_cli(*REFERENCE, *DIST, "data.cache.nodes=2", f"data.cache.token={TOKEN}", f"hydra.run.dir={run_dir}")

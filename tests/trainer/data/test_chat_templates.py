@@ -73,6 +73,7 @@ def conversations(draw):
 @example(name="llama3", mask="assistant", messages=[
     {"role": "user", "content": ""}, {"role": "assistant", "content": "n"},
     {"role": "user", "content": ""}, {"role": "assistant", "content": ""}])
+@pytest.mark.e2e
 def test_turns_found_message_by_message_are_the_generation_blocks_token_for_token(templates, name, messages, mask):
     from transformers import AutoTokenizer
 

@@ -84,6 +84,7 @@ def _hf_reference(model_dir: str, tokenizer_dir: str, chat: bool) -> tuple[list[
 
 
 @pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.e2e
 def test_on_a_hugging_face_dir_it_prints_transformers_greedy_completion(hf_dir, run_cli, chat):
     results = _generate_cli(run_cli, hf_dir, *(["--chat"] if chat else []))
     reference, tok = _hf_reference(hf_dir, hf_dir, chat)
@@ -95,6 +96,7 @@ def test_on_a_hugging_face_dir_it_prints_transformers_greedy_completion(hf_dir, 
     assert plain.returncode == 0 and plain.stdout == results[0]["completion"] + "\n"
 
 
+@pytest.mark.e2e
 def test_on_a_model_hf_checkpoint_it_generates_from_the_trained_weights(checkpoints, hf_dir, run_cli, tmp_path):
     results = _generate_cli(run_cli, checkpoints["hf"], "--chat")
     exported = export.export(checkpoints["hf"], str(tmp_path / "exported"))

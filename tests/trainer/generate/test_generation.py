@@ -214,6 +214,7 @@ def test_bad_settings_are_refused_by_name(ours, kwargs, message):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "tp"])
+@pytest.mark.e2e
 def test_under_a_strategy_each_rank_generates_its_own_prompts(hf_dirs, ours, strategy, tmp_path):
     """Two gloo ranks under torchrun (tests/trainer/generate_ranks.py): rank 1's rows end within three steps
     while rank 0's run all sixteen, and each rank writes what one process writes for its prompts."""

@@ -166,6 +166,7 @@ def test_triton_kernels_give_the_families_logits(family_dirs, name):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_ddp_fsdp2_and_tp_on_two_processes_equal_one_for_every_family(family_dirs, tmp_path):
     """One torchrun of 2 gloo ranks (tests/trainer/family_ranks.py) places every family under ddp, fsdp2 (Phi-3's
     fused tensors split into sharded pieces, the experts sharded with their block) and tp (q/k norms per head or
@@ -336,6 +337,7 @@ def test_what_a_family_cannot_take_is_refused_in_one_line(family_dirs, tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_what_only_a_rank_finds_is_reported_once_by_the_driver_with_exit_2(family_dirs, run_cli, tmp_path):
     """Weights that do not fit the shapes config.json gives are found by the ranks as they load them (the driver
     reads no tensor): under torchrun the driver prints the lowest rank's one line, not "see its logs", and

@@ -44,6 +44,7 @@ def _logits(model, tokens):
 TOKENS = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.e2e
 def test_export_loads_in_transformers_with_the_trained_models_logits(trained, run_cli, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,6 +73,7 @@ def test_export_loads_in_transformers_with_the_trained_models_logits(trained, ru
     )
 
 
+@pytest.mark.e2e
 def test_a_preset_exports_as_llama(run_cli, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -103,6 +103,7 @@ def test_an_architecture_we_have_not_written_is_chosen_for_transformers_and_trai
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.05, losses
 
 
+@pytest.mark.e2e
 def test_a_one_process_checkpoint_resumes_under_fsdp2_with_the_same_losses(lora_run, cache_dir, tmp_path):
     args, ref_dir = lora_run
     run_dir = tmp_path / "fsdp2"

@@ -100,6 +100,7 @@ def test_lora_that_cannot_run_is_refused_naming_the_key(lora_run, tmp_path, caps
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_adapters_under_tensor_parallelism_give_the_single_process_losses(tmp_path, cache_dir):
     """Qwen2 (q/k/v biases, tied embeddings) with adapters on column-wise (q, v, up) and row-wise (o, down)
     layers; no dropout, whose masks a sharded layer draws differently. The tp checkpoint's adapters load in

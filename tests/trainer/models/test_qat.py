@@ -63,6 +63,7 @@ def test_qat_keeps_the_loss_at_int4_better_than_post_training_quantisation():
     assert ptq_gap > 0 and abs(qat_gap) < ptq_gap / 2, (qat_gap, ptq_gap)
 
 
+@pytest.mark.e2e
 def test_a_qat_run_under_fsdp2_exports_its_int4_form(run_cli, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*TINY, *DIST, "strategy=fsdp2", f"train.qat={SCHEME}", "train.max_steps=2", "train.eval_every=2",

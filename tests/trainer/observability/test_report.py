@@ -52,6 +52,7 @@ def _runs(sweep: str) -> list[str]:
 
 
 @pytest.mark.timeout(360)
+@pytest.mark.e2e
 def test_the_optuna_study_minimises_the_final_eval_loss(study):
     sweep, _ = study
     assert sorted(p for p in os.listdir(sweep) if p.isdigit()) == ["0", "1", "2", "3"]

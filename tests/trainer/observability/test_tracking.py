@@ -65,6 +65,7 @@ def _mlflow(state: dict):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_tensorboard_events_hold_every_logged_scalar_and_the_config(resumed):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

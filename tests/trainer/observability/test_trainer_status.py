@@ -125,6 +125,7 @@ def test_a_slow_or_absent_endpoint_never_holds_training(tmp_path):
     down.close()  # logs a warning, raises nothing
 
 
+@pytest.mark.e2e
 def test_a_run_reports_its_progress_when_the_trainjob_asks(run_cli, tmp_path, status_server):
     proc = run_cli(*TINY, "train.max_steps=6", "train.eval_every=3", f"hydra.run.dir={tmp_path / 'run'}",
                    env=status_server.env())

@@ -65,6 +65,7 @@ def single(tmp_path_factory, cache_dir):
     return args, run_dir
 
 
+@pytest.mark.e2e
 def test_a_single_process_checkpoint_resumes_under_fsdp2_with_the_same_losses(single, tmp_path, cache_dir):
     args, ref_dir = single
     run_dir = tmp_path / "resumed"
@@ -78,6 +79,7 @@ def test_a_single_process_checkpoint_resumes_under_fsdp2_with_the_same_losses(si
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "tp"])
+@pytest.mark.e2e
 def test_a_fine_tune_under_each_strategy_gives_the_single_process_losses(single, strategy, tmp_path, cache_dir):
     args, ref_dir = single
     run_dir = tmp_path / strategy

@@ -42,6 +42,7 @@ def reference(single_reference):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.e2e
 def test_strategy_reproduces_the_single_process_loss_curve(run_cli, tmp_path, reference, variant, request):
     if VARIANTS[variant] is None:
         run_dir = request.getfixturevalue("ddp_reference")
@@ -78,6 +79,7 @@ def resumes_in_one_process(run_cli, tmp_path, strategy: list[str], rtol: float =
     return args, summary
 
 
+@pytest.mark.e2e
 def test_checkpoint_from_fsdp2_on_two_ranks_resumes_under_ddp_on_one(run_cli, tmp_path):
     args, summary = resumes_in_one_process(run_cli, tmp_path, [*DIST, "strategy=fsdp2"])
 
@@ -90,6 +92,7 @@ def test_checkpoint_from_fsdp2_on_two_ranks_resumes_under_ddp_on_one(run_cli, tm
                                                                                   rel=RTOL)
 
 
+@pytest.mark.e2e
 def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_no_batch_lost_or_repeated(
         run_cli, tmp_path, cache_dir):
     steps = 24

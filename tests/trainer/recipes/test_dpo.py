@@ -94,6 +94,7 @@ ARGS = [
 ]
 
 
+@pytest.mark.e2e
 def test_forty_pairs_under_the_default_eval_percent_train_without_eval_and_say_so(preference_setup, run_cli,
                                                                                   tmp_path):
     model, path = preference_setup
@@ -117,6 +118,7 @@ def test_forty_pairs_under_the_default_eval_percent_train_without_eval_and_say_s
     assert "data.eval_percent=0.5: leaves the eval split no rows" in refused.stderr
 
 
+@pytest.mark.e2e
 def test_the_reward_margin_grows_on_a_tiny_preference_set(preference_setup, run_cli, tmp_path):
     model, path = preference_setup
     args = ["model=hf", f"model.path={model}", *ARGS, f"data.path={path}", "train.max_steps=6",

@@ -59,6 +59,7 @@ def test_the_mean_reward_rises_on_a_toy_task(prompts, run_cli, tmp_path):
     assert read_summary(str(run))["final_eval_loss"] == pytest.approx(-lines[-1]["reward"], abs=0.35)
 
 
+@pytest.mark.e2e
 def test_an_eval_split_short_of_a_steps_prompts_under_the_default_share_trains_without_eval(run_cli, tmp_path):
     """40 prompts at the default data.eval_percent: the eval split holds a row, fewer than the 2 prompts of a
     step, so the run trains without eval and says so once; an explicit share that does the same is refused."""
@@ -77,6 +78,7 @@ def test_an_eval_split_short_of_a_steps_prompts_under_the_default_share_trains_w
     assert refused.returncode == 2 and "the eval split of data.path=" in refused.stderr, refused.stderr
 
 
+@pytest.mark.e2e
 def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts, run_cli, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*ARGS, f"data.path={prompts}", f"recipe.reward_funcs=[{TOY},tests.trainer.grpo_rewards:length]",
@@ -95,6 +97,7 @@ def test_two_ranks_under_fsdp2_with_several_updates_per_generation_batch(prompts
     assert lines[0]["clip_ratio/region_mean"] == 0 and lines[1]["clip_ratio/region_mean"] > 0
 
 
+@pytest.mark.e2e
 def test_a_reward_function_that_raises_ends_every_rank_in_one_report_of_the_users_frames(prompts, run_cli, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*ARGS, f"data.path={prompts}", "recipe.reward_funcs=[tests.trainer.grpo_rewards:server_down]",
@@ -152,6 +155,7 @@ LOSS_SETTINGS = {"cispo": ["recipe.epsilon_high=5.0"], "sapo": ["recipe.sapo_tem
 
 @pytest.mark.slow  # a tiny run in a subprocess per loss type
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.e2e
 def test_every_loss_type_trains(prompts, run_cli, tmp_path, loss_type):
     """Two steps on one generation batch (the second's ratio moved, so each loss type's weights and clipping act)
     with the loss type's settings off their defaults: the gradient is finite and not 0, and each metrics line holds

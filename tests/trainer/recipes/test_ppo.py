@@ -201,6 +201,7 @@ def test_a_value_head_on_the_policy_trains_beside_its_adapters_and_stays_out_of_
     assert not any("value" in name for name, _ in model.named_parameters())
 
 
+@pytest.mark.e2e
 def test_a_run_resumes_with_its_value_model(prompts, run_cli, tmp_path):
     """The value model is kept in the policy's checkpoint: a resumed run loads it (and the input checks take its
     tensors beside the policy's)."""

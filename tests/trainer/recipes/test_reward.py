@@ -87,6 +87,7 @@ def test_every_packing_gives_the_scores_loss_and_gradient_of_the_padded_pairs(mu
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.e2e
 def test_a_reward_model_learns_a_toy_preference_and_scores_in_transformers_and_grpo(
         preference_setup, prompts, run_cli, tmp_path):  # noqa: F811
     from transformers import AutoModelForSequenceClassification

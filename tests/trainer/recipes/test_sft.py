@@ -96,6 +96,7 @@ def test_weighted_micro_batch_means_give_the_mean_over_every_counted_token(count
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.e2e
 def test_an_sft_run_trains_on_chats(chat_setup, run_cli, tmp_path):
     model, path, _ = chat_setup
     runs = {}
