@@ -120,6 +120,7 @@ def _trainer_cases(g, corpus_cache: str) -> list[tuple[dict, int, tuple[str, ...
     ]
 
 
+@pytest.mark.e2e
 def test_every_cli_refuses_a_hostile_environment_in_one_line_and_leaves_nothing(ground, tmp_path, tmp_path_factory):
     g = ground
     ckpt, run = _damaged_files(g)

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.e2e
 def test_the_default_runs_config_walk_goes_back_at_most_a_handful_of_times(tmp_path):
     run = subprocess.run([sys.executable, "bench/config_walk.py"], cwd=REPO, capture_output=True, text=True,
                          timeout=500, env={**os.environ, "TRAINJOB_CACHE": str(tmp_path)})

@@ -40,6 +40,7 @@ def _truncate(path) -> None:
         f.truncate(os.path.getsize(path) - 100)
 
 
+@pytest.mark.e2e
 def test_damaged_checkpoints_are_named_refused_and_passed_over(run_cli, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -93,6 +94,7 @@ def test_damaged_checkpoints_are_named_refused_and_passed_over(run_cli, tmp_path
     assert again.returncode == 0 and len(again.stdout.splitlines()) == 4, again.stdout
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_without_manifest_exports_with_a_notice(run_cli, tmp_path):
     run_dir = tmp_path / "run"
     first = run_cli(*TINY, "train.max_steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}")

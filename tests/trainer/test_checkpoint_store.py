@@ -113,6 +113,7 @@ def test_checkpoints_in_s3_resume_in_a_new_run_dir_export_and_verify(s3, cache_d
         "step 30: damaged: its file __1_0.distcp does not hold the bytes written"), changed.stdout
 
 
+@pytest.mark.e2e
 def test_a_store_that_cannot_be_used_is_refused_before_launch(s3, run_cli, tmp_path):
     quiet = {**s3.env, "AWS_ENDPOINT_URL": f"http://{LOCALHOST}:{free_port()}"}  # nothing listens there
     for env, url, said in ((s3.env, "s3://no-such-bucket-here/ckpt", "no such bucket or object"),

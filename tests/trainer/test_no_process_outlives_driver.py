@@ -99,6 +99,7 @@ def _drive(cache_dir, tmp_path, run_dir, *extra: str) -> tuple[subprocess.Popen,
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.e2e
 def test_a_signal_to_the_driver_under_a_cpu_hog_leaves_none_of_its_processes(cache_dir, tmp_path, cpu_hog, sig, code):
     run_dir = tmp_path / "run"
     driver, seen = _drive(cache_dir, tmp_path, run_dir)
@@ -111,6 +112,7 @@ def test_a_signal_to_the_driver_under_a_cpu_hog_leaves_none_of_its_processes(cac
     assert driver.returncode == code, err[-3000:]
 
 
+@pytest.mark.e2e
 def test_a_failing_rank_under_a_cpu_hog_leaves_none_of_the_drivers_processes(cache_dir, tmp_path, cpu_hog):
     run_dir = tmp_path / "run"
     driver, seen = _drive(cache_dir, tmp_path, run_dir)

@@ -26,6 +26,7 @@ def _both(run_cli, runs: dict[str, list[str]]) -> None:
         assert proc.result().returncode == 0, f"{name}: {proc.result().stderr[-3000:]}"
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_resumes_under_the_other_optimizer(run_cli, tmp_path):
     _both(run_cli, {impl: [*ARGS, f"optim.impl={impl}", f"hydra.run.dir={tmp_path / impl}"]
                     for impl in ("triton", "torch")})
@@ -44,6 +45,7 @@ def test_a_checkpoint_resumes_under_the_other_optimizer(run_cli, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_fsdp2_with_our_adamw_gives_the_ddp_reference_losses(run_cli, tmp_path, ddp_reference):
     proc = run_cli(*REFERENCE, *DIST, "strategy=fsdp2", "optim.impl=triton", f"hydra.run.dir={tmp_path / 'run'}",
                    env=ENV)

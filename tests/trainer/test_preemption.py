@@ -68,6 +68,7 @@ def reference(tmp_path_factory, cache_dir):
 
 # train.checkpoint_async: the checkpoint of the step in flight is written in the background, and waited for.
 @pytest.mark.parametrize("extra", [[], ["train.checkpoint_async=true"]], ids=["sync", "async"])
+@pytest.mark.e2e
 def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_bit_for_bit(reference, cache_dir, tmp_path,
                                                                                   extra):
     run_dir = tmp_path / "run"
@@ -92,6 +93,7 @@ def test_sigterm_checkpoints_the_step_in_flight_exits_143_and_resumes_bit_for_bi
     assert not any("event" in line for line in (run_dir / "metrics.jsonl").read_text().splitlines())
 
 
+@pytest.mark.e2e
 def test_sigterm_to_torchruns_agent_stops_both_ranks_after_one_step_and_resumes(cache_dir, tmp_path):
     args = [*ARGS, "+runtime=torch-distributed", "runtime.nproc_per_node=2"]
     whole = tmp_path / "whole"

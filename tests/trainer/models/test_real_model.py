@@ -66,6 +66,7 @@ def _info(corpus: str) -> dict:
         return json.load(f)
 
 
+@pytest.mark.e2e
 def test_sft_on_the_stock_template_counts_exactly_the_assistant_tokens(smollm2, sft_run):
     from transformers import AutoTokenizer
 
@@ -91,6 +92,7 @@ def test_sft_on_the_stock_template_counts_exactly_the_assistant_tokens(smollm2, 
     assert _info(corpus)["dropped"] == {}
 
 
+@pytest.mark.e2e
 def test_the_exported_model_gives_our_logits_in_transformers_and_peft(smollm2, sft_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

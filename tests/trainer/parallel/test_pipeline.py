@@ -20,7 +20,7 @@ from tests.trainer.hf_models import add_tokenizer, make_llama
 from tests.trainer.recipes.test_sft import ARGS as SFT_ARGS
 from tests.trainer.recipes.test_sft import _chats
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # pipelines on 2 and 4 ranks, each against one process
 
 PP = ["strategy=pp"]
 # The bar: 20 steps, each loss within 1e-6 of one process's. Four blocks, so that interleaved_1f1b
