@@ -1,9 +1,9 @@
 """Where a run starts, decided once and carried: `decide` works out the checkpoint from `train.resume` (auto: the
 newest whole one in `train.checkpoint_dir`; never: none; a path: that one, or, on a restart of the line that began
-there, the line's newest); `agreed` has rank 0 decide and hands its decision to every rank; `reach`, before either,
-asks a URL's store. `check` refuses a start the run cannot load (one ConfigError line, before the first step),
-`settle` has rank 0 set aside what the start leaves behind before the ranks load it, and `restore` loads it through
-the run's store."""
+there, the line's newest; `decide_at_launch`, the driver's, also refuses a fresh run over a URL's checkpoints);
+`agreed` has rank 0 decide and hands its decision to every rank; `reach`, before either, asks a URL's store. `check`
+refuses a start the run cannot load (one ConfigError line, before the first step), `settle` has rank 0 set aside
+what the start leaves behind before the ranks load it, and `restore` loads it through the run's store."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ class Start:
 
 def reach(cfg) -> None:
     """Raise ConfigError unless the run `cfg`'s `train.checkpoint_dir`, where it is an object store's URL, answers,
-    takes this process's credentials and holds the bucket, and, for a fresh run, holds no checkpoint it would
-    overwrite. Run where the ranks run (the driver, where they run on this machine; each rank): a cluster's ranks
-    take a Secret's credentials, which the driver does not have. Writes nothing."""
+    takes this process's credentials and holds the bucket. Run where the ranks run (the driver, where they run on
+    this machine; each rank): a cluster's ranks take a Secret's credentials, which the driver does not have.
+    Writes nothing."""
     url = cfg.train.checkpoint_dir
     if not fs.remote(url):
         return
@@ -39,9 +39,16 @@ def reach(cfg) -> None:
         objects.probe("train.checkpoint_dir", url)
     except OptionError as e:  # the store's refusal, a config error like any other
         raise ConfigError(e.key, e.value, e.allowed) from None
-    if cfg.train.resume == "never" and fs.listdir(url):
+
+
+def decide_at_launch(cfg) -> Start | None:
+    """`decide`, as the driver asks it before launch, which also refuses a fresh run (`train.resume=never`) over
+    the checkpoints a `train.checkpoint_dir` URL already holds (a restart's ranks, `agreed`, go on over their own)."""
+    url = cfg.train.checkpoint_dir
+    if cfg.train.resume == "never" and fs.remote(url) and fs.listdir(url):
         raise ConfigError("train.resume", "never", f"{url} already holds checkpoints that a fresh run would "
                           "overwrite: use train.resume=auto or another train.checkpoint_dir")
+    return decide(cfg)
 
 
 def _own(cfg) -> str:

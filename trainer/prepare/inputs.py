@@ -58,11 +58,12 @@ class Checked:
     start: resume.Start | None
 
 
-def check(cfg: Config, dims: Degrees, decide: Callable[[Config], resume.Start | None] = resume.decide) -> Checked:
+def check(cfg: Config, dims: Degrees,
+          decide: Callable[[Config], resume.Start | None] = resume.decide_at_launch) -> Checked:
     """Build or find the corpus and check everything the job will read before its first step: the corpus
     (rows for one global batch, token ids), the cache nodes, the checkpoint store (`resume.reach`) and the
-    checkpoint it resumes from, which `decide` works out last (`trainer.checkpoint.resume.decide` in the driver's
-    process; `agreed` on the ranks, where rank 0 decides for all). Raises ConfigError."""
+    checkpoint it resumes from, which `decide` works out last (`trainer.checkpoint.resume.decide_at_launch` in the
+    driver's process; `agreed` on the ranks, where rank 0 decides for all). Raises ConfigError."""
     check_memory(cfg, dims)
     kind = KINDS[cfg.data.name]
     corpus = kind.prepare(cfg) if needs_corpus(cfg.data) else None
