@@ -171,3 +171,24 @@ def test_a_store_that_stops_answering_fails_that_save_and_leaves_the_last_whole(
     err = _finish(again)
     assert again.returncode == 0, err[-3000:]
     assert [m["step"] for m in read_metrics(str(tmp_path / "b"))] == [last + 1, last + 2]
+
+
+def test_a_fresh_run_over_a_buckets_checkpoints_is_refused_by_the_driver_alone(s3, tmp_path):
+    """Before launch the driver refuses train.resume=never where the URL already holds checkpoints; a restart's
+    ranks (`agreed`, which calls `decide`) go on, and `reach` only asks the store."""
+    from types import SimpleNamespace
+
+    from trainer.checkpoint import resume
+    from trainer.errors import ConfigError
+
+    url = s3.url("ckpt/run1")
+    train = SimpleNamespace(checkpoint_dir=url, checkpoint_retries=0, resume="never")
+    cfg = SimpleNamespace(train=train, run_dir=str(tmp_path / "run"))
+    resume.reach(cfg)
+    assert resume.decide_at_launch(cfg) is None  # nothing there yet
+    s3.client().put_object(Bucket=s3.bucket, Key="ckpt/run1/step-2/.manifest.json", Body=b"{}")
+    with pytest.raises(ConfigError, match="already holds checkpoints that a fresh run would overwrite"):
+        resume.decide_at_launch(cfg)
+    assert resume.decide(cfg) is None  # a restart of this run starts again over its own
+    train.resume = "auto"
+    resume.decide_at_launch(cfg)
