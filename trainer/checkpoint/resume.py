@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from trainer.checkpoint import checks, fs, layout, lines
+from trainer.config.runtime import config_errors
 from trainer.errors import ConfigError
-from trainjob.options import OptionError
 from trainjob.storage import objects
 
 
@@ -35,10 +35,8 @@ def reach(cfg) -> None:
     if not fs.remote(url):
         return
     fs.configure(cfg.train.checkpoint_retries)
-    try:
+    with config_errors():  # the store's refusal, a config error like any other
         objects.probe("train.checkpoint_dir", url)
-    except OptionError as e:  # the store's refusal, a config error like any other
-        raise ConfigError(e.key, e.value, e.allowed) from None
 
 
 def decide_at_launch(cfg) -> Start | None:
