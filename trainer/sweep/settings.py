@@ -83,11 +83,8 @@ def settings(
     metrics = _listed(metric)
     unknown = [m for m in metrics if m not in METRICS]
     if unknown:
-        raise ConfigError(
-            "hydra.sweeper.metric",
-            metric,
-            f"{unknown[0]} is not a metric of metrics.jsonl; one of {', '.join(METRICS)}",
-        )
+        raise ConfigError("hydra.sweeper.metric", metric,
+                          f"{unknown[0]} is not a metric of metrics.jsonl; one of {', '.join(METRICS)}")
     if len(metrics) != len(directions):
         raise ConfigError(
             "hydra.sweeper.metric", metric, f"one metric per direction: hydra.sweeper.direction lists {len(directions)}"

@@ -5,24 +5,12 @@ its collectives run over gloo. A function-only runtime (`trainjob.runtimes.funct
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from trainjob.runtimes.function import ProcessPerNode
-
-
-@dataclass
-class JaxDistributedConfig:
-    name: str = "jax-distributed"  # a function-only runtime (Client.train(func=..., runtime=...))
 
 
 class JaxDistributed(ProcessPerNode):
     name = "jax-distributed"
-    schema = JaxDistributedConfig
-    runtime_ref = "jax-distributed"
-    framework = "jax"
     kubeflow_image = "nvcr.io/nvidia/jax:25.10-py3"
-    extra = "jax"
-    imports = ("jax",)
     index_env = "JAX_PROCESS_ID"
 
     def node_env(self, host: str, port: int, nnodes: int, workers_per_node: int = 1) -> dict[str, str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes.util
 import glob
-from dataclasses import dataclass
 
 from trainjob.runtimes.function import MPIFunction
 
@@ -22,19 +21,9 @@ def has_libmpi() -> bool:
     return found == "libmpi.so" or any(glob.glob(f"{d}/libmpi.so") for d in dirs)
 
 
-@dataclass
-class MLXDistributedConfig:
-    name: str = "mlx-distributed"  # a function-only runtime (Client.train(func=..., runtime=...))
-
-
 class MLXDistributed(MPIFunction):
     name = "mlx-distributed"
-    schema = MLXDistributedConfig
-    runtime_ref = "mlx-distributed"
-    framework = "mlx"
     kubeflow_image = "ghcr.io/kubeflow/trainer/mlx-runtime"
-    extra = "mlx"
-    imports = ("mlx",)
     libraries = ("libmpi.so",)
 
     def missing(self) -> str | None:

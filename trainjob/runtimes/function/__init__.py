@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 from abc import abstractmethod
 from collections.abc import Mapping
+from dataclasses import field, make_dataclass
 from typing import Any, ClassVar
 
 from trainjob.nodes import LOCALHOST, free_port
@@ -36,11 +37,23 @@ def node_host(job: str) -> str:
 
 
 class FunctionRuntime(Runtime):
-    """A runtime that runs a user's function only; subclasses name their framework's modules and pip extra."""
+    """A runtime that runs a user's function only. A subclass's name is Kubeflow's (`<framework>-distributed`), and
+    the framework names the rest: its pip extra, the module its ranks import. Its keys are its name alone
+    (Client.train(func=..., runtime=...) takes the rest)."""
 
     function_jobs = True
     function_only = True
     derives_runtime = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            title = "".join(part.capitalize() for part in cls.name.split("-"))
+            cls.schema = make_dataclass(f"{title}Config", [("name", str, field(default=cls.name))])
+            cls.schema.__module__ = cls.__module__
+            cls.runtime_ref = cls.name
+            cls.framework = cls.extra = cls.name.removesuffix("-distributed")
+            cls.imports = (cls.extra,)
 
     def check(self, options: Any) -> None:
         raise OptionError("runtime", self.name, f"runs a user's function, not a trainer run: "

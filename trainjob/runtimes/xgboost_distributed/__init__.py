@@ -7,24 +7,12 @@ DMLC_NUM_WORKER; as upstream, no tracker is started for the job: the function's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from trainjob.runtimes.function import ProcessPerNode
-
-
-@dataclass
-class XGBoostDistributedConfig:
-    name: str = "xgboost-distributed"  # a function-only runtime (Client.train(func=..., runtime=...))
 
 
 class XGBoostDistributed(ProcessPerNode):
     name = "xgboost-distributed"
-    schema = XGBoostDistributedConfig
-    runtime_ref = "xgboost-distributed"
-    framework = "xgboost"
     kubeflow_image = "ghcr.io/kubeflow/trainer/xgboost-runtime"
-    extra = "xgboost"
-    imports = ("xgboost",)
     index_env = "DMLC_TASK_ID"
 
     def node_env(self, host: str, port: int, nnodes: int, workers_per_node: int = 1) -> dict[str, str]:
