@@ -56,7 +56,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     common = [*args.overrides, f"train.max_steps={args.steps}", f"train.eval_every={args.steps}",
-              f"train.checkpoint_every={args.steps * 10}", "train.progress=false", "train.resume=never"]
+              f"train.checkpoint_every={args.steps * 10}", "train.log_every=1", "train.progress=false",
+              "train.resume=never"]
     runs = [("single (in-process)", [])]
     runs += [(s, ["+runtime=torch-distributed", f"runtime.nproc_per_node={args.nproc}", f"strategy={s}"])
              for s in args.only.split(",")]
