@@ -12,55 +12,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.conftest import DIST, TINY, read_metrics, read_summary
+from tests.trainer.drivers import finish, keys, start, wait_for
 from trainjob.nodes import LOCALHOST, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 ARGS = [*TINY, *DIST, "train.max_steps=30", "train.eval_every=30", "train.checkpoint_every=4",
         "train.keep_latest_k=2"]
-
-
-def _start(cache_dir: str, cwd, env: dict, *args: str) -> subprocess.Popen:
-    """`python -m trainer *args`, its output to a file (a pipe nobody reads while it runs would fill and stop it)."""
-    full = {**os.environ, **env, "TRAINJOB_CACHE": cache_dir, "PYTHONUNBUFFERED": "1"}
-    out = open(os.path.join(cwd, f"driver-{time.monotonic_ns()}.out"), "w+")  # noqa: SIM115 - read by _finish
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=str(cwd), env=full, text=True,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    proc.output = out
-    return proc
-
-
-def _keys(s3, prefix: str) -> list[str]:
-    listed = s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix)
-    return sorted(o["Key"][len(prefix):] for o in listed.get("Contents", []))
-
-
-def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} never came: exit {proc.poll()} {_finish(proc, 1)[-3000:]}")
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    """Wait for `proc` (killed, with its group, after `timeout` seconds); its output."""
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    proc.output.seek(0)
-    text = proc.output.read()
-    proc.output.close()
-    return text
 
 
 @pytest.mark.e2e
@@ -71,24 +34,24 @@ def test_checkpoints_in_s3_resume_in_a_new_run_dir_export_and_verify(s3, cache_d
 
     url = s3.url("ckpt/run1")
     args = [*ARGS, f"train.checkpoint_dir={url}"]
-    first = _start(cache_dir, tmp_path, s3.env, *args, "train.checkpoint_async=true", f"hydra.run.dir={tmp_path / 'a'}")
-    _wait_for(lambda: "step-4/.manifest.json" in _keys(s3, "ckpt/run1/"), first, "checkpoint step 4")
+    first = start(cache_dir, tmp_path, s3.env, *args, "train.checkpoint_async=true", f"hydra.run.dir={tmp_path / 'a'}")
+    wait_for(lambda: "step-4/.manifest.json" in keys(s3, "ckpt/run1/"), first, "checkpoint step 4")
     first.send_signal(signal.SIGTERM)
-    err = _finish(first, 120)
+    err = finish(first, 120)
     assert first.returncode == 143, err[-3000:]
     step = len(read_metrics(str(tmp_path / "a")))
     assert f"checkpoint of step {step} written to {url}/step-{step}" in err, err[-2000:]
     assert not (tmp_path / "a" / "checkpoints").exists()  # all of them went to the bucket
-    assert {".manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(_keys(s3, f"ckpt/run1/step-{step}/"))
+    assert {".manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(keys(s3, f"ckpt/run1/step-{step}/"))
 
-    second = _start(cache_dir, tmp_path, s3.env, *args, f"hydra.run.dir={tmp_path / 'b'}")
-    err = _finish(second)
+    second = start(cache_dir, tmp_path, s3.env, *args, f"hydra.run.dir={tmp_path / 'b'}")
+    err = finish(second)
     assert second.returncode == 0, err[-3000:]
     ours, ref = read_metrics(str(tmp_path / "b")), read_metrics(str(reference))
     assert ours[0]["step"] == step + 1
     assert [m["loss"] for m in ours] == [m["loss"] for m in ref[step:]]
     assert read_summary(str(tmp_path / "b"))["final_eval_loss"] == read_summary(str(reference))["final_eval_loss"]
-    kept = sorted({k.split("/")[0] for k in _keys(s3, "ckpt/run1/") if k.startswith("step-")})
+    kept = sorted({k.split("/")[0] for k in keys(s3, "ckpt/run1/") if k.startswith("step-")})
     assert kept == ["step-28", "step-30"]  # keep_latest_k=2, pruned in the bucket
 
     out = tmp_path / "exported"
@@ -138,11 +101,11 @@ def test_a_store_that_stops_answering_fails_that_save_and_leaves_the_last_whole(
     args = [*ARGS, "train.max_steps=400", "train.checkpoint_every=2", f"train.checkpoint_dir={url}",
             "train.checkpoint_retries=1"]
     try:
-        proc = _start(cache_dir, tmp_path, env, *args, f"hydra.run.dir={tmp_path / 'a'}")
-        _wait_for(lambda: "step-2/.manifest.json" in _keys(s3, "ckpt/outage/"), proc, "checkpoint step 2")
+        proc = start(cache_dir, tmp_path, env, *args, f"hydra.run.dir={tmp_path / 'a'}")
+        wait_for(lambda: "step-2/.manifest.json" in keys(s3, "ckpt/outage/"), proc, "checkpoint step 2")
     finally:
         server.stop()
-    err = _finish(proc, 180)
+    err = finish(proc, 180)
     assert proc.returncode == 1, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("error: checkpoint step ")]
     assert len(said) == 1 and f"could not be written to {url}/step-" in said[0], err[-3000:]
@@ -153,7 +116,7 @@ def test_a_store_that_stops_answering_fails_that_save_and_leaves_the_last_whole(
 
     # A writer that died half way: every object of a checkpoint but its manifest, written last.
     client, half = s3.client(), last + 100
-    for name in _keys(s3, f"ckpt/outage/step-{last}/"):
+    for name in keys(s3, f"ckpt/outage/step-{last}/"):
         if name != ".manifest.json":
             client.copy_object(Bucket=s3.bucket, Key=f"ckpt/outage/step-{half}/{name}",
                                CopySource={"Bucket": s3.bucket, "Key": f"ckpt/outage/step-{last}/{name}"})
@@ -166,9 +129,9 @@ def test_a_store_that_stops_answering_fails_that_save_and_leaves_the_last_whole(
         f"step {half}: damaged: its .manifest.json is missing: its writer did not finish"), verify.stdout
     assert not said.get(f"step {failed}", "damaged").startswith(f"step {failed}: whole")
     # The last whole one resumes, in one process where two wrote it (DCP reshards), passing the half-written one.
-    again = _start(cache_dir, tmp_path, s3.env, *TINY, f"train.max_steps={last + 2}", "train.eval_every=30",
+    again = start(cache_dir, tmp_path, s3.env, *TINY, f"train.max_steps={last + 2}", "train.eval_every=30",
                    "train.checkpoint_every=2", f"train.checkpoint_dir={url}", f"hydra.run.dir={tmp_path / 'b'}")
-    err = _finish(again)
+    err = finish(again)
     assert again.returncode == 0, err[-3000:]
     assert [m["step"] for m in read_metrics(str(tmp_path / "b"))] == [last + 1, last + 2]
 

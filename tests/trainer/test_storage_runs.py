@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import torch
 from tests.conftest import REPO, read_metrics, read_summary
 from tests.hub_server import TOKEN
 from tests.s3_server import CREDENTIALS
+from tests.trainer.drivers import finish, keys, start, wait_for
 from tests.trainer.hf_models import SAMPLE, add_tokenizer, make_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,26 +58,42 @@ def _files_hold(run_dir, values) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_lora_sft_from_a_bucket_equals_the_local_paths_run(tiny, s3, run_cli, tmp_path, cache_dir):
+def test_lora_sft_from_a_bucket_checkpoints_there_resumes_after_sigterm_and_equals_the_local_run(
+        tiny, s3, run_cli, tmp_path, cache_dir):
+    """The issue's whole command: model, chats and checkpoints in the bucket, LoRA SFT, SIGTERM after the first
+    checkpoint, a run in a new run directory going on from the bucket's newest whole checkpoint, the export from the
+    bucket; the losses equal the local paths' run."""
     model, chats = tiny
     s3.upload_dir(model, "models/tiny")
     s3.upload_dir(chats, "chats")
-    local = _run(run_cli, tmp_path / "local", f"model.path={model}", f"data.path={chats}/*.jsonl")
+    steps = ["train.max_steps=12", "train.eval_every=12"]
+    local = _run(run_cli, tmp_path / "local", f"model.path={model}", f"data.path={chats}/*.jsonl", *steps)
     assert local.returncode == 0, local.stderr[-3000:]
-    remote = _run(run_cli, tmp_path / "s3", f"model.path={s3.url('models/tiny')}",
-                  f"data.path={s3.url('chats/*.jsonl')}", "train.checkpoint_every=3")
-    assert remote.returncode == 0, remote.stderr[-3000:]
+    ckpt = s3.url("ckpt/run1")
+    remote = [*ARGS, *steps, f"model.path={s3.url('models/tiny')}", f"data.path={s3.url('chats/*.jsonl')}",
+              f"train.checkpoint_dir={ckpt}", "train.checkpoint_every=1"]
+    first = start(cache_dir, tmp_path, s3.env, *remote, f"hydra.run.dir={tmp_path / 's3'}")
+    wait_for(lambda: "step-1/.manifest.json" in keys(s3, "ckpt/run1/"), first, "checkpoint step 1")
+    first.send_signal(signal.SIGTERM)
+    err = finish(first, 120)
+    assert first.returncode == 143, err[-3000:]
+    assert f"model.path={s3.url('models/tiny')}: fetched into {cache_dir}/storage/s3/" in err
+    done = read_metrics(str(tmp_path / "s3"))
+    assert 1 <= len(done) < 12, err[-3000:]
+    second = _run(run_cli, tmp_path / "s3b", *remote[len(ARGS):], env=s3.env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"model.path={s3.url('models/tiny')}: the copy in {cache_dir}/storage/s3/" in second.stderr  # none fetched
+    rest = read_metrics(str(tmp_path / "s3b"))
+    assert rest[0]["step"] == len(done) + 1
     losses = [m["loss"] for m in read_metrics(str(tmp_path / "local"))]
-    assert len(losses) == 3
-    assert [m["loss"] for m in read_metrics(str(tmp_path / "s3"))] == pytest.approx(losses, rel=1e-6)
-    assert read_summary(str(tmp_path / "s3"))["final_eval_loss"] == pytest.approx(
+    assert len(losses) == 12
+    assert [m["loss"] for m in done + rest] == pytest.approx(losses, rel=1e-6)
+    assert read_summary(str(tmp_path / "s3b"))["final_eval_loss"] == pytest.approx(
         read_summary(str(tmp_path / "local"))["final_eval_loss"], rel=1e-6)
     # The ranks read the local copy, which config.yaml names; the corpus records the objects and their ETags.
-    fetched = f"model.path={s3.url('models/tiny')}: fetched into {cache_dir}/storage/s3/"
-    assert fetched in remote.stderr
     import yaml
 
-    with open(tmp_path / "s3" / "config.yaml") as f:
+    with open(tmp_path / "s3b" / "config.yaml") as f:
         saved = yaml.safe_load(f)
     assert saved["model"]["path"].startswith(f"{cache_dir}/storage/s3/")
     assert saved["data"]["path"] == s3.url("chats/*.jsonl")
@@ -84,21 +102,18 @@ def test_lora_sft_from_a_bucket_equals_the_local_paths_run(tiny, s3, run_cli, tm
         sources = json.load(f)["source"]["files"]
     etag = s3.client().head_object(Bucket=s3.bucket, Key="chats/part-0.jsonl")["ETag"].strip('"')
     assert sources[0][0] == f"{s3.url('chats/*.jsonl')}#part-0.jsonl" and sources[0][2] == etag
-    # A second run copies nothing; no credential is in any file of either run directory.
-    again = _run(run_cli, tmp_path / "again", f"model.path={s3.url('models/tiny')}",
-                 f"data.path={s3.url('chats/*.jsonl')}", "train.max_steps=1", "train.eval_every=1")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"model.path={s3.url('models/tiny')}: the copy in {saved['model']['path']}" in again.stderr
-    # trainer.export takes the base model's URL where the run's config names one (its copy, found again).
-    config = tmp_path / "s3" / "config.yaml"
-    config.write_text(config.read_text().replace(saved["model"]["path"], s3.url("models/tiny")))
+    # trainer.export takes the checkpoint's URL, and the base model's URL where the run's config names one (its
+    # copy, found again): the bucket's config names the URL, as a run on another machine would have it.
+    config = s3.client().get_object(Bucket=s3.bucket, Key="ckpt/run1/config.yaml")["Body"].read().decode()
+    s3.client().put_object(Bucket=s3.bucket, Key="ckpt/run1/config.yaml",
+                           Body=config.replace(saved["model"]["path"], s3.url("models/tiny")).encode())
     out = tmp_path / "adapters"
-    exported = run_cli(str(tmp_path / "s3" / "checkpoints" / "step-3"), str(out), module="trainer.export")
+    exported = run_cli(f"{ckpt}/step-12", str(out), module="trainer.export", env=s3.env)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert f"model.path (of the run)={s3.url('models/tiny')}: the copy in {saved['model']['path']}" in exported.stderr
     assert (out / "adapter_model.safetensors").is_file()
     secrets = [CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"]]
-    assert _files_hold(tmp_path / "s3", secrets) == _files_hold(tmp_path / "again", secrets) == []
+    assert _files_hold(tmp_path / "s3", secrets) == _files_hold(tmp_path / "s3b", secrets) == []
 
 
 @pytest.mark.e2e
