@@ -21,19 +21,9 @@ from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
+from launchers import base
 from launchers.backend import Backend, runtime_unit
-from launchers.base import (
-    Job,
-    JobInfo,
-    JobState,
-    LauncherError,
-    LaunchSpec,
-    PollingJob,
-    Step,
-    check_step,
-    run_name,
-    write_private,
-)
+from launchers.base import JobInfo, JobState, LauncherError, LaunchSpec, run_name, write_private
 from launchers.kubernetes import schedulers
 from launchers.kubernetes.manifests import GROUP, MANAGER, VERSION, cluster_runtime, manifests, to_yaml
 from launchers.kubernetes.options import KubernetesLauncherConfig, check
@@ -175,7 +165,7 @@ def _float(text: str | None) -> float | None:
         return None
 
 
-class KubernetesJob(PollingJob):
+class KubernetesJob(base.PollingJob):
     def __init__(
         self, api: Api, name: str, namespace: str, poll_seconds: float = 10.0, local_run_root: str | None = None
     ):
@@ -253,14 +243,14 @@ class KubernetesJob(PollingJob):
             **progress,
             start_time=_time(trainjob["metadata"].get("creationTimestamp")),
             end_time=_time(ends[0]) if ends else None,
-            steps=[Step(name, PHASES.get(pod.status.phase, JobState.CREATED), pod.metadata.name, *pod_device(pod))
+            steps=[base.Step(name, PHASES.get(pod.status.phase, JobState.CREATED), pod.metadata.name, *pod_device(pod))
                    for name, pod in pod_steps(self._pods()).items()],
         )
 
     def step_logs(self, step: str, follow: bool = False) -> Iterator[str]:
         """Lines of step `step`'s pod (container `node`; an MPI job's node-0: its launcher, with every rank's)."""
         steps = pod_steps(self._pods())
-        check_step(step, list(steps), self.name)
+        base.check_step(step, list(steps), self.name)
         return self._pod_logs(steps[step].metadata.name, follow)
 
     def logs(self, rank: int = 0, follow: bool = False) -> Iterator[str]:
@@ -504,7 +494,7 @@ class KubernetesLauncher(Backend):
             self.options.get("local_run_root"),
         )
 
-    def launch(self, spec: LaunchSpec) -> Job:
+    def launch(self, spec: LaunchSpec) -> base.Job:
         lc, api = self.options, self.api
         namespace, name = lc["namespace"], self.job_name(spec)
         runtime_spec = None
@@ -547,7 +537,7 @@ class KubernetesLauncher(Backend):
         write_private(RunDir.of(spec.run_dir).manifests, to_yaml(self.manifests(spec, runtime_spec)))
         return self._job(name)
 
-    def jobs(self) -> list[Job]:
+    def jobs(self) -> list[base.Job]:
         """The TrainJobs this launcher submitted in the configured namespace."""
         api, namespace = self.api, self.options.get("namespace", "default")
         found = api.call(
@@ -564,7 +554,7 @@ class KubernetesLauncher(Backend):
         )
         return [self._job(item["metadata"]["name"]) for item in found.get("items", [])]
 
-    def job(self, name: str) -> Job:
+    def job(self, name: str) -> base.Job:
         job = self._job(name)
         job._get()  # a clear error when there is none
         return job
