@@ -37,8 +37,12 @@ the closest that do). Back to the [README](../README.md).
 @cache
 def _written(cls: type) -> dict[str, tuple[str, str]]:
     """Field name -> (its annotation as written, such as `str | None`; the comment written for it: the comment
-    lines right above the field, then the one at the end of its line), from `cls`'s source."""
-    source = textwrap.dedent(inspect.getsource(cls))
+    lines right above the field, then the one at the end of its line), from `cls`'s source: a schema made by
+    `dataclasses.make_dataclass`, which has none, reads the class it extends (a function-only runtime's)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except OSError:
+        return _written(cls.__bases__[0])
     lines = source.splitlines()
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from abc import abstractmethod
 from collections.abc import Mapping
-from dataclasses import field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, ClassVar
 
 from trainjob.nodes import LOCALHOST, free_port
@@ -36,6 +36,14 @@ def node_host(job: str) -> str:
     return f"{job}-node-0-0.{job}"
 
 
+@dataclass
+class FunctionOnlyConfig:
+    """The keys of a function-only runtime: its name alone. Each runtime's schema extends it with its name as the
+    default (`FunctionRuntime.__init_subclass__`)."""
+
+    name: str = ""  # a function-only runtime (Client.train(func=..., runtime=...))
+
+
 class FunctionRuntime(Runtime):
     """A runtime that runs a user's function only. A subclass's name is Kubeflow's (`<framework>-distributed`), and
     the framework names the rest: its pip extra, the module its ranks import. Its keys are its name alone
@@ -49,7 +57,8 @@ class FunctionRuntime(Runtime):
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
             title = "".join(part.capitalize() for part in cls.name.split("-"))
-            cls.schema = make_dataclass(f"{title}Config", [("name", str, field(default=cls.name))])
+            cls.schema = make_dataclass(f"{title}Config", [("name", str, field(default=cls.name))],
+                                        bases=(FunctionOnlyConfig,))
             cls.schema.__module__ = cls.__module__
             cls.runtime_ref = cls.name
             cls.framework = cls.extra = cls.name.removesuffix("-distributed")
