@@ -238,7 +238,8 @@ class PPO(GRPO):
         """(the micro-batch of the rollout's rows `index`, as `data.packing` says; its real input tokens)."""
         tokens, target, real = self.rollout["rows"]
         real = real[index.cpu()]
-        return packing.collate(tokens[index], target[index], real, self.packing), int(real.sum())
+        return (packing.collate(tokens[index], target[index], real, self.packing, self.ctx.dims.sequence_multiple),
+                int(real.sum()))
 
     def loss(self, micro) -> torch.Tensor:
         packed, starts, old, old_values, adv, returns, mask, vmask = micro
@@ -301,7 +302,7 @@ class PPO(GRPO):
             completions = self._sample(prompts, self.generator)
         with self.timed(times, "perf/score_s"):
             scores, stats = self._scores(rows_, prompts, completions)
-        tokens, target, real = ppo_rows(prompts, completions, self.text.pad)
+        tokens, target, real = ppo_rows(prompts, completions, self.text.pad, self.ctx.dims.sequence_multiple)
         device = self.ctx.device
         ro = {"rows": (tokens.to(device), target.to(device), real),
               "starts": torch.tensor([len(p) - 1 for p in prompts], device=device)}
@@ -334,11 +335,12 @@ class PPO(GRPO):
         return old, values, ref
 
 
-def ppo_rows(prompts: list[list[int]], completions: list[list[int]], pad: int
+def ppo_rows(prompts: list[list[int]], completions: list[list[int]], pad: int, multiple: int = 1
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GRPO's rows (`trainer.recipes.grpo.rows`) with one more input after each completion, so that the value after
-    its last token is read (TRL's padding_mask_p1), never a target."""
-    tokens, target, real = rows(prompts, [[*c, pad] for c in completions], pad)
+    """GRPO's rows (`trainer.recipes.grpo.rows`, the inputs' width a multiple of `multiple`) with one more input
+    after each completion, so that the value after its last token is read (TRL's padding_mask_p1), never a
+    target."""
+    tokens, target, real = rows(prompts, [[*c, pad] for c in completions], pad, multiple)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         target[i, len(p) + len(c) - 1] = IGNORE
     return tokens, target, real
