@@ -227,10 +227,10 @@ class _Replicated(ParallelStyle):
 
 
 class _WholeHead(ParallelStyle):
-    """A head of one output on the sequence-split final hidden states (a score head: recipe=reward's, a reward
-    model's, recipe=ppo's value model's; recipe=ppo's value head): one output row does not split over ranks, so its
-    weight is whole on every rank (a replicated DTensor), each rank computes its own tokens' outputs, and they are
-    gathered back along the sequence into a plain tensor, the same on every rank."""
+    """A head of one output on the sequence-split final hidden states (a score head: a reward model's, recipe=ppo's
+    value model's; recipe=ppo's value head): one output row does not split over ranks, so its weight is whole on
+    every rank (a replicated DTensor, its gradient each rank's tokens' partial sum), each rank computes its own
+    tokens' outputs, and they are gathered back along the sequence into a plain tensor, the same on every rank."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def partition(name, mod, mesh):

@@ -1,8 +1,9 @@
 """`trainer.models.chunked`: log-probabilities and the cross-entropy made a chunk of tokens at a time equal the
 whole logits' (values and gradients, 1e-5 in float32) for any chunk size and mask; the model's loss (pretrain,
 sft under kernels=torch) is the whole logits' cross-entropy; under kernels=triton the chunks' log-softmax is the
-Triton cross-entropy. Under tensor parallelism (vocabulary-split logits) the recipes' runs equal one process's:
-tests/trainer/recipes/test_dpo.py (strategy=tp) and tests/trainer/parallel/test_strategies.py."""
+Triton cross-entropy. Under tensor parallelism (vocabulary-split logits) recipe=ppo's log-probabilities and entropy
+on two gloo ranks equal the unsharded function's, and the recipes' runs equal one process's:
+tests/trainer/recipes/test_dpo.py and test_ppo.py (strategy=tp) and tests/trainer/parallel/test_strategies.py."""
 
 from __future__ import annotations
 

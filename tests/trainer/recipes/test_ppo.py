@@ -4,7 +4,7 @@ whitening exactly, the loss and its gradients to 1e-5, PPOConfig's defaults; the
 chunk of logits at a time against the whole logits; the value head on the policy; what cannot run refused in one
 line; and, end to end (e2e), a LoRA run on two ranks (torchrun, gloo) under ddp and fsdp2 that raises the mean
 reward of a one-token reward over 30 steps, its value model's explained variance above 0 at the end, its export
-loaded by transformers."""
+loaded by transformers; under tp on two ranks, both value models, the steps of one process."""
 
 from __future__ import annotations
 
