@@ -45,6 +45,18 @@ def make_llama(root: str, tie: bool = False) -> str:
     return path
 
 
+def make_llama_scorer(root: str) -> str:
+    """A reward model of make_llama's shape, as recipe=reward exports one: a one-label
+    LlamaForSequenceClassification padding with add_tokenizer's <|pad|> (id 2), with that tokenizer."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SHAPE, num_labels=1, pad_token_id=2)
+    path = os.path.join(root, "llama-scorer")
+    _perturbed(LlamaForSequenceClassification(config)).save_pretrained(path)
+    return add_tokenizer(path)
+
+
 def make_qwen2(root: str) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -288,10 +288,8 @@ def _grpo(job) -> None:
     if r.reward_model.path:
         _reward_model(job)
     if r.name == "ppo":
-        st = job.strategy
-        require(st.tp == 1, "strategy.tp", st.tp, "recipe=ppo reads the policy's entropy from each chunk's whole "
-                "vocabulary on one rank: use strategy=ddp or strategy=fsdp2 (tp 1)")
-        require(st.data_parallel in PPO_DATA_PARALLEL, "strategy.data_parallel", st.data_parallel,
+        dp = job.strategy.data_parallel
+        require(dp in PPO_DATA_PARALLEL, "strategy.data_parallel", dp,
                 f"recipe=ppo trains its value model beside the policy under {' or '.join(PPO_DATA_PARALLEL)}")
         return
     require(t.global_batch_size % r.num_generations == 0, "recipe.num_generations", r.num_generations,

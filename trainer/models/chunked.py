@@ -11,7 +11,8 @@ Tensor parallelism: the output matrix arrives split over the vocabulary (a DTens
 hidden states split over the sequence. The hidden states are gathered (a small tensor), each rank takes the logits
 of its own vocabulary rows, and the log-softmax is reduced across the tensor-parallel group (the max, the sum of
 exponentials and the target's logit: three (tokens,) all-reduces per chunk; Megatron's vocabulary-parallel
-cross-entropy). The gradient of the hidden states is then each rank's partial sum, which DTensor reduces."""
+cross-entropy; recipe=ppo's entropy one more, of the sum of exp(logit) x logit). The gradient of the hidden
+states is then each rank's partial sum, which DTensor reduces."""
 
 from __future__ import annotations
 
@@ -121,16 +122,27 @@ def _logps(logits: torch.Tensor, target: torch.Tensor, ce: Callable = F.cross_en
     return (-ce(_wide(logits), target, reduction="none"),)
 
 
-def _sharded_logps(logits: torch.Tensor, target: torch.Tensor, group, offset: int) -> tuple[torch.Tensor]:
-    """log p(target) from logits split over the vocabulary: this rank holds columns offset.. of each row."""
+def _sharded_logps(logits: torch.Tensor, target: torch.Tensor, group, offset: int, entropy: bool = False
+                   ) -> tuple[torch.Tensor, ...]:
+    """(log p(target),) from logits split over the vocabulary: this rank holds columns offset.. of each row. With
+    `entropy`, (log p(target), the entropy of each row's distribution, no gradient): logZ - sum(p logit), the sum
+    of exp(logit - max) logit reduced across the group beside the sum of exponentials."""
     logits = _wide(logits)
     peak = logits.detach().max(-1).values
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    total = _SumOverRanks.apply(torch.exp(logits - peak[:, None]).sum(-1), group)
+    exps = torch.exp(logits - peak[:, None])
+    total = _SumOverRanks.apply(exps.sum(-1), group)
     local = target - offset
     here = (local >= 0) & (local < logits.shape[1])
     picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1) * here
-    return (_SumOverRanks.apply(picked, group) - peak - torch.log(total),)
+    log_z = peak + torch.log(total)
+    logps = _SumOverRanks.apply(picked, group) - log_z
+    if not entropy:
+        return (logps,)
+    with torch.no_grad():
+        weighted = (exps * logits).sum(-1)
+        dist.all_reduce(weighted, group=group)
+        return logps, log_z - weighted / total
 
 
 def _plain(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object, int]:
@@ -159,16 +171,23 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     logits are made. hidden (batch, seq, dim), weight (vocab, dim), targets (batch, seq). `ce`: the cross-entropy
     a chunk's log-softmax is taken with (F.cross_entropy, or ops.cross_entropy under kernels=triton)."""
     hidden, weight, group, offset = _plain(hidden, weight)
+    if group is None:
+        def fn(logits, t):
+            return _logps(logits, t, ce)
+    else:
+        def fn(logits, t):
+            return _sharded_logps(logits, t, group, offset)
+    return _per_position(fn, hidden, weight, targets, chunk_tokens, softcap)[0]
+
+
+def _per_position(fn: Callable, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                  chunk_tokens: int | None, softcap: float | None) -> tuple[torch.Tensor, ...]:
+    """`chunked(fn)`'s outputs over the counted (not IGNORE) targets' positions only, each (batch, seq) with 0
+    where the target is IGNORE."""
     counted = (targets != IGNORE).flatten()
     h, y = hidden.flatten(0, 1)[counted], targets.flatten()[counted]
-    if group is None:
-        (logps,) = chunked(lambda logits, t: _logps(logits, t, ce), h, weight, y, chunk_tokens=chunk_tokens,
-                           softcap=softcap)
-    else:
-        (logps,) = chunked(lambda logits, t: _sharded_logps(logits, t, group, offset), h, weight, y,
-                           chunk_tokens=chunk_tokens, softcap=softcap)
-    out = logps.new_zeros(targets.numel()).masked_scatter(counted, logps)
-    return out.view(targets.shape)
+    outs = chunked(fn, h, weight, y, chunk_tokens=chunk_tokens, softcap=softcap)
+    return tuple(t.new_zeros(targets.numel()).masked_scatter(counted, t).view(targets.shape) for t in outs)
 
 
 def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -184,20 +203,16 @@ def token_logps_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """((batch, seq) log p(target), (batch, seq) the entropy of the next-token distribution, no gradient) of the
     logits divided by `temperature` (after the soft-cap), 0 where the target is IGNORE: `token_logps` and the
-    entropy from the same chunk of logits (recipe=ppo's policy, as TRL's PPOTrainer scales its logits). The
-    vocabulary whole on each rank (no tensor-parallel split)."""
-    hidden, weight, group, _ = _plain(hidden, weight)
-    if group is not None:
-        raise ValueError("token_logps_entropy takes the output matrix whole on each rank (no tensor parallelism)")
-
-    def fn(logits, target):
-        logits = _wide(logits) / temperature
-        with torch.no_grad():
-            entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-        return -ce(logits, target, reduction="none"), entropy
-
-    counted = (targets != IGNORE).flatten()
-    h, y = hidden.flatten(0, 1)[counted], targets.flatten()[counted]
-    logps, entropy = chunked(fn, h, weight, y, chunk_tokens=chunk_tokens, softcap=softcap)
-    return tuple(t.new_zeros(targets.numel()).masked_scatter(counted, t).view(targets.shape)
-                 for t in (logps, entropy))
+    entropy from the same chunk of logits (recipe=ppo's policy, as TRL's PPOTrainer scales its logits). With the
+    vocabulary split over the tensor-parallel ranks, both from the shards (`_sharded_logps`)."""
+    hidden, weight, group, offset = _plain(hidden, weight)
+    if group is None:
+        def fn(logits, target):
+            logits = _wide(logits) / temperature
+            with torch.no_grad():
+                entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+            return -ce(logits, target, reduction="none"), entropy
+    else:
+        def fn(logits, target):
+            return _sharded_logps(_wide(logits) / temperature, target, group, offset, entropy=True)
+    return _per_position(fn, hidden, weight, targets, chunk_tokens, softcap)

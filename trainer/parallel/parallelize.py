@@ -7,7 +7,8 @@ output (column-wise: heads and hidden units), attention o and MLP w2 by input (r
 the residual stream is split along the sequence (sequence parallelism), so the norms run on a shard of the
 tokens. Each family's pieces (`_block_plan`): norms after attention and MLP, q/k norms, a mixture's router and
 experts. The output projection is column-wise; with loss parallelism its logits stay split over the
-vocabulary and the loss is computed on the shards. Tied embeddings: the embedding is split by vocabulary
+vocabulary and the loss is computed on the shards; a head of one output (a score or value head) is whole on each
+rank instead (`_WholeHead`). Tied embeddings: the embedding is split by vocabulary
 rows, which is how a column-wise output layer splits its weight, so the tied projection gathers the sequence
 and each rank computes its own vocabulary's logits from its rows, with no extra communication.
 
@@ -140,7 +141,9 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if model.norm is not None:  # not an earlier pipeline stage
         plan["norm"] = SequenceParallel()
-    if model.output is not None:
+    if getattr(model, "score_head", False):  # one output: not split (`_WholeHead`)
+        plan["output"] = _WholeHead()
+    elif model.output is not None:
         plan["output"] = ColwiseParallel(
             input_layouts=Shard(1), output_layouts=logits, use_local_output=not loss_parallel
         )
@@ -152,6 +155,8 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
             desired_output_layouts=logits,
             use_local_output=not loss_parallel,
         )
+    if getattr(model, "value_head", None) is not None:
+        plan["value_head"] = _WholeHead()
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block))
@@ -219,6 +224,24 @@ class _Replicated(ParallelStyle):
             input_fn=lambda mod, inputs, mesh: tuple(
                 DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs),
             output_fn=lambda mod, out, mesh: out.to_local())
+
+
+class _WholeHead(ParallelStyle):
+    """A head of one output on the sequence-split final hidden states (a score head: a reward model's, recipe=ppo's
+    value model's; recipe=ppo's value head): one output row does not split over ranks, so its weight is whole on
+    every rank (a replicated DTensor, its gradient each rank's tokens' partial sum), each rank computes its own
+    tokens' outputs, and they are gathered back along the sequence into a plain tensor, the same on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            _distribute(mod, mesh, {n: Replicate() for n, _ in mod.named_parameters(recurse=False)}, None)
+
+        def split(mod, inputs, mesh):
+            x = inputs[0]
+            return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(1)], run_check=False),)
+
+        return distribute_module(module, device_mesh, partition, input_fn=split,
+                                 output_fn=lambda mod, out, mesh: out.redistribute(placements=[Replicate()]).to_local())
 
 
 class _GatheredNorm(ParallelStyle):

@@ -39,7 +39,8 @@ recipe.reward_model.path when given (as TRL's examples start it), else from the 
 fresh head; it is full (no adapters) under peft=lora, as TRL's. It is placed like the policy and kept as the
 policy's `value_model` submodule (`attach_value_model`, by the worker), so that the run's optimizer, gradient
 clipping and checkpoints hold it; the export leaves it out. shared: a value head, one linear layer on the policy's
-final hidden states (`value_head`), read in the policy's forward. The reference is the policy with its adapters off
+final hidden states (`value_head`), read in the policy's forward. Under tensor parallelism either one-output head
+is whole on each rank (`trainer.parallel.parallelize`) and the rows' widths a multiple of the sequence split. The reference is the policy with its adapters off
 under peft=lora, else a frozen copy of the starting weights; none with recipe.kl_coef=0. The eval loss is minus
 the mean reward of completions sampled for the eval prompts.
 """
@@ -238,7 +239,8 @@ class PPO(GRPO):
         """(the micro-batch of the rollout's rows `index`, as `data.packing` says; its real input tokens)."""
         tokens, target, real = self.rollout["rows"]
         real = real[index.cpu()]
-        return packing.collate(tokens[index], target[index], real, self.packing), int(real.sum())
+        return (packing.collate(tokens[index], target[index], real, self.packing, self.ctx.dims.sequence_multiple),
+                int(real.sum()))
 
     def loss(self, micro) -> torch.Tensor:
         packed, starts, old, old_values, adv, returns, mask, vmask = micro
@@ -301,7 +303,7 @@ class PPO(GRPO):
             completions = self._sample(prompts, self.generator)
         with self.timed(times, "perf/score_s"):
             scores, stats = self._scores(rows_, prompts, completions)
-        tokens, target, real = ppo_rows(prompts, completions, self.text.pad)
+        tokens, target, real = ppo_rows(prompts, completions, self.text.pad, self.ctx.dims.sequence_multiple)
         device = self.ctx.device
         ro = {"rows": (tokens.to(device), target.to(device), real),
               "starts": torch.tensor([len(p) - 1 for p in prompts], device=device)}
@@ -334,11 +336,12 @@ class PPO(GRPO):
         return old, values, ref
 
 
-def ppo_rows(prompts: list[list[int]], completions: list[list[int]], pad: int
+def ppo_rows(prompts: list[list[int]], completions: list[list[int]], pad: int, multiple: int = 1
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GRPO's rows (`trainer.recipes.grpo.rows`) with one more input after each completion, so that the value after
-    its last token is read (TRL's padding_mask_p1), never a target."""
-    tokens, target, real = rows(prompts, [[*c, pad] for c in completions], pad)
+    """GRPO's rows (`trainer.recipes.grpo.rows`, the inputs' width a multiple of `multiple`) with one more input
+    after each completion, so that the value after its last token is read (TRL's padding_mask_p1), never a
+    target."""
+    tokens, target, real = rows(prompts, [[*c, pad] for c in completions], pad, multiple)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         target[i, len(p) + len(c) - 1] = IGNORE
     return tokens, target, real

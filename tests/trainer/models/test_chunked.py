@@ -1,8 +1,9 @@
 """`trainer.models.chunked`: log-probabilities and the cross-entropy made a chunk of tokens at a time equal the
 whole logits' (values and gradients, 1e-5 in float32) for any chunk size and mask; the model's loss (pretrain,
 sft under kernels=torch) is the whole logits' cross-entropy; under kernels=triton the chunks' log-softmax is the
-Triton cross-entropy. Under tensor parallelism (vocabulary-split logits) the recipes' runs equal one process's:
-tests/trainer/recipes/test_dpo.py (strategy=tp) and tests/trainer/parallel/test_strategies.py."""
+Triton cross-entropy. Under tensor parallelism (vocabulary-split logits) recipe=ppo's log-probabilities and entropy
+on two gloo ranks equal the unsharded function's, and the recipes' runs equal one process's:
+tests/trainer/recipes/test_dpo.py and test_ppo.py (strategy=tp) and tests/trainer/parallel/test_strategies.py."""
 
 from __future__ import annotations
 
@@ -109,3 +110,44 @@ def test_under_kernels_triton_the_chunks_log_softmax_is_the_triton_cross_entropy
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     assert Kernels.of(KernelsConfig(name="torch")).token_logps is chunked.token_logps
+
+
+def _sharded_rank(rank: int, world: int, store: str, case: tuple, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    hidden, weight, targets, upstream = case
+    hidden = hidden.clone().requires_grad_()
+    shard = distribute_tensor(weight, init_device_mesh("cpu", (world,)), [Shard(0)]).requires_grad_()
+    logps, entropy = chunked.token_logps_entropy(hidden, shard, targets, 0.7, chunk_tokens=4, softcap=3.0)
+    grad_h, grad_w = torch.autograd.grad((logps * upstream).sum(), (hidden, shard))
+    dist.all_reduce(grad_h)  # each rank's partial sum, as DTensor adds them up under tensor parallelism
+    torch.save((logps, entropy, grad_h, grad_w.full_tensor()), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_log_probabilities_and_entropy_from_a_vocabulary_split_over_two_ranks_are_the_whole_vocabularys(tmp_path):
+    """recipe=ppo under tensor parallelism: the output matrix split by vocabulary rows over two gloo ranks (51 rows:
+    26 and 25), the log-probabilities, the entropy and the gradients equal the unsharded function's (float64,
+    temperature and soft-cap applied, some targets IGNORE, chunks of 4 tokens)."""
+    import torch.multiprocessing as mp
+
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 9, 16, generator=gen, dtype=torch.float64)
+    weight = torch.randn(51, 16, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 51, (2, 9), generator=gen)
+    targets[0, :3] = chunked.IGNORE
+    upstream = torch.randn(2, 9, generator=gen, dtype=torch.float64)
+    out = str(tmp_path / "out")
+    mp.start_processes(_sharded_rank, args=(2, str(tmp_path / "store"), (hidden, weight, targets, upstream), out),
+                       nprocs=2, join=True, start_method="fork")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logps, entropy = chunked.token_logps_entropy(h, w, targets, 0.7, chunk_tokens=4, softcap=3.0)
+    expected = (logps, entropy, *torch.autograd.grad((logps * upstream).sum(), (h, w)))
+    assert entropy.abs().sum() > 0
+    for rank in range(2):
+        for got, want in zip(torch.load(f"{out}.{rank}"), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -4,7 +4,7 @@ whitening exactly, the loss and its gradients to 1e-5, PPOConfig's defaults; the
 chunk of logits at a time against the whole logits; the value head on the policy; what cannot run refused in one
 line; and, end to end (e2e), a LoRA run on two ranks (torchrun, gloo) under ddp and fsdp2 that raises the mean
 reward of a one-token reward over 30 steps, its value model's explained variance above 0 at the end, its export
-loaded by transformers."""
+loaded by transformers; under tp on two ranks, both value models, the steps of one process."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import REPO, TINY, compose_refused, read_metrics
 from tests.trainer import trl_ppo_reference as trl
-from tests.trainer.hf_models import add_tokenizer, make_llama
+from tests.trainer.hf_models import add_tokenizer, make_llama, make_llama_scorer
 from trainer.config.compose import compose
 from trainer.config.recipe import RecipeConfig
 from trainer.models import chunked
@@ -168,7 +168,8 @@ def test_runs_that_cannot_train_are_refused(prompts, tmp_path, capsys):
         (["recipe.missing_eos_penalty=-1"], "recipe.missing_eos_penalty"),
         (["recipe.num_generations=4"], "recipe.num_generations"),
         (["recipe.reward_funcs=[]"], "needs at least one reward function"),
-        (["strategy=tp", "+runtime=torch-distributed", "runtime.nproc_per_node=2"], "strategy.tp"),
+        (["strategy=deepspeed", "+runtime=torch-distributed", "runtime.nproc_per_node=2"],
+         "strategy.data_parallel"),
     ]
     for extra, message in cases:
         err = compose_refused(tmp_path, capsys, *base, *extra)
@@ -252,3 +253,42 @@ def test_lora_on_two_ranks_raises_the_reward_and_exports(strategy, many_prompts,
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert not any("value" in name or "score" in name for name, _ in model.named_parameters())
     assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)
+
+
+# The metrics a tp run's steps match one process's in. Measured (float32 on CPUs, 4 steps of one rollout): at most
+# 5.1e-6 apart (grad_norm 1.56, relative 3.3e-6), and 3.7e-7 where a value is near 0 (a step's loss of 6e-4, its
+# policy and value losses cancelling: relative 2.3e-4), so 2e-5 relative or 1e-6 absolute.
+TP_SAME = ("loss", "grad_norm", "loss/policy_avg", "loss/value_avg", "policy/entropy_avg", "objective/entropy",
+           "objective/scores", "val/explained_variance", "policy/clipfrac_avg", "val/ratio")
+
+
+@pytest.fixture(scope="module")
+def scorer(tmp_path_factory) -> str:
+    return make_llama_scorer(str(tmp_path_factory.mktemp("scorer")))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("value_model, peft", [("separate", "none"), ("shared", "lora")])
+def test_under_tensor_parallelism_the_steps_are_one_processs(value_model, peft, prompts, llama, scorer, run_cli,
+                                                             tmp_path):
+    """strategy=tp on two ranks (the vocabulary split: log-probabilities and entropy from its shards; the value
+    model's score head or the policy's value head whole on each rank, on the sequence-split hidden states): the
+    same rollout and the same four steps (2 epochs x 2 mini-batches) as one process. The separate value model
+    starts from a reward model, which scores the completions too."""
+    scored = [f"recipe.reward_model.path={scorer}"] if value_model == "separate" else []
+    args = [*ARGS, "model=hf", f"model.path={llama}", f"peft={peft}", f"data.path={prompts}", *scored,
+            f"recipe.value_model={value_model}", "train.global_batch_size=8", "recipe.num_mini_batches=2",
+            "recipe.num_ppo_epochs=2", "train.max_steps=4", "train.eval_every=100"]
+    runs = {}
+    for name, extra in (("one", []), ("tp", ["strategy=tp", "+runtime=torch-distributed", "runtime.nproc_per_node=2"])):
+        proc = run_cli(*args, *extra, f"hydra.run.dir={tmp_path / name}", env=ON_PATH)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = read_metrics(str(tmp_path / name))
+    assert [m["step"] for m in runs["tp"]] == [1, 2, 3, 4]
+    assert runs["one"][0]["reward_std"] > 0  # completions scored apart: advantages not all 0
+    for key in (*TP_SAME, "rewards/llama-scorer/mean") if scored else TP_SAME:
+        got, want = [m[key] for m in runs["tp"]], [m[key] for m in runs["one"]]
+        apart = [abs(g - w) for g, w in zip(got, want, strict=True)]
+        print(f"{value_model}: {key} difference {max(apart):.1e}, relative "
+              f"{max(a / max(abs(w), 1e-12) for a, w in zip(apart, want, strict=True)):.1e}")
+        assert got == pytest.approx(want, rel=2e-5, abs=1e-6), key
