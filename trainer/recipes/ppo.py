@@ -40,9 +40,9 @@ fresh head; it is full (no adapters) under peft=lora, as TRL's. It is placed lik
 policy's `value_model` submodule (`attach_value_model`, by the worker), so that the run's optimizer, gradient
 clipping and checkpoints hold it; the export leaves it out. shared: a value head, one linear layer on the policy's
 final hidden states (`value_head`), read in the policy's forward. Under tensor parallelism either one-output head
-is whole on each rank (`trainer.parallel.parallelize`) and the rows' widths a multiple of the sequence split. The reference is the policy with its adapters off
-under peft=lora, else a frozen copy of the starting weights; none with recipe.kl_coef=0. The eval loss is minus
-the mean reward of completions sampled for the eval prompts.
+is whole on each rank (`trainer.parallel.parallelize`) and the rows' widths a multiple of the sequence split. The
+reference is the policy with its adapters off under peft=lora, else a frozen copy of the starting weights; none
+with recipe.kl_coef=0. The eval loss is minus the mean reward of completions sampled for the eval prompts.
 """
 
 from __future__ import annotations
