@@ -14,6 +14,12 @@ row on every cp rank. Two measures of memory per rank, the largest rank's of eac
   (activations, attention's saved tensors, the keys and values gathered per layer, gradients, AdamW's state
   made at the first step).
 
+Both count what glibc's malloc keeps: freed buffers below its dynamic mmap threshold (which grows to 32 MiB)
+stay in its heap, resident. `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB, so
+every larger buffer goes back to the system when freed; docs/parallelism.md gives both. The issue's target (cp=4
+at 32k tokens at most 0.4x cp=1's peak memory per rank) is read in the peak RSS column: the step peak is the
+second measure, not the target's.
+
 Bytes sent per rank per step, from the collectives' own sizes (bench/expert_parallel.py's counting): the
 context-parallel exchange's all-gather of each layer's keys and values (its input to each other cp rank) and, in
 the backward, the reduce-scatter of their gradients ((n - 1) / n of its input, counted when the gradient
