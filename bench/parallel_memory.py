@@ -71,8 +71,8 @@ def debug_model(seq: int):
     from trainer.config.model import ModelConfig
     from trainer.models import build
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(os.path.join(REPO, "conf/model/debug.yaml")),
-                          {"max_seq_len": seq})
+    preset = OmegaConf.load(os.path.join(REPO, "conf/model/debug.yaml"))
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), preset, {"max_seq_len": seq})
     return build(OmegaConf.to_object(cfg))
 
 

@@ -170,8 +170,8 @@ class Exchange:
 
     def attend(self, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
         """`fn` (scaled_dot_product_attention's signature) of the rank's queries (batch, heads, its tokens, dim)
-        over the whole row's keys and values, gathered from the cp ranks in one collective. The decoder's `enable_gqa` is implied
-        by the shapes (the flash op takes fewer key-value heads as they are)."""
+        over the whole row's keys and values, gathered from the cp ranks in one collective. The decoder's
+        `enable_gqa` is implied by the shapes (the flash op takes fewer key-value heads as they are)."""
         k, v = self.cp.gather(torch.stack((k, v)), dim=3).unbind(0)
         if (fn is F.scaled_dot_product_attention and self.documents is None and self.window is None
                 and q.device.type == "cpu"):
