@@ -65,55 +65,97 @@ def _counting(dist, sent: dict) -> None:
 
 def rank_main(ep: int, steps: int, out: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from trainer.config import StrategyConfig
-    from trainer.models import Transformer, init_weights, param_shapes
-    from trainer.parallel import ParallelDims, clip_grad_norm_, parallelize
+    from trainer.models import Transformer
+
+    model, sent = parallel_model(StrategyConfig(name="fsdp2_ep", dp_shard=-1, ep=ep), lambda: Transformer(
+        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, **MODEL))
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    train(model, lambda: torch.randint(0, MODEL["vocab_size"], (ROWS, SEQ + 1), generator=gen), steps, sent, out)
+
+
+def parallel_model(strategy, make):
+    """(the model `make()` builds, parallelized by `strategy` over this job's gloo ranks as trainer.worker does and
+    initialised, the dict its collectives count their bytes into)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.models import init_weights, param_shapes
+    from trainer.parallel import ParallelDims, parallelize
 
     dist.init_process_group("gloo")
     sent: dict[str, int] = {}
     _counting(dist, sent)
-    strategy = StrategyConfig(name="fsdp2_ep", dp_shard=-1, ep=ep)
     dims = ParallelDims.from_config(strategy, dist.get_world_size())
     dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = Transformer(rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, **MODEL)
+        model = make()
     shapes = param_shapes(model)
     model = parallelize(model, dims, strategy)
-    init_weights(model, shapes, seed=0, std=0.02, n_layers=MODEL["n_layers"])
+    init_weights(model, shapes, seed=0, std=0.02, n_layers=model.n_layers)
+    return model, sent
+
+
+def rss_gb() -> float:
+    """This process's resident memory now, in GiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def train(model, batch, steps: int, sent: dict, out: str) -> None:
+    """`steps` AdamW steps of `model` on `batch()`'s rows (tokens, one more than the targets), then this rank's
+    rank-<r>.json in `out`: its median step time after the first, its peak RSS (maximum resident memory, GiB),
+    its RSS before the first step, and the bytes `sent` per step after the first (the first step's are the lazy
+    initialisation's too; with one step, that step's)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.parallel import clip_grad_norm_
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    times, before = [], {}
+    times, before, resident = [], {}, rss_gb()
     for step in range(steps):
-        tokens = torch.randint(0, MODEL["vocab_size"], (ROWS, SEQ + 1), generator=gen)
+        tokens = batch()
         start = time.perf_counter()
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-        if step == 0:
-            before = dict(sent)  # the first step's are the lazy initialisation's too: count the later ones
-    per_step = {k: (v - before.get(k, 0)) / (steps - 1) for k, v in sent.items()}
+        if step == 0 and steps > 1:
+            before = dict(sent)
+    per_step = {k: (v - before.get(k, 0)) / max(steps - 1, 1) for k, v in sent.items()}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    timed = times[1:] or times
     with open(os.path.join(out, f"rank-{dist.get_rank()}.json"), "w") as f:
-        json.dump({"step_s": sorted(times[1:])[len(times[1:]) // 2], "peak_gb": peak, "sent": per_step}, f)
+        json.dump({"step_s": sorted(timed)[len(timed) // 2], "peak_gb": peak, "before_gb": resident,
+                   "sent": per_step}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure(ep: int, nproc: int, steps: int) -> dict:
+def run_ranks(script: str, nproc: int, args: list) -> list[dict] | str:
+    """Every rank's report of a torchrun job of `nproc` ranks running `script --rank *args out`, or the last
+    line of its error."""
     with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run(["torchrun", f"--nproc-per-node={nproc}", "--standalone", __file__, "--rank",
-                               str(ep), str(steps), out], cwd=REPO, capture_output=True, text=True,
+        proc = subprocess.run(["torchrun", f"--nproc-per-node={nproc}", "--standalone", script, "--rank",
+                               *map(str, args), out], cwd=REPO, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": REPO})
         if proc.returncode != 0:
-            return {"ep": ep, "error": proc.stderr.strip().splitlines()[-1]}
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line]
+            return errors[-1] if errors else f"exit code {proc.returncode}"
         ranks = []
         for r in range(nproc):
             with open(os.path.join(out, f"rank-{r}.json")) as f:
                 ranks.append(json.load(f))
+    return ranks
+
+
+def measure(ep: int, nproc: int, steps: int) -> dict:
+    ranks = run_ranks(__file__, nproc, [ep, steps])
+    if isinstance(ranks, str):
+        return {"ep": ep, "error": ranks}
     sent = {k: max(r["sent"].get(k, 0) for r in ranks) for k in ranks[0]["sent"]}
     return {"ep": ep, "step_s": max(r["step_s"] for r in ranks), "peak_gb": max(r["peak_gb"] for r in ranks),
             "sent": sent}

@@ -6,9 +6,11 @@ The split is the load-balanced one for causal attention (Llama 3's paper, TorchT
 many keys. Each rank runs the model on its own tokens; the rotary tables are read at the tokens' true positions;
 attention all-gathers the keys and values of every layer over the cp ranks (one collective of the whole row's
 keys and values per layer, exact; its backward is a reduce-scatter of their gradients, through PyTorch's
-autograd-aware functional collectives) and each of the rank's two chunks attends to the keys up to its own end,
-under a mask of the true positions (causal, within its document for packed rows, within a sliding window
-where the layer has one).
+autograd-aware functional collectives) and each of the rank's two chunks attends to the keys up to its own end.
+Where the rows are not packed and the layer has no sliding window, on the CPU, that needs no mask: a chunk reads
+the keys before it in full and its own causally, two flash-attention blocks merged by their log-sum-exps
+(`CausalChunks`). Else it attends under a mask of the true positions (causal, within its document for packed
+rows, within a sliding window where the layer has one), O(seq^2 / cp) of memory per forward.
 
 The loss: each rank sums its tokens' cross-entropies and divides by the whole row's count of counted targets,
 times cp, so that the mean over the cp ranks (the gradients' average, FSDP2 sharding over dp_shard x cp) is the
@@ -24,8 +26,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from trainer.models.chunked import IGNORE
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def held_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -37,6 +43,14 @@ def split(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     """`rank`'s share of `x` along `dim` (its length a multiple of 2 x cp): its two chunks, one after the other."""
     chunks = x.chunk(2 * cp, dim)
     return torch.cat([chunks[i] for i in held_chunks(cp, rank)], dim)
+
+
+def spans(seq: int, cp: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Where `rank`'s two chunks of a row of `seq` tokens are: (first, end) among its own tokens, (start, end) in
+    the row."""
+    width = seq // (2 * cp)
+    return tuple((i * width, (i + 1) * width, chunk * width, (chunk + 1) * width)
+                 for i, chunk in enumerate(held_chunks(cp, rank)))
 
 
 def unsplit(x: torch.Tensor, cp: int, dim: int = 1) -> torch.Tensor:
@@ -75,37 +89,96 @@ class ContextParallel:
         return summed * self.size / (targets != IGNORE).sum()
 
 
+class CausalChunks(torch.autograd.Function):
+    """Causal attention of chunks of a row's queries over the row's keys with no mask made: a chunk of queries
+    [start, end) reads the keys before `start` in full and its own keys causally (two flash-attention calls of the
+    CPU, `_scaled_dot_product_flash_attention_for_cpu`, which return their log-sum-exps too), the two outputs
+    merged exactly by their log-sum-exps (flash and ring attention's merge). The backward runs the flash backward
+    of each block with the merged output and log-sum-exp, which makes each block's probabilities the row's own and
+    so gives each block's exact share of the gradients (summed); it keeps only the queries, the keys and values,
+    the merged output and its log-sum-exp. Grouped-query attention as the op takes it (fewer key-value heads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks: tuple[tuple[int, int, int, int], ...], scale: float | None):
+        outs, lses = [], []
+        for rows_start, rows_end, start, end in chunks:
+            parts = [FLASH(q[:, :, rows_start:rows_end], k[:, :, a:b], v[:, :, a:b], 0.0, causal, scale=scale)
+                     for a, b, causal in _blocks(start, end)]
+            out, lse = parts[-1]
+            if len(parts) == 2:
+                (out_before, lse_before), lse = parts[0], torch.logaddexp(parts[0][1], lse)
+                out = (out_before.to(lse.dtype) * (lse_before - lse).exp()[..., None]  # lse: at least float32
+                       + out.to(lse.dtype) * (parts[1][1] - lse).exp()[..., None]).to(q.dtype)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks, ctx.scale = chunks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows_start, rows_end, start, end in ctx.chunks:
+            rows = slice(rows_start, rows_end)
+            for a, b, causal in _blocks(start, end):
+                gq, gk, gv = FLASH_BACKWARD(grad[:, :, rows], q[:, :, rows], k[:, :, a:b], v[:, :, a:b],
+                                            out[:, :, rows], lse[:, :, rows], 0.0, causal, scale=ctx.scale)
+                dq[:, :, rows] += gq
+                dk[:, :, a:b] += gk
+                dv[:, :, a:b] += gv
+        return dq, dk, dv, None, None
+
+
+def _blocks(start: int, end: int) -> list[tuple[int, int, bool]]:
+    """The keys a chunk of queries [start, end) reads, as (first, end, causal) blocks: those before it, in full
+    (none for the row's first chunk), and its own, causally."""
+    return [(0, start, False)] * (start > 0) + [(start, end, True)]
+
+
 class Exchange:
     """The keys and values of each layer all-gathered, and each of this rank's two chunks of queries attending to
-    the keys before its end, under the mask of their true positions (made once per forward, for every layer)."""
+    the keys before its end. Rows of one document with no sliding window, on the CPU under PyTorch's attention,
+    attend with no mask (`CausalChunks`); else under the mask of their true positions (made once per forward, for
+    every layer: O(seq^2 / cp) of memory)."""
 
     def __init__(self, cp: ContextParallel, seq: int, documents: torch.Tensor | None, window: int | None,
                  device: torch.device):
-        self.cp = cp
-        width = seq // (2 * cp.size)
-        self.parts = []  # (the chunk's queries among the rank's, the keys it reads, the mask)
-        for i, chunk in enumerate(held_chunks(cp.size, cp.rank)):
-            start, end = chunk * width, (chunk + 1) * width
-            queries, keys = torch.arange(start, end, device=device)[:, None], torch.arange(end, device=device)[None]
-            mask = keys <= queries
-            if window is not None:
-                mask = mask & (queries - keys < window)
-            if documents is not None:
-                mask = (mask & (documents[:, start:end, None] == documents[:, None, :end]))[:, None]
-            self.parts.append((slice(i * width, (i + 1) * width), end, mask))
+        self.cp, self.documents, self.window, self.device = cp, documents, window, device
+        self.parts = spans(seq, cp.size, cp.rank)
         self.additive: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def masks(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """The chunks' masks as additive ones of `dtype` (0 or -inf), made once for every layer: given a boolean
         mask, scaled_dot_product_attention makes such a copy at each call and keeps it for the backward."""
         if dtype not in self.additive:
-            self.additive[dtype] = [torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-                ~mask, float("-inf")) for _, _, mask in self.parts]
+            self.additive[dtype] = [self._mask(start, end, dtype) for _, _, start, end in self.parts]
         return self.additive[dtype]
+
+    def _mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask of the queries [start, end) over the keys before `end`, at their true positions."""
+        queries = torch.arange(start, end, device=self.device)[:, None]
+        keys = torch.arange(end, device=self.device)[None]
+        mask = keys <= queries
+        if self.window is not None:
+            mask = mask & (queries - keys < self.window)
+        if self.documents is not None:
+            mask = (mask & (self.documents[:, start:end, None] == self.documents[:, None, :end]))[:, None]
+        return torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill_(~mask, float("-inf"))
 
     def attend(self, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
         """`fn` (scaled_dot_product_attention's signature) of the rank's queries (batch, heads, its tokens, dim)
-        over the whole row's keys and values, gathered from the cp ranks in one collective."""
+        over the whole row's keys and values, gathered from the cp ranks in one collective. The decoder's
+        `enable_gqa` is implied by the shapes (the flash op takes fewer key-value heads as they are)."""
         k, v = self.cp.gather(torch.stack((k, v)), dim=3).unbind(0)
-        return torch.cat([fn(q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=mask, is_causal=False, **kw)
-                          for (rows, end, _), mask in zip(self.parts, self.masks(q.dtype), strict=True)], dim=2)
+        if (fn is F.scaled_dot_product_attention and self.documents is None and self.window is None
+                and q.device.type == "cpu"):
+            try:
+                return CausalChunks.apply(q, k, v, self.parts, kw.get("scale"))
+            except RuntimeError:  # inputs the CPU's flash attention refuses: the masked attention below
+                pass
+        return torch.cat([fn(q[:, :, first:last], k[:, :, :end], v[:, :, :end], attn_mask=mask, is_causal=False,
+                             **kw)
+                          for (first, last, _, end), mask in zip(self.parts, self.masks(q.dtype), strict=True)], dim=2)

@@ -20,7 +20,7 @@ from tests.trainer.recipes.test_grpo import ARGS as GRPO_ARGS
 from tests.trainer.recipes.test_grpo import REWARDS_ON_PATH, TOY
 from tests.trainer.recipes.test_kd import ARGS as KD_ARGS
 from tests.trainer.recipes.test_sft import _chats
-from trainer.parallel.context import held_chunks, split, unsplit
+from trainer.parallel.context import CausalChunks, held_chunks, spans, split, unsplit
 
 # Every rank computes the same sums in other orders (attention chunk by chunk over gathered keys, losses summed
 # per rank): float32 rounding only, ~1e-7 measured; a wrong chunk, position or mask moves the loss by > 1e-2.
@@ -41,6 +41,28 @@ def test_the_load_balanced_split_gives_each_rank_its_head_and_tail_and_unsplits_
     assert len({sum(3 * (c + 1) for c in held_chunks(cp, rank)) for rank in range(cp)}) == 1
     assert torch.equal(unsplit(torch.cat(parts, dim=1), cp), row)
     assert torch.equal(unsplit(torch.cat([p.T for p in parts], dim=0), cp, dim=0), row.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("cp", "heads", "kv_heads", "scale"), [(2, 4, 2, None), (4, 2, 2, 0.3), (3, 4, 1, None)])
+def test_mask_free_chunks_of_every_rank_are_the_whole_rows_causal_attention(cp, heads, kv_heads, scale, dtype):
+    """Every rank's two chunks attending without a mask (`CausalChunks`), put back in row order, give the output
+    and the q/k/v gradients of one causal scaled_dot_product_attention over the whole row (grouped-query too)."""
+    gen = torch.Generator().manual_seed(cp)
+    seq, dim = 2 * cp * 5, 8
+    q, k, v = (torch.randn(2, h, seq, dim, generator=gen, dtype=dtype, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    weights = torch.randn(2, heads, seq, dim, generator=gen, dtype=dtype)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                 enable_gqa=heads != kv_heads)
+    expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    out = unsplit(torch.cat([CausalChunks.apply(split(q, cp, rank, dim=2), k, v, spans(seq, cp, rank), scale)
+                             for rank in range(cp)], dim=2), cp, dim=2)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(out, reference, **tol)
+    for name, grad, want in zip("qkv", grads, expected, strict=True):
+        torch.testing.assert_close(grad, want, **tol, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -1,0 +1,148 @@
+"""Peak memory per rank and bytes sent per rank of one training step: the `debug` model (conf/model/debug.yaml,
+the byte-level vocabulary) on one row of 8k, 16k and 32k tokens under context parallelism cp 1, 2 and 4 (fsdp2
+over the cp ranks; cp=1 is one process), and a 16-expert mixture under expert parallelism ep 1, 2 and 4
+(bench/expert_parallel.py's model and ranks). CPU, gloo, torchrun processes of this machine.
+
+Each point is one torchrun job whose ranks build the model as trainer.worker does (bench/expert_parallel.py's
+`parallel_model`: the meta model, `parallelize`, `init_weights`) and train AdamW steps on random tokens, the same
+row on every cp rank. Two measures of memory per rank, the largest rank's of each:
+
+- peak RSS: the process's maximum resident memory (`ru_maxrss`), what the trainer's summary.json reports as
+  `peak_memory_gb_per_rank`. It includes the interpreter, torch and gloo (~0.5 GiB) and the model and its
+  optimizer state, which cp does not divide.
+- step peak: that maximum less the resident memory just before the first step: what the step itself adds
+  (activations, attention's saved tensors, the keys and values gathered per layer, gradients, AdamW's state
+  made at the first step).
+
+Both count what glibc's malloc keeps: freed buffers below its dynamic mmap threshold (which grows to 32 MiB)
+stay in its heap, resident. `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB, so
+every larger buffer goes back to the system when freed; docs/parallelism.md gives both. The issue's target (cp=4
+at 32k tokens at most 0.4x cp=1's peak memory per rank) is read in the peak RSS column: the step peak is the
+second measure, not the target's.
+
+Bytes sent per rank per step, from the collectives' own sizes (bench/expert_parallel.py's counting): the
+context-parallel exchange's all-gather of each layer's keys and values (its input to each other cp rank) and, in
+the backward, the reduce-scatter of their gradients ((n - 1) / n of its input, counted when the gradient
+arrives); FSDP2's all-gathers, reduce-scatters and all-reduces; the experts' all-to-alls. With `--steps` 1 (the
+default for cp: a 32k step takes minutes on two cores) they are the one step's, FSDP2's lazy initialisation
+included; with more, the mean of the steps after the first.
+
+    python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--ep 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
+
+from bench import expert_parallel  # noqa: E402  (the path above first)
+
+EXCHANGE = ("kv_all_gather", "kv_reduce_scatter")
+FSDP = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+
+def _counting_exchange(sent: dict) -> None:
+    """Count the bytes of the cp exchange's autograd all-gather (trainer.parallel.context) and of its backward's
+    reduce-scatter, into `sent`."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    original = funcol.all_gather_single_autograd
+
+    def call(x, gather_dim, group):
+        others = dist.get_world_size(group) - 1
+        sent["kv_all_gather"] = sent.get("kv_all_gather", 0) + x.nbytes * others
+        if x.requires_grad:
+            x.register_hook(lambda grad: sent.update(kv_reduce_scatter=sent.get("kv_reduce_scatter", 0)
+                                                     + grad.nbytes * others))
+        return original(x, gather_dim, group)
+
+    funcol.all_gather_single_autograd = call
+
+
+def debug_model(seq: int):
+    """`model=debug` as the trainer composes it, rotary tables for `seq` tokens."""
+    from omegaconf import OmegaConf
+
+    from trainer.config.model import ModelConfig
+    from trainer.models import build
+
+    preset = OmegaConf.load(os.path.join(REPO, "conf/model/debug.yaml"))
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), preset, {"max_seq_len": seq})
+    return build(OmegaConf.to_object(cfg))
+
+
+def rank_main(cp: int, seq: int, steps: int, out: str) -> None:
+    import torch
+
+    from trainer.config import StrategyConfig
+    from trainer.config.model import BYTE_VOCAB_SIZE
+
+    strategy = StrategyConfig(name="fsdp2_cp" if cp > 1 else "fsdp2", dp_shard=-1, cp=cp)
+    model, sent = expert_parallel.parallel_model(strategy, lambda: debug_model(seq))
+    _counting_exchange(sent)
+    gen = torch.Generator().manual_seed(0)  # every cp rank reads the same row
+    expert_parallel.train(model, lambda: torch.randint(0, BYTE_VOCAB_SIZE, (1, seq + 1), generator=gen), steps,
+                          sent, out)
+
+
+def cp_table(seqs: list[int], cps: list[int], steps: int) -> None:
+    print(f"`model=debug`, one row of seq tokens a step, {steps} step(s); cp ranks of this CPU (gloo), fsdp2 "
+          "over them\n")
+    print("| seq | cp | step (s) | peak RSS per rank (GiB) | x cp=1 | step peak per rank (GiB) | x cp=1 "
+          "| MB sent per rank per step: K/V all-gather | K/V reduce-scatter | FSDP2 all-gather | reduce-scatter "
+          "| all-reduce |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for seq in seqs:
+        first = None
+        for cp in cps:
+            ranks = expert_parallel.run_ranks(__file__, cp, [cp, seq, steps])
+            if isinstance(ranks, str):
+                print(f"| {seq} | {cp} | {ranks} |", flush=True)
+                continue
+            peak = max(r["peak_gb"] for r in ranks)
+            step = max(r["peak_gb"] - r["before_gb"] for r in ranks)
+            first = first or (peak, step)
+            mb = [max(r["sent"].get(k, 0) for r in ranks) / 2**20 for k in (*EXCHANGE, *FSDP)]
+            print(f"| {seq} | {cp} | {max(r['step_s'] for r in ranks):.1f} | {peak:.2f} | {peak / first[0]:.2f} "
+                  f"| {step:.2f} | {step / first[1]:.2f} | " + " | ".join(f"{v:.1f}" for v in mb) + " |", flush=True)
+
+
+def ep_table(eps: list[int], nproc: int, steps: int) -> None:
+    print(f"\n16 experts (top 2), bench/expert_parallel.py's mixture and rows; {nproc} ranks, fsdp2\n")
+    print("| ep | step (s) | peak RSS per rank (GiB) | MB sent per rank per step: all-to-all | all-gather "
+          "| reduce-scatter | all-reduce |")
+    print("|---|---|---|---|---|---|---|")
+    for ep in eps:
+        row = expert_parallel.measure(ep, nproc, steps)
+        if "error" in row:
+            print(f"| {ep} | {row['error']} |")
+            continue
+        mb = [row["sent"].get(k, 0) / 2**20 for k in ("all_to_all_single", *FSDP)]
+        print(f"| {ep} | {row['step_s']:.2f} | {row['peak_gb']:.2f} | " + " | ".join(f"{v:.1f}" for v in mb)
+              + " |", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--ep", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--ep-steps", type=int, default=3)
+    args = parser.parse_args()
+    if args.cp:
+        cp_table(args.seq, args.cp, args.steps)
+    if args.ep:
+        ep_table(args.ep, max(args.ep), args.ep_steps)
+
+
+if __name__ == "__main__":
+    main()
