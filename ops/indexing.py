@@ -184,11 +184,27 @@ def arange(start, end=None, step=1, *, dtype=None, layout=None, device=None, pin
         start, end = 0, start
     if dtype is None:
         dtype = torch.get_default_dtype() if any(isinstance(v, float) for v in (start, end, step)) else torch.int64
-    n = max(0, math.ceil((end - start) / step))
+    n = _arange_size(start, end, step, dtype)
+    if not dtype.is_floating_point:  # as ATen's arange: the bounds and step in the integer type, truncated
+        start, step = int(start), int(step)
     out = torch.empty(n, dtype=dtype, device=device)
     if n:
         _arange[_grid(n)](out, n, start, step, BLOCK=POINTWISE_BLOCK, num_warps=warps(POINTWISE_BLOCK))
     return out
+
+
+def _arange_size(start, end, step, dtype: torch.dtype) -> int:
+    """The length of `arange(start, end, step)` in `dtype` as ATen computes it (`compute_arange_size`): for int64,
+    from the bounds and step truncated to integers, in integer arithmetic; else from them as doubles."""
+    if dtype == torch.int64:
+        start, end, step = int(start), int(end), int(step)
+    if step == 0:
+        raise ValueError("step must be nonzero")  # ATen: TORCH_CHECK_VALUE
+    if dtype != torch.int64:
+        return max(0, math.ceil((float(end) - float(start)) / float(step)))
+    span = end - start + step - (1 if step > 0 else -1)
+    quotient = abs(span) // abs(step)  # C++'s division, which truncates toward zero
+    return max(0, quotient if (span >= 0) == (step > 0) else -quotient)
 
 
 def flip(self: torch.Tensor, dims) -> torch.Tensor:

@@ -24,6 +24,9 @@ def _not(self):
 def _div_mode(self, other, *, rounding_mode=None, out=None):
     if rounding_mode is None:
         return div(self, other, out=out)
+    if rounding_mode == "trunc" and torch.result_type(self, other) in (torch.bfloat16, torch.float16):
+        # PyTorch truncates the quotient rounded to the 16-bit type (a / b in the storage type, on CPUs and CUDA)
+        return OPS["trunc"](div(self, other), out=out)
     return OPS["div_trunc" if rounding_mode == "trunc" else "floor_divide"](self, other, out=out)
 
 

@@ -145,7 +145,7 @@ def _compute(dtype: torch.dtype):
 def _check_out(out: torch.Tensor, shape: torch.Size, name: str) -> None:
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name}: out {tuple(out.shape)} must have the broadcast shape {tuple(shape)}")
-    if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
+    if out.numel() and any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
         raise ValueError(f"{name}: out {tuple(out.shape)} is an expanded view (stride 0): its elements overlap")
 
 
