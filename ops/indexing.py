@@ -416,7 +416,8 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
     the starts the output, and each run's length is counted by the add kernel."""
     along = dim is not None and self.dim() > 0
     d = dim % self.dim() if along else 0
-    rows = self.movedim(d, 0).reshape(self.shape[d], -1) if along else self.reshape(-1, 1)
+    width = math.prod(size for i, size in enumerate(self.shape) if i != d)  # not -1: a size may be 0
+    rows = self.movedim(d, 0).reshape(self.shape[d], width) if along else self.reshape(-1, 1)
     n = rows.shape[0]
     starts = _full([n], True, dtype=torch.bool, device=self.device)
     if n > 1 and rows.shape[1]:

@@ -162,7 +162,13 @@ def check(info, dtype, samples) -> int:
             _compare_out(info, sample, dtype)
             checked += 1
         if dtype == torch.float32 and info.supports_autograd and isinstance(sample.input, torch.Tensor):
-            expected = _gradients(info.op, sample, False)
+            try:
+                expected = _gradients(info.op, sample, False)
+            except RuntimeError:  # no derivative in PyTorch for this sample (scatter's reduce=): ours refuses too
+                with pytest.raises(RuntimeError):
+                    _gradients(info.op, sample, True)
+                checked += 1
+                continue
             if expected is not None:
                 _close(_gradients(info.op, sample, True), expected, dtype)
                 checked += 1
