@@ -192,15 +192,8 @@ class KubernetesJob(base.PollingJob):
         selector = f"jobset.sigs.k8s.io/jobset-name={self.name}"
         if node is not None:
             selector += f",jobset.sigs.k8s.io/job-index={node}"
-        pods = self.api.call(
-            "list",
-            "Pod",
-            selector,
-            self.namespace,
-            self.api.core.list_namespaced_pod,
-            self.namespace,
-            label_selector=selector,
-        )
+        pods = self.api.call("list", "Pod", selector, self.namespace, self.api.core.list_namespaced_pod,
+                             self.namespace, label_selector=selector)
         return list(pods.items)
 
     def _state(self, trainjob: dict[str, Any]) -> JobState:
@@ -261,18 +254,8 @@ class KubernetesJob(base.PollingJob):
         return self._pod_logs(pods[0].metadata.name, follow)
 
     def _pod_logs(self, pod: str, follow: bool) -> Iterator[str]:
-        stream = self.api.call(
-            "read logs of",
-            "Pod",
-            pod,
-            self.namespace,
-            self.api.core.read_namespaced_pod_log,
-            pod,
-            self.namespace,
-            container="node",
-            follow=follow,
-            _preload_content=False,
-        )
+        stream = self.api.call("read logs of", "Pod", pod, self.namespace, self.api.core.read_namespaced_pod_log,
+                               pod, self.namespace, container="node", follow=follow, _preload_content=False)
         buffer = b""
         for chunk in stream.stream():
             buffer += chunk
