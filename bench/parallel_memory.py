@@ -92,7 +92,8 @@ def rank_main(cp: int, seq: int, steps: int, out: str) -> None:
 
 def cp_table(seqs: list[int], cps: list[int], steps: int) -> None:
     print(f"`model=debug`, one row of seq tokens a step, {steps} step(s); cp ranks of this CPU (gloo), fsdp2 "
-          "over them\n")
+          "over them. The bench's own setup, not `python -m trainer`: its ranks build and step the model through "
+          "trainer.parallel as trainer.worker does, on random tokens\n")
     print("| seq | cp | step (s) | peak RSS per rank (GiB) | x cp=1 | step peak per rank (GiB) | x cp=1 "
           "| MB sent per rank per step: K/V all-gather | K/V reduce-scatter | FSDP2 all-gather | reduce-scatter "
           "| all-reduce |")
