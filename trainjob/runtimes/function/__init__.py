@@ -46,8 +46,8 @@ class FunctionOnlyConfig:
 
 class FunctionRuntime(Runtime):
     """A runtime that runs a user's function only. A subclass's name is Kubeflow's (`<framework>-distributed`), and
-    the framework names the rest: its pip extra, the module its ranks import. Its keys are its name alone
-    (Client.train(func=..., runtime=...) takes the rest)."""
+    the framework names the rest it does not declare: its pip extra, the module its ranks import. Its keys are its
+    name alone (Client.train(func=..., runtime=...) takes the rest)."""
 
     function_jobs = True
     function_only = True
@@ -60,9 +60,11 @@ class FunctionRuntime(Runtime):
             cls.schema = make_dataclass(f"{title}Config", [("name", str, field(default=cls.name))],
                                         bases=(FunctionOnlyConfig,))
             cls.schema.__module__ = cls.__module__
-            cls.runtime_ref = cls.name
-            cls.framework = cls.extra = cls.name.removesuffix("-distributed")
-            cls.imports = (cls.extra,)
+            framework = cls.name.removesuffix("-distributed")
+            derived = {"runtime_ref": cls.name, "framework": framework, "extra": framework, "imports": (framework,)}
+            for attribute, value in derived.items():  # what the subclass declares itself stays
+                if attribute not in cls.__dict__:
+                    setattr(cls, attribute, value)
 
     def check(self, options: Any) -> None:
         raise OptionError("runtime", self.name, f"runs a user's function, not a trainer run: "
