@@ -12,6 +12,7 @@ as PyTorch's do); their positions come from the scan kernel. `ATEN` holds the fu
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import triton
@@ -447,18 +448,37 @@ def select_backward(grad_output, input_sizes, dim, index):
     return out
 
 
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """A Python number as `dtype` holds it: through float32 (as C++'s cast from double does), then to the nearest
+    even 16-bit value for float16 and bfloat16."""
+    if dtype == torch.float64:
+        return float(value)
+    single = struct.unpack("<f", struct.pack("<f", value))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", single))[0]
+    if dtype == torch.bfloat16 and math.isfinite(single):
+        bits = struct.unpack("<I", struct.pack("<f", single))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    return single
+
+
 def histc(self, bins=100, min=0, max=0):
     """`torch.histc`: each element's bin from its value (the top edge in the last bin, values outside left
-    out), counted by the add kernel; min == max takes the data's own range."""
+    out), counted by the add kernel; min == max takes the data's own range. As ATen does, the edges, the bin
+    count and each step of `(x - lo) * bins / (hi - lo)` are in the input's dtype, so a 16-bit value on a bin
+    boundary lands where PyTorch puts it."""
     lo, hi = float(min), float(max)
     if lo == hi and self.numel():
         lo, hi = reductions.reduce(self, None, False, "min").item(), reductions.reduce(self, None, False, "max").item()
     if lo == hi:
         lo, hi = lo - 1, hi + 1
+    lo, hi = _rounded(lo, self.dtype), _rounded(hi, self.dtype)
     flat = self.reshape(-1)
     inside = OPS["logical_and"](OPS["ge"](flat, lo), OPS["le"](flat, hi))
-    scaled = pointwise_ops.mul(pointwise_ops.sub(flat, lo), bins / (hi - lo))
-    where = OPS["clamp"](OPS["floor"](scaled), 0, bins - 1).to(torch.int64)
+    scaled = pointwise_ops.mul(pointwise_ops.sub(flat, lo), _rounded(bins, self.dtype))
+    scaled = pointwise_ops.div(scaled, _rounded(hi - lo, self.dtype))
+    where = OPS["clamp"](OPS["trunc"](scaled), 0, bins - 1).to(torch.int64)
     counts = _full([bins + 1], 0, dtype=torch.float32, device=self.device)
     if flat.numel():  # the ones outside go to a spare bin past the end
         ones = _full([flat.numel()], 1.0, dtype=torch.float32, device=self.device)
