@@ -89,7 +89,7 @@ expression_bodies(globals(), {
     # --- unary, the operand's dtype ----------------------------------------------------------------------------
     "_abs(x)": "tl.abs(x)",
     "_neg(x)": "-x",
-    "_sign(x)": "tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype) + tl.where(x != x, x, 0)",
+    "_sign(x)": "tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)",  # NaN: 0, as ATen's (0 < x) - (x < 0)
     "_floor(x)": "tl.floor(x) if x.dtype.is_floating() else x",
     "_ceil(x)": "tl.ceil(x) if x.dtype.is_floating() else x",
     "_trunc(x)": "tl.where(x < 0, tl.ceil(x), tl.floor(x)) if x.dtype.is_floating() else x",

@@ -6,6 +6,8 @@ the op has a backward the input gradients are checked against autograd's."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -362,6 +364,21 @@ def test_casts_to_bf16_and_fp16_round_to_nearest_even_as_pytorch_does():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         got = routed("arange", lambda d=dtype: torch.arange(0, 10, 3, dtype=d, device=DEVICE))
         assert torch.equal(got, torch.arange(0, 10, 3, dtype=dtype)), (dtype, got)
+
+
+def test_sign_of_nan_is_zero_and_norm_gradients_at_nan_follow_as_pytorch_has_them():
+    x = torch.tensor([float("nan"), -2.0, 3.0, 0.0, -0.0, float("-inf")], device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(routed("sign", torch.sign, x.to(dtype)), torch.sign(x.to(dtype)))  # (0 < x) - (x < 0)
+    for ord in (1, float("inf"), -float("inf")):
+        def grad(routing, ord=ord):
+            leaf = x[:4].clone().requires_grad_()
+            with routing:
+                torch.linalg.vector_norm(leaf, ord).backward()
+            return leaf.grad
+
+        ours, theirs = grad(ops.use_kernels()), grad(contextlib.nullcontext())
+        assert torch.equal(ours, theirs) and not ours.isnan().any(), (ord, ours, theirs)
 
 
 def test_factories_and_foreach_ops_match_torch():
