@@ -1,8 +1,8 @@
 """Storage through an S3 server against local disk, side by side: the same `data=parquet` corpus (`--files`
 Parquet files of `--mb` MiB of text in all) built by `trainer.data.corpus.prepare` from a local glob and from
-`s3://<bucket>/corpus/*.parquet` on moto's S3 server on loopback (`moto[server]`, started here, in a thread of
-this process: the figures are an S3 client's, not a network's). Each row is timed `--rounds` times (the median
-shown), each round in a fresh cache:
+`s3://<bucket>/corpus/*.parquet` on moto's S3 server on loopback (`moto[server]`, started here in a process of
+its own: the figures are an S3 client's and server's on one machine, not a network's). Each row is timed `--rounds`
+times (the median shown), each round in a fresh cache:
 
 - the first build: local, the Parquet read and tokenized; S3, the objects listed (with their ETags), fetched into
   the storage cache through pyarrow's S3 filesystem, then read and tokenized the same;
@@ -17,13 +17,16 @@ disk (`train.checkpoint_dir`): in this process (a one-rank gloo group) on the CP
 state with `--optim adamw`) saved `--saves` times by `trainer.checkpoint.store.Checkpointer` through DCP's store, as
 the loop saves, into a local directory and into `s3://bench/ckpt`, then loaded back as a resume loads it
 (`dcp_store.load`, the checkpoint verified against its manifest first, as `resume.check` does). Medians of the saves
-after the first (which plans). The S3 server keeps objects in memory, so the S3 rows are the cost of the S3
-protocol, fsspec and HTTP, not of a network or a disk.
+after the first (which plans). The S3 rows are the cost of the S3 protocol, fsspec, HTTP and moto's server (which
+joins a multipart upload's parts in memory and reads a whole object for each ranged GET), not of a network.
 
     python bench/storage.py [--files 8] [--mb 32] [--rounds 3] [--models debug,small] [--optim sgd] [--saves 3]
+                            [--threads 1]
 
-The 1b model's weights alone (4 GB; `--optim sgd`) need about 16 GB of memory here: the model, the copy the S3
-server keeps, and the load's.
+`--threads` is `train.checkpoint_threads` (DCP's thread_count): the files a rank writes at once, for both rows.
+
+The 1b model's weights alone (4 GB; `--optim sgd`) are one 4 GB object with `--threads 1`, which moto's server
+holds two or three times while it joins the parts: give `--threads 8` there (objects of ~0.5 GB).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,19 +50,28 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "
                "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def _server() -> tuple[object, str]:
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+def _server() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in a process of its own (`python -m moto.server`), so that it shares no interpreter lock
+    with the client's threads; its endpoint once it answers."""
+    import urllib.error
+    import urllib.request
 
     from trainjob.nodes import LOCALHOST, free_port
 
     port = free_port()
-    server = ThreadedMotoServer(ip_address=LOCALHOST, port=port, verbose=False)
-    server.start()
-    return server, f"http://{LOCALHOST}:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", LOCALHOST, "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://{LOCALHOST}:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=5).close()
+            return server, endpoint
+        except (urllib.error.URLError, OSError):
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"moto's S3 server did not answer at {endpoint}") from None
+            time.sleep(0.2)
 
 
 def _write_parquet(folder: str, files: int, mb: float, seed: int = 0) -> None:
@@ -151,7 +164,8 @@ def _checkpoint_row(name: str, root: str, args) -> dict:
         torch.optim.SGD(model.parameters(), lr=1e-4)
     model(torch.randint(0, 256, (1, 9))).float().mean().backward()
     optimizer.step()
-    dcp = dcp_store.DCPStore(model, optimizer, torch.device("cpu"), False)
+    optimizer.zero_grad(set_to_none=True)  # a checkpoint holds no gradients: nor does the memory here
+    dcp = dcp_store.DCPStore(model, optimizer, torch.device("cpu"), False, args.threads)
     saver = store.Checkpointer(root, types.SimpleNamespace(checkpoint_every=1, max_steps=10**6, keep_latest_k=1),
                                dcp, lambda: {"step": 0})
     saves = []
@@ -176,7 +190,8 @@ def _checkpoints(args, root: str) -> None:
 
     boto3.client("s3").create_bucket(Bucket="bench")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    print(f"\n| {'model':<8} | {'params':>8} | {'store':<20} | {'GB':>6} | {'save s':>7} | {'load s':>7} | "
+    print(f"\ntrain.checkpoint_threads={args.threads}, optimizer {args.optim}")
+    print(f"| {'model':<8} | {'params':>8} | {'store':<20} | {'GB':>6} | {'save s':>7} | {'load s':>7} | "
           f"{'save GB/s':>9} | {'load GB/s':>9} |")
     print("|" + "|".join("-" * (w + 2) for w in (8, 8, 20, 6, 7, 7, 9, 9)) + "|")
     try:
@@ -204,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optim", default="sgd", choices=("adamw", "sgd"),
                         help="sgd: no optimizer state, the checkpoint holds the model's weights alone")
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="train.checkpoint_threads: files a rank writes at once")
     args = parser.parse_args(argv)
     server, endpoint = _server()
     os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
@@ -225,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             _checkpoints(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        server.stop()
+        server.terminate()
+        server.wait()
     return 0
 
 

@@ -34,7 +34,8 @@ def test_checkpoints_in_s3_resume_in_a_new_run_dir_export_and_verify(s3, cache_d
 
     url = s3.url("ckpt/run1")
     args = [*ARGS, f"train.checkpoint_dir={url}"]
-    first = start(cache_dir, tmp_path, s3.env, *args, "train.checkpoint_async=true", f"hydra.run.dir={tmp_path / 'a'}")
+    first = start(cache_dir, tmp_path, s3.env, *args, "train.checkpoint_async=true", "train.checkpoint_threads=2",
+                  f"hydra.run.dir={tmp_path / 'a'}")
     wait_for(lambda: "step-4/.manifest.json" in keys(s3, "ckpt/run1/"), first, "checkpoint step 4")
     first.send_signal(signal.SIGTERM)
     err = finish(first, 120)
@@ -42,9 +43,10 @@ def test_checkpoints_in_s3_resume_in_a_new_run_dir_export_and_verify(s3, cache_d
     step = len(read_metrics(str(tmp_path / "a")))
     assert f"checkpoint of step {step} written to {url}/step-{step}" in err, err[-2000:]
     assert not (tmp_path / "a" / "checkpoints").exists()  # all of them went to the bucket
-    assert {".manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(keys(s3, f"ckpt/run1/step-{step}/"))
+    assert set(keys(s3, f"ckpt/run1/step-{step}/")) == {  # two objects a rank: train.checkpoint_threads=2
+        ".manifest.json", ".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"}
 
-    second = start(cache_dir, tmp_path, s3.env, *args, f"hydra.run.dir={tmp_path / 'b'}")
+    second = start(cache_dir, tmp_path, s3.env, *args, f"hydra.run.dir={tmp_path / 'b'}")  # one object a rank
     err = finish(second)
     assert second.returncode == 0, err[-3000:]
     ours, ref = read_metrics(str(tmp_path / "b")), read_metrics(str(reference))

@@ -2,7 +2,7 @@
 completed by the rule of a synchronous save (renamed only when whole); a failed write is raised when the run
 waits for it, and its partial directory is never what resume picks. The optimizer is kept per parameter name
 (so pipeline stages' keys merge), and checkpoints that kept it per param group still load. In this process, as a
-one-rank group."""
+one-rank group. `train.checkpoint_threads`: a rank's part in that many files, all in the manifest, loaded whole."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer.checkpoint import dcp_store, lines, store
+from trainer.checkpoint import checks, dcp_store, lines, store
 
 
 @pytest.fixture
@@ -77,3 +77,33 @@ def test_the_optimizer_is_saved_per_parameter_and_older_per_group_checkpoints_st
     assert state["step"] == 7 and torch.equal(fresh.model.weight, saver.store.model.weight)
     exp_avg = saver.store.optimizer.state[saver.store.model.weight]["exp_avg"]
     assert torch.equal(fresh.optimizer.state[fresh.model.weight]["exp_avg"], exp_avg)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_checkpoint_threads_split_a_ranks_part_into_that_many_files_that_load_whole(one_rank_group, tmp_path,
+                                                                                     asynchronous):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    train = SimpleNamespace(checkpoint_every=1, max_steps=10, keep_latest_k=2)
+    dcp = dcp_store.DCPStore(model, optimizer, torch.device("cpu"), asynchronous, threads=3)
+    saver = store.Checkpointer(str(tmp_path / "checkpoints"), train, dcp, lambda: {"step": 1})
+    path = saver.save(1)
+    saver.finish()
+    assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp",
+                                                                          "__0_2.distcp"]
+    assert checks.damage(path) is None  # the manifest holds all three
+
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    other_optimizer = torch.optim.AdamW(other.parameters())
+    other(torch.ones(2, 8)).sum().backward()
+    other_optimizer.step()  # its state made, as a resuming run's is
+    fresh = dcp_store.DCPStore(other, other_optimizer, torch.device("cpu"), False)
+    assert fresh.load(path, {"step": 0})["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    exp_avg = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+    assert all(torch.equal(fresh.optimizer.state[p]["exp_avg"], e) for p, e in zip(other.parameters(), exp_avg))

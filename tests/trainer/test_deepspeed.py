@@ -120,12 +120,14 @@ def _without_deepspeed(tmp_path) -> dict:
                                           "none, cpu"),
     (["train.checkpoint_async=true"], "error: invalid config: train.checkpoint_async=True: strategy=deepspeed saves "
                                       "with DeepSpeed's own save_checkpoint, which writes in the step: give false"),
+    (["train.checkpoint_threads=4"], "error: invalid config: train.checkpoint_threads=4: strategy=deepspeed saves "
+                                     "with DeepSpeed's own save_checkpoint, which writes its own files: give 1"),
     ([], "error: invalid config: runtime='deepspeed-distributed': runtime=deepspeed-distributed needs deepspeed, "
          "not installed here: install trainjob's deepspeed extra (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')"),
     (["PATH=/nonexistent"], "error: invalid config: runtime='deepspeed-distributed': runtime=deepspeed-distributed "
                             "needs OpenMPI's mpirun, which is not on PATH: install the Debian package openmpi-bin "
                             "(apt-get install -y openmpi-bin, as root)"),
-], ids=["zero-stage-4", "under-mpi", "no-runtime", "not-deepspeed", "offload-nvme", "async", "no-deepspeed",
+], ids=["zero-stage-4", "under-mpi", "no-runtime", "not-deepspeed", "offload-nvme", "async", "threads", "no-deepspeed",
         "no-mpirun"])
 def test_what_deepspeed_cannot_run_is_one_line_exit_2_and_no_run_directory(run_cli, tmp_path, overrides, line):
     run_dir = tmp_path / "run"

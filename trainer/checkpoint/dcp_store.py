@@ -29,8 +29,11 @@ NESTED = StateDictOptions(flatten_optimizer_state_dict=False)
 
 
 def _options(keys) -> StateDictOptions:
-    """How checkpoint keys `keys` hold the optimizer: per parameter, or (older checkpoints) per param group."""
-    nested = any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
+    """How checkpoint keys `keys` hold the optimizer: per parameter (`optim.param_groups.<name>.lr`), or (older
+    checkpoints) per param group (`optim.param_groups.<index>.lr`). A name may begin with a digit too (`0.weight` of
+    an `nn.Sequential`): an index is the whole of its part."""
+    nested = any(k.startswith("optim.param_groups.") and k.count(".") == 3 and k.split(".")[2].isdigit()
+                 for k in keys)
     return NESTED if nested else FLAT
 
 
@@ -52,10 +55,12 @@ def _state(root: str, step: int, model, optimizer, train_state: dict, device: to
     return {"model": model_sd, "optim": optim_sd, "train": train_state, _rng_key(): _rng_state(device)}
 
 
-def _writer(path: str) -> dcp.FileSystemWriter:
-    """The writer of checkpoint directory `path`: one that records its files for the manifest (always in an object
-    store, where the manifest is what makes it whole)."""
-    return manifest.writer(path) if manifest.HASH_FILES or fs.remote(path) else dcp.FileSystemWriter(path)
+def _writer(path: str, threads: int) -> dcp.FileSystemWriter:
+    """The writer of checkpoint directory `path`, into `threads` files per rank: one that records its files for the
+    manifest (always in an object store, where the manifest is what makes it whole)."""
+    if manifest.HASH_FILES or fs.remote(path):
+        return manifest.writer(path, threads)
+    return dcp.FileSystemWriter(path, thread_count=threads)
 
 
 def _hashing(writer: dcp.FileSystemWriter) -> bool:
@@ -76,11 +81,12 @@ def _complete(root: str, step: int, keep_latest_k: int, writer: dcp.FileSystemWr
 
 
 def save(root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
-         device: torch.device) -> str:
-    """Write checkpoint `step` collectively (every rank calls this) and keep the newest `keep_latest_k`."""
+         device: torch.device, threads: int = 1) -> str:
+    """Write checkpoint `step` collectively (every rank calls this, each into `threads` files) and keep the newest
+    `keep_latest_k`."""
     state = _state(root, step, model, optimizer, train_state, device)
     tmp = layout.paths(root, step)[0]
-    writer = _writer(tmp)
+    writer = _writer(tmp, threads)
     try:
         dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
         _written(writer, root, step)
@@ -107,11 +113,11 @@ class AsyncSaver:
         self.pending: tuple | None = None  # (future, writer, root, step, keep_latest_k) of the write in flight
 
     def save(self, root: str, step: int, model, optimizer, train_state: dict, keep_latest_k: int,
-             device: torch.device) -> str:
+             device: torch.device, threads: int = 1) -> str:
         self.wait()
         state = _state(root, step, model, optimizer, train_state, device)
         tmp, final = layout.paths(root, step)
-        writer = _writer(tmp)
+        writer = _writer(tmp, threads)
         try:
             future = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=self.group,
                                     async_stager=self.stager)
@@ -174,17 +180,18 @@ def load_model(path: str, model: torch.nn.Module) -> list[str]:
 
 class DCPStore:
     """The checkpoints of a run whose model and optimizer are its own (every strategy but DeepSpeed): saved
-    synchronously or, with `asynchronous` (train.checkpoint_async), in the background."""
+    synchronously or, with `asynchronous` (train.checkpoint_async), in the background; each rank's part in `threads`
+    files (train.checkpoint_threads)."""
 
-    def __init__(self, model, optimizer, device: torch.device, asynchronous: bool):
-        self.model, self.optimizer, self.device = model, optimizer, device
+    def __init__(self, model, optimizer, device: torch.device, asynchronous: bool, threads: int = 1):
+        self.model, self.optimizer, self.device, self.threads = model, optimizer, device, threads
         self.background = AsyncSaver(device) if asynchronous else None
 
     def save(self, root: str, step: int, train_state: dict, keep_latest_k: int) -> str:
         """Write checkpoint `step` (every rank calls this); with train.checkpoint_async, in the background: the path
         is where it will be once `finish` (or the next save) has completed it."""
         write = self.background.save if self.background is not None else save
-        return write(root, step, self.model, self.optimizer, train_state, keep_latest_k, self.device)
+        return write(root, step, self.model, self.optimizer, train_state, keep_latest_k, self.device, self.threads)
 
     def load(self, path: str, train_state: dict) -> dict:
         return load(path, self.model, self.optimizer, train_state, self.device)

@@ -123,8 +123,8 @@ class _HashingFsspecFileSystem(_Hashing, _StoreFileSystem):
 class HashingWriter(FileSystemWriter):
     """DCP's file writer that notes the size and hash of each file it writes (`files`), as it writes it."""
 
-    def __init__(self, path: str):
-        super().__init__(path)
+    def __init__(self, path: str, threads: int = 1):
+        super().__init__(path, thread_count=threads)
         self.fs = _HashingFileSystem()
 
     @property
@@ -135,17 +135,18 @@ class HashingWriter(FileSystemWriter):
 class HashingFsspecWriter(FsspecWriter):
     """The same for a checkpoint in an object store: DCP's fsspec writer, each object hashed as it is uploaded."""
 
-    def __init__(self, path: str):
-        super().__init__(path, sync_files=False)  # no fsync: an upload is whole; `fs` replaced just below
+    def __init__(self, path: str, threads: int = 1):
+        super().__init__(path, sync_files=False, thread_count=threads)  # no fsync: an upload is whole; `fs` replaced just below
         self.fs = _HashingFsspecFileSystem()
         self.path = self.fs.init_path(path)
 
     files = HashingWriter.files
 
 
-def writer(path: str) -> FileSystemWriter:
-    """The writer of checkpoint directory `path`, which records its files for the manifest."""
-    return HashingFsspecWriter(path) if fs.remote(path) else HashingWriter(path)
+def writer(path: str, threads: int = 1) -> FileSystemWriter:
+    """The writer of checkpoint directory `path` (each rank's part in `threads` files), which records its files for
+    the manifest."""
+    return HashingFsspecWriter(path, threads) if fs.remote(path) else HashingWriter(path, threads)
 
 
 def reader(path: str) -> FileSystemReader:

@@ -30,7 +30,7 @@ def of_run(cfg, model, optimizer, device: torch.device, engine=None) -> Store:
     `optimizer`."""
     if engine is not None:
         return deepspeed_store.DeepSpeedStore(engine, checks.data_order(cfg))
-    return dcp_store.DCPStore(model, optimizer, device, cfg.train.checkpoint_async)
+    return dcp_store.DCPStore(model, optimizer, device, cfg.train.checkpoint_async, cfg.train.checkpoint_threads)
 
 
 def load_model(path: str, model: torch.nn.Module) -> list[str]:

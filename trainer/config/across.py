@@ -73,6 +73,7 @@ def _runtime(job, shape: JobShape, gpus: int) -> None:
             shape.unit.check_run(r, RunFacts(
                 counts=shape.counts, per_node=shape.per_node, gpus=gpus, strategy=s.name,
                 data_parallel=s.data_parallel, checkpoint_async=bool(job.train.checkpoint_async),
+                checkpoint_threads=job.train.checkpoint_threads,
                 kubeflow_cache=job.data.cache.backend == "kubeflow", launcher=job.launcher.name), shape.offers)
 
 

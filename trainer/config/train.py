@@ -43,6 +43,9 @@ class TrainConfig:
     # Save checkpoints in the background (dcp.async_save): a step waits only for the copy of the state to CPU
     # memory; the next save, SIGTERM and the end of the run wait for the write in flight.
     checkpoint_async: bool = False
+    # Files each rank writes a checkpoint into, from as many threads (DCP's thread_count): above 1, an object store
+    # receives that many uploads at once and no object is the rank's whole state.
+    checkpoint_threads: int = 1
     # Where checkpoints go: a local directory or an object store's URL (s3://bucket/prefix, gs://...), written by
     # every rank directly; empty: <run_dir>/checkpoints. Another run directory with the same one resumes from it.
     checkpoint_dir: str = ""
@@ -63,6 +66,7 @@ class TrainConfig:
     def check(self) -> None:
         one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
         require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
+        require(self.checkpoint_threads >= 1, "train.checkpoint_threads", self.checkpoint_threads, "must be >= 1")
         require(self.checkpoint_retries >= 0, "train.checkpoint_retries", self.checkpoint_retries, "must be >= 0")
         require(scheme_of(self.checkpoint_dir) in (None, "s3", "gs"), "train.checkpoint_dir", self.checkpoint_dir,
                 "must be a local directory or an s3:// or gs:// URL")

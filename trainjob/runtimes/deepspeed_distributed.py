@@ -2,7 +2,8 @@
 (`mlPolicy.mpi`) under the `deepspeed` framework label: OpenMPI's `mpirun` starts every rank from one launcher,
 as under `runtime=mpi` (the same node command, rank environment and Kubeflow command), and the ranks train
 with the DeepSpeed engine (`strategy=deepspeed`, the one strategy it runs and that runs only here), which saves
-its checkpoints in the step (no `train.checkpoint_async`).
+its checkpoints in the step and into files of its own (no `train.checkpoint_async`, no
+`train.checkpoint_threads`).
 
 It needs mpirun (Debian's openmpi-bin) and the `deepspeed` package (the `deepspeed` extra of trainjob) where it
 starts: without either, the run is refused before anything starts."""
@@ -43,6 +44,9 @@ class DeepSpeedDistributed(MPI):
     def check_run(self, options: DeepSpeedDistributedConfig, run: RunFacts, offers: Offers) -> None:
         require(run.data_parallel != "deepspeed" or not run.checkpoint_async, "train.checkpoint_async", True,
                 "strategy=deepspeed saves with DeepSpeed's own save_checkpoint, which writes in the step: give false")
+        require(run.data_parallel != "deepspeed" or run.checkpoint_threads == 1, "train.checkpoint_threads",
+                run.checkpoint_threads, "strategy=deepspeed saves with DeepSpeed's own save_checkpoint, which "
+                "writes its own files: give 1")
         super().check_run(options, run, offers)
 
     def missing(self) -> str | None:
