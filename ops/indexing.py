@@ -465,14 +465,21 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 
 def histc(self, bins=100, min=0, max=0):
     """`torch.histc`: each element's bin from its value (the top edge in the last bin, values outside left
-    out), counted by the add kernel; min == max takes the data's own range. As ATen does, the edges, the bin
-    count and each step of `(x - lo) * bins / (hi - lo)` are in the input's dtype, so a 16-bit value on a bin
-    boundary lands where PyTorch puts it."""
+    out), counted by the add kernel; min == max takes the data's own range. A range that is not finite or not
+    increasing, and bins <= 0, are refused with ATen's words. As ATen does, the edges, the bin count and each step
+    of `(x - lo) * bins / (hi - lo)` are in the input's dtype, so a 16-bit value on a bin boundary lands where
+    PyTorch puts it."""
+    if bins <= 0:
+        raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
     lo, hi = float(min), float(max)
     if lo == hi and self.numel():
         lo, hi = reductions.reduce(self, None, False, "min").item(), reductions.reduce(self, None, False, "max").item()
     if lo == hi:
         lo, hi = lo - 1, hi + 1
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise RuntimeError(f"torch.histc: range of [{lo:g}, {hi:g}] is not finite")
+    if lo > hi:
+        raise RuntimeError("torch.histc: max must be larger than min")
     lo, hi = _rounded(lo, self.dtype), _rounded(hi, self.dtype)
     flat = self.reshape(-1)
     inside = OPS["logical_and"](OPS["ge"](flat, lo), OPS["le"](flat, hi))

@@ -7,6 +7,8 @@ the op has a backward the input gradients are checked against autograd's."""
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 
 import pytest
 import torch
@@ -379,6 +381,20 @@ def test_sign_of_nan_is_zero_and_norm_gradients_at_nan_follow_as_pytorch_has_the
 
         ours, theirs = grad(ops.use_kernels()), grad(contextlib.nullcontext())
         assert torch.equal(ours, theirs) and not ours.isnan().any(), (ord, ours, theirs)
+
+
+def test_histc_bins_16_bit_boundaries_and_refuses_ranges_as_pytorch_does():
+    x = torch.linspace(-1, 1, 2001, device=DEVICE)  # many values on or next to a bin edge
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for bins, lo, hi in ((100, 0, 0), (7, -0.3, 0.9), (257, -1, 1)):
+            got = routed("histc", lambda t, b=bins, a=lo, z=hi: torch.histc(t, b, a, z), x.to(dtype))
+            assert torch.equal(got, torch.histc(x.to(dtype), bins, lo, hi)), (dtype, bins, lo, hi)
+    for t, kwargs in ((torch.tensor([1.0, float("inf")]), {}), (torch.tensor([1.0, 2.0]), {"min": 0, "max": math.inf}),
+                      (torch.tensor([1.0, 2.0]), {"bins": 0}), (torch.tensor([1.0, 2.0]), {"min": 3, "max": 1})):
+        with pytest.raises(RuntimeError) as theirs:
+            torch.histc(t.to(DEVICE), **kwargs)
+        with pytest.raises(RuntimeError, match=re.escape(str(theirs.value))), ops.use_kernels(include=["histc"]):
+            torch.histc(t.to(DEVICE), **kwargs)
 
 
 def test_factories_and_foreach_ops_match_torch():
