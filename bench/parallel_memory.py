@@ -33,8 +33,11 @@ included; with more, the mean of the steps after the first.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
@@ -90,6 +93,55 @@ def rank_main(cp: int, seq: int, steps: int, out: str) -> None:
                           sent, out)
 
 
+def trainer_args(cp: int, seq: int, steps: int, run_dir: str) -> list[str]:
+    """`python -m trainer`'s command for one point: `model=debug` on one row of `seq` tokens (data=stdlib, the
+    default corpus), `steps` steps, one eval batch (the least the trainer takes: it evaluates at the last step);
+    cp > 1: `strategy=fsdp2_cp` on cp torchrun ranks; cp=1: the plain single-process run."""
+    args = [sys.executable, "-m", "trainer", "model=debug", f"model.max_seq_len={seq}", f"data.seq_len={seq}",
+            "train.global_batch_size=1", f"train.max_steps={steps}", "train.eval_batches=1", "train.log_every=1",
+            "train.progress=false", f"hydra.run.dir={run_dir}"]
+    if cp > 1:
+        args += ["strategy=fsdp2_cp", f"strategy.cp={cp}", "+runtime=torch-distributed",
+                 f"runtime.nproc_per_node={cp}"]
+    return args
+
+
+def trainer_point(cp: int, seq: int, steps: int) -> dict | str:
+    """One `python -m trainer` run's peak RSS per rank (summary.json's `peak_memory_gb_per_rank`, the largest
+    rank's) and its last step's time (metrics.jsonl), or the last line of its error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = os.path.join(tmp, "run")
+        proc = subprocess.run(trainer_args(cp, seq, steps, run_dir), cwd=tmp, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO})
+        if proc.returncode != 0:
+            errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "rror" in line]
+            return errors[-1] if errors else f"exit code {proc.returncode}"
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            last = [json.loads(line) for line in f if line.strip()][-1]
+    return {"peak_gb": max(summary["peak_memory_gb_per_rank"]), "step_s": last["step_time_s"]}
+
+
+def trainer_table(seqs: list[int], cps: list[int], steps: int) -> None:
+    print(f"`python -m trainer model=debug data.seq_len=<seq> train.global_batch_size=1 train.max_steps={steps}` "
+          "(cp > 1: `strategy=fsdp2_cp strategy.cp=<cp>` on cp torchrun ranks of this CPU, gloo; cp=1: one "
+          "process); peak RSS per rank: summary.json's `peak_memory_gb_per_rank`, the largest rank's. Bytes sent "
+          "are not counted on this path (its collectives are not instrumented): `--harness` counts them\n")
+    print("| seq | cp | step (s) | peak RSS per rank (GiB) | x cp=1 |")
+    print("|---|---|---|---|---|")
+    for seq in seqs:
+        first = None
+        for cp in cps:
+            row = trainer_point(cp, seq, steps)
+            if isinstance(row, str):
+                print(f"| {seq} | {cp} | {row} |", flush=True)
+                continue
+            first = first or row["peak_gb"]
+            print(f"| {seq} | {cp} | {row['step_s']:.1f} | {row['peak_gb']:.2f} | {row['peak_gb'] / first:.2f} |",
+                  flush=True)
+
+
 def cp_table(seqs: list[int], cps: list[int], steps: int) -> None:
     print(f"`model=debug`, one row of seq tokens a step, {steps} step(s); cp ranks of this CPU (gloo), fsdp2 "
           "over them. The bench's own setup, not `python -m trainer`: its ranks build and step the model through "
@@ -138,9 +190,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--ep", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--ep-steps", type=int, default=3)
+    parser.add_argument("--harness", action="store_true",
+                        help="the cp rows from the bench's own ranks (bytes sent and step peak counted) rather "
+                             "than python -m trainer runs")
     args = parser.parse_args()
     if args.cp:
-        cp_table(args.seq, args.cp, args.steps)
+        (cp_table if args.harness else trainer_table)(args.seq, args.cp, args.steps)
     if args.ep:
         ep_table(args.ep, max(args.ep), args.ep_steps)
 
