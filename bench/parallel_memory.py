@@ -1,34 +1,32 @@
-"""Peak memory per rank and bytes sent per rank of one training step: the `debug` model (conf/model/debug.yaml,
-the byte-level vocabulary) on one row of 8k, 16k and 32k tokens under context parallelism cp 1, 2 and 4 (fsdp2
-over the cp ranks; cp=1 is one process), and a 16-expert mixture under expert parallelism ep 1, 2 and 4
-(bench/expert_parallel.py's model and ranks). CPU, gloo, torchrun processes of this machine.
+"""Peak memory per rank of one training step: the `debug` model (conf/model/debug.yaml, the byte-level
+vocabulary) on one row of 8k, 16k and 32k tokens under context parallelism cp 1, 2 and 4, and a 16-expert mixture
+under expert parallelism ep 1, 2 and 4 (bench/expert_parallel.py's model and ranks). CPU, gloo, processes of this
+machine.
 
-Each point is one torchrun job whose ranks build the model as trainer.worker does (bench/expert_parallel.py's
-`parallel_model`: the meta model, `parallelize`, `init_weights`) and train AdamW steps on random tokens, the same
-row on every cp rank. Two measures of memory per rank, the largest rank's of each:
+The cp rows, by default, are `python -m trainer` runs, the path a user runs: `model=debug model.max_seq_len=<seq>
+data.seq_len=<seq> train.global_batch_size=1 train.max_steps=<steps> train.eval_batches=1` on the default corpus
+(data=stdlib), cp > 1 with `strategy=fsdp2_cp strategy.cp=<cp>` on cp torchrun ranks, cp=1 the plain one-process
+run (the trainer evaluates one batch and checkpoints at the last step: it always does). Peak RSS per rank is the
+run's summary.json `peak_memory_gb_per_rank` (the process's maximum resident memory, `ru_maxrss`), the largest
+rank's; the step time is metrics.jsonl's last. The issue's target (cp=4 at 32k tokens at most 0.4x cp=1's peak
+memory per rank) is read there. Bytes sent are not counted on that path.
 
-- peak RSS: the process's maximum resident memory (`ru_maxrss`), what the trainer's summary.json reports as
-  `peak_memory_gb_per_rank`. It includes the interpreter, torch and gloo (~0.5 GiB) and the model and its
-  optimizer state, which cp does not divide.
-- step peak: that maximum less the resident memory just before the first step: what the step itself adds
-  (activations, attention's saved tensors, the keys and values gathered per layer, gradients, AdamW's state
-  made at the first step).
+`--harness` runs the cp rows in the bench's own ranks instead (bench/expert_parallel.py's `parallel_model`: the
+meta model, `parallelize`, `init_weights`, AdamW steps on random tokens, the same row on every cp rank), which
+count the bytes each collective sends per rank per step from its own size: the exchange's all-gathers of each
+layer's keys and values (its input to each other cp rank; on the mask-free path once in the forward and again in
+the backward) and the reduce-scatters of their gradients ((n - 1) / n of the whole row's), FSDP2's all-gathers,
+reduce-scatters and all-reduces. It also gives the step peak: the peak RSS less the resident memory just before
+the first step. With `--steps` 1 (the default: a 32k step takes minutes on two cores) the bytes are the one
+step's, FSDP2's lazy initialisation included; with more, the mean of the steps after the first.
 
-Both count what glibc's malloc keeps: freed buffers below its dynamic mmap threshold (which grows to 32 MiB)
-stay in its heap, resident. `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB, so
-every larger buffer goes back to the system when freed; docs/parallelism.md gives both. The issue's target (cp=4
-at 32k tokens at most 0.4x cp=1's peak memory per rank) is read in the peak RSS column: the step peak is the
-second measure, not the target's.
+Both count what the C allocators keep resident: glibc's heap keeps freed buffers below its dynamic mmap threshold
+(up to 32 MiB); `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB (the trainer
+does not: it costs the default CPU run's throughput; docs/parallelism.md gives both).
 
-Bytes sent per rank per step, from the collectives' own sizes (bench/expert_parallel.py's counting): the
-context-parallel exchange's all-gather of each layer's keys and values (its input to each other cp rank) and, in
-the backward, the reduce-scatter of their gradients ((n - 1) / n of its input, counted when the gradient
-arrives); FSDP2's all-gathers, reduce-scatters and all-reduces; the experts' all-to-alls. With `--steps` 1 (the
-default for cp: a 32k step takes minutes on two cores) they are the one step's, FSDP2's lazy initialisation
-included; with more, the mean of the steps after the first.
-
-    python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--ep 1 2 4]
+    python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--harness] [--ep 1 2 4]
 """
+
 
 from __future__ import annotations
 
@@ -49,22 +47,29 @@ FSDP = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 
 
 def _counting_exchange(sent: dict) -> None:
-    """Count the bytes of the cp exchange's autograd all-gather (trainer.parallel.context) and of its backward's
-    reduce-scatter, into `sent`."""
+    """Count the bytes of the cp exchange into `sent`: the all-gathers of keys and values (`ContextParallel.whole`,
+    the mask-free attention's, in its forward and again in its backward; `ContextParallel.gather`, the masked
+    attention's autograd one) and the reduce-scatters of their gradients (`ContextParallel.scatter`; the autograd
+    gather's backward, counted when the gradient arrives)."""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
-    original = funcol.all_gather_single_autograd
+    from trainer.parallel.context import ContextParallel
 
-    def call(x, gather_dim, group):
-        others = dist.get_world_size(group) - 1
-        sent["kv_all_gather"] = sent.get("kv_all_gather", 0) + x.nbytes * others
-        if x.requires_grad:
-            x.register_hook(lambda grad: sent.update(kv_reduce_scatter=sent.get("kv_reduce_scatter", 0)
-                                                     + grad.nbytes * others))
-        return original(x, gather_dim, group)
+    def add(key: str, nbytes: float) -> None:
+        sent[key] = sent.get(key, 0) + nbytes
 
-    funcol.all_gather_single_autograd = call
+    def counted(method, key: str, share):
+        def call(self, x, dim=1):
+            add(key, share(x, dist.get_world_size(self.group)))
+            if method is ContextParallel.gather and x.requires_grad:
+                x.register_hook(lambda grad: add("kv_reduce_scatter", grad.nbytes * (self.size - 1)))
+            return method(self, x, dim)
+        return call
+
+    ContextParallel.gather = counted(ContextParallel.gather, "kv_all_gather", lambda x, n: x.nbytes * (n - 1))
+    ContextParallel.whole = counted(ContextParallel.whole, "kv_all_gather", lambda x, n: x.nbytes * (n - 1))
+    ContextParallel.scatter = counted(ContextParallel.scatter, "kv_reduce_scatter",
+                                      lambda x, n: x.nbytes * (n - 1) / n)
 
 
 def debug_model(seq: int):
