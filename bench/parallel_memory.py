@@ -1,40 +1,41 @@
-"""Peak memory per rank and bytes sent per rank of one training step: the `debug` model (conf/model/debug.yaml,
-the byte-level vocabulary) on one row of 8k, 16k and 32k tokens under context parallelism cp 1, 2 and 4 (fsdp2
-over the cp ranks; cp=1 is one process), and a 16-expert mixture under expert parallelism ep 1, 2 and 4
-(bench/expert_parallel.py's model and ranks). CPU, gloo, torchrun processes of this machine.
+"""Peak memory per rank of one training step: the `debug` model (conf/model/debug.yaml, the byte-level
+vocabulary) on one row of 8k, 16k and 32k tokens under context parallelism cp 1, 2 and 4, and a 16-expert mixture
+under expert parallelism ep 1, 2 and 4 (bench/expert_parallel.py's model and ranks). CPU, gloo, processes of this
+machine.
 
-Each point is one torchrun job whose ranks build the model as trainer.worker does (bench/expert_parallel.py's
-`parallel_model`: the meta model, `parallelize`, `init_weights`) and train AdamW steps on random tokens, the same
-row on every cp rank. Two measures of memory per rank, the largest rank's of each:
+The cp rows, by default, are `python -m trainer` runs, the path a user runs: `model=debug model.max_seq_len=<seq>
+data.seq_len=<seq> train.global_batch_size=1 train.max_steps=<steps> train.eval_batches=1` on the default corpus
+(data=stdlib), cp > 1 with `strategy=fsdp2_cp strategy.cp=<cp>` on cp torchrun ranks, cp=1 the plain one-process
+run (the trainer evaluates one batch and checkpoints at the last step: it always does). Peak RSS per rank is the
+run's summary.json `peak_memory_gb_per_rank` (the process's maximum resident memory, `ru_maxrss`), the largest
+rank's; the step time is metrics.jsonl's last. The issue's target (cp=4 at 32k tokens at most 0.4x cp=1's peak
+memory per rank) is read there. Bytes sent are not counted on that path.
 
-- peak RSS: the process's maximum resident memory (`ru_maxrss`), what the trainer's summary.json reports as
-  `peak_memory_gb_per_rank`. It includes the interpreter, torch and gloo (~0.5 GiB) and the model and its
-  optimizer state, which cp does not divide.
-- step peak: that maximum less the resident memory just before the first step: what the step itself adds
-  (activations, attention's saved tensors, the keys and values gathered per layer, gradients, AdamW's state
-  made at the first step).
+`--harness` runs the cp rows in the bench's own ranks instead (bench/expert_parallel.py's `parallel_model`: the
+meta model, `parallelize`, `init_weights`, AdamW steps on random tokens, the same row on every cp rank), which
+count the bytes each collective sends per rank per step from its own size: the exchange's all-gathers of each
+layer's keys and values (its input to each other cp rank; on the mask-free path once in the forward and again in
+the backward) and the reduce-scatters of their gradients ((n - 1) / n of the whole row's), FSDP2's all-gathers,
+reduce-scatters and all-reduces. It also gives the step peak: the peak RSS less the resident memory just before
+the first step. With `--steps` 1 (the default: a 32k step takes minutes on two cores) the bytes are the one
+step's, FSDP2's lazy initialisation included; with more, the mean of the steps after the first.
 
-Both count what glibc's malloc keeps: freed buffers below its dynamic mmap threshold (which grows to 32 MiB)
-stay in its heap, resident. `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB, so
-every larger buffer goes back to the system when freed; docs/parallelism.md gives both. The issue's target (cp=4
-at 32k tokens at most 0.4x cp=1's peak memory per rank) is read in the peak RSS column: the step peak is the
-second measure, not the target's.
+Both count what the C allocators keep resident: glibc's heap keeps freed buffers below its dynamic mmap threshold
+(up to 32 MiB); `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB (the trainer
+does not: it costs the default CPU run's throughput; docs/parallelism.md gives both).
 
-Bytes sent per rank per step, from the collectives' own sizes (bench/expert_parallel.py's counting): the
-context-parallel exchange's all-gather of each layer's keys and values (its input to each other cp rank) and, in
-the backward, the reduce-scatter of their gradients ((n - 1) / n of its input, counted when the gradient
-arrives); FSDP2's all-gathers, reduce-scatters and all-reduces; the experts' all-to-alls. With `--steps` 1 (the
-default for cp: a 32k step takes minutes on two cores) they are the one step's, FSDP2's lazy initialisation
-included; with more, the mean of the steps after the first.
-
-    python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--ep 1 2 4]
+    python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--harness] [--ep 1 2 4]
 """
+
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
@@ -46,22 +47,29 @@ FSDP = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 
 
 def _counting_exchange(sent: dict) -> None:
-    """Count the bytes of the cp exchange's autograd all-gather (trainer.parallel.context) and of its backward's
-    reduce-scatter, into `sent`."""
+    """Count the bytes of the cp exchange into `sent`: the all-gathers of keys and values (`ContextParallel.whole`,
+    the mask-free attention's, in its forward and again in its backward; `ContextParallel.gather`, the masked
+    attention's autograd one) and the reduce-scatters of their gradients (`ContextParallel.scatter`; the autograd
+    gather's backward, counted when the gradient arrives)."""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
-    original = funcol.all_gather_single_autograd
+    from trainer.parallel.context import ContextParallel
 
-    def call(x, gather_dim, group):
-        others = dist.get_world_size(group) - 1
-        sent["kv_all_gather"] = sent.get("kv_all_gather", 0) + x.nbytes * others
-        if x.requires_grad:
-            x.register_hook(lambda grad: sent.update(kv_reduce_scatter=sent.get("kv_reduce_scatter", 0)
-                                                     + grad.nbytes * others))
-        return original(x, gather_dim, group)
+    def add(key: str, nbytes: float) -> None:
+        sent[key] = sent.get(key, 0) + nbytes
 
-    funcol.all_gather_single_autograd = call
+    def counted(method, key: str, share):
+        def call(self, x, dim=1):
+            add(key, share(x, dist.get_world_size(self.group)))
+            if method is ContextParallel.gather and x.requires_grad:
+                x.register_hook(lambda grad: add("kv_reduce_scatter", grad.nbytes * (self.size - 1)))
+            return method(self, x, dim)
+        return call
+
+    ContextParallel.gather = counted(ContextParallel.gather, "kv_all_gather", lambda x, n: x.nbytes * (n - 1))
+    ContextParallel.whole = counted(ContextParallel.whole, "kv_all_gather", lambda x, n: x.nbytes * (n - 1))
+    ContextParallel.scatter = counted(ContextParallel.scatter, "kv_reduce_scatter",
+                                      lambda x, n: x.nbytes * (n - 1) / n)
 
 
 def debug_model(seq: int):
@@ -88,6 +96,55 @@ def rank_main(cp: int, seq: int, steps: int, out: str) -> None:
     gen = torch.Generator().manual_seed(0)  # every cp rank reads the same row
     expert_parallel.train(model, lambda: torch.randint(0, BYTE_VOCAB_SIZE, (1, seq + 1), generator=gen), steps,
                           sent, out)
+
+
+def trainer_args(cp: int, seq: int, steps: int, run_dir: str) -> list[str]:
+    """`python -m trainer`'s command for one point: `model=debug` on one row of `seq` tokens (data=stdlib, the
+    default corpus), `steps` steps, one eval batch (the least the trainer takes: it evaluates at the last step);
+    cp > 1: `strategy=fsdp2_cp` on cp torchrun ranks; cp=1: the plain single-process run."""
+    args = [sys.executable, "-m", "trainer", "model=debug", f"model.max_seq_len={seq}", f"data.seq_len={seq}",
+            "train.global_batch_size=1", f"train.max_steps={steps}", "train.eval_batches=1", "train.log_every=1",
+            "train.progress=false", f"hydra.run.dir={run_dir}"]
+    if cp > 1:
+        args += ["strategy=fsdp2_cp", f"strategy.cp={cp}", "+runtime=torch-distributed",
+                 f"runtime.nproc_per_node={cp}"]
+    return args
+
+
+def trainer_point(cp: int, seq: int, steps: int) -> dict | str:
+    """One `python -m trainer` run's peak RSS per rank (summary.json's `peak_memory_gb_per_rank`, the largest
+    rank's) and its last step's time (metrics.jsonl), or the last line of its error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = os.path.join(tmp, "run")
+        proc = subprocess.run(trainer_args(cp, seq, steps, run_dir), cwd=tmp, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO})
+        if proc.returncode != 0:
+            errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "rror" in line]
+            return errors[-1] if errors else f"exit code {proc.returncode}"
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            last = [json.loads(line) for line in f if line.strip()][-1]
+    return {"peak_gb": max(summary["peak_memory_gb_per_rank"]), "step_s": last["step_time_s"]}
+
+
+def trainer_table(seqs: list[int], cps: list[int], steps: int) -> None:
+    print(f"`python -m trainer model=debug data.seq_len=<seq> train.global_batch_size=1 train.max_steps={steps}` "
+          "(cp > 1: `strategy=fsdp2_cp strategy.cp=<cp>` on cp torchrun ranks of this CPU, gloo; cp=1: one "
+          "process); peak RSS per rank: summary.json's `peak_memory_gb_per_rank`, the largest rank's. Bytes sent "
+          "are not counted on this path (its collectives are not instrumented): `--harness` counts them\n")
+    print("| seq | cp | step (s) | peak RSS per rank (GiB) | x cp=1 |")
+    print("|---|---|---|---|---|")
+    for seq in seqs:
+        first = None
+        for cp in cps:
+            row = trainer_point(cp, seq, steps)
+            if isinstance(row, str):
+                print(f"| {seq} | {cp} | {row} |", flush=True)
+                continue
+            first = first or row["peak_gb"]
+            print(f"| {seq} | {cp} | {row['step_s']:.1f} | {row['peak_gb']:.2f} | {row['peak_gb'] / first:.2f} |",
+                  flush=True)
 
 
 def cp_table(seqs: list[int], cps: list[int], steps: int) -> None:
@@ -138,9 +195,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--ep", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--ep-steps", type=int, default=3)
+    parser.add_argument("--harness", action="store_true",
+                        help="the cp rows from the bench's own ranks (bytes sent and step peak counted) rather "
+                             "than python -m trainer runs")
     args = parser.parse_args()
     if args.cp:
-        cp_table(args.seq, args.cp, args.steps)
+        (cp_table if args.harness else trainer_table)(args.seq, args.cp, args.steps)
     if args.ep:
         ep_table(args.ep, max(args.ep), args.ep_steps)
 

@@ -58,7 +58,9 @@ def read_columns(path: str | list[str] | tuple[str, ...], columns: list[str]) ->
     if missing:
         raise ValueError(f"{files[0]} has no column {', '.join(map(repr, missing))} (it has {', '.join(names)})")
     table = pq.read_table(files if len(files) > 1 else files[0], columns=list(columns))
-    return {c: column_array(table.column(c), f"column {c!r} in {path!r}") for c in columns}
+    arrays = {c: column_array(table.column(c), f"column {c!r} in {path!r}") for c in columns}
+    del table
+    return released(arrays)
 
 
 def read_token_rows(path: str, column: str = "tokens") -> np.ndarray:
@@ -67,4 +69,14 @@ def read_token_rows(path: str, column: str = "tokens") -> np.ndarray:
     if not files:
         raise FileNotFoundError(f"no Parquet files at {path!r}")
     table = pq.read_table(files if len(files) > 1 else files[0], columns=[column])
-    return token_matrix(table.column(column), f"column {column!r} in {path!r}")
+    rows = token_matrix(table.column(column), f"column {column!r} in {path!r}")
+    del table
+    return released(rows)
+
+
+def released(arrays):
+    """`arrays`, once pyarrow's memory pool has given back to the system the pages that reading freed: its
+    allocator (mimalloc) keeps them resident otherwise, several times the data (the decoded pages, the chunks
+    combined: ~0.35 GiB for a 62 MB column measured), in every process that reads its rows."""
+    pa.default_memory_pool().release_unused()
+    return arrays

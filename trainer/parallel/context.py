@@ -9,7 +9,7 @@ keys and values per layer, exact; its backward is a reduce-scatter of their grad
 autograd-aware functional collectives) and each of the rank's two chunks attends to the keys up to its own end.
 Where the rows are not packed and the layer has no sliding window, on the CPU, that needs no mask: a chunk reads
 the keys before it in full and its own causally, two flash-attention blocks merged by their log-sum-exps
-(`CausalChunks`). Else it attends under a mask of the true positions (causal, within its document for packed
+(`GatheredCausalChunks`). Else it attends under a mask of the true positions (causal, within its document for packed
 rows, within a sliding window where the layer has one), O(seq^2 / cp) of memory per forward.
 
 The loss: each rank sums its tokens' cross-entropies and divides by the whole row's count of counted targets,
@@ -74,6 +74,20 @@ class ContextParallel:
         whole = funcol.all_gather_single_autograd(x.movedim(dim, 0).contiguous(), gather_dim=0, group=self.group)
         return unsplit(funcol.wait_tensor(whole).movedim(0, dim), self.size, dim)
 
+    def whole(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """`gather` outside autograd: every rank's share of `x` along `dim`, in row order."""
+        whole = funcol.all_gather_single(x.movedim(dim, 0).contiguous(), gather_dim=0, group=self.group)
+        return unsplit(funcol.wait_tensor(whole).movedim(0, dim), self.size, dim)
+
+    def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The inverse of `whole` for gradients: `x` (the whole row along `dim`) summed over the cp ranks, this
+        rank's share of the sum (a reduce-scatter)."""
+        row = torch.arange(x.shape[dim], device=x.device)
+        order = torch.cat([split(row, self.size, rank, dim=0) for rank in range(self.size)])
+        ranked = x.movedim(dim, 0).index_select(0, order)  # every rank's share in turn, one copy
+        share = funcol.reduce_scatter_single(ranked, "sum", 0, group=self.group)
+        return funcol.wait_tensor(share).movedim(0, dim)
+
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """The true positions in the row of this rank's tokens."""
         return self.split(torch.arange(seq, device=device), dim=0)
@@ -89,47 +103,66 @@ class ContextParallel:
         return summed * self.size / (targets != IGNORE).sum()
 
 
-class CausalChunks(torch.autograd.Function):
-    """Causal attention of chunks of a row's queries over the row's keys with no mask made: a chunk of queries
-    [start, end) reads the keys before `start` in full and its own keys causally (two flash-attention calls of the
-    CPU, `_scaled_dot_product_flash_attention_for_cpu`, which return their log-sum-exps too), the two outputs
-    merged exactly by their log-sum-exps (flash and ring attention's merge). The backward runs the flash backward
-    of each block with the merged output and log-sum-exp, which makes each block's probabilities the row's own and
-    so gives each block's exact share of the gradients (summed); it keeps only the queries, the keys and values,
-    the merged output and its log-sum-exp. Grouped-query attention as the op takes it (fewer key-value heads)."""
+class GatheredCausalChunks(torch.autograd.Function):
+    """Causal attention of the rank's chunks of a row's queries over the whole row's keys and values, all-gathered
+    from the cp ranks' shares `kv` (keys and values stacked, the tokens along dim 3), with no mask made: a chunk
+    of queries [start, end) reads the keys before `start` in full and its own keys causally (two flash-attention
+    calls of the CPU, `_scaled_dot_product_flash_attention_for_cpu`, which return their log-sum-exps too), the two
+    outputs merged exactly by their log-sum-exps (flash and ring attention's merge). The backward runs the flash
+    backward of each block with the merged output and log-sum-exp, which makes each block's probabilities the
+    row's own and so gives each block's exact share of the gradients (summed). It keeps only the queries, the
+    rank's own keys and values, the merged output and its log-sum-exp: the backward gathers the row's keys and
+    values again (ring attention's trade: one more all-gather per layer, for not holding every layer's whole keys
+    and values until the backward reaches it) and reduce-scatters their gradients back to the ranks. Grouped-query
+    attention as the op takes it (fewer key-value heads)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks: tuple[tuple[int, int, int, int], ...], scale: float | None):
-        outs, lses = [], []
-        for rows_start, rows_end, start, end in chunks:
-            parts = [FLASH(q[:, :, rows_start:rows_end], k[:, :, a:b], v[:, :, a:b], 0.0, causal, scale=scale)
-                     for a, b, causal in _blocks(start, end)]
-            out, lse = parts[-1]
-            if len(parts) == 2:
-                (out_before, lse_before), lse = parts[0], torch.logaddexp(parts[0][1], lse)
-                out = (out_before.to(lse.dtype) * (lse_before - lse).exp()[..., None]  # lse: at least float32
-                       + out.to(lse.dtype) * (parts[1][1] - lse).exp()[..., None]).to(q.dtype)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.chunks, ctx.scale = chunks, scale
+    def forward(ctx, q, kv, cp: ContextParallel, chunks: tuple[tuple[int, int, int, int], ...],
+                scale: float | None):
+        out, lse = chunks_forward(q, *cp.whole(kv, dim=3).unbind(0), chunks, scale)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.cp, ctx.chunks, ctx.scale = cp, chunks, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for rows_start, rows_end, start, end in ctx.chunks:
-            rows = slice(rows_start, rows_end)
-            for a, b, causal in _blocks(start, end):
-                gq, gk, gv = FLASH_BACKWARD(grad[:, :, rows], q[:, :, rows], k[:, :, a:b], v[:, :, a:b],
-                                            out[:, :, rows], lse[:, :, rows], 0.0, causal, scale=ctx.scale)
-                dq[:, :, rows] += gq
-                dk[:, :, a:b] += gk
-                dv[:, :, a:b] += gv
-        return dq, dk, dv, None, None
+        q, kv, out, lse = ctx.saved_tensors
+        whole = ctx.cp.whole(kv, dim=3)
+        dq, dkv = chunks_backward(grad, q, whole, out, lse, ctx.chunks, ctx.scale)
+        del whole  # before the reduce-scatter's copy
+        return dq, ctx.cp.scatter(dkv, dim=3), None, None, None
+
+
+def chunks_forward(q, k, v, chunks, scale):
+    """`GatheredCausalChunks`'s output and its log-sum-exp, of the whole row's keys `k` and values `v`."""
+    outs, lses = [], []
+    for rows_start, rows_end, start, end in chunks:
+        parts = [FLASH(q[:, :, rows_start:rows_end], k[:, :, a:b], v[:, :, a:b], 0.0, causal, scale=scale)
+                 for a, b, causal in _blocks(start, end)]
+        out, lse = parts[-1]
+        if len(parts) == 2:
+            (out_before, lse_before), lse = parts[0], torch.logaddexp(parts[0][1], lse)
+            out = (out_before.to(lse.dtype) * (lse_before - lse).exp()[..., None]  # lse: at least float32
+                   + out.to(lse.dtype) * (parts[1][1] - lse).exp()[..., None]).to(q.dtype)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def chunks_backward(grad, q, kv, out, lse, chunks, scale):
+    """`GatheredCausalChunks`'s gradients of the queries and of the whole row's keys and values `kv` (stacked, as
+    one buffer): each block's flash backward with the merged output and log-sum-exp, summed."""
+    grad, (k, v) = grad.contiguous(), kv.unbind(0)
+    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+    for rows_start, rows_end, start, end in chunks:
+        rows = slice(rows_start, rows_end)
+        for a, b, causal in _blocks(start, end):
+            gq, gk, gv = FLASH_BACKWARD(grad[:, :, rows], q[:, :, rows], k[:, :, a:b], v[:, :, a:b],
+                                        out[:, :, rows], lse[:, :, rows], 0.0, causal, scale=scale)
+            dq[:, :, rows] += gq
+            dkv[0, :, :, a:b] += gk
+            dkv[1, :, :, a:b] += gv
+    return dq, dkv
 
 
 def _blocks(start: int, end: int) -> list[tuple[int, int, bool]]:
@@ -141,8 +174,8 @@ def _blocks(start: int, end: int) -> list[tuple[int, int, bool]]:
 class Exchange:
     """The keys and values of each layer all-gathered, and each of this rank's two chunks of queries attending to
     the keys before its end. Rows of one document with no sliding window, on the CPU under PyTorch's attention,
-    attend with no mask (`CausalChunks`); else under the mask of their true positions (made once per forward, for
-    every layer: O(seq^2 / cp) of memory)."""
+    attend with no mask (`GatheredCausalChunks`, which gathers again in the backward); else under the mask of
+    their true positions (made once per forward, for every layer: O(seq^2 / cp) of memory)."""
 
     def __init__(self, cp: ContextParallel, seq: int, documents: torch.Tensor | None, window: int | None,
                  device: torch.device):
@@ -172,13 +205,14 @@ class Exchange:
         """`fn` (scaled_dot_product_attention's signature) of the rank's queries (batch, heads, its tokens, dim)
         over the whole row's keys and values, gathered from the cp ranks in one collective. The decoder's
         `enable_gqa` is implied by the shapes (the flash op takes fewer key-value heads as they are)."""
-        k, v = self.cp.gather(torch.stack((k, v)), dim=3).unbind(0)
+        kv = torch.stack((k, v))
         if (fn is F.scaled_dot_product_attention and self.documents is None and self.window is None
                 and q.device.type == "cpu"):
             try:
-                return CausalChunks.apply(q, k, v, self.parts, kw.get("scale"))
+                return GatheredCausalChunks.apply(q, kv, self.cp, self.parts, kw.get("scale"))
             except RuntimeError:  # inputs the CPU's flash attention refuses: the masked attention below
                 pass
+        k, v = self.cp.gather(kv, dim=3).unbind(0)
         return torch.cat([fn(q[:, :, first:last], k[:, :, :end], v[:, :, :end], attn_mask=mask, is_causal=False,
                              **kw)
                           for (first, last, _, end), mask in zip(self.parts, self.masks(q.dtype), strict=True)], dim=2)

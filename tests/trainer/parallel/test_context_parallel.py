@@ -20,7 +20,7 @@ from tests.trainer.recipes.test_grpo import ARGS as GRPO_ARGS
 from tests.trainer.recipes.test_grpo import REWARDS_ON_PATH, TOY
 from tests.trainer.recipes.test_kd import ARGS as KD_ARGS
 from tests.trainer.recipes.test_sft import _chats
-from trainer.parallel.context import CausalChunks, held_chunks, spans, split, unsplit
+from trainer.parallel.context import ContextParallel, GatheredCausalChunks, held_chunks, spans, split, unsplit
 
 # Every rank computes the same sums in other orders (attention chunk by chunk over gathered keys, losses summed
 # per rank): float32 rounding only, ~1e-7 measured; a wrong chunk, position or mask moves the loss by > 1e-2.
@@ -43,11 +43,32 @@ def test_the_load_balanced_split_gives_each_rank_its_head_and_tail_and_unsplits_
     assert torch.equal(unsplit(torch.cat([p.T for p in parts], dim=0), cp, dim=0), row.T)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("cp", "heads", "kv_heads", "scale"), [(2, 4, 2, None), (4, 2, 2, 0.3), (3, 4, 1, None)])
-def test_mask_free_chunks_of_every_rank_are_the_whole_rows_causal_attention(cp, heads, kv_heads, scale, dtype):
-    """Every rank's two chunks attending without a mask (`CausalChunks`), put back in row order, give the output
-    and the q/k/v gradients of one causal scaled_dot_product_attention over the whole row (grouped-query too)."""
+def _chunks_rank(rank: int, cp: int, store: str, case: tuple, scale, out: str) -> None:
+    """One cp rank of the test below: its share of the queries, keys, values and upstream gradient through
+    `GatheredCausalChunks`; its output and gradients to `out`.<rank>."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp)
+    q, k, v, weights = (split(x, cp, rank, dim=2).clone() for x in case)
+    q, kv = q.requires_grad_(), torch.stack((k, v)).requires_grad_()
+    attention = GatheredCausalChunks.apply(q, kv, ContextParallel(init_device_mesh("cpu", (cp,))),
+                                           spans(q.shape[2] * cp, cp, rank), scale)
+    torch.save((attention.detach(), *torch.autograd.grad((attention * weights).sum(), (q, kv))), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("cp", "heads", "kv_heads", "scale", "dtype"), [
+    (2, 4, 2, None, torch.float32), (4, 2, 2, 0.3, torch.float64), (3, 4, 1, None, torch.float32)])
+def test_mask_free_chunks_of_every_rank_are_the_whole_rows_causal_attention(tmp_path, cp, heads, kv_heads, scale,
+                                                                             dtype):
+    """cp gloo ranks, each attending with its two chunks of queries over the keys and values all-gathered from
+    every rank's share, without a mask (`GatheredCausalChunks`, which gathers them again in its backward and
+    reduce-scatters their gradients): the outputs put back in row order, and the q/k/v gradients of each rank's
+    share, are one causal scaled_dot_product_attention's over the whole row (grouped-query too)."""
+    import torch.multiprocessing as mp
+
     gen = torch.Generator().manual_seed(cp)
     seq, dim = 2 * cp * 5, 8
     q, k, v = (torch.randn(2, h, seq, dim, generator=gen, dtype=dtype, requires_grad=True)
@@ -56,13 +77,17 @@ def test_mask_free_chunks_of_every_rank_are_the_whole_rows_causal_attention(cp, 
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                  enable_gqa=heads != kv_heads)
     expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
-    out = unsplit(torch.cat([CausalChunks.apply(split(q, cp, rank, dim=2), k, v, spans(seq, cp, rank), scale)
-                             for rank in range(cp)], dim=2), cp, dim=2)
-    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    out = str(tmp_path / "out")
+    case = tuple(x.detach() for x in (q, k, v, weights))
+    mp.start_processes(_chunks_rank, args=(cp, str(tmp_path / "store"), case, scale, out), nprocs=cp, join=True,
+                       start_method="fork")
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(cp)]
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
-    torch.testing.assert_close(out, reference, **tol)
-    for name, grad, want in zip("qkv", grads, expected, strict=True):
-        torch.testing.assert_close(grad, want, **tol, msg=lambda m, name=name: f"d{name}: {m}")
+    torch.testing.assert_close(unsplit(torch.cat([r[0] for r in ranks], dim=2), cp, dim=2), reference, **tol)
+    for rank, (_, dq, dkv) in enumerate(ranks):
+        for name, grad, want in zip("qkv", (dq, *dkv.unbind(0)), expected, strict=True):
+            torch.testing.assert_close(grad, split(want, cp, rank, dim=2), **tol,
+                                       msg=lambda m, name=name, rank=rank: f"rank {rank} d{name}: {m}")
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
