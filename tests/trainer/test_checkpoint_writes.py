@@ -104,6 +104,7 @@ def test_checkpoint_threads_split_a_ranks_part_into_that_many_files_that_load_wh
     other_optimizer.step()  # its state made, as a resuming run's is
     fresh = dcp_store.DCPStore(other, other_optimizer, torch.device("cpu"), False)
     assert fresh.load(path, {"step": 0})["step"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
     exp_avg = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
-    assert all(torch.equal(fresh.optimizer.state[p]["exp_avg"], e) for p, e in zip(other.parameters(), exp_avg))
+    loaded = [fresh.optimizer.state[p]["exp_avg"] for p in other.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, exp_avg, strict=True))

@@ -136,7 +136,8 @@ class HashingFsspecWriter(FsspecWriter):
     """The same for a checkpoint in an object store: DCP's fsspec writer, each object hashed as it is uploaded."""
 
     def __init__(self, path: str, threads: int = 1):
-        super().__init__(path, sync_files=False, thread_count=threads)  # no fsync: an upload is whole; `fs` replaced just below
+        # no fsync: an upload is whole; `fs` replaced just below
+        super().__init__(path, sync_files=False, thread_count=threads)
         self.fs = _HashingFsspecFileSystem()
         self.path = self.fs.init_path(path)
 

@@ -74,7 +74,8 @@ class RunFacts:
     """What a runtime's rules read of a run beyond its own keys and the launcher's offers (`Runtime.check_run`):
     its node counts (every count of an elastic range), processes per node, the GPUs on this machine that its
     ranks take (0: not counted here), the strategy (`strategy.name`, `strategy.data_parallel`), whether it saves
-    checkpoints asynchronously and from how many threads, whether its data cache is Kubeflow's, and the launcher's name."""
+    checkpoints asynchronously and from how many threads, whether its data cache is Kubeflow's, and the launcher's
+    name."""
 
     counts: range
     per_node: int
