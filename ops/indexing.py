@@ -448,6 +448,11 @@ def select_backward(grad_output, input_sizes, dim, index):
     return out
 
 
+# ATen's names of the floating dtypes in its overflow message.
+_C_TYPES = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16", torch.float32: "float",
+            torch.float64: "double"}
+
+
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """A Python number as `dtype` holds it: through float32 (as C++'s cast from double does), then to the nearest
     even 16-bit value for float16 and bfloat16."""
@@ -455,7 +460,10 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
         return float(value)
     single = struct.unpack("<f", struct.pack("<f", value))[0]
     if dtype == torch.float16:
-        return struct.unpack("<e", struct.pack("<e", single))[0]
+        try:
+            return struct.unpack("<e", struct.pack("<e", single))[0]
+        except OverflowError:  # beyond float16's largest: infinite, as the cast makes it
+            return math.copysign(math.inf, single)
     if dtype == torch.bfloat16 and math.isfinite(single):
         bits = struct.unpack("<I", struct.pack("<f", single))[0]
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -480,6 +488,9 @@ def histc(self, bins=100, min=0, max=0):
         raise RuntimeError(f"torch.histc: range of [{lo:g}, {hi:g}] is not finite")
     if lo > hi:
         raise RuntimeError("torch.histc: max must be larger than min")
+    limits = torch.finfo(self.dtype)
+    if not limits.min <= lo <= hi <= limits.max:
+        raise RuntimeError(f"value cannot be converted to type {_C_TYPES[self.dtype]} without overflow")
     lo, hi = _rounded(lo, self.dtype), _rounded(hi, self.dtype)
     flat = self.reshape(-1)
     inside = OPS["logical_and"](OPS["ge"](flat, lo), OPS["le"](flat, hi))

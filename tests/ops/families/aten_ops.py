@@ -390,7 +390,8 @@ def test_histc_bins_16_bit_boundaries_and_refuses_ranges_as_pytorch_does():
             got = routed("histc", lambda t, b=bins, a=lo, z=hi: torch.histc(t, b, a, z), x.to(dtype))
             assert torch.equal(got, torch.histc(x.to(dtype), bins, lo, hi)), (dtype, bins, lo, hi)
     for t, kwargs in ((torch.tensor([1.0, float("inf")]), {}), (torch.tensor([1.0, 2.0]), {"min": 0, "max": math.inf}),
-                      (torch.tensor([1.0, 2.0]), {"bins": 0}), (torch.tensor([1.0, 2.0]), {"min": 3, "max": 1})):
+                      (torch.tensor([1.0, 2.0]), {"bins": 0}), (torch.tensor([1.0, 2.0]), {"min": 3, "max": 1}),
+                      (torch.tensor([1.0, 2.0], dtype=torch.float16), {"min": 0, "max": 1e5})):
         with pytest.raises(RuntimeError) as theirs:
             torch.histc(t.to(DEVICE), **kwargs)
         with pytest.raises(RuntimeError, match=re.escape(str(theirs.value))), ops.use_kernels(include=["histc"]):
