@@ -1,7 +1,8 @@
-"""`python -m launchers list|get|logs|wait|delete|train|runtimes ...`: the Client's verbs from a terminal.
+"""`python -m launchers list|get|metrics|logs|wait|delete|train|runtimes ...`: the Client's verbs from a terminal.
 
     python -m launchers list                                    jobs on this machine (launcher local)
     python -m launchers --launcher kubernetes --namespace team-a get tj-run-1234abcd
+    python -m launchers metrics tj-run-1234abcd                 what it has logged, a JSON line a step
     python -m launchers logs tj-run-1234abcd --rank 0 --follow
     python -m launchers wait tj-run-1234abcd --status Complete --timeout 3600
     python -m launchers delete tj-run-1234abcd
@@ -64,12 +65,16 @@ def parser() -> argparse.ArgumentParser:
     k8s.add_argument("--namespace")
     k8s.add_argument("--kubeconfig")
     k8s.add_argument("--context")
-    verbs = p.add_subparsers(dest="verb", required=True, metavar="{list,get,logs,wait,delete,train,runtimes}")
+    k8s.add_argument("--local-run-root", help="where the pods' run directories are mounted here (for metrics)")
+    verbs = p.add_subparsers(dest="verb", required=True,
+                             metavar="{list,get,metrics,logs,wait,delete,train,runtimes}")
     ls = verbs.add_parser("list", help="the jobs on the launcher")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     get = verbs.add_parser("get", help="a job's state, step, losses and times")
     get.add_argument("name")
     get.add_argument("--json", action="store_true")
+    metrics = verbs.add_parser("metrics", help="what a job has logged: one JSON object a logged step")
+    metrics.add_argument("name")
     logs = verbs.add_parser("logs", help="a rank's log, or a step's")
     logs.add_argument("name")
     logs.add_argument("--rank", type=int, default=0)
@@ -164,9 +169,11 @@ def show_runtimes(client: Client, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    options = {k: getattr(args, k) for k in ("namespace", "kubeconfig", "context") if getattr(args, k) is not None}
+    keys = ("namespace", "kubeconfig", "context", "local_run_root")
+    options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if options and args.launcher != "kubernetes":
-        p.error(f"--{next(iter(options))} is an option of --launcher kubernetes (the launcher is {args.launcher})")
+        flag = next(iter(options)).replace("_", "-")
+        p.error(f"--{flag} is an option of --launcher kubernetes (the launcher is {args.launcher})")
     if getattr(args, "rank", 0) < 0:
         p.error(f"--rank {args.rank}: must be >= 0")
     if args.verb == "wait" and (args.timeout <= 0 or args.interval <= 0):
@@ -194,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                        else ""))
                 for event in job["events"]:  # resumes, re-formations, preemptions, oldest first
                     print(event_line(event))
+        elif args.verb == "metrics":
+            for record in client.get_job_metrics(args.name):
+                print(json.dumps(record))
         elif args.verb == "logs":
             for line in client.get_job_logs(args.name, rank=args.rank, follow=args.follow, step=args.step):
                 print(line, flush=True)

@@ -195,6 +195,10 @@ class Backend(Launcher):
     def get_job(self, name: str) -> JobInfo:
         return self.job(name).info()
 
+    def get_job_metrics(self, name: str) -> list[dict[str, Any]]:
+        """The job's metrics records, one a logged step, oldest first (`Client.get_job_metrics`)."""
+        return self.job(name).metrics()
+
     def get_job_logs(self, name: str, rank: int = 0, follow: bool = False, step: str | None = None) -> Iterator[str]:
         """Lines of rank `rank`'s log, or of step `step`'s (`Client.get_job_logs`)."""
         if step is None:

@@ -21,7 +21,7 @@ from trainjob.env import CACHE_ENDPOINTS_ENV, CACHE_EVAL_ENDPOINTS_ENV
 from trainjob.files import write_whole
 from trainjob.options import OptionError as OptionError
 from trainjob.options import require as require
-from trainjob.run_files import read_summary
+from trainjob.run_files import read_metrics, read_summary
 from trainjob.runtimes import UNKNOWN, Nodes
 
 
@@ -277,6 +277,16 @@ class Job(ABC):
     def result(self) -> dict[str, Any] | None:
         """The run's summary.json, once it exists where this machine can read it."""
         return read_summary(self.run_dir) if self.run_dir else None
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The run's metrics records, oldest first (its metrics.jsonl: one a logged step, eval_loss where it
+        evaluated), read from its run directory."""
+        if not self.run_dir:
+            raise LauncherError(
+                f"job {self.name}: its metrics are in its run directory, which this machine does not see (on "
+                "Kubernetes: local_run_root=, where the pods' run directories are mounted here)"
+            )
+        return read_metrics(self.run_dir)
 
 
 class PollingJob(Job):

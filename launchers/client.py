@@ -5,7 +5,7 @@
     name = client.train(func=my_train, func_args={"lr": 3e-4}, num_nodes=2)
     name = client.train(func=fit, runtime="jax-distributed", num_nodes=2, packages_to_install=["optax"])
     client.list_runtimes(); client.get_runtime("xgboost-distributed"); client.get_runtime_packages("mpi")
-    client.list_jobs(); client.get_job(name)
+    client.list_jobs(); client.get_job(name); client.get_job_metrics(name)   # one record a logged step
     for line in client.get_job_logs(name, rank=0, follow=True): print(line)
     client.get_job(name).steps; client.get_job_logs(name, step="node-0")   # Kubeflow's steps: node-<i>
     client.wait_for_job_status(name, status="Complete", timeout=3600)
@@ -85,6 +85,12 @@ class Client:
 
     def get_job(self, name: str) -> JobInfo:
         return self._backend.get_job(name)
+
+    def get_job_metrics(self, name: str) -> list[dict[str, Any]]:
+        """What the job has logged so far, one record a logged step, oldest first: `step`, `loss`, `lr`, the
+        recipe's own metrics, `eval_loss` where it evaluated (its run's metrics.jsonl; on Kubernetes where
+        `local_run_root=` mounts the pods' run directories here)."""
+        return self._backend.get_job_metrics(name)
 
     def get_job_logs(self, name: str, rank: int = 0, follow: bool = False, step: str | None = None) -> Iterator[str]:
         """Lines of rank `rank`'s log, or of step `step`'s (Kubeflow's `node-<i>`, `get_job(name).steps`: under an

@@ -123,6 +123,11 @@ def test_local_overrides_job_and_function_job_under_torchrun(home, tmp_path):
     assert info.start_time <= info.end_time
     assert summary["world_size"] == 2
     assert any("done: step 3" in line for line in client.get_job_logs(name, rank=0))
+    with open(run_dir / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    records = client.get_job_metrics(name)
+    assert records == logged and [r["step"] for r in records][-1] == 3
+    assert records[-1]["loss"] == pytest.approx(summary["final_train_loss"])
     assert any("done: step 3" in line for line in client.get_job_logs(name, rank=1))
 
     assert client.wait_for_job_status(func, timeout=120, polling_interval=0.2).state == JobState.COMPLETE
@@ -219,6 +224,8 @@ def test_bad_input_is_refused_with_a_clear_message(home, tmp_path):
     [
         ([], 2, "the following arguments are required"),
         (["--namespace", "ml", "list"], 2, "--namespace is an option of --launcher kubernetes"),
+        (["--local-run-root", "/runs", "list"], 2, "--local-run-root is an option of --launcher kubernetes"),
+        (["metrics", "absent"], 1, "error: no local job 'absent'"),
         (["--launcher", "slurm", "list"], 2, "invalid choice: 'slurm'"),
         (["wait", "x", "--status", "Done"], 2, "invalid choice: 'Done'"),
         (["wait", "x", "--timeout", "0"], 2, "--timeout 0 and --interval 2 must be > 0"),
@@ -270,6 +277,17 @@ def test_kubernetes_backend_through_the_kubernetes_client(home, tmp_path, apiser
     }
     info = client.wait_for_job_status(name, timeout=10, polling_interval=0.05)
     assert (info.state, info.loss, info.eval_loss) == (JobState.COMPLETE, 4.8, 4.9)
+    with pytest.raises(LauncherError, match=f"job {name}: its metrics are in its run directory, which this "
+                       "machine does not see .on Kubernetes: local_run_root="):
+        client.get_job_metrics(name)
+    shared = tmp_path / "shared"
+    os.makedirs(shared / name)
+    (shared / name / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 4.8}\n')
+    metrics = cli("--launcher", "kubernetes", "--namespace", "ml", "--kubeconfig", kubeconfig,
+                  "--local-run-root", str(shared), "metrics", name)
+    assert metrics.returncode == 0, metrics.stderr
+    assert [json.loads(line) for line in metrics.stdout.splitlines()] == [{"step": 1, "loss": 5.5},
+                                                                         {"step": 2, "loss": 4.8}]
     assert info.end_time.isoformat() == "2026-11-29T00:00:00+00:00"
 
     got = cli("--launcher", "kubernetes", "--namespace", "ml", "--kubeconfig", kubeconfig, "get", name, "--json")
@@ -308,6 +326,9 @@ def test_a_run_in_the_drivers_own_process_is_on_record_too(home, tmp_path):
     info = json.loads(got.stdout)
     assert (info["state"], info["step"], info["run_dir"]) == ("Complete", 2, str(run_dir)), got.stderr
     assert info["eval_loss"] == read_summary(str(run_dir))["final_eval_loss"]
+    metrics = cli("metrics", run_name(str(run_dir)))
+    with open(run_dir / "metrics.jsonl") as f:
+        assert [json.loads(line) for line in metrics.stdout.splitlines()] == [json.loads(line) for line in f]
 
 
 LEAVES = (

@@ -1,8 +1,9 @@
 """One trial of an Optuna sweep as a process: `python -m trainer <overrides> hydra.run.dir=<sweep>/<n>` with
-the command's launcher, in a process group of its own and on its share of this machine's CPUs; its
-metrics read from the run's metrics.jsonl as the run writes them (on Kubernetes, where
-launcher.local_run_root mounts the pods' run directories); and stopped, when the pruner says so, with
-every process it started (and its containers or TrainJob) gone."""
+the command's launcher, in a process group of its own and on its share of this machine's CPUs; watched through
+the launcher's `Client` (its job, found by its run directory or, on Kubernetes, by the name it was given; its
+metrics as the run logs them, `get_job_metrics`: on Kubernetes where launcher.local_run_root mounts the pods' run
+directories); and stopped, when the pruner says so, with every process it started gone and its job deleted
+through the Client. Its driver's exit code says how it ended (2: a config the trainer refused)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import yaml
 from launchers import Client, LauncherError
 from launchers.options import offers
 from trainjob import process_tree
-from trainjob.run_files import RunDir, read_metrics, read_summary, write_event
+from trainjob.run_files import RunDir, write_event
 
 PR_SET_PDEATHSIG = 1
 
@@ -56,6 +57,7 @@ class TrialProcess:
         self.proc: subprocess.Popen | None = None
         self.reported = -1  # the last step whose value the study has
         self._max_steps: int | None = None
+        self._client: Client | None = None
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log), exist_ok=True)
@@ -84,11 +86,35 @@ class TrialProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def client(self) -> Client:
+        """The Client of the trial's launcher, with the options that find its jobs."""
+        if self._client is None:
+            keys = ("namespace", "kubeconfig", "context", "run_claim", "local_run_root")
+            self._client = Client(self.launcher["name"], **{k: self.launcher[k] for k in keys if self.launcher.get(k)})
+        return self._client
+
+    def job(self) -> str | None:
+        """The trial's job on its launcher: the name it was given, or the job whose run directory is the trial's
+        (None until its driver has put it on record). Looked for once the driver has saved the run's config,
+        which it does before it launches: a Client lists every job it has on record."""
+        if self.job_name is None and os.path.exists(RunDir.of(self.run_dir).config):
+            with contextlib.suppress(LauncherError):
+                self.job_name = next((j.name for j in self.client().list_jobs()
+                                      if j.run_dir and os.path.abspath(j.run_dir) == self.run_dir), None)
+        return self.job_name
+
+    def records(self) -> list[dict[str, Any]]:
+        """What the trial's run has logged so far (`Client.get_job_metrics`; nothing before its job exists)."""
+        name = self.job()
+        with contextlib.suppress(LauncherError):
+            return self.client().get_job_metrics(name) if name else []
+        return []
+
     def new_values(self, metric: str) -> list[tuple[int, float]]:
         """(step, value) of `metric` on the lines written since the last call."""
         values = [
             (int(r["step"]), float(r[metric]))
-            for r in read_metrics(self.metrics_dir)
+            for r in self.records()
             if metric in r and "step" in r and int(r["step"]) > self.reported
         ]
         if values:
@@ -106,15 +132,17 @@ class TrialProcess:
         return self._max_steps
 
     def final(self, metric: str) -> float | None:
-        """The run's last value of `metric` (eval_loss: the summary's final eval loss)."""
-        summary = read_summary(self.metrics_dir) or {}
-        if metric == "eval_loss" and summary.get("final_eval_loss") is not None:
-            return float(summary["final_eval_loss"])
-        values = [float(r[metric]) for r in read_metrics(self.metrics_dir) if metric in r]
+        """The run's last value of `metric` (eval_loss: the job's, its summary's final eval loss)."""
+        name = self.job()
+        if metric == "eval_loss" and name:
+            with contextlib.suppress(LauncherError):
+                if (value := self.client().get_job(name).eval_loss) is not None:
+                    return float(value)
+        values = [float(r[metric]) for r in self.records() if metric in r]
         return values[-1] if values else None
 
     def steps(self) -> int | None:
-        records = read_metrics(self.metrics_dir)
+        records = self.records()
         return int(records[-1]["step"]) if records else None
 
     def prune(self, step: int, metric: str, value: float) -> None:
@@ -134,17 +162,11 @@ class TrialProcess:
             self._delete_job()
 
     def _delete_job(self) -> None:
-        """The trial's job on its launcher, through the Client: the TrainJob by the name it was given, Docker's
-        containers found by their run directory. A launcher that cannot say or do it leaves them (the trial is
-        pruned or failed whatever it answers)."""
-        options = {k: self.launcher[k] for k in ("namespace", "kubeconfig", "context") if self.launcher.get(k)}
+        """The trial's job on its launcher, deleted through the Client. A launcher that cannot say or do it leaves
+        it (the trial is pruned or failed whatever it answers)."""
         with contextlib.suppress(RuntimeError, OSError, ValueError):
-            client = Client(self.launcher["name"], **options)
-            names = [self.job_name] if self.job_name else [
-                j.name for j in client.list_jobs() if j.run_dir and os.path.abspath(j.run_dir) == self.run_dir]
-            for name in names:
-                with contextlib.suppress(LauncherError):
-                    client.delete_job(name)
+            if name := self.job():
+                self.client().delete_job(name)
 
     def error_line(self) -> str:
         """The last line the trial's driver printed (its error), or where its log is."""
