@@ -25,6 +25,8 @@ from trainjob import process_tree
 from trainjob.run_files import RunDir, write_event
 
 PR_SET_PDEATHSIG = 1
+# What a launcher that cannot answer (yet) raises: the trial is watched again at the next poll.
+UNANSWERED = (LauncherError, OSError)
 
 
 def cpu_shares(n_jobs: int) -> list[set[int]]:
@@ -98,7 +100,7 @@ class TrialProcess:
         (None until its driver has put it on record). Looked for once the driver has saved the run's config,
         which it does before it launches: a Client lists every job it has on record."""
         if self.job_name is None and os.path.exists(RunDir.of(self.run_dir).config):
-            with contextlib.suppress(LauncherError):
+            with contextlib.suppress(*UNANSWERED):
                 self.job_name = next((j.name for j in self.client().list_jobs()
                                       if j.run_dir and os.path.abspath(j.run_dir) == self.run_dir), None)
         return self.job_name
@@ -106,7 +108,7 @@ class TrialProcess:
     def records(self) -> list[dict[str, Any]]:
         """What the trial's run has logged so far (`Client.get_job_metrics`; nothing before its job exists)."""
         name = self.job()
-        with contextlib.suppress(LauncherError):
+        with contextlib.suppress(*UNANSWERED):
             return self.client().get_job_metrics(name) if name else []
         return []
 
@@ -135,7 +137,7 @@ class TrialProcess:
         """The run's last value of `metric` (eval_loss: the job's, its summary's final eval loss)."""
         name = self.job()
         if metric == "eval_loss" and name:
-            with contextlib.suppress(LauncherError):
+            with contextlib.suppress(*UNANSWERED):
                 if (value := self.client().get_job(name).eval_loss) is not None:
                     return float(value)
         values = [float(r[metric]) for r in self.records() if metric in r]
