@@ -9,9 +9,9 @@ checkpoints, LoRA targets (by module name, as PEFT matches them) and exports kee
 
 Packed rows pass position ids that restart with each document; transformers then keeps attention within each
 document (its packed-sequence masks). Incremental decoding keeps a transformers `DynamicCache` inside our
-`KVCache`, fed the cache's positions and padding. A model with tied embeddings keeps one parameter, the input
-embedding's: the output layer reads it at each forward (a parameter shared by two modules would not survive
-`to_empty`).
+`KVCache` (its `hf`, from which `KVCache.keep` drops the ended rows), fed the cache's positions and padding. A model
+with tied embeddings keeps one parameter, the input embedding's: the output layer reads it at each forward (a
+parameter shared by two modules would not survive `to_empty`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class TransformersModel(nn.Module):
     def _inputs(self, tokens: torch.Tensor, documents: torch.Tensor | None, cache) -> dict:
         inputs = {"input_ids": tokens, "use_cache": False}
         if cache is not None:
-            if getattr(cache, "hf", None) is None:
+            if cache.hf is None:
                 from transformers import DynamicCache
 
                 cache.hf = DynamicCache(config=self.causal_lm.config)

@@ -7,7 +7,8 @@ layer writes its keys and values into its own `LayerCache` slot, allocated on fi
 local head count, so a tensor-parallel shard caches only its own heads. Its tensors are allocated once, at the
 whole batch and `max_len`; rows that have ended leave (`keep`): the rows still running move to the front of the
 same tensors and the calls that follow read only them. Positions are counted on as tokens come (one column's
-costs no pass over the cached ones).
+costs no pass over the cached ones). Under `model.impl=transformers` the keys and values are held instead by
+transformers' own cache (`hf`, set by the model's first call), which `keep` shrinks to the same rows.
 
 A batch's prompts can instead come first as one packed row (`append_packed`: their tokens one after another,
 no padding, each attending within itself): the prefill then computes no padding, and each layer scatters the
@@ -72,6 +73,8 @@ class KVCache:
         # Packed prompts: the (row, column) of each cached token and its index in the packed row.
         self.packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._positions: torch.Tensor | None = None  # (batch, max_len): every cached token's position
+        # transformers' cache (a `Cache`) under model.impl=transformers: it, not `layers`, holds the keys and values.
+        self.hf = None
 
     def _allocate(self, batch: int, device: torch.device) -> None:
         self.batch = batch
@@ -145,3 +148,7 @@ class KVCache:
         self.valid, self._positions, self.count = self.valid[:n], self._positions[:n], self.count[:n]
         for layer in self.layers:
             layer.keep(rows)
+        if self.hf is not None:
+            # Beam search's selection of batch rows, which every kind of transformers' cache layer has (linear
+            # attention's lacks batch_select_indices).
+            self.hf.reorder_cache(rows)

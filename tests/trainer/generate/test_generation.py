@@ -1,5 +1,6 @@
 """Generation (`trainer.generate`): the KV cache gives the full forward's logits, greedy decoding of left-padded
-batches gives `transformers`' `generate` token for token, and sampling keeps to its top-k and top-p tokens
+batches gives `transformers`' `generate` token for token (under model.impl=transformers too, whose rows that
+end leave transformers' own cache), and sampling keeps to its top-k and top-p tokens
 (checked against transformers' logits warpers and by the definition).
 
 The models are tiny random Hugging Face ones built with `transformers` (nothing is downloaded) and a preset."""
@@ -21,7 +22,7 @@ from tests.trainer.hf_models import make_llama, make_mistral, make_qwen2
 from trainer import models
 from trainer.config import ModelConfig
 from trainer.generate import generate, left_padded, sampling
-from trainer.models import from_hf
+from trainer.models import from_hf, hf_transformers
 from trainer.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.timeout(300)
@@ -135,6 +136,29 @@ def test_a_seed_samples_what_transformers_generate_samples(hf_dirs, ours, warper
     for row, reference in zip(mine, theirs, strict=True):
         assert reference == row + [0] * (len(reference) - len(row))
 
+
+@pytest.mark.parametrize("name, temperature", [("llama", 0.0), ("mistral", 0.0), ("llama", 1.0)])
+def test_under_model_impl_transformers_ended_rows_leave_transformers_own_cache(hf_dirs, ours, name, temperature):
+    """model.impl=transformers decodes through transformers' cache inside our `KVCache`: rows that end leave that
+    cache too (its keys and values stay the running rows'), so each row's tokens, greedy or sampled with a seed,
+    are transformers' `generate`'s and our native decoder's, after the first row ends as before it."""
+    model = hf_transformers.from_hf(hf_dirs[name]).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 13, 1, 8)]
+    torch.manual_seed(11)
+    free = generate(model, prompts, 16, temperature=temperature)
+    eos = [free[0][1], free[3][4]]  # rows 0 and 3 end early, at different steps; the batch shrinks twice or more
+    torch.manual_seed(11)
+    mine = generate(model, prompts, 16, eos=eos, temperature=temperature)
+    torch.manual_seed(11)
+    native = generate(ours[name], prompts, 16, eos=eos, temperature=temperature)
+    theirs = (_hf_sampled(hf_dirs[name], prompts, 16, eos, 11, temperature=temperature, top_k=0) if temperature
+              else _hf_greedy(hf_dirs[name], prompts, 16, eos, pad=0))
+    assert len(mine[0]) <= 2 and len(mine[3]) <= 5 and len(mine[0]) != len(mine[3])
+    assert max(len(r) for r in mine) == 16
+    for row, (ours_row, reference) in enumerate(zip(mine, theirs, strict=True)):
+        assert reference == ours_row + [0] * (len(reference) - len(ours_row)), row
+    assert mine == native
 
 def test_the_draw_is_torch_multinomials_for_any_rows_of_the_batch():
     probs = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)).softmax(-1)
