@@ -11,6 +11,11 @@ run's summary.json `peak_memory_gb_per_rank` (the process's maximum resident mem
 rank's; the step time is metrics.jsonl's last. The issue's target (cp=4 at 32k tokens at most 0.4x cp=1's peak
 memory per rank) is read there. Bytes sent are not counted on that path.
 
+`--model-overrides model.<key>=<value> ...` runs the cp rows (either path) on `model=debug` changed by them, e.g.
+twice as wide (`model.dim=512 model.n_heads=8 model.n_kv_heads=4 model.ffn_dim=1376`, the byte-level vocabulary
+and the corpus unchanged): the activations cp divides grow with the width, the ~0.6 GiB per rank that no degree
+divides (interpreter, torch, gloo, pyarrow, the corpus's rows) does not.
+
 `--harness` runs the cp rows in the bench's own ranks instead (bench/expert_parallel.py's `parallel_model`: the
 meta model, `parallelize`, `init_weights`, AdamW steps on random tokens, the same row on every cp rank), which
 count the bytes each collective sends per rank per step from its own size: the exchange's all-gathers of each
@@ -24,7 +29,8 @@ Both count what the C allocators keep resident: glibc's heap keeps freed buffers
 (up to 32 MiB); `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB (the trainer
 does not: it costs the default CPU run's throughput; docs/parallelism.md gives both).
 
-    python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--harness] [--ep 1 2 4]
+    python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--harness]
+        [--model-overrides model.KEY=VALUE ...] [--ep 1 2 4]
 """
 
 
@@ -72,51 +78,53 @@ def _counting_exchange(sent: dict) -> None:
                                       lambda x, n: x.nbytes * (n - 1) / n)
 
 
-def debug_model(seq: int):
-    """`model=debug` as the trainer composes it, rotary tables for `seq` tokens."""
+def debug_model(seq: int, overrides: list[str]):
+    """`model=debug` as the trainer composes it, with `overrides` (`model.<key>=<value>`), rotary tables for `seq`
+    tokens."""
     from omegaconf import OmegaConf
 
     from trainer.config.model import ModelConfig
     from trainer.models import build
 
     preset = OmegaConf.load(os.path.join(REPO, "conf/model/debug.yaml"))
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), preset, {"max_seq_len": seq})
+    changed = OmegaConf.from_dotlist([o.removeprefix("model.") for o in overrides])
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), preset, changed, {"max_seq_len": seq})
     return build(OmegaConf.to_object(cfg))
 
 
-def rank_main(cp: int, seq: int, steps: int, out: str) -> None:
+def rank_main(cp: int, seq: int, steps: int, overrides: list[str], out: str) -> None:
     import torch
 
     from trainer.config import StrategyConfig
     from trainer.config.model import BYTE_VOCAB_SIZE
 
     strategy = StrategyConfig(name="fsdp2_cp" if cp > 1 else "fsdp2", dp_shard=-1, cp=cp)
-    model, sent = expert_parallel.parallel_model(strategy, lambda: debug_model(seq))
+    model, sent = expert_parallel.parallel_model(strategy, lambda: debug_model(seq, overrides))
     _counting_exchange(sent)
     gen = torch.Generator().manual_seed(0)  # every cp rank reads the same row
     expert_parallel.train(model, lambda: torch.randint(0, BYTE_VOCAB_SIZE, (1, seq + 1), generator=gen), steps,
                           sent, out)
 
 
-def trainer_args(cp: int, seq: int, steps: int, run_dir: str) -> list[str]:
-    """`python -m trainer`'s command for one point: `model=debug` on one row of `seq` tokens (data=stdlib, the
-    default corpus), `steps` steps, one eval batch (the least the trainer takes: it evaluates at the last step);
-    cp > 1: `strategy=fsdp2_cp` on cp torchrun ranks; cp=1: the plain single-process run."""
-    args = [sys.executable, "-m", "trainer", "model=debug", f"model.max_seq_len={seq}", f"data.seq_len={seq}",
-            "train.global_batch_size=1", f"train.max_steps={steps}", "train.eval_batches=1", "train.log_every=1",
-            "train.progress=false", f"hydra.run.dir={run_dir}"]
+def trainer_args(cp: int, seq: int, steps: int, overrides: list[str], run_dir: str) -> list[str]:
+    """`python -m trainer`'s command for one point: `model=debug` (and `overrides`) on one row of `seq` tokens
+    (data=stdlib, the default corpus), `steps` steps, one eval batch (the least the trainer takes: it evaluates at
+    the last step); cp > 1: `strategy=fsdp2_cp` on cp torchrun ranks; cp=1: the plain single-process run."""
+    args = [sys.executable, "-m", "trainer", "model=debug", *overrides, f"model.max_seq_len={seq}",
+            f"data.seq_len={seq}", "train.global_batch_size=1", f"train.max_steps={steps}", "train.eval_batches=1",
+            "train.log_every=1", "train.progress=false", f"hydra.run.dir={run_dir}"]
     if cp > 1:
         args += ["strategy=fsdp2_cp", f"strategy.cp={cp}", "+runtime=torch-distributed",
                  f"runtime.nproc_per_node={cp}"]
     return args
 
 
-def trainer_point(cp: int, seq: int, steps: int) -> dict | str:
+def trainer_point(cp: int, seq: int, steps: int, overrides: list[str]) -> dict | str:
     """One `python -m trainer` run's peak RSS per rank (summary.json's `peak_memory_gb_per_rank`, the largest
     rank's) and its last step's time (metrics.jsonl), or the last line of its error."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = os.path.join(tmp, "run")
-        proc = subprocess.run(trainer_args(cp, seq, steps, run_dir), cwd=tmp, capture_output=True, text=True,
+        proc = subprocess.run(trainer_args(cp, seq, steps, overrides, run_dir), cwd=tmp, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": REPO})
         if proc.returncode != 0:
             errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "rror" in line]
@@ -128,8 +136,9 @@ def trainer_point(cp: int, seq: int, steps: int) -> dict | str:
     return {"peak_gb": max(summary["peak_memory_gb_per_rank"]), "step_s": last["step_time_s"]}
 
 
-def trainer_table(seqs: list[int], cps: list[int], steps: int) -> None:
-    print(f"`python -m trainer model=debug data.seq_len=<seq> train.global_batch_size=1 train.max_steps={steps}` "
+def trainer_table(seqs: list[int], cps: list[int], steps: int, overrides: list[str]) -> None:
+    print(f"`python -m trainer {' '.join(['model=debug', *overrides])} data.seq_len=<seq> "
+          f"train.global_batch_size=1 train.max_steps={steps}` "
           "(cp > 1: `strategy=fsdp2_cp strategy.cp=<cp>` on cp torchrun ranks of this CPU, gloo; cp=1: one "
           "process); peak RSS per rank: summary.json's `peak_memory_gb_per_rank`, the largest rank's. Bytes sent "
           "are not counted on this path (its collectives are not instrumented): `--harness` counts them\n")
@@ -138,7 +147,7 @@ def trainer_table(seqs: list[int], cps: list[int], steps: int) -> None:
     for seq in seqs:
         first = None
         for cp in cps:
-            row = trainer_point(cp, seq, steps)
+            row = trainer_point(cp, seq, steps, overrides)
             if isinstance(row, str):
                 print(f"| {seq} | {cp} | {row} |", flush=True)
                 continue
@@ -147,10 +156,10 @@ def trainer_table(seqs: list[int], cps: list[int], steps: int) -> None:
                   flush=True)
 
 
-def cp_table(seqs: list[int], cps: list[int], steps: int) -> None:
-    print(f"`model=debug`, one row of seq tokens a step, {steps} step(s); cp ranks of this CPU (gloo), fsdp2 "
-          "over them. The bench's own setup, not `python -m trainer`: its ranks build and step the model through "
-          "trainer.parallel as trainer.worker does, on random tokens\n")
+def cp_table(seqs: list[int], cps: list[int], steps: int, overrides: list[str]) -> None:
+    print(f"`{' '.join(['model=debug', *overrides])}`, one row of seq tokens a step, {steps} step(s); cp ranks of "
+          "this CPU (gloo), fsdp2 over them. The bench's own setup, not `python -m trainer`: its ranks build and "
+          "step the model through trainer.parallel as trainer.worker does, on random tokens\n")
     print("| seq | cp | step (s) | peak RSS per rank (GiB) | x cp=1 | step peak per rank (GiB) | x cp=1 "
           "| MB sent per rank per step: K/V all-gather | K/V reduce-scatter | FSDP2 all-gather | reduce-scatter "
           "| all-reduce |")
@@ -158,7 +167,7 @@ def cp_table(seqs: list[int], cps: list[int], steps: int) -> None:
     for seq in seqs:
         first = None
         for cp in cps:
-            ranks = expert_parallel.run_ranks(__file__, cp, [cp, seq, steps])
+            ranks = expert_parallel.run_ranks(__file__, cp, [cp, seq, steps, " ".join(overrides)])
             if isinstance(ranks, str):
                 print(f"| {seq} | {cp} | {ranks} |", flush=True)
                 continue
@@ -187,7 +196,7 @@ def ep_table(eps: list[int], nproc: int, steps: int) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split(), sys.argv[6])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -198,9 +207,15 @@ def main() -> None:
     parser.add_argument("--harness", action="store_true",
                         help="the cp rows from the bench's own ranks (bytes sent and step peak counted) rather "
                              "than python -m trainer runs")
+    parser.add_argument("--model-overrides", nargs="*", default=[], metavar="model.KEY=VALUE",
+                        help="the cp rows' model: model=debug with these (e.g. a wider one: model.dim=512 "
+                             "model.n_heads=8 model.n_kv_heads=4 model.ffn_dim=1376)")
     args = parser.parse_args()
+    for override in args.model_overrides:
+        if not override.startswith("model.") or "=" not in override:
+            parser.error(f"--model-overrides {override!r}: each must be model.<key>=<value>")
     if args.cp:
-        (cp_table if args.harness else trainer_table)(args.seq, args.cp, args.steps)
+        (cp_table if args.harness else trainer_table)(args.seq, args.cp, args.steps, args.model_overrides)
     if args.ep:
         ep_table(args.ep, max(args.ep), args.ep_steps)
 
