@@ -205,7 +205,9 @@ def test_two_nodes_started_with_their_ranks_equal_one_and_a_node_killed_and_star
 
 def test_a_node_refused_for_another_config_leaves_the_waiting_node_to_end_in_one_line(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
-    fixed = [*ARGS, "runtime.nnodes=2", f"runtime.rdzv_endpoint=127.0.0.1:{_free_port()}", "runtime.rdzv_timeout=10",
+    # Node 0 must still be waiting when node 1 is refused: node 1's start (composition and checks) took 25 s on a
+    # loaded CI machine, by when a 10 s rendezvous had ended node 0 and freed its slot.
+    fixed = [*ARGS, "runtime.nnodes=2", f"runtime.rdzv_endpoint=127.0.0.1:{_free_port()}", "runtime.rdzv_timeout=40",
              f"hydra.run.dir={run_dir}"]
     first = _node(cache_dir, tmp_path, *fixed, "runtime.node_rank=0")
     deadline = time.monotonic() + 120
@@ -220,7 +222,7 @@ def test_a_node_refused_for_another_config_leaves_the_waiting_node_to_end_in_one
     out, _ = first.communicate(timeout=180)
     assert first.returncode == 1, out[-2000:]
     assert out.strip().splitlines()[-1] == (
-        f"error: runtime.rdzv_timeout=10: the rendezvous at {fixed[-3].split('=')[1]} waited 10 s for 2 nodes: 1 "
+        f"error: runtime.rdzv_timeout=40: the rendezvous at {fixed[-3].split('=')[1]} waited 40 s for 2 nodes: 1 "
         "joined (node 0), node 1 never did (refused, or not started: start each node with the same command)")
     assert "Traceback" not in out
 
