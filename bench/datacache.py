@@ -11,7 +11,7 @@ holds as many bytes in memory as the node and sends them once a pass, batch by b
 reads each batch with `recv_into` straight into a fresh torch tensor (no copy after the socket: the least
 any receiver can do). StreamingDataset reads with its defaults unless `--prefetch`/`--readers` say
 otherwise, and every pass, TCP's too, runs under the malloc settings it sets in the process that reads
-(`datacache.memory`). Every source gets one untimed pass first (an epoch of a long run, not its first). A
+(`trainjob.allocator`). Every source gets one untimed pass first (an epoch of a long run, not its first). A
 row's share of TCP ("of TCP") is against raw TCP passes run between its own passes, one before each ("TCP
 GB/s", the best of them): on a shared machine the ceiling moves by a third from minute to minute, and a
 ratio of two figures taken minutes apart would measure that. Beside throughput it prints the CPU time
@@ -69,8 +69,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 
 from datacache import LocalDataset, StreamingDataset  # noqa: E402
-from datacache.memory import keep_freed_buffers  # noqa: E402
 from datacache.parquet import token_matrix  # noqa: E402
+from trainjob.allocator import keep_freed_buffers  # noqa: E402
 from trainjob.run_files import read_metrics  # noqa: E402
 
 

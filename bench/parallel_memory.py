@@ -25,12 +25,14 @@ reduce-scatters and all-reduces. It also gives the step peak: the peak RSS less 
 the first step. With `--steps` 1 (the default: a 32k step takes minutes on two cores) the bytes are the one
 step's, FSDP2's lazy initialisation included; with more, the mean of the steps after the first.
 
-Both count what the C allocators keep resident: glibc's heap keeps freed buffers below its dynamic mmap threshold
-(up to 32 MiB); `MALLOC_MMAP_THRESHOLD_=1048576` before the command fixes that threshold at 1 MiB (the trainer
-does not: it costs the default CPU run's throughput; docs/parallelism.md gives both).
+Both count what the C allocators keep resident. `--allocator` is the ranks' `train.allocator` (trainjob.allocator;
+the harness's ranks set it as the worker does): at its default, auto, every row here (8k tokens and more) runs
+under `release`, glibc's mmap threshold fixed at 1 MiB so that a freed activation goes back to the kernel at once;
+`--allocator adaptive` leaves glibc's own threshold, which rises to the largest block freed (up to 32 MiB) and
+then keeps the holes a step's freed activations leave in its heap resident (docs/parallelism.md gives both).
 
     python bench/parallel_memory.py [--seq 8192 16384 32768] [--cp 1 2 4] [--steps 1] [--harness]
-        [--model-overrides model.KEY=VALUE ...] [--ep 1 2 4]
+        [--model-overrides model.KEY=VALUE ...] [--allocator auto|adaptive|release] [--ep 1 2 4]
 """
 
 
@@ -47,6 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 
 from bench import expert_parallel  # noqa: E402  (the path above first)
+from trainer.config.train import ALLOCATORS  # noqa: E402
 
 EXCHANGE = ("kv_all_gather", "kv_reduce_scatter")
 FSDP = ("all_gather_single", "reduce_scatter_single", "all_reduce")
@@ -92,11 +95,16 @@ def debug_model(seq: int, overrides: list[str]):
     return build(OmegaConf.to_object(cfg))
 
 
-def rank_main(cp: int, seq: int, steps: int, overrides: list[str], out: str) -> None:
+def rank_main(cp: int, seq: int, steps: int, overrides: list[str], policy: str, out: str) -> None:
     import torch
 
     from trainer.config import StrategyConfig
     from trainer.config.model import BYTE_VOCAB_SIZE
+    from trainer.config.train import TrainConfig
+    from trainjob import allocator
+
+    if TrainConfig(allocator=policy).allocator_for(seq) == "release":  # as trainer.worker does
+        allocator.release_freed_buffers()
 
     strategy = StrategyConfig(name="fsdp2_cp" if cp > 1 else "fsdp2", dp_shard=-1, cp=cp)
     model, sent = expert_parallel.parallel_model(strategy, lambda: debug_model(seq, overrides))
@@ -106,26 +114,26 @@ def rank_main(cp: int, seq: int, steps: int, overrides: list[str], out: str) -> 
                           sent, out)
 
 
-def trainer_args(cp: int, seq: int, steps: int, overrides: list[str], run_dir: str) -> list[str]:
+def trainer_args(cp: int, seq: int, steps: int, overrides: list[str], policy: str, run_dir: str) -> list[str]:
     """`python -m trainer`'s command for one point: `model=debug` (and `overrides`) on one row of `seq` tokens
     (data=stdlib, the default corpus), `steps` steps, one eval batch (the least the trainer takes: it evaluates at
     the last step); cp > 1: `strategy=fsdp2_cp` on cp torchrun ranks; cp=1: the plain single-process run."""
     args = [sys.executable, "-m", "trainer", "model=debug", *overrides, f"model.max_seq_len={seq}",
             f"data.seq_len={seq}", "train.global_batch_size=1", f"train.max_steps={steps}", "train.eval_batches=1",
-            "train.log_every=1", "train.progress=false", f"hydra.run.dir={run_dir}"]
+            "train.log_every=1", "train.progress=false", f"train.allocator={policy}", f"hydra.run.dir={run_dir}"]
     if cp > 1:
         args += ["strategy=fsdp2_cp", f"strategy.cp={cp}", "+runtime=torch-distributed",
                  f"runtime.nproc_per_node={cp}"]
     return args
 
 
-def trainer_point(cp: int, seq: int, steps: int, overrides: list[str]) -> dict | str:
+def trainer_point(cp: int, seq: int, steps: int, overrides: list[str], policy: str) -> dict | str:
     """One `python -m trainer` run's peak RSS per rank (summary.json's `peak_memory_gb_per_rank`, the largest
     rank's) and its last step's time (metrics.jsonl), or the last line of its error."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = os.path.join(tmp, "run")
-        proc = subprocess.run(trainer_args(cp, seq, steps, overrides, run_dir), cwd=tmp, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": REPO})
+        proc = subprocess.run(trainer_args(cp, seq, steps, overrides, policy, run_dir), cwd=tmp, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": REPO})
         if proc.returncode != 0:
             errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "rror" in line]
             return errors[-1] if errors else f"exit code {proc.returncode}"
@@ -136,9 +144,9 @@ def trainer_point(cp: int, seq: int, steps: int, overrides: list[str]) -> dict |
     return {"peak_gb": max(summary["peak_memory_gb_per_rank"]), "step_s": last["step_time_s"]}
 
 
-def trainer_table(seqs: list[int], cps: list[int], steps: int, overrides: list[str]) -> None:
+def trainer_table(seqs: list[int], cps: list[int], steps: int, overrides: list[str], policy: str) -> None:
     print(f"`python -m trainer {' '.join(['model=debug', *overrides])} data.seq_len=<seq> "
-          f"train.global_batch_size=1 train.max_steps={steps}` "
+          f"train.global_batch_size=1 train.max_steps={steps} train.allocator={policy}` "
           "(cp > 1: `strategy=fsdp2_cp strategy.cp=<cp>` on cp torchrun ranks of this CPU, gloo; cp=1: one "
           "process); peak RSS per rank: summary.json's `peak_memory_gb_per_rank`, the largest rank's. Bytes sent "
           "are not counted on this path (its collectives are not instrumented): `--harness` counts them\n")
@@ -147,7 +155,7 @@ def trainer_table(seqs: list[int], cps: list[int], steps: int, overrides: list[s
     for seq in seqs:
         first = None
         for cp in cps:
-            row = trainer_point(cp, seq, steps, overrides)
+            row = trainer_point(cp, seq, steps, overrides, policy)
             if isinstance(row, str):
                 print(f"| {seq} | {cp} | {row} |", flush=True)
                 continue
@@ -156,7 +164,7 @@ def trainer_table(seqs: list[int], cps: list[int], steps: int, overrides: list[s
                   flush=True)
 
 
-def cp_table(seqs: list[int], cps: list[int], steps: int, overrides: list[str]) -> None:
+def cp_table(seqs: list[int], cps: list[int], steps: int, overrides: list[str], policy: str) -> None:
     print(f"`{' '.join(['model=debug', *overrides])}`, one row of seq tokens a step, {steps} step(s); cp ranks of "
           "this CPU (gloo), fsdp2 over them. The bench's own setup, not `python -m trainer`: its ranks build and "
           "step the model through trainer.parallel as trainer.worker does, on random tokens\n")
@@ -167,7 +175,7 @@ def cp_table(seqs: list[int], cps: list[int], steps: int, overrides: list[str]) 
     for seq in seqs:
         first = None
         for cp in cps:
-            ranks = expert_parallel.run_ranks(__file__, cp, [cp, seq, steps, " ".join(overrides)])
+            ranks = expert_parallel.run_ranks(__file__, cp, [cp, seq, steps, " ".join(overrides), policy])
             if isinstance(ranks, str):
                 print(f"| {seq} | {cp} | {ranks} |", flush=True)
                 continue
@@ -196,7 +204,8 @@ def ep_table(eps: list[int], nproc: int, steps: int) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split(), sys.argv[6])
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split(), sys.argv[6],
+                  sys.argv[7])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -210,12 +219,15 @@ def main() -> None:
     parser.add_argument("--model-overrides", nargs="*", default=[], metavar="model.KEY=VALUE",
                         help="the cp rows' model: model=debug with these (e.g. a wider one: model.dim=512 "
                              "model.n_heads=8 model.n_kv_heads=4 model.ffn_dim=1376)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="the ranks' train.allocator (auto: release from 8192-token rows, so every row here)")
     args = parser.parse_args()
     for override in args.model_overrides:
         if not override.startswith("model.") or "=" not in override:
             parser.error(f"--model-overrides {override!r}: each must be model.<key>=<value>")
     if args.cp:
-        (cp_table if args.harness else trainer_table)(args.seq, args.cp, args.steps, args.model_overrides)
+        (cp_table if args.harness else trainer_table)(args.seq, args.cp, args.steps, args.model_overrides,
+                                                      args.allocator)
     if args.ep:
         ep_table(args.ep, max(args.ep), args.ep_steps)
 

@@ -24,7 +24,7 @@ socket does (gRPC hands a message over in slices, which Arrow joins into one buf
 only what is wanted and each step once, never waits on a slow consumer, and holds no stream that nobody
 reads: it goes idle when its clients do. `prefetch=0`: no thread, a call per step, made when the step
 is wanted. A batch that one node answers in one piece becomes a torch tensor without a copy, in a buffer
-the process reuses (`datacache.memory`).
+the process reuses (`trainjob.allocator`).
 
 Every step is checked as it arrives: its row count, column names and types; a node that answers
 otherwise is an error naming it. A node that cannot be reached, or fails mid-stream, is retried
@@ -53,11 +53,11 @@ import pyarrow.flight as flight
 import torch
 
 from datacache import kubeflow
-from datacache.memory import keep_freed_buffers
 from datacache.order import BatchPlan
 from datacache.parquet import column_array
 from datacache.planned import PlannedDataset, plan_arguments
 from datacache.server import MAX_READERS, DataCacheError, encode_ticket
+from trainjob.allocator import keep_freed_buffers
 from trainjob.env import CACHE_TOKEN_ENV
 
 # A call carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).

@@ -41,7 +41,7 @@ from trainer.parallel import ParallelDims
 from trainer.parallel.assembly import assemble
 from trainer.prepare import inputs
 from trainer.training import loop, preemption
-from trainjob import runtimes, startup
+from trainjob import allocator, runtimes, startup
 from trainjob.env import DRIVER_REPORTS_ENV
 from trainjob.files import write_whole
 from trainjob.run_files import RunDir
@@ -102,8 +102,11 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
     as this rank; return the summary (the same on every rank). `checked`: the inputs were checked in this
     process already (by the driver)."""
     cfg = cfg if isinstance(cfg, Config) else config.typed(cfg)
+    released = cfg.train.allocator_for(cfg.data.seq_len) == "release" and allocator.release_freed_buffers()
     env = init_distributed(cfg.runtime.name if cfg.runtime is not None else None)
     handler = setup_logging(cfg.run_dir, env.rank)
+    if released:
+        log.info("allocator: release (glibc maps blocks of 1 MiB or more on their own: freed ones go back at once)")
     if (started := startup.marks(IMPORTED_AT, time.time())) is not None:
         log.info("startup %s", json.dumps(started))
     try:

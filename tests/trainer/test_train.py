@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,17 @@ def test_in_process_run_writes_config_metrics_checkpoints_summary(run_cli, tmp_p
     assert (run_dir / "logs" / "rank-0.log").read_text().count("done: step 6") == 1
     text = (run_dir / "config.yaml").read_text()
     assert "hydra" not in text and "${" not in text and f"run_dir: {run_dir}" in text
+
+
+def test_a_run_that_releases_freed_buffers_says_so_and_trains_the_same_losses(run_cli, tmp_path, single_reference):
+    """train.allocator=release (auto's choice from 8192-token rows) sets glibc's policy in the rank and says so in
+    its log; the losses are the default run's (auto, 32-token rows: glibc's own), to the bit."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(*REFERENCE, "train.allocator=release", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    assert "allocator: release" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert "allocator:" not in (Path(single_reference) / "logs" / "rank-0.log").read_text()
+    assert _losses(str(run_dir)) == _losses(single_reference)
 
 
 def test_torchrun_ddp_matches_in_process_loss_curve(single_reference, ddp_reference):

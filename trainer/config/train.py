@@ -15,6 +15,10 @@ from trainjob.storage.urls import is_url, scheme_of
 # weights in groups of train.qat_group_size along each row).
 QAT_SCHEMES = ("none", "int8_dynamic_act_int4_weight")
 
+# train.allocator: glibc's malloc in each rank (trainjob.allocator); auto is release from rows of LONG_ROWS tokens.
+ALLOCATORS = (AUTO, "adaptive", "release")
+LONG_ROWS = 8192
+
 
 # What marks a checkpoint that DeepSpeed wrote (strategy=deepspeed: `trainer.checkpoint.deepspeed_store`): its model's
 # parameter shapes and data order, written last; DCP's is its .metadata.
@@ -62,8 +66,21 @@ class TrainConfig:
     # int4 weights are quantised in groups of qat_group_size along each row.
     qat: str = "none"
     qat_group_size: int = 32  # int4 weights' group size along each row
+    # glibc's malloc in each rank (the CPU's memory: activations on the CPU, host buffers on a GPU): release maps
+    # every block of 1 MiB or more on its own, so that a freed activation goes back to the kernel at once and the
+    # peak resident memory is what the step holds (each new block faults its pages in); adaptive leaves glibc's own
+    # thresholds, which keep freed blocks for reuse; auto: release where rows hold 8192 tokens or more
+    # (data.seq_len), adaptive otherwise. A user's MALLOC_* or GLIBC_TUNABLES settings decide over it.
+    allocator: str = AUTO
+
+    def allocator_for(self, seq_len: int) -> str:
+        """The allocator policy for rows of `seq_len` tokens: train.allocator, auto resolved."""
+        if self.allocator != AUTO:
+            return self.allocator
+        return "release" if seq_len >= LONG_ROWS else "adaptive"
 
     def check(self) -> None:
+        one_of("train.allocator", self.allocator, ALLOCATORS)
         one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
         require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
         require(self.checkpoint_threads >= 1, "train.checkpoint_threads", self.checkpoint_threads, "must be >= 1")

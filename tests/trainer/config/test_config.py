@@ -175,6 +175,7 @@ BAD = [
     (["+runtime=torch-distributed", "runtime.nnodes=2"],
      "runtime.rdzv_endpoint=None: must be host:port of node 0 when runtime.nnodes > 1"),
     (["train.mixed_precision=fp8"], "train.mixed_precision='fp8': must be one of auto, fp32, bf16"),
+    (["train.allocator=jemalloc"], "train.allocator='jemalloc': must be one of auto, adaptive, release"),
     (["data=parquet"], "data.path=None: data=parquet needs the Parquet files"),
     (["strategy=tp"], "strategy='tp': strategy=tp needs more than one process: add runtime=torch-distributed"),
     (["strategy=fsdp2_tp"], "strategy='fsdp2_tp': strategy=fsdp2_tp needs more than one process"),

@@ -1,7 +1,9 @@
-"""A reading process keeps its freed batch buffers: after a StreamingDataset has been iterated there, a
-thread that fills and frees batch-sized blocks as a read-ahead does faults their pages in once, not every
-round; a user's own malloc settings are left as they are. Each case runs in a fresh interpreter, since
-malloc's settings last as long as the process.
+"""glibc's malloc policies (trainjob.allocator): a reading process keeps its freed batch buffers (after a
+StreamingDataset has been iterated there, a thread that fills and frees batch-sized blocks as a read-ahead does
+faults their pages in once, not every round); a process that releases them gives a freed block back to the kernel
+even where a block still held sits after it (glibc's adaptive threshold keeps it resident); one policy a process;
+a user's own malloc settings are left as they are. Each case runs in a fresh interpreter, since malloc's settings
+last as long as the process.
 """
 
 from __future__ import annotations
@@ -43,6 +45,32 @@ thread.join()
 print(json.dumps(faults))
 """
 
+# Prints the MiB still resident after 16 blocks of 8 MiB, each followed by a 256 KiB block that stays, are written
+# and freed, once a 16 MiB block has been freed (which raises glibc's adaptive mmap threshold to 16 MiB: a
+# training step's largest activations do that); argv[1] names the policy set first ("release", "keep" or none).
+HOLES = """
+import ctypes, json, sys
+from trainjob import allocator
+print(json.dumps({"release": allocator.release_freed_buffers, "keep": allocator.keep_freed_buffers,
+                  "none": lambda: None}[sys.argv[1]]()))
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+first = libc.malloc(16 << 20)
+libc.free(first)
+before, held, size = resident(), [], 8 << 20
+blocks = []
+for _ in range(16):
+    blocks.append(libc.malloc(size))
+    ctypes.memset(blocks[-1], 1, size)
+    held.append(libc.malloc(256 << 10))
+for b in blocks:
+    libc.free(b)
+print(json.dumps(resident() - before))
+"""
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
 
 
@@ -78,6 +106,21 @@ def test_a_reading_process_faults_batch_buffers_in_once(endpoint):
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"}, {"MALLOC_TOP_PAD_": "0"},
                                  {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}])
 def test_a_users_own_malloc_settings_decide(env):
-    code = "from datacache.memory import keep_freed_buffers as keep; print(keep(), keep())"
-    assert run(code, env=env) == "False False"
-    assert run(code) == "True True"
+    for policy in ("keep_freed_buffers", "release_freed_buffers"):
+        code = f"from trainjob.allocator import {policy} as set_; print(set_(), set_())"
+        assert run(code, env=env) == "False False"
+        assert run(code) == "True True"
+
+
+def test_a_process_that_releases_freed_buffers_gives_them_back_where_glibc_keeps_them():
+    assert json.loads(run(HOLES, "none")) > 100  # glibc's own: the 128 MiB freed between held blocks stay
+    assert json.loads(run(HOLES, "keep")) > 100
+    assert json.loads(run(HOLES, "release")) < 8
+
+
+def test_a_process_keeps_the_first_policy_set():
+    code = ("from trainjob import allocator as a; print(a.release_freed_buffers(), a.keep_freed_buffers(), "
+            "a.chosen())")
+    assert run(code) == "True False release"
+    code = "from trainjob import allocator as a; print(a.keep_freed_buffers(), a.release_freed_buffers(), a.chosen())"
+    assert run(code) == "True False keep"
