@@ -223,7 +223,11 @@ def test_cp_grpo_and_rloo_equal_one_process(run_cli, tmp_path_factory, recipe):
     assert [m["reward"] for m in cp2] == [m["reward"] for m in single]  # the same completions
     assert [m["kl"] for m in cp2] == pytest.approx([m["kl"] for m in single], rel=RTOL, abs=1e-7)
     assert cp2[1]["clip_ratio/region_mean"] == pytest.approx(single[1]["clip_ratio/region_mean"], abs=1e-6)
-    _same_curve(runs["cp2"], runs["single"], 4, near_zero=1e-7)
+    # The loss is a mean of advantage-weighted ratios of order 1 that cancel to a few hundredths, so the terms'
+    # float32 rounding shows as an absolute error of their size, not the loss's: 7.9e-7 measured on rloo's fourth
+    # step on an AMD EPYC of this machine kind, where 1e-7 failed it; a wrong chunk, position or mask moves it by
+    # > 1e-2.
+    _same_curve(runs["cp2"], runs["single"], 4, near_zero=2e-6)
 
 
 @pytest.mark.slow
