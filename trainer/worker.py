@@ -102,11 +102,15 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
     as this rank; return the summary (the same on every rank). `checked`: the inputs were checked in this
     process already (by the driver)."""
     cfg = cfg if isinstance(cfg, Config) else config.typed(cfg)
-    released = cfg.train.allocator_for(cfg.data.seq_len) == "release" and allocator.release_freed_buffers()
+    release = cfg.train.allocator_for(cfg.data.seq_len) == "release"
+    released = release and allocator.release_freed_buffers()
     env = init_distributed(cfg.runtime.name if cfg.runtime is not None else None)
     handler = setup_logging(cfg.run_dir, env.rank)
     if released:
         log.info("allocator: release (glibc maps blocks of 1 MiB or more on their own: freed ones go back at once)")
+    elif release:
+        log.info("allocator: release not set: malloc settings in the environment (MALLOC_*, GLIBC_TUNABLES), "
+                 "another C library or this process's earlier policy (%s) decide", allocator.chosen())
     if (started := startup.marks(IMPORTED_AT, time.time())) is not None:
         log.info("startup %s", json.dumps(started))
     try:

@@ -15,7 +15,7 @@ mapped on its own, so that a freed activation goes back to the kernel at once an
 follows the tensors it holds. glibc's adaptive threshold rises to the largest block freed so far (up to 32 MiB),
 after which a step's activations come from the heap, whose holes between the blocks still held (a layer's saved
 tensors, FSDP2's gathered weights) stay resident: measured at 32k tokens on the debug model, one training step
-peaked at 1.55 GiB per rank under cp=4 with glibc's thresholds and 1.29 GiB with this one (3.34 and 3.27 GiB in
+peaked at 1.56 GiB per rank under cp=4 with glibc's thresholds and 1.28 GiB with this one (3.35 and 3.27 GiB in
 one process). Each new block faults its pages in, which is what this costs (docs/parallelism.md).
 
 Where a user set any of glibc's settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`,

@@ -52,13 +52,21 @@ def test_in_process_run_writes_config_metrics_checkpoints_summary(run_cli, tmp_p
 
 def test_a_run_that_releases_freed_buffers_says_so_and_trains_the_same_losses(run_cli, tmp_path, single_reference):
     """train.allocator=release (auto's choice from 8192-token rows) sets glibc's policy in the rank and says so in
-    its log; the losses are the default run's (auto, 32-token rows: glibc's own), to the bit."""
+    its log; the losses are the default run's (auto, 32-token rows: glibc's own), to the bit. Under a user's own
+    MALLOC_* setting it is not set, and the log says so."""
     run_dir = tmp_path / "run"
     proc = run_cli(*REFERENCE, "train.allocator=release", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     assert "allocator: release" in (run_dir / "logs" / "rank-0.log").read_text()
     assert "allocator:" not in (Path(single_reference) / "logs" / "rank-0.log").read_text()
     assert _losses(str(run_dir)) == _losses(single_reference)
+    # A user's own malloc setting decides, and the log says why release was not set.
+    user_dir = tmp_path / "user"
+    proc = run_cli(*TINY, "train.max_steps=1", "train.allocator=release", f"hydra.run.dir={user_dir}",
+                   env={"MALLOC_MMAP_THRESHOLD_": "4194304"})
+    assert proc.returncode == 0, proc.stderr
+    assert "allocator: release not set: malloc settings in the environment" in (
+        user_dir / "logs" / "rank-0.log").read_text()
 
 
 def test_torchrun_ddp_matches_in_process_loss_curve(single_reference, ddp_reference):
