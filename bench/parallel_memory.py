@@ -103,7 +103,7 @@ def rank_main(cp: int, seq: int, steps: int, overrides: list[str], policy: str, 
     from trainer.config.train import TrainConfig
     from trainjob import allocator
 
-    if TrainConfig(allocator=policy).allocator_for(seq) == "release":  # as trainer.worker does
+    if TrainConfig(allocator=policy).allocator_for(seq, "cpu") == "release":  # as trainer.worker does
         allocator.release_freed_buffers()
 
     strategy = StrategyConfig(name="fsdp2_cp" if cp > 1 else "fsdp2", dp_shard=-1, cp=cp)

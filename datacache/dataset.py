@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import queue
 import threading
@@ -57,8 +58,10 @@ from datacache.order import BatchPlan
 from datacache.parquet import column_array
 from datacache.planned import PlannedDataset, plan_arguments
 from datacache.server import MAX_READERS, DataCacheError, encode_ticket
-from trainjob.allocator import keep_freed_buffers
+from trainjob.allocator import chosen, keep_freed_buffers
 from trainjob.env import CACHE_TOKEN_ENV
+
+log = logging.getLogger(__name__)
 
 # A call carries up to this many steps, or about this many row ranges (16 bytes each in its ticket).
 SPAN_STEPS, SPAN_RUNS = 1024, 65536
@@ -507,7 +510,9 @@ class StreamingDataset(PlannedDataset):
 
     def _fetched(self, planned):
         self.describe()
-        keep_freed_buffers()
+        if not keep_freed_buffers() and chosen() == "release":
+            log.info("the reading process keeps glibc's release policy (train.allocator): each batch buffer is "
+                     "mapped and faulted in anew")
         planned = iter(planned)
         if self.prefetch <= 0:  # a call per step, made when the step is wanted
             while len(window := self._window(planned, 1, self._nodes)):

@@ -102,15 +102,9 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
     as this rank; return the summary (the same on every rank). `checked`: the inputs were checked in this
     process already (by the driver)."""
     cfg = cfg if isinstance(cfg, Config) else config.typed(cfg)
-    release = cfg.train.allocator_for(cfg.data.seq_len) == "release"
-    released = release and allocator.release_freed_buffers()
     env = init_distributed(cfg.runtime.name if cfg.runtime is not None else None)
     handler = setup_logging(cfg.run_dir, env.rank)
-    if released:
-        log.info("allocator: release (glibc maps blocks of 1 MiB or more on their own: freed ones go back at once)")
-    elif release:
-        log.info("allocator: release not set: malloc settings in the environment (MALLOC_*, GLIBC_TUNABLES), "
-                 "another C library or this process's earlier policy (%s) decide", allocator.chosen())
+    set_allocator(cfg.train.allocator_for(cfg.data.seq_len, env.device.type))
     if (started := startup.marks(IMPORTED_AT, time.time())) is not None:
         log.info("startup %s", json.dumps(started))
     try:
@@ -158,6 +152,19 @@ def _train(cfg: Config, env: DistEnv, checked: inputs.Checked | None = None) -> 
     if checked.start is not None:
         trainer.restore(checked.start.path)
     return trainer.fit()
+
+
+def set_allocator(policy: str) -> None:
+    """Set glibc's malloc policy `policy` (train.allocator, resolved) for this process, and log what holds."""
+    earlier = allocator.chosen()
+    if policy == "release" and allocator.release_freed_buffers():
+        log.info("allocator: release (glibc maps blocks of 1 MiB or more on their own: freed ones go back at once)")
+    elif policy == "release":
+        log.info("allocator: release not set: malloc settings in the environment (MALLOC_*, GLIBC_TUNABLES, "
+                 "LD_PRELOAD), another C library or this process's earlier policy (%s) decide", earlier)
+    elif earlier is not None:  # a run before this one in the same process (a multirun) set it; it lasts
+        log.info("allocator: %s stays from an earlier run in this process (train.allocator wants %s)", earlier,
+                 policy)
 
 
 def die_with_agent() -> None:

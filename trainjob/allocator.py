@@ -19,7 +19,8 @@ peaked at 1.56 GiB per rank under cp=4 with glibc's thresholds and 1.28 GiB with
 one process). Each new block faults its pages in, which is what this costs (docs/parallelism.md).
 
 Where a user set any of glibc's settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`,
-or in `GLIBC_TUNABLES`), theirs decide and neither policy is set.
+`MALLOC_MMAP_MAX_`, or in `GLIBC_TUNABLES`), theirs decide and neither policy is set; so where another allocator
+is preloaded (`LD_PRELOAD` naming a malloc: jemalloc, tcmalloc, mimalloc), whose `mallopt`, if any, is not glibc's.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import ctypes
 import os
 import sys
 
-# mallopt's parameters (malloc.h).
+# mallopt's parameters (malloc.h), and the settings of a user's that leave the policies unset (MMAP_MAX: 0 maps
+# nothing on its own, whatever the threshold).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-NAMES = {M_TRIM_THRESHOLD: "TRIM_THRESHOLD", M_TOP_PAD: "TOP_PAD", M_MMAP_THRESHOLD: "MMAP_THRESHOLD"}
+NAMES = ("TRIM_THRESHOLD", "TOP_PAD", "MMAP_THRESHOLD", "MMAP_MAX")
 
 # keep_freed_buffers: the largest mmap threshold glibc takes (HEAP_MAX_SIZE / 2 on 64-bit; larger blocks are
 # mapped anyway); a free heap top kept up to 1 GiB, far above a read-ahead's batches; a top pad of one heap.
@@ -38,7 +40,9 @@ KEEP = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 
 # release_freed_buffers: blocks of 1 MiB and more mapped on their own (fixing the threshold stops its rise).
 RELEASE = {M_MMAP_THRESHOLD: 1 << 20}
 
-_chosen: str | None = None  # the policy set in this process (a forked child inherits it, and this)
+# The policy set in this process, or "failed" where glibc refused one of its settings (then neither is set again);
+# a forked child inherits it, and this.
+_chosen: str | None = None
 
 
 def keep_freed_buffers() -> bool:
@@ -56,7 +60,8 @@ def release_freed_buffers() -> bool:
 
 
 def chosen() -> str | None:
-    """The policy set in this process: "keep", "release", or None (glibc's own)."""
+    """The policy set in this process: "keep", "release", "failed" (glibc refused a setting of one), or None
+    (glibc's own)."""
     return _chosen
 
 
@@ -64,16 +69,15 @@ def _choose(policy: str, settings: dict[int, int]) -> bool:
     global _chosen
     if _chosen is not None:
         return _chosen == policy
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if not sys.platform.startswith("linux") or any(
-            f"MALLOC_{name}_" in os.environ or f"malloc.{name.lower()}" in tunables for name in NAMES.values()):
+    tunables, preloaded = os.environ.get("GLIBC_TUNABLES", ""), os.environ.get("LD_PRELOAD", "")
+    if (not sys.platform.startswith("linux") or "malloc" in preloaded
+            or any(f"MALLOC_{name}_" in os.environ or f"malloc.{name.lower()}" in tunables for name in NAMES)):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if not all(mallopt(param, value) == 1 for param, value in settings.items()):
-        return False
-    _chosen = policy
-    return True
+    applied = [mallopt(param, value) == 1 for param, value in settings.items()]
+    _chosen = policy if all(applied) else "failed"
+    return all(applied)

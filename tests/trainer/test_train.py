@@ -57,7 +57,8 @@ def test_a_run_that_releases_freed_buffers_says_so_and_trains_the_same_losses(ru
     run_dir = tmp_path / "run"
     proc = run_cli(*REFERENCE, "train.allocator=release", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
-    assert "allocator: release" in (run_dir / "logs" / "rank-0.log").read_text()
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "allocator: release (glibc maps blocks" in log and "not set" not in log
     assert "allocator:" not in (Path(single_reference) / "logs" / "rank-0.log").read_text()
     assert _losses(str(run_dir)) == _losses(single_reference)
     # A user's own malloc setting decides, and the log says why release was not set.
@@ -67,6 +68,17 @@ def test_a_run_that_releases_freed_buffers_says_so_and_trains_the_same_losses(ru
     assert proc.returncode == 0, proc.stderr
     assert "allocator: release not set: malloc settings in the environment" in (
         user_dir / "logs" / "rank-0.log").read_text()
+
+
+def test_a_multirun_in_one_process_keeps_its_first_jobs_release_and_its_later_jobs_say_so(run_cli, tmp_path):
+    """glibc's settings last as long as the process: a sweep's jobs run in the driver's process one after another,
+    so a later job that wants glibc's own thresholds runs under the first job's release, and its log says so."""
+    proc = run_cli("-m", *TINY, "train.max_steps=1", "train.allocator=release,adaptive",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 0, proc.stderr
+    first, second = ((tmp_path / "sweep" / n / "logs" / "rank-0.log").read_text() for n in ("0", "1"))
+    assert "allocator: release (glibc maps blocks" in first
+    assert "allocator: release stays from an earlier run in this process (train.allocator wants adaptive)" in second
 
 
 def test_torchrun_ddp_matches_in_process_loss_curve(single_reference, ddp_reference):

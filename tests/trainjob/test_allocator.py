@@ -51,8 +51,8 @@ print(json.dumps(faults))
 HOLES = """
 import ctypes, json, sys
 from trainjob import allocator
-print(json.dumps({"release": allocator.release_freed_buffers, "keep": allocator.keep_freed_buffers,
-                  "none": lambda: None}[sys.argv[1]]()))
+chose = {"release": allocator.release_freed_buffers, "keep": allocator.keep_freed_buffers,
+         "none": lambda: None}[sys.argv[1]]()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 def resident():
@@ -68,7 +68,7 @@ for _ in range(16):
     held.append(libc.malloc(256 << 10))
 for b in blocks:
     libc.free(b)
-print(json.dumps(resident() - before))
+print(json.dumps([chose, resident() - before]))
 """
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
@@ -104,7 +104,9 @@ def test_a_reading_process_faults_batch_buffers_in_once(endpoint):
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"}, {"MALLOC_TOP_PAD_": "0"},
-                                 {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}])
+                                 {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}, {"MALLOC_MMAP_MAX_": "0"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"},
+                                 {"LD_PRELOAD": "/nonexistent/libjemalloc.so.2"}])
 def test_a_users_own_malloc_settings_decide(env):
     for policy in ("keep_freed_buffers", "release_freed_buffers"):
         code = f"from trainjob.allocator import {policy} as set_; print(set_(), set_())"
@@ -113,9 +115,12 @@ def test_a_users_own_malloc_settings_decide(env):
 
 
 def test_a_process_that_releases_freed_buffers_gives_them_back_where_glibc_keeps_them():
-    assert json.loads(run(HOLES, "none")) > 100  # glibc's own: the 128 MiB freed between held blocks stay
-    assert json.loads(run(HOLES, "keep")) > 100
-    assert json.loads(run(HOLES, "release")) < 8
+    chose, resident = json.loads(run(HOLES, "none"))
+    assert chose is None and resident > 100  # glibc's own: the 128 MiB freed between held blocks stay
+    chose, resident = json.loads(run(HOLES, "keep"))
+    assert chose is True and resident > 100
+    chose, resident = json.loads(run(HOLES, "release"))
+    assert chose is True and resident < 8
 
 
 def test_a_process_keeps_the_first_policy_set():

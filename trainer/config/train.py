@@ -69,15 +69,17 @@ class TrainConfig:
     # glibc's malloc in each rank (the CPU's memory: activations on the CPU, host buffers on a GPU): release maps
     # every block of 1 MiB or more on its own, so that a freed activation goes back to the kernel at once and the
     # peak resident memory is what the step holds (each new block faults its pages in); adaptive leaves glibc's own
-    # thresholds, which keep freed blocks for reuse; auto: release where rows hold 8192 tokens or more
-    # (data.seq_len), adaptive otherwise. A user's MALLOC_* or GLIBC_TUNABLES settings decide over it.
+    # thresholds, which keep freed blocks for reuse; auto: release on the CPU where rows hold 8192 tokens or more
+    # (data.seq_len), adaptive otherwise. A user's MALLOC_* or GLIBC_TUNABLES settings decide over it; a process
+    # keeps the first policy set (a multirun in one process: the first job's release stays, and its log says so).
     allocator: str = AUTO
 
-    def allocator_for(self, seq_len: int) -> str:
-        """The allocator policy for rows of `seq_len` tokens: train.allocator, auto resolved."""
+    def allocator_for(self, seq_len: int, device_type: str) -> str:
+        """The allocator policy for rows of `seq_len` tokens on a `device_type` device: train.allocator, auto
+        resolved (release only where the activations are the CPU's)."""
         if self.allocator != AUTO:
             return self.allocator
-        return "release" if seq_len >= LONG_ROWS else "adaptive"
+        return "release" if seq_len >= LONG_ROWS and device_type == "cpu" else "adaptive"
 
     def check(self) -> None:
         one_of("train.allocator", self.allocator, ALLOCATORS)
