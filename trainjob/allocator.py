@@ -19,7 +19,7 @@ peaked at 1.56 GiB per rank under cp=4 with glibc's thresholds and 1.28 GiB with
 one process). Each new block faults its pages in, which is what this costs (docs/parallelism.md).
 
 Where a user set any of glibc's settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`,
-`MALLOC_MMAP_MAX_`, or in `GLIBC_TUNABLES`), theirs decide and neither policy is set; so where another allocator
+`MALLOC_MMAP_MAX_`, or in `GLIBC_TUNABLES`), theirs decide and neither policy is set; likewise where an allocator
 is preloaded (`LD_PRELOAD` naming a malloc: jemalloc, tcmalloc, mimalloc), whose `mallopt`, if any, is not glibc's.
 """
 
