@@ -49,7 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path[:] = [REPO, *(p for p in sys.path if os.path.realpath(p or ".") != os.path.join(REPO, "bench"))]
 
 from bench import expert_parallel  # noqa: E402  (the path above first)
-from trainer.config.train import ALLOCATORS  # noqa: E402
+from trainjob.allocator import POLICIES  # noqa: E402
 
 EXCHANGE = ("kv_all_gather", "kv_reduce_scatter")
 FSDP = ("all_gather_single", "reduce_scatter_single", "all_reduce")
@@ -100,10 +100,9 @@ def rank_main(cp: int, seq: int, steps: int, overrides: list[str], policy: str, 
 
     from trainer.config import StrategyConfig
     from trainer.config.model import BYTE_VOCAB_SIZE
-    from trainer.config.train import TrainConfig
     from trainjob import allocator
 
-    if TrainConfig(allocator=policy).allocator_for(seq, "cpu") == "release":  # as trainer.worker does
+    if allocator.policy_for(policy, seq, "cpu") == "release":  # as trainer.worker does
         allocator.release_freed_buffers()
 
     strategy = StrategyConfig(name="fsdp2_cp" if cp > 1 else "fsdp2", dp_shard=-1, cp=cp)
@@ -219,7 +218,7 @@ def main() -> None:
     parser.add_argument("--model-overrides", nargs="*", default=[], metavar="model.KEY=VALUE",
                         help="the cp rows' model: model=debug with these (e.g. a wider one: model.dim=512 "
                              "model.n_heads=8 model.n_kv_heads=4 model.ffn_dim=1376)")
-    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+    parser.add_argument("--allocator", choices=POLICIES, default="auto",
                         help="the ranks' train.allocator (auto: release from 8192-token rows, so every row here)")
     args = parser.parse_args()
     for override in args.model_overrides:

@@ -104,7 +104,7 @@ def run(cfg: DictConfig | Config, checked: inputs.Checked | None = None) -> dict
     cfg = cfg if isinstance(cfg, Config) else config.typed(cfg)
     env = init_distributed(cfg.runtime.name if cfg.runtime is not None else None)
     handler = setup_logging(cfg.run_dir, env.rank)
-    set_allocator(cfg.train.allocator_for(cfg.data.seq_len, env.device.type))
+    set_allocator(allocator.policy_for(cfg.train.allocator, cfg.data.seq_len, env.device.type))
     if (started := startup.marks(IMPORTED_AT, time.time())) is not None:
         log.info("startup %s", json.dumps(started))
     try:

@@ -40,9 +40,21 @@ KEEP = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 
 # release_freed_buffers: blocks of 1 MiB and more mapped on their own (fixing the threshold stops its rise).
 RELEASE = {M_MMAP_THRESHOLD: 1 << 20}
 
+# train.allocator's values, and the row length from which auto releases on the CPU.
+POLICIES = ("auto", "adaptive", "release")
+LONG_ROWS = 8192
+
 # The policy set in this process, or "failed" where glibc refused one of its settings (then neither is set again);
 # a forked child inherits it, and this.
 _chosen: str | None = None
+
+
+def policy_for(setting: str, seq_len: int, device_type: str) -> str:
+    """train.allocator's `setting` for rows of `seq_len` tokens on a `device_type` device, auto resolved: release
+    on the CPU from LONG_ROWS tokens (where the activations are the CPU's and long), adaptive otherwise."""
+    if setting != "auto":
+        return setting
+    return "release" if seq_len >= LONG_ROWS and device_type == "cpu" else "adaptive"
 
 
 def keep_freed_buffers() -> bool:

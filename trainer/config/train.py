@@ -9,15 +9,12 @@ from typing import ClassVar
 
 from trainer.config.checks import one_of, require
 from trainer.config.precision import AUTO, DTYPES
+from trainjob.allocator import POLICIES
 from trainjob.storage.urls import is_url, scheme_of
 
 # train.qat: quantization-aware training with torchao (int8 activations quantised per token at run time, int4
 # weights in groups of train.qat_group_size along each row).
 QAT_SCHEMES = ("none", "int8_dynamic_act_int4_weight")
-
-# train.allocator: glibc's malloc in each rank (trainjob.allocator); auto is release from rows of LONG_ROWS tokens.
-ALLOCATORS = (AUTO, "adaptive", "release")
-LONG_ROWS = 8192
 
 
 # What marks a checkpoint that DeepSpeed wrote (strategy=deepspeed: `trainer.checkpoint.deepspeed_store`): its model's
@@ -70,19 +67,13 @@ class TrainConfig:
     # every block of 1 MiB or more on its own, so that a freed activation goes back to the kernel at once and the
     # peak resident memory is what the step holds (each new block faults its pages in); adaptive leaves glibc's own
     # thresholds, which keep freed blocks for reuse; auto: release on the CPU where rows hold 8192 tokens or more
-    # (data.seq_len), adaptive otherwise. A user's MALLOC_* or GLIBC_TUNABLES settings decide over it; a process
-    # keeps the first policy set (a multirun in one process: the first job's release stays, and its log says so).
+    # (data.seq_len; trainjob.allocator.policy_for), adaptive otherwise. A user's MALLOC_* or GLIBC_TUNABLES
+    # settings decide over it; a process keeps the first policy set (a multirun in one process: the first job's
+    # release stays, and its log says so).
     allocator: str = AUTO
 
-    def allocator_for(self, seq_len: int, device_type: str) -> str:
-        """The allocator policy for rows of `seq_len` tokens on a `device_type` device: train.allocator, auto
-        resolved (release only where the activations are the CPU's)."""
-        if self.allocator != AUTO:
-            return self.allocator
-        return "release" if seq_len >= LONG_ROWS and device_type == "cpu" else "adaptive"
-
     def check(self) -> None:
-        one_of("train.allocator", self.allocator, ALLOCATORS)
+        one_of("train.allocator", self.allocator, POLICIES)
         one_of("train.mixed_precision", self.mixed_precision, (AUTO, *DTYPES))
         require(0 <= self.seed < 2**32, "train.seed", self.seed, "must be in [0, 2**32)")
         require(self.checkpoint_threads >= 1, "train.checkpoint_threads", self.checkpoint_threads, "must be >= 1")
