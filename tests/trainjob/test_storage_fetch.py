@@ -94,6 +94,10 @@ def test_the_stores_refusals_name_key_url_and_cause(s3, tmp_path, monkeypatch):
     with pytest.raises(StorageError, match=r"the endpoint does not answer \(http://127.0.0.1:9: "
                                            "EndpointConnectionError"):
         fetch.fetch("data.path", s3.url("x"), cache)
+    # the cause is told by the error's class: a bucket named with a status code's digits is no refusal of keys
+    with pytest.raises(StorageError, match=r"the endpoint does not answer \(http://127.0.0.1:9: "
+                                           "EndpointConnectionError"):
+        fetch.fetch("data.path", "s3://b-63a2d1403113/AccessDenied/x", cache)
     assert not os.path.exists(cache) or not any(n.startswith(".") for _, _, ns in os.walk(cache) for n in ns)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 from trainjob.storage.errors import StorageError
@@ -102,19 +103,52 @@ def probe(key: str, url: str) -> None:
         raise StorageError(key, url, refusal(e, scheme)) from None
 
 
+# Credential refusals by their error code (S3's, in a ClientError's response) or HTTP status (GCS's HttpError).
+CREDENTIAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
+                    "AllAccessDisabled", "AccountProblem"}
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """`e` and what it was raised from (s3fs raises its own OSError from botocore's ClientError)."""
+    seen: list[BaseException] = []
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _unanswered(e: BaseException) -> bool:
+    """A connection that failed or timed out, told by the exception's classes, never by its text: a URL in the
+    text may hold any word (botocore's EndpointConnectionError and timeouts, aiohttp's, the builtins)."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(
+        "ConnectionError" in c.__name__ or "Timeout" in c.__name__ or "ClientConnector" in c.__name__
+        for c in type(e).__mro__)
+
+
+def _credentials_refused(e: BaseException) -> bool:
+    """A refusal of the credentials: s3fs's PermissionError, botocore's code or status, gcsfs's HttpError code."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        error, status = response.get("Error", {}), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    else:
+        error, status = {}, getattr(e, "code", None)
+    return isinstance(e, PermissionError) or error.get("Code") in CREDENTIAL_CODES or status in (401, 403) or \
+        any(re.search(rf"\b{word}\b", str(e)) for word in CREDENTIAL_CODES | {"Forbidden"})  # gcsfs's OSError
+
+
 def refusal(e: Exception, scheme: str) -> str:
     """What a store's refusal means, in words (the exception's text names the bucket, key or code)."""
     text = f"{type(e).__name__}: {e}"
+    chain = _chain(e)
+    if any(_unanswered(c) for c in chain):
+        endpoint = (_endpoint() or "the store") if scheme == "s3" else "the store"
+        return f"the endpoint does not answer ({endpoint}: {text})"
     if isinstance(e, FileNotFoundError):
         return f"no such bucket or object ({text})"
-    if isinstance(e, PermissionError) or any(c in text for c in ("AccessDenied", "InvalidAccessKeyId",
-                                                                   "SignatureDoesNotMatch", "403")):
+    if any(_credentials_refused(c) for c in chain):
         where = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws" if scheme == "s3" else \
             "GOOGLE_APPLICATION_CREDENTIALS or gcloud's application default credentials"
         return f"credentials refused ({text}): check {where}"
-    if any(c in text for c in ("connect", "Connect", "timed out", "Timeout", "resolve")):
-        endpoint = (_endpoint() or "the store") if scheme == "s3" else "the store"
-        return f"the endpoint does not answer ({endpoint}: {text})"
     return f"the store refused it ({text})"
 
 
