@@ -48,6 +48,15 @@ def column_array(column: pa.ChunkedArray | pa.Array, what: str) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False)
 
 
+def read_table(files: str | list[str] | tuple[str, ...], columns: list[str] | None = None) -> pa.Table:
+    """`columns` (None: all) of one Parquet file, or of several with one schema, rows in file order. Read file by
+    file: `pq.read_table` goes through `pyarrow.dataset`, whose import (pandas with it) costs a rank ~0.35 s of
+    its start."""
+    files = [files] if isinstance(files, str) else files
+    tables = [pq.ParquetFile(f).read(columns=columns) for f in files]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
 def read_columns(path: str | list[str] | tuple[str, ...], columns: list[str]) -> dict[str, np.ndarray]:
     """Each of `columns` of every file at `path` (see `parquet_files`) as one array, rows in file order."""
     files = parquet_files(path)
@@ -57,7 +66,7 @@ def read_columns(path: str | list[str] | tuple[str, ...], columns: list[str]) ->
     missing = [c for c in columns if c not in names]
     if missing:
         raise ValueError(f"{files[0]} has no column {', '.join(map(repr, missing))} (it has {', '.join(names)})")
-    table = pq.read_table(files if len(files) > 1 else files[0], columns=list(columns))
+    table = read_table(files, list(columns))
     arrays = {c: column_array(table.column(c), f"column {c!r} in {path!r}") for c in columns}
     del table
     return released(arrays)
@@ -68,7 +77,7 @@ def read_token_rows(path: str, column: str = "tokens") -> np.ndarray:
     files = parquet_files(path)
     if not files:
         raise FileNotFoundError(f"no Parquet files at {path!r}")
-    table = pq.read_table(files if len(files) > 1 else files[0], columns=[column])
+    table = read_table(files, [column])
     rows = token_matrix(table.column(column), f"column {column!r} in {path!r}")
     del table
     return released(rows)

@@ -43,11 +43,13 @@ def test_torchrun_on_one_node_is_standalone_and_several_meet_at_the_endpoint():
     one = unit.node_command(_options("torch-distributed"), Nodes(WORKER, python="py", nproc_per_node=2,
                                                                    worker="trainer.worker"))
     assert one == ["py", "-m", "trainjob.runtimes.torch_distributed.torchrun", "--nproc-per-node=2", "--nnodes=1",
-                   "--max-restarts=0", "--monitor-interval=1.0", "--standalone", *WORKER]
+                   "--max-restarts=0", "--monitor-interval=0.1", "--standalone", *WORKER]
     elastic = unit.node_command(_options("torch-distributed"), Nodes(
         ["script.py"], nnodes=4, min_nodes=2, endpoint="store:29400", store_apart=True))
     assert elastic[:3] == ["python", "-m", "torch.distributed.run"] and "--nnodes=2:4" in elastic
-    assert "--rdzv-endpoint=store:29400" in elastic and any("is_host=false" in a for a in elastic)
+    assert "--rdzv-endpoint=store:29400" in elastic
+    assert "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5," \
+           "reform_last_call_timeout=1,join_timeout=600" in elastic
     assert unit.agent_env({}) == torch_distributed.AGENT_ENV
     assert unit.rank_env({"RANK": "1"}) == {}  # torchrun's variables are torch.distributed's own
     # The worker is the caller's to name: a command the runtime is not told runs it gets plain torchrun.

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from datacache.local import LocalDataset
-from datacache.parquet import parquet_files
+from datacache.parquet import parquet_files, read_table
 from trainer.data import sources, trl_forms
 from trainer.data.corpus import build_once, dropped_text, eval_share
 from trainer.data.hf_tokenizer import HFTokenizer, TemplateMaskError
@@ -79,7 +79,7 @@ def source_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, int,
                 path,
                 f"{file} has no {', '.join(repr(c) for c in missing)} column; it has {', '.join(names)}",
             )
-        yield from ((file, i, row) for i, row in enumerate(pq.read_table(file, columns=list(columns) or None)
+        yield from ((file, i, row) for i, row in enumerate(read_table(file, list(columns) or None)
                                                            .to_pylist()))
 
 

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import torch
 
 from datacache.local import LocalDataset
-from datacache.parquet import parquet_files
+from datacache.parquet import parquet_files, read_table
 from trainer.config.recipe import prompts_per_step
 from trainer.data import sources, trl_forms
 from trainer.data.chat import source_files, source_fingerprint, source_rows
@@ -36,7 +36,7 @@ def _prompt_rows(path: str) -> Iterator[tuple[str, int, dict]]:
         if file.endswith((".jsonl", ".json")):
             yield from source_rows(file, ())
         else:
-            yield from ((file, i, row) for i, row in enumerate(pq.read_table(file).to_pylist()))
+            yield from ((file, i, row) for i, row in enumerate(read_table(file).to_pylist()))
 
 
 def _prompt(row, file: str, i: int, path: str):
@@ -134,7 +134,7 @@ class PromptDataset(LocalDataset):
     def __init__(self, path: str, **kw):
         super().__init__(path, columns=["tokens", "length"], **kw)
         files = parquet_files(path)
-        self.records = pq.read_table(files if len(files) > 1 else files[0], columns=["row"]).column("row").to_pylist()
+        self.records = read_table(files, ["row"]).column("row").to_pylist()
 
     def fetch(self, rows: np.ndarray) -> dict:
         batch: dict = {c: torch.from_numpy(self.arrays[c][rows]) for c in self.columns}

@@ -24,15 +24,19 @@ STORE = "trainjob.runtimes.torch_distributed.rendezvous"
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 # An elastic job's rendezvous, and a fixed-size one's whose nodes start on their own (the local launcher): its
-# store is hosted outside the nodes (`rendezvous` here), so that losing any node leaves it; a node that
-# stops sending heartbeats for 5 s is gone.
-ELASTIC_RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout={last_call}"
+# store is hosted outside the nodes (`rendezvous` here), so that losing any node leaves it; a node whose
+# heartbeats stop for keep_alive_interval x keep_alive_max_attempt seconds is gone. reform_last_call_timeout is
+# read by this runtime's agent (`torchrun` here), not by torch.
+ELASTIC_RDZV_CONF = ("is_host=false,keep_alive_interval={keep_alive_interval},"
+                     "keep_alive_max_attempt={keep_alive_max_attempt},last_call_timeout={last_call_timeout},"
+                     "reform_last_call_timeout={reform_last_call_timeout}")
 
 
 @dataclass
 class TorchDistributedConfig:
     # Each must be > 0 (`trainer.config.validate` checks it before `check()`).
-    POSITIVE: ClassVar[tuple[str, ...]] = ("last_call_timeout", "rdzv_timeout", "monitor_interval")
+    POSITIVE: ClassVar[tuple[str, ...]] = ("last_call_timeout", "reform_last_call_timeout", "keep_alive_interval",
+                                           "keep_alive_max_attempt", "rdzv_timeout", "monitor_interval")
     name: str = "torch-distributed"  # the runtime chosen (torch-distributed: torchrun starts the ranks)
     # null: the GPU count on this machine, or 2 without GPUs.
     nproc_per_node: int | None = None
@@ -47,9 +51,21 @@ class TorchDistributedConfig:
     # host:port of node 0; null on one node lets torchrun pick a free local port (--standalone).
     rdzv_endpoint: str | None = None
     rdzv_id: str = "trainjob"
-    monitor_interval: float = 1.0
-    # Elastic jobs: seconds the rendezvous waits for more nodes once MIN have joined.
+    # Seconds between the agent's looks at its ranks (torchrun's --monitor-interval, its default).
+    monitor_interval: float = 0.1
+    # Elastic jobs: seconds the first rendezvous waits for more nodes once MIN have joined.
     last_call_timeout: int = 5
+    # Elastic jobs: the same wait when the nodes re-form after a node was lost or joined (the nodes still running
+    # reach it within a second of each other; one that misses it joins at the next re-formation).
+    reform_last_call_timeout: int = 1
+    # Elastic jobs: seconds between a node's heartbeats (torchrun's keep_alive_interval).
+    keep_alive_interval: int = 1
+    # Elastic jobs: heartbeat intervals without one that make a node lost (at least 3: torch sends a heartbeat only
+    # when the last is an interval old, so a live node's come up to two intervals apart). Times
+    # keep_alive_interval, it is how long the nodes left wait for a dead node before re-forming, and it trades
+    # that against false alarms: a live node whose heartbeats stall that long (its machine overloaded, its
+    # network cut) is taken for lost. Raise it where that happens, at an interval more per recovery.
+    keep_alive_max_attempt: int = 3
     # Seconds a node waits at the rendezvous for the others (torchrun's join_timeout) before it ends, saying
     # how many nodes joined and which never did.
     rdzv_timeout: int = 600
@@ -74,6 +90,9 @@ class TorchDistributed(Runtime):
             require(0 <= options.node_rank < most, "runtime.node_rank", options.node_rank,
                     f"must be in [0, runtime.nnodes={options.nnodes})")
         require(options.max_restarts >= 0, "runtime.max_restarts", options.max_restarts, "must be >= 0")
+        require(options.keep_alive_max_attempt >= 3, "runtime.keep_alive_max_attempt", options.keep_alive_max_attempt,
+                "must be >= 3: torch sends a node's heartbeat only when its last is runtime.keep_alive_interval "
+                "old, so a live node's come up to two intervals apart, and fewer would take it for lost")
 
     def check_job(self, options: TorchDistributedConfig, counts: range, offers: Offers) -> None:
         # Remote launchers know node 0's address (Kubeflow injects it; Docker names the container).
@@ -121,7 +140,7 @@ def torchrun_args(options: Mapping[str, Any], nodes: Nodes) -> list[str]:
     if nodes.nnodes == 1 and not endpoint:
         return [*args, "--standalone"]
     args += [f"--rdzv-backend={t['rdzv_backend']}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={t['rdzv_id']}"]
-    conf = ELASTIC_RDZV_CONF.format(last_call=t["last_call_timeout"]) + "," if nodes.store_apart else ""
+    conf = ELASTIC_RDZV_CONF.format(**t) + "," if nodes.store_apart else ""
     return [*args, f"--rdzv-conf={conf}join_timeout={t['rdzv_timeout']}"]
 
 

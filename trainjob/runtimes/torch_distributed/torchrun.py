@@ -7,20 +7,28 @@ What the code says matters to whoever watches the node: 2 is a refused config or
 written (the run resumes when relaunched). An agent told to stop exits 128 + the signal (its ranks were told
 too, and a SIGTERM lets them checkpoint first); a rendezvous that timed out waiting for the other nodes
 exits 3; a rank killed by a signal, or an agent that failed, exits 1.
+
+Once a node has formed, its later rendezvous rounds (re-formations after a node was lost or joined) wait
+`runtime.reform_last_call_timeout` for more nodes, not the first round's `runtime.last_call_timeout`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from datetime import timedelta
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from trainjob.env import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
 from trainjob.startup import mark_agent_ready
+
+log = logging.getLogger(__name__)
 
 
 def exit_code(error: ChildFailedError) -> int:
@@ -29,9 +37,38 @@ def exit_code(error: ChildFailedError) -> int:
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
+def reform_last_call(rdzv_conf: str) -> int | None:
+    """`reform_last_call_timeout` of torchrun's --rdzv-conf (`k=v,k=v`), where the runtime put it; None if absent."""
+    for item in rdzv_conf.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "reform_last_call_timeout":
+            return int(value)
+    return None
+
+
+def shorten_reformations(seconds: int) -> None:
+    """Once this node's first rendezvous has completed, its later rounds wait `seconds` (not the first round's
+    last call) for more nodes once MIN are there: those rounds re-form nodes already running, which arrive
+    within a second of each other. torch reads one last-call timeout for every round from the handler's
+    settings; this sets it on them after the first round."""
+    first = DynamicRendezvousHandler.next_rendezvous
+
+    def next_rendezvous(self):
+        info = first(self)
+        timeout = self.settings.timeout  # shared with the handler's rendezvous steps, which read it each round
+        if timeout.last_call != timedelta(seconds=seconds):
+            timeout._set_timeouts(last_call=timedelta(seconds=seconds))
+            log.info("rendezvous formed: later re-formations wait %d s for more nodes", seconds)
+        return info
+
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+
+
 def main(argv: list[str]) -> int:
     mark_agent_ready()  # its ranks report when, in their log (trainjob.startup)
     args = run.parse_args(argv)
+    if (seconds := reform_last_call(args.rdzv_conf)) is not None:
+        shorten_reformations(seconds)
     reported = bool(os.environ.get(DRIVER_REPORTS_ENV))  # the driver says what failed, once
     try:
         run.run(args)
