@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -220,10 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         elif e.errno == errno.ENOSPC:
             print(f"error: {e.strerror}", file=sys.stderr)
         else:
-            raise
+            traceback.print_exc()
+        code = 1
+    except Exception:  # a peer lost mid-collective, or a bug: the traceback, as the interpreter would print it
+        traceback.print_exc()
         code = 1
     # Done: leave without the interpreter's teardown, where a collective backend's threads, destroyed
-    # late, have been seen to abort (SIGABRT) a rank that had succeeded.
+    # late, have been seen to abort (SIGABRT) a rank that had succeeded, and where a rank whose peer died
+    # spent a second in the process group's native teardown before its agent could re-form the job.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
