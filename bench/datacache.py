@@ -34,7 +34,7 @@ step takes milliseconds, and `--job-overrides`) reading its local corpus, then t
 `data.cache.nodes=2` (two cache nodes the run starts, the rank streaming from them), alternated
 `--job-rounds` times; each run's tokens/s is the median of its metrics lines after the first (`--job-steps`
 steps, a line every 10), and the row gives the median over the rounds and its ratio to the local corpus's.
-`--batch-mb ''` and `--small-rows 0` leave out the other tables.
+`--batch-mb ''`, `--small-rows 0` and `--job-rounds 0` leave out those tables.
 
     python bench/datacache.py [--rows 400000] [--tokens 512] [--batch-mb 2,4,8,16] [--epochs 5] [--prefetch 32]
                               [--readers 2] [--small-rows 240000] [--job-steps 60] [--job-rounds 2]
@@ -362,7 +362,7 @@ def main() -> None:
                       f"{cpu_read / gb:>10.2f}{serve:>11}", flush=True)
         if args.small_rows:
             small_batches(tmp, args.small_rows, args.epochs, reading)
-        if args.job_steps:
+        if args.job_steps and args.job_rounds:
             training_job(tmp, args.job_steps, args.job_rounds, args.job_overrides.split())
 
 
