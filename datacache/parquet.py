@@ -49,12 +49,16 @@ def column_array(column: pa.ChunkedArray | pa.Array, what: str) -> np.ndarray:
 
 
 def read_table(files: str | list[str] | tuple[str, ...], columns: list[str] | None = None) -> pa.Table:
-    """`columns` (None: all) of one Parquet file, or of several with one schema, rows in file order. Read file by
-    file: `pq.read_table` goes through `pyarrow.dataset`, whose import (pandas with it) costs a rank ~0.35 s of
-    its start."""
-    files = [files] if isinstance(files, str) else files
+    """`columns` (None: all) of one Parquet file or several, rows in file order. Read file by file, and joined
+    when the files' schemas are the same: `pq.read_table` goes through `pyarrow.dataset`, whose import (pandas
+    with it) costs a rank ~0.35 s of its start; files whose schemas differ (int32 and int64, a column one file
+    lacks) still go through it, which casts them to the first file's schema as before."""
+    files = [files] if isinstance(files, str) else list(files)
     tables = [pq.ParquetFile(f).read(columns=columns) for f in files]
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    whole = columns is None or set(columns) <= set(tables[0].schema.names)  # else pyarrow names what is missing
+    if whole and all(t.schema.equals(tables[0].schema) for t in tables[1:]):
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    return pq.read_table(files, columns=columns)
 
 
 def read_columns(path: str | list[str] | tuple[str, ...], columns: list[str]) -> dict[str, np.ndarray]:

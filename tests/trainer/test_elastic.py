@@ -240,8 +240,8 @@ def test_a_node_refused_for_another_config_leaves_the_waiting_node_to_end_in_one
      "rendezvous assigns each node its rank: leave runtime.node_rank unset"),
     ("1:2", ["launcher=kubernetes", "launcher.image=x", "launcher.run_claim=runs"],
      "runtime.nnodes='1:2': an elastic range runs on launcher=local or docker"),
-    ("1:2", ["runtime.keep_alive_max_attempt=2"], "runtime.keep_alive_max_attempt=2: must be >= 3: torch sends a "
-     "node's heartbeat only when its last is runtime.keep_alive_interval old"),
+    ("1:2", ["runtime.keep_alive_max_attempt=2"], "runtime.keep_alive_max_attempt=2: must be >= 3: a live node's "
+     "heartbeat comes every runtime.keep_alive_interval plus the store's round trip"),
 ])
 def test_elastic_ranges_that_cannot_run_are_refused(nnodes, extra, message, tmp_path, capsys):
     err = compose_refused(tmp_path, capsys, "+runtime=torch-distributed", f"runtime.nnodes={nnodes}",

@@ -186,3 +186,30 @@ def test_offline_a_cached_copy_is_used_and_said_so(hub, tmp_path, monkeypatch, c
                                        f"commit {repo.sha} in {online.local}\n")
     with pytest.raises(StorageError, match="HF_HUB_OFFLINE=1 and no copy of it in .*: fetch it once online"):
         fetch.fetch("model.path", "hf://org/other", cache)
+
+
+@pytest.mark.parametrize("error,cause", [
+    # pyarrow's S3 filesystem (objects.download): its codes in the text, a plain OSError
+    (OSError("When reading information for key 'x' in bucket 'b-63a2d1403113': AWS Error NETWORK_CONNECTION during "
+             "HeadObject operation: curlCode: 7, Couldn't connect to server"), "the endpoint does not answer"),
+    (OSError("When reading information for key 'x' in bucket 'b': AWS Error ACCESS_DENIED during GetObject "
+             "operation: No response body."), "credentials refused"),
+    (OSError("AWS Error UNKNOWN (HTTP status 403) during HeadObject operation: No response body."),
+     "credentials refused"),
+    (OSError("google::cloud::Status(PERMISSION_DENIED: caller lacks storage.objects.get)"), "credentials refused"),
+    (OSError("Forbidden: bucket/key\nAccess denied."), "credentials refused"),  # gcsfs's 403
+    # words of a refusal inside a key are the key's, not the cause
+    (OSError("Internal error reading s3://b/Forbidden/AccessDenied/403/connect-timeout"), "the store refused it"),
+])
+def test_a_refusal_is_told_by_the_clients_codes_not_by_words_in_a_key(error, cause):
+    assert objects.refusal(error, "s3").startswith(cause)
+
+
+def test_a_context_suppressed_with_from_none_does_not_decide_the_cause():
+    try:
+        try:
+            raise TimeoutError("an earlier retry timed out")
+        except TimeoutError:
+            raise PermissionError("Access Denied") from None
+    except PermissionError as e:
+        assert objects.refusal(e, "s3").startswith("credentials refused")

@@ -106,34 +106,45 @@ def probe(key: str, url: str) -> None:
 # Credential refusals by their error code (S3's, in a ClientError's response) or HTTP status (GCS's HttpError).
 CREDENTIAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
                     "AllAccessDisabled", "AccountProblem"}
+# What the stores' clients write in an error's text, in forms a bucket, key or URL cannot hold by accident:
+# botocore's "An error occurred (Code) when calling", pyarrow's "AWS Error CODE during ... (HTTP status N)" and
+# Google Cloud C++'s "Status(CODE", and gcsfs's OSError that starts "Forbidden".
+UNANSWERED_TEXT = re.compile(r"AWS Error (NETWORK_CONNECTION|SERVICE_UNAVAILABLE|REQUEST_TIMEOUT|SLOW_DOWN) during|"
+                             r"Status\((UNAVAILABLE|DEADLINE_EXCEEDED)\b")
+CREDENTIALS_TEXT = re.compile(r"An error occurred \((" + "|".join(sorted(CREDENTIAL_CODES)) + r")\) when calling|"
+                              r"AWS Error (ACCESS_DENIED|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|"
+                              r"EXPIRED_TOKEN) during|\(HTTP status 40[13]\)|"
+                              r"Status\((PERMISSION_DENIED|UNAUTHENTICATED)\b|^Forbidden")
 
 
 def _chain(e: BaseException) -> list[BaseException]:
-    """`e` and what it was raised from (s3fs raises its own OSError from botocore's ClientError)."""
+    """`e` and what it was raised from (s3fs raises its own OSError from botocore's ClientError); a context
+    suppressed (`from None`) is not followed."""
     seen: list[BaseException] = []
     while e is not None and e not in seen:
         seen.append(e)
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return seen
 
 
 def _unanswered(e: BaseException) -> bool:
-    """A connection that failed or timed out, told by the exception's classes, never by its text: a URL in the
-    text may hold any word (botocore's EndpointConnectionError and timeouts, aiohttp's, the builtins)."""
+    """A connection that failed or timed out: told by the exception's classes (botocore's EndpointConnectionError
+    and timeouts, aiohttp's, the builtins), or by pyarrow's own error codes in its text (`UNANSWERED_TEXT`)."""
     return isinstance(e, (ConnectionError, TimeoutError)) or any(
         "ConnectionError" in c.__name__ or "Timeout" in c.__name__ or "ClientConnector" in c.__name__
-        for c in type(e).__mro__)
+        for c in type(e).__mro__) or UNANSWERED_TEXT.search(str(e)) is not None
 
 
 def _credentials_refused(e: BaseException) -> bool:
-    """A refusal of the credentials: s3fs's PermissionError, botocore's code or status, gcsfs's HttpError code."""
+    """A refusal of the credentials: s3fs's PermissionError, botocore's code or status, gcsfs's HttpError code,
+    or a client's own code in its text (`CREDENTIALS_TEXT`)."""
     response = getattr(e, "response", None)
     if isinstance(response, dict):
         error, status = response.get("Error", {}), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     else:
         error, status = {}, getattr(e, "code", None)
     return isinstance(e, PermissionError) or error.get("Code") in CREDENTIAL_CODES or status in (401, 403) or \
-        any(re.search(rf"\b{word}\b", str(e)) for word in CREDENTIAL_CODES | {"Forbidden"})  # gcsfs's OSError
+        CREDENTIALS_TEXT.search(str(e)) is not None
 
 
 def refusal(e: Exception, scheme: str) -> str:

@@ -55,16 +55,18 @@ class TorchDistributedConfig:
     monitor_interval: float = 0.1
     # Elastic jobs: seconds the first rendezvous waits for more nodes once MIN have joined.
     last_call_timeout: int = 5
-    # Elastic jobs: the same wait when the nodes re-form after a node was lost or joined (the nodes still running
-    # reach it within a second of each other; one that misses it joins at the next re-formation).
+    # Elastic trainer runs (this runtime's agent reads it; a function job's plain torchrun does not): the same
+    # wait once the nodes have formed, for a re-formation after a node was lost or joined. The nodes still
+    # running reach it within torch's 1 s look at the store; one that misses it waits and the job re-forms again
+    # (another start of its ranks). A node that has not formed yet (one joining) waits last_call_timeout.
     reform_last_call_timeout: int = 1
     # Elastic jobs: seconds between a node's heartbeats (torchrun's keep_alive_interval).
     keep_alive_interval: int = 1
-    # Elastic jobs: heartbeat intervals without one that make a node lost (at least 3: torch sends a heartbeat only
-    # when the last is an interval old, so a live node's come up to two intervals apart). Times
-    # keep_alive_interval, it is how long the nodes left wait for a dead node before re-forming, and it trades
-    # that against false alarms: a live node whose heartbeats stall that long (its machine overloaded, its
-    # network cut) is taken for lost. Raise it where that happens, at an interval more per recovery.
+    # Elastic jobs: intervals without a heartbeat that make a node lost (at least 3). Times keep_alive_interval,
+    # it is how long the nodes left wait for a dead node before re-forming, and it trades that against false
+    # alarms: a live node whose heartbeat runs that late (its agent stalled on an overloaded machine, its network
+    # cut, or its clock behind the others': each node compares a heartbeat's time with its own clock) is taken
+    # for lost. Raise it where that happens, at an interval more per recovery.
     keep_alive_max_attempt: int = 3
     # Seconds a node waits at the rendezvous for the others (torchrun's join_timeout) before it ends, saying
     # how many nodes joined and which never did.
@@ -91,8 +93,8 @@ class TorchDistributed(Runtime):
                     f"must be in [0, runtime.nnodes={options.nnodes})")
         require(options.max_restarts >= 0, "runtime.max_restarts", options.max_restarts, "must be >= 0")
         require(options.keep_alive_max_attempt >= 3, "runtime.keep_alive_max_attempt", options.keep_alive_max_attempt,
-                "must be >= 3: torch sends a node's heartbeat only when its last is runtime.keep_alive_interval "
-                "old, so a live node's come up to two intervals apart, and fewer would take it for lost")
+                "must be >= 3: a live node's heartbeat comes every runtime.keep_alive_interval plus the store's "
+                "round trip, and a window of fewer intervals takes a node whose heartbeat runs late for lost")
 
     def check_job(self, options: TorchDistributedConfig, counts: range, offers: Offers) -> None:
         # Remote launchers know node 0's address (Kubeflow injects it; Docker names the container).

@@ -14,7 +14,6 @@ Once a node has formed, its later rendezvous rounds (re-formations after a node 
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from datetime import timedelta
@@ -27,8 +26,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from trainjob.env import DRIVER_REPORTS_ENV, RDZV_TIMEOUT_EXIT
 from trainjob.startup import mark_agent_ready
-
-log = logging.getLogger(__name__)
 
 
 def exit_code(error: ChildFailedError) -> int:
@@ -55,10 +52,8 @@ def shorten_reformations(seconds: int) -> None:
 
     def next_rendezvous(self):
         info = first(self)
-        timeout = self.settings.timeout  # shared with the handler's rendezvous steps, which read it each round
-        if timeout.last_call != timedelta(seconds=seconds):
-            timeout._set_timeouts(last_call=timedelta(seconds=seconds))
-            log.info("rendezvous formed: later re-formations wait %d s for more nodes", seconds)
+        # The handler's timeouts are shared with its rendezvous steps, which read them each round.
+        self.settings.timeout._set_timeouts(last_call=timedelta(seconds=seconds))
         return info
 
     DynamicRendezvousHandler.next_rendezvous = next_rendezvous
