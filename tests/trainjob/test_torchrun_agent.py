@@ -59,8 +59,8 @@ def test_the_last_call_a_re_formation_waits_is_the_one_set(monkeypatch):
         started = time.monotonic()
         handler.next_rendezvous()
         waited = time.monotonic() - started
-        # torch polls the rendezvous once a second: the wait ends within a poll after the last call
-        assert seconds <= waited < seconds + 2.5, waited
+        # the first round's 2 s would have ended it sooner (no upper bound: a loaded machine stretches torch's polls)
+        assert waited >= seconds, waited
     finally:
         handler.shutdown()
         del store
