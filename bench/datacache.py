@@ -1,6 +1,8 @@
-"""Data throughput into torch tensors: Parquet read directly, the in-process LocalDataset, one Arrow Flight
-cache node to one client and to two clients, two nodes to two clients, against the raw loopback TCP
-ceiling; then small batches (100 rows of 16 tokens) in rows/s.
+"""Data throughput into torch tensors: Parquet read directly, the in-process LocalDataset, one cache node to
+one client and to two clients, two nodes to two clients, against the raw loopback TCP ceiling; then small
+batches (100 rows of 16 tokens) in rows/s. The nodes are `python -m datacache serve` processes with their
+defaults: `StreamingDataset` reads their steps over their data plane (`datacache.wire`), Kubeflow's client
+over Flight.
 
 Rows are fixed-length lists of `--tokens` int32 ids (2 KB per row at 512). Every source is read in
 batches of each size in `--batch-mb` (MiB; `--rows` rows in all, unshuffled) and each batch ends as a
@@ -155,20 +157,20 @@ class TcpCeiling:
 
 
 def _one_node(path: str, batch_rows: int, row_bytes: int, reading: dict, best) -> list:
-    """The rows of one Flight node: to one client, shuffled, to two clients, to Kubeflow's client."""
+    """The rows of one node: to one client, shuffled, to two clients, to Kubeflow's client."""
     results = []
     node = _node(path, batch_rows * row_bytes)
     try:
         endpoint = node.stdout.readline().split()[-1]
         one = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
                                **reading)
-        results.append(("1 Flight node -> 1 client", best(lambda: sum(1 for _ in one), node.pid)))
+        results.append(("1 node -> 1 client", best(lambda: sum(1 for _ in one), node.pid)))
         shuffled = StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=True, loop=False,
                                     **reading)
         results.append(("  the same, shuffled", best(lambda: sum(1 for _ in shuffled), node.pid)))
         halves = [StreamingDataset([endpoint], global_batch_size=batch_rows, shuffle=False, loop=False,
                                    rank=r, world_size=2, **reading) for r in range(2)]
-        results.append(("1 Flight node -> 2 clients", best(lambda: _together(halves), node.pid)))
+        results.append(("1 node -> 2 clients", best(lambda: _together(halves), node.pid)))
         results.append(("1 node -> Kubeflow's client", best(lambda: kubeflow_client(endpoint), node.pid)))
         as_head = StreamingDataset([f"kubeflow+{endpoint}"], global_batch_size=batch_rows, shuffle=False,
                                    **reading)
@@ -212,7 +214,7 @@ def measure(tmp: str, rows: int, tokens: int, batch_rows: int, epochs: int, read
                                      **reading) for _ in range(2)]
             half = rows // batch_rows // 2
             pair[1].set_position(0, half)  # in node 1's shard, as pair[0] starts in node 0's
-            results.append(("2 Flight nodes -> 2 clients", best(lambda: _together(pair, half), [n.pid for n in nodes])))
+            results.append(("2 nodes -> 2 clients", best(lambda: _together(pair, half), [n.pid for n in nodes])))
         finally:
             for n in nodes:
                 n.terminate()
@@ -268,7 +270,7 @@ def small_batches(tmp: str, rows: int, epochs: int, reading: dict, batch_rows: i
     node = _node(path, 8 << 20)
     try:
         endpoint = node.stdout.readline().split()[-1]
-        for name, shuffle in (("1 Flight node -> 1 client", False), ("  the same, shuffled", True)):
+        for name, shuffle in (("1 node -> 1 client", False), ("  the same, shuffled", True)):
             ds = StreamingDataset([endpoint], columns=["id", "tokens"], batch_size=batch_rows, shuffle=shuffle,
                                   loop=False, **reading)
             results.append((name, _best(lambda d=ds: sum(1 for _ in d), epochs, node.pid)))

@@ -3,13 +3,16 @@
     python -m datacache serve --source 'data/*.parquet' --port 50051 [--shard 0/2] [--columns tokens]
                               [--filter "split == 'train'" | --sql "SELECT tokens FROM data WHERE quality > 0.5"]
                               [--advertise HOST:PORT] [--peers H0:P0,H1:P1] [--health-port 8080]
-                              [--token-file PATH] [--tls-cert C --tls-key K]
+                              [--token-file PATH] [--tls-cert C --tls-key K] [--data-port 0|PORT|off]
     python -m datacache stat grpc://127.0.0.1:50051 [--token-file PATH]
     python -m datacache ready grpc://127.0.0.1:50051 [--token-file PATH]    # exit 0 once it serves (a readiness probe)
 
 A node also answers Kubeflow Trainer's cache clients (`datacache.kubeflow`): `--advertise` is the address
 it gives them (default: the bind host, or this machine's name for 0.0.0.0), `--peers` every node's address
 in shard order so that any node answers for the whole table, and `--health-port` serves `GET /ready`.
+
+Besides Flight, a node serves its steps on a data port (`datacache.wire`, default a free port; `--data-port off`:
+Flight only), which `StreamingDataset` reads at about the speed of a raw socket.
 
 The token (clients send it; the node refuses calls without it) comes from `--token-file`, or `--token`
 (which every user of the machine sees in `ps`), else the TRAINJOB_CACHE_TOKEN environment variable.
@@ -31,7 +34,7 @@ import sys
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from datacache.server import CacheServer, DataCacheError
+from datacache.server import CacheServer, DataCacheError, keep_gathered_buffers
 from trainjob.cli import OneLineParser
 from trainjob.env import CACHE_TOKEN_ENV
 
@@ -63,6 +66,10 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9
                        r"[A-Za-z0-9])?)*$")
 
 
+def _data_port(text: str) -> int | None:
+    return None if text == "off" else _port(text)
+
+
 def _host(text: str) -> str:
     """An IP address, or a host name that is not a malformed address (256.1.1.1)."""
     try:
@@ -84,7 +91,7 @@ def _endpoint(text: str) -> str:
     return text
 
 
-def _check_listen(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+def _check_listen(parser: argparse.ArgumentParser, host: str, port: int, flag: str = "--port") -> None:
     """Before any data is read: the address can be bound (not in use, an address of this machine)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -92,7 +99,7 @@ def _check_listen(parser: argparse.ArgumentParser, host: str, port: int) -> None
             s.bind((host.strip("[]"), port))
         except OSError as e:
             what = "already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
-            parser.error(f"--host {host} --port {port}: cannot listen there: {what}")
+            parser.error(f"--host {host} {flag} {port}: cannot listen there: {what}")
 
 
 def _check_tls(parser: argparse.ArgumentParser, cert: str, key: str) -> None:
@@ -154,6 +161,9 @@ def _parser() -> OneLineParser:
                                                      "one too): any node then answers for the whole table")
     serve.add_argument("--health-port", type=int, default=None, help="serve HTTP GET /ready on this port "
                                                                      "(Kubeflow's cache uses 8080)")
+    serve.add_argument("--data-port", type=_data_port, default=0,
+                       help="the data plane's port (datacache.wire: steps as Arrow IPC over plain TCP, beside "
+                            "Flight); 0: a free one (the default); off: Flight only. None under TLS")
     serve.add_argument("--batch-bytes", type=_bytes, default=8 << 20, help="record batch size (default 8MiB)")
     _add_token(serve)
     serve.add_argument("--tls-cert", default=None)
@@ -173,12 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][datacache][%(levelname)s] %(message)s")
 
     if args.command == "serve":
+        keep_gathered_buffers()
         if bool(args.tls_cert) != bool(args.tls_key):
             parser.error("--tls-cert and --tls-key go together")
         if args.tls_cert:
             _check_tls(parser, args.tls_cert, args.tls_key)
         if args.port:
             _check_listen(parser, args.host, args.port)
+        if args.data_port:
+            if args.data_port == args.port:
+                parser.error(f"--data-port {args.data_port}: the same as --port; give another, or 0 for a free one")
+            _check_listen(parser, args.host, args.data_port, "--data-port")
         scheme = "grpc+tls" if args.tls_cert else "grpc+tcp"
         try:
             server = CacheServer(args.source, f"{scheme}://{args.host}:{args.port}", shard=args.shard[0],
@@ -186,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                                  row_filter=args.filter, batch_bytes=args.batch_bytes, token=token,
                                  tls_cert=args.tls_cert, tls_key=args.tls_key, advertise=args.advertise,
                                  peers=args.peers.split(",") if args.peers else None, health_port=args.health_port,
-                                 sql=args.sql)
+                                 sql=args.sql, data_port=args.data_port)
         except DataCacheError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -15,12 +15,13 @@ Reading ahead: `readers` threads (default 2), each over its own connection to ev
 `prefetch` steps asked for and not yet consumed. A thread takes the next window of steps, as many as
 there is room for (at least half the room, so calls are few: a call costs about a millisecond before its
 first batch and a gRPC stream starts slowly; the default room of 32 steps makes calls of 16 steps or
-more), asks each node for its part of them in one Flight call, all nodes sending at once, and reads every
+more), asks each node for its part of them in one call, all nodes sending at once, and reads every
 call to its end; the consumer takes the windows in plan order, and a reader with steps still to read
 leaves free room to one that waits, so the two alternate. Two threads over two connections deliver
-more than one on the same cores (`bench/datacache.py`, 8 MiB batches from one node on 2 cores: 71-79% of
-raw loopback TCP, against 67% with one), where each batch costs the client a copy more than a raw
-socket does (gRPC hands a message over in slices, which Arrow joins into one buffer). A node so sends
+more than one on the same cores. A call goes over the node's data plane (`datacache.wire`: the steps
+as an Arrow IPC stream over a plain socket, received into one buffer a batch, as a raw socket's reader
+would) where the node has one and this client can connect to it, else it is Flight's `do_get`, where each
+batch costs a copy more (gRPC hands a message over in slices, which Arrow joins into one buffer). A node so sends
 only what is wanted and each step once, never waits on a slow consumer, and holds no stream that nobody
 reads: it goes idle when its clients do. `prefetch=0`: no thread, a call per step, made when the step
 is wanted. A batch that one node answers in one piece becomes a torch tensor without a copy, in a buffer
@@ -45,6 +46,7 @@ import os
 import queue
 import threading
 import time
+import urllib.parse
 import warnings
 from typing import Any
 
@@ -58,6 +60,7 @@ from datacache.order import BatchPlan
 from datacache.parquet import column_array
 from datacache.planned import PlannedDataset, plan_arguments
 from datacache.server import MAX_READERS, DataCacheError, encode_ticket
+from datacache.wire import Unreachable, WireReader
 from trainjob.allocator import chosen, keep_freed_buffers
 from trainjob.env import CACHE_TOKEN_ENV
 
@@ -116,19 +119,28 @@ def _runs(rows: np.ndarray) -> np.ndarray:
     return np.stack([rows[first], rows[last] + 1], axis=1).astype(np.int64)
 
 
+class _DataPlane:
+    """A node's data port (`datacache.wire`) as this client reaches it, shared by the node's connections: all
+    go back to Flight once one finds the port unreachable."""
+
+    def __init__(self, host: str, port: int):
+        self.address, self.usable = (host, port), True
+
+
 class _Node:
     """One cache node's endpoint, and this process's connection to it (made on first use). A Kubeflow cache's
-    worker (`kubeflow`) is asked for rows with IndexPair tickets, a range a call."""
+    worker (`kubeflow`) is asked for rows with IndexPair tickets, a range a call. `data`: its data plane, once
+    the node named one."""
 
     def __init__(self, endpoint: str, token: str | None, timeout: float, tls_root: bytes | None,
-                 kubeflow: bool = False):
+                 kubeflow: bool = False, data: _DataPlane | None = None):
         self.endpoint, self.token, self.timeout, self.tls_root = endpoint, token, timeout, tls_root
-        self.kubeflow = kubeflow
+        self.kubeflow, self.data = kubeflow, data
         self._client = self._options = None
 
     def copy(self) -> _Node:
         """The same node, over a connection of its own."""
-        return _Node(self.endpoint, self.token, self.timeout, self.tls_root, self.kubeflow)
+        return _Node(self.endpoint, self.token, self.timeout, self.tls_root, self.kubeflow, self.data)
 
     @property
     def options(self) -> flight.FlightCallOptions:
@@ -163,13 +175,26 @@ class _Stream:
         return self.done == len(self.steps)
 
     def open(self, client: flight.FlightClient, columns: list[str]) -> None:
-        """Asks for the steps not yet read."""
-        ticket = flight.Ticket(encode_ticket(self.steps[self.done:], columns))
-        self.client, self.reader, self.since_open = client, client.do_get(ticket, self.node.options), 0
+        """Asks for the steps not yet read: over the node's data plane where it has one this client reaches,
+        else with Flight's do_get."""
+        self.close()
+        ticket, node = encode_ticket(self.steps[self.done:], columns), self.node
+        reader = None
+        if node.data is not None and node.data.usable:
+            try:
+                reader = WireReader(node.data.address, node.token, ticket, node.timeout)
+            except Unreachable as e:
+                node.data.usable = False
+                log.warning("cache node %s: its data port cannot be reached (%s); reading over Flight",
+                            node.endpoint, e)
+        if reader is None:
+            reader = client.do_get(flight.Ticket(ticket), node.options)
+        self.client, self.reader, self.since_open = client, reader, 0
 
     def close(self) -> None:
-        if self.reader is not None and not self.finished:
-            self.reader.cancel()  # only when the consumer stopped: the node stops sending what nobody reads
+        # A Flight call read to its end has ended; a data-plane connection is closed either way.
+        if self.reader is not None and (not self.finished or isinstance(self.reader, WireReader)):
+            self.reader.cancel()  # the consumer stopped: the node stops sending what nobody reads
         self.reader = None
 
 
@@ -315,6 +340,10 @@ class StreamingDataset(PlannedDataset):
             return self._describe_kubeflow()
         layout = [self._describe(node) for node in self._nodes]
         self._check(layout)
+        for node, (meta, _) in zip(self._nodes, layout, strict=True):
+            host = urllib.parse.urlsplit(node.endpoint).hostname
+            if meta.get("data_port") and host and not node.endpoint.startswith("grpc+tls"):
+                node.data = _DataPlane(host, int(meta["data_port"]))
         order = np.argsort([m["offset"] for m, _ in layout])
         self._nodes = [self._nodes[i] for i in order]
         self._offsets = np.array([layout[i][0]["offset"] for i in order] + [layout[order[-1]][0]["total_rows"]])
@@ -426,7 +455,7 @@ class StreamingDataset(PlannedDataset):
                 except flight.FlightTimedOutError:
                     if not stream.since_open:
                         raise
-                    stream.reader = None  # the call's deadline ended a stream that was delivering: go on anew
+                    stream.close()  # the call's deadline ended a stream that was delivering: go on anew
                     continue
                 stream.done += 1
                 stream.since_open += 1

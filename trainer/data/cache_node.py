@@ -20,7 +20,7 @@ import threading
 
 from omegaconf import OmegaConf
 
-from datacache.server import CacheServer, DataCacheError
+from datacache.server import CacheServer, DataCacheError, keep_gathered_buffers
 from trainer.data.corpus import prepare
 from trainer.errors import ConfigError
 from trainjob.cli import OneLineParser
@@ -43,11 +43,13 @@ def _servers(cfg, args, index: int, count: int) -> list[CacheServer]:
     peers = _peers(cfg, count)
     if peers:
         logging.info("peers (for Kubeflow clients, which may ask any node for the whole table): %s", ", ".join(peers))
+    # Each with a data plane on a free port (datacache.wire), which the ranks learn from the node.
     servers = [CacheServer(os.path.join(corpus, "train"), f"grpc://{args.host}:{args.port}", shard=index,
-                           num_shards=count, token=token, advertise=peers[index] if peers else None, peers=peers)]
+                           num_shards=count, token=token, advertise=peers[index] if peers else None, peers=peers,
+                           data_port=0)]
     if args.eval_port is not None:
         servers.append(CacheServer(os.path.join(corpus, "eval"), f"grpc://{args.host}:{args.eval_port}",
-                                   token=token))
+                                   token=token, data_port=0))
     return servers
 
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--shard {args.shard!r}: give it as i/N, for example 0/2")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][cache-node][%(levelname)s] %(message)s")
+    keep_gathered_buffers()
     try:
         servers = _servers(OmegaConf.load(args.config), args, index, count)
     except (DataCacheError, ConfigError) as e:  # a damaged corpus file, a source that cannot be built: one line

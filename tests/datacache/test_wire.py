@@ -1,0 +1,224 @@
+"""The data plane (`datacache.wire`): real nodes on loopback serving steps as Arrow IPC over a plain socket.
+
+A client reads the same batches over it as over Flight, every row once, shuffled or not; the node's checks,
+its token, its failures while sending and a stream broken mid-way reach the client as they do over Flight;
+a data port the client cannot reach, and a node under TLS, leave it on Flight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import pyarrow.parquet as pq
+import pytest
+
+from datacache import CacheServer, DataCacheError, StreamingDataset
+from datacache.server import encode_ticket
+from datacache.wire import WireReader
+from tests.conftest import REPO
+
+ROWS = 1009  # prime: no batch size divides it
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wire") / "rows.parquet"
+    ids = np.arange(ROWS, dtype=np.int64)
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids.astype(np.int32), 8)), 8)
+    pq.write_table(pa.table({"id": ids, "tokens": tokens, "text": [f"row {i}" for i in ids]}), path)
+    return str(path)
+
+
+def _serve(node: CacheServer) -> CacheServer:
+    threading.Thread(target=node.serve, daemon=True).start()
+    return node
+
+
+def _epoch(node: CacheServer, **kw) -> list[dict]:
+    ds = StreamingDataset([node.location], columns=["id", "tokens"], batch_size=32, seed=3, backoff=0.01, **kw)
+    return list(ds)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 6])
+def test_the_data_plane_gives_the_batches_flight_gives(source, shuffle, prefetch):
+    wire = _serve(CacheServer(source, batch_bytes=512, data_port=0))
+    plain = _serve(CacheServer(source, batch_bytes=512))
+    try:
+        assert wire.stats()["data_port"] == wire.wire.port and plain.stats()["data_port"] is None
+        ours = _epoch(wire, shuffle=shuffle, prefetch=prefetch)
+        theirs = _epoch(plain, shuffle=shuffle, prefetch=prefetch)
+    finally:
+        wire.shutdown()
+        plain.shutdown()
+    assert len(ours) == len(theirs) == ROWS // 32
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["id"].tolist() == b["id"].tolist()
+        assert (a["tokens"][:, 0] == a["id"]).all() and a["tokens"].shape == (32, 8)
+    ids = np.concatenate([b["id"].numpy() for b in ours])
+    assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    assert (np.diff(ids) == 1).all() != shuffle
+
+
+def _steps(reader: WireReader, count: int) -> list[pa.RecordBatch]:
+    try:
+        return [reader.read_chunk().data for _ in range(count)]
+    finally:
+        reader.cancel()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_is_checked_and_its_columns_sent_as_asked(source):
+    node = _serve(CacheServer(source, data_port=0))
+    address = ("127.0.0.1", node.wire.port)
+    try:
+        reader = WireReader(address, None, encode_ticket([np.array([[5, 7], [100, 101]]), np.array([[0, 3]])],
+                                                         ["text"]), 10)
+        first, second = _steps(reader, 2)
+        assert first.schema.names == ["text"] and first.column(0).to_pylist() == ["row 5", "row 6", "row 100"]
+        assert second.column(0).to_pylist() == ["row 0", "row 1", "row 2"]
+        for ticket, reason in [(encode_ticket([np.array([[0, ROWS + 1]])]), f"rows [0, {ROWS + 1}) are not on "
+                                                                              f"this node, which holds [0, {ROWS})"),
+                               (encode_ticket([np.array([[0, 2]])], ["nothing"]), "no column nothing here"),
+                               (b"not a ticket", "not a datacache ticket")]:
+            with pytest.raises(flight.FlightServerError, match=re.escape(reason)):
+                WireReader(address, None, ticket, 10)
+        with socket.create_connection(address, timeout=10) as raw:  # not our protocol at all
+            raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            answer = b"".join(iter(lambda: raw.recv(256), b""))
+        assert answer[:1] == b"\x01" and answer[5:] == b"not a datacache data-plane request (datacache.wire)"
+    finally:
+        node.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_token_is_refused_on_the_data_plane_too(source):
+    node = _serve(CacheServer(source, data_port=0, token="s3cret"))
+    try:
+        with pytest.raises(flight.FlightUnauthenticatedError, match="a wrong or missing token"):
+            WireReader(("127.0.0.1", node.wire.port), "guess", encode_ticket([np.array([[0, 2]])]), 10)
+        # The client learns the data port from the node only with the right token: Flight refuses first.
+        with pytest.raises(DataCacheError, match="refused this client: a wrong or missing token"):
+            _epoch(node, token="guess")
+        assert len(_epoch(node, token="s3cret")) == ROWS // 32
+    finally:
+        node.shutdown()
+
+
+class _FailingNode(CacheServer):
+    """A real node whose third step fails while it is sent: once as a node restarting does (`restart`, which
+    the client retries), or always as a bug does (out of memory in a gather)."""
+
+    def __init__(self, *args, restart: bool, **kw):
+        super().__init__(*args, **kw)
+        self.restart, self.tickets = restart, 0
+
+    def answer(self, ticket):
+        self.tickets += 1
+        return super().answer(ticket)
+
+    def _step_batches(self, steps, rows):
+        for i, batch in enumerate(super()._step_batches(steps, rows)):
+            if i == 2 and self.tickets == 1:
+                if self.restart:
+                    raise flight.FlightUnavailableError("restarting")
+                raise MemoryError("no room at /srv/private/node.py")
+            yield batch
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_broken_on_the_data_plane_resumes_at_the_first_step_it_had_not_delivered(source):
+    node = _serve(_FailingNode(source, batch_bytes=256, data_port=0, restart=True))
+    try:
+        batches = _epoch(node, shuffle=True, prefetch=4)
+    finally:
+        node.shutdown()
+    ids = np.concatenate([b["id"].numpy() for b in batches])
+    assert node.tickets >= 2 and len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_fails_while_sending_is_named_with_its_reason_not_its_traceback(source):
+    node = _serve(_FailingNode(source, data_port=0, restart=False))
+    try:
+        reader = WireReader(("127.0.0.1", node.wire.port), None,
+                            encode_ticket([np.array([[i, i + 1]]) for i in range(4)]), 10)
+        with pytest.raises(flight.FlightServerError) as e:
+            _steps(reader, 4)
+        assert str(e.value) == "datacache: the node failed while sending; its log says why"
+        ds = StreamingDataset([node.location], columns=["id"], batch_size=1, shuffle=False, prefetch=4, retries=0)
+        node.tickets = 0
+        with pytest.raises(DataCacheError, match=re.escape(f"cache node {node.location} refused do_get: the node "
+                                                           "failed while sending; its log says why")):
+            for _ in ds:
+                pass
+    finally:
+        node.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_data_port_the_client_cannot_reach_leaves_it_on_flight(source, caplog):
+    node = _serve(CacheServer(source, batch_bytes=512, data_port=0))
+    node.wire.close()  # the port named in the node's FlightInfo now refuses connections, as a firewall would
+    try:
+        with caplog.at_level(logging.WARNING, logger="datacache.dataset"):
+            batches = _epoch(node, shuffle=True, prefetch=6)
+    finally:
+        node.wire = None
+        node.shutdown()
+    ids = np.concatenate([b["id"].numpy() for b in batches])
+    assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    warnings = [r.getMessage() for r in caplog.records if "data port cannot be reached" in r.getMessage()]
+    assert len(warnings) == 1 and node.location in warnings[0] and "reading over Flight" in warnings[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_node_under_tls_has_no_data_plane(source, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    node = CacheServer(source, location="grpc+tls://localhost:0", tls_cert=str(cert), tls_key=str(key), data_port=0)
+    try:
+        assert node.wire is None and node.stats()["data_port"] is None
+    finally:
+        node.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_serve_opens_a_data_port_unless_told_off(source):
+    def stats(*flags):
+        proc = subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", source, "--port", "0", *flags],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            location = proc.stdout.readline().split()[-1]
+            info = flight.FlightClient(location).get_flight_info(flight.FlightDescriptor.for_path("dataset"))
+            return location, json.loads(info.app_metadata)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+    location, meta = stats()
+    assert isinstance(meta["data_port"], int) and meta["data_port"] > 0
+    assert stats("--data-port", "off")[1]["data_port"] is None
+    port = int(location.rsplit(":", 1)[1])
+    proc = subprocess.run([sys.executable, "-m", "datacache", "serve", "--source", source, "--port", str(port),
+                           "--data-port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"--data-port {port}: the same as --port" in proc.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "datacache", "serve", "--source", source, "--port", "0",
+                               "--data-port", str(taken)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"--data-port {taken}: cannot listen there: already in use" in proc.stderr
