@@ -121,10 +121,24 @@ def _runs(rows: np.ndarray) -> np.ndarray:
 
 class _DataPlane:
     """A node's data port (`datacache.wire`) as this client reaches it, shared by the node's connections: all
-    go back to Flight once one finds the port unreachable."""
+    go back to Flight once one finds the port unreachable (or serving another node), and look again, at the
+    node's FlightInfo, RECHECK seconds later (a node that restarted serves on another port)."""
 
-    def __init__(self, host: str, port: int):
-        self.address, self.usable = (host, port), True
+    RECHECK = 30.0
+
+    def __init__(self, host: str, meta: dict[str, Any]):
+        self.host, self.retry_at = host, 0.0
+        self.update(meta)
+
+    def update(self, meta: dict[str, Any]) -> None:
+        port, self.node_id = meta.get("data_port"), str(meta.get("node_id", ""))
+        self.address, self.usable = (self.host, int(port or 0)), bool(port)
+
+    def unreachable(self) -> None:
+        self.usable, self.retry_at = False, time.monotonic() + self.RECHECK
+
+    def due(self) -> bool:
+        return not self.usable and time.monotonic() >= self.retry_at
 
 
 class _Node:
@@ -178,15 +192,19 @@ class _Stream:
         """Asks for the steps not yet read: over the node's data plane where it has one this client reaches,
         else with Flight's do_get."""
         self.close()
-        ticket, node = encode_ticket(self.steps[self.done:], columns), self.node
+        ticket, node, plane = encode_ticket(self.steps[self.done:], columns), self.node, self.node.data
+        if plane is not None and plane.due():
+            info = client.get_flight_info(flight.FlightDescriptor.for_path("dataset"), node.options)
+            plane.update(json.loads(info.app_metadata))
         reader = None
-        if node.data is not None and node.data.usable:
+        if plane is not None and plane.usable:
             try:
-                reader = WireReader(node.data.address, node.token, ticket, node.timeout)
+                reader = WireReader(plane.address, plane.node_id, node.token, ticket, len(self.steps) - self.done,
+                                    node.timeout)
             except Unreachable as e:
-                node.data.usable = False
-                log.warning("cache node %s: its data port cannot be reached (%s); reading over Flight",
-                            node.endpoint, e)
+                plane.unreachable()
+                log.warning("cache node %s: its data port %d cannot be used (%s); reading over Flight, looking "
+                            "again in %.0f s", node.endpoint, plane.address[1], e, plane.RECHECK)
         if reader is None:
             reader = client.do_get(flight.Ticket(ticket), node.options)
         self.client, self.reader, self.since_open = client, reader, 0
@@ -343,7 +361,7 @@ class StreamingDataset(PlannedDataset):
         for node, (meta, _) in zip(self._nodes, layout, strict=True):
             host = urllib.parse.urlsplit(node.endpoint).hostname
             if meta.get("data_port") and host and not node.endpoint.startswith("grpc+tls"):
-                node.data = _DataPlane(host, int(meta["data_port"]))
+                node.data = _DataPlane(host, meta)
         order = np.argsort([m["offset"] for m, _ in layout])
         self._nodes = [self._nodes[i] for i in order]
         self._offsets = np.array([layout[i][0]["offset"] for i in order] + [layout[order[-1]][0]["total_rows"]])

@@ -15,7 +15,8 @@ dataset:
   busy, where a call per step leaves it idle between calls. The ticket may name the columns to send.
 - `do_action`: `health` (b"ok") and `stats` (JSON).
 - With `data_port` (not under TLS), the same answers (`answer`) over the data plane (`datacache.wire`), a
-  plain socket whose port the FlightInfo's `app_metadata` names (`data_port`): what `StreamingDataset` reads.
+  plain socket whose port the FlightInfo's `app_metadata` names (`data_port`, with the `node_id` a request
+  carries): what `StreamingDataset` reads.
 
 It also speaks Kubeflow Trainer's cache protocol (`datacache.kubeflow`), so that a pod written for the
 `torch-distributed-with-cache` runtime reads it: `get_flight_info` with a path of two integers `[index,
@@ -43,6 +44,7 @@ import hmac
 import http.server
 import json
 import logging
+import secrets
 import socket
 import threading
 from collections.abc import Iterator
@@ -342,17 +344,29 @@ class CacheServer(flight.FlightServerBase):
             with open(tls_cert, "rb") as c, open(tls_key, "rb") as k:
                 tls = [flight.CertKeyPair(c.read(), k.read())]
         middleware = {"auth": TokenAuth(token)} if token else None
-        super().__init__(location, tls_certificates=tls, middleware=middleware)
-        self.scheme = "grpc+tls" if tls else "grpc+tcp"
         host = location.split("://", 1)[1].rsplit(":", 1)[0]
+        # Gathers of shuffled steps, made ahead of the one being sent (`_step_batches`).
+        self._gathers = ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="datacache-gather")
+        self.node_id = secrets.token_hex(8)  # which server a data-plane request is for (`datacache.wire`)
+        # The data plane on `data_port` (0: a free one), before Flight: a port it cannot take leaves nothing
+        # running. None under TLS, which it would bypass.
+        self.wire = None
+        if data_port is not None and not tls:
+            try:
+                self.wire = WireServer(host, data_port, self.node_id, token, self.answer)
+            except OSError as e:
+                raise DataCacheError(f"data port {data_port}: cannot listen on {host}: {e.strerror or e}") from None
+        try:
+            super().__init__(location, tls_certificates=tls, middleware=middleware)
+        except BaseException:
+            if self.wire is not None:
+                self.wire.close()
+            raise
+        self.scheme = "grpc+tls" if tls else "grpc+tcp"
         if advertise is None:  # a wildcard bind is no address to give clients: this machine's name is
             advertise = f"{socket.gethostname() if host in ('0.0.0.0', '::', '[::]', '') else host}:{self.port}"
         self.location = f"{self.scheme}://{_address('--advertise', advertise)}"
         self.health = ReadyServer(host, health_port) if health_port is not None else None
-        # The data plane (datacache.wire) on `data_port` (0: a free one); none under TLS, which it would bypass.
-        self.wire = WireServer(host, data_port, token, self.answer) if data_port is not None and not tls else None
-        # Gathers of shuffled steps, made ahead of the one being sent (`_step_batches`).
-        self._gathers = ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="datacache-gather")
         log.info("cache node %d/%d at %s: rows [%d, %d) of %d, %.1f MB", shard, num_shards, self.location,
                  self.offset, self.offset + self.rows.num_rows, self.total_rows, self.rows.nbytes / 1e6)
 
@@ -371,15 +385,15 @@ class CacheServer(flight.FlightServerBase):
         if self.health is not None:
             self.health.close()
         if self.wire is not None:
-            self.wire.close()
-        super().shutdown()
+            self.wire.close()  # its streams in flight cut, their clients retry
+        super().shutdown()  # Flight's calls in flight finish first
         self._gathers.shutdown(wait=False)
 
     def stats(self) -> dict[str, Any]:
         return {"offset": self.offset, "rows": self.rows.num_rows, "total_rows": self.total_rows,
                 "bytes": self.rows.nbytes, "shard": self.shard, "num_shards": self.num_shards,
                 "batch_rows": self.batch_rows, "schema": self.rows.schema.to_string(show_schema_metadata=False),
-                "data_port": self.wire.port if self.wire is not None else None}
+                "data_port": self.wire.port if self.wire is not None else None, "node_id": self.node_id}
 
     def _info(self, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
         stats = self.stats()

@@ -11,9 +11,11 @@ import json
 import logging
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from datacache import CacheServer, DataCacheError, StreamingDataset
+from datacache.dataset import _DataPlane
 from datacache.server import encode_ticket
-from datacache.wire import WireReader
+from datacache.wire import Unreachable, WireReader, WireServer
 from tests.conftest import REPO
 
 ROWS = 1009  # prime: no batch size divides it
@@ -58,6 +61,7 @@ def test_the_data_plane_gives_the_batches_flight_gives(source, shuffle, prefetch
         assert wire.stats()["data_port"] == wire.wire.port and plain.stats()["data_port"] is None
         ours = _epoch(wire, shuffle=shuffle, prefetch=prefetch)
         theirs = _epoch(plain, shuffle=shuffle, prefetch=prefetch)
+        assert wire.wire.requests >= (ROWS // 32 if prefetch == 0 else 1)  # read over the data plane
     finally:
         wire.shutdown()
         plain.shutdown()
@@ -82,8 +86,8 @@ def test_a_request_is_checked_and_its_columns_sent_as_asked(source):
     node = _serve(CacheServer(source, data_port=0))
     address = ("127.0.0.1", node.wire.port)
     try:
-        reader = WireReader(address, None, encode_ticket([np.array([[5, 7], [100, 101]]), np.array([[0, 3]])],
-                                                         ["text"]), 10)
+        ticket = encode_ticket([np.array([[5, 7], [100, 101]]), np.array([[0, 3]])], ["text"])
+        reader = WireReader(address, node.node_id, None, ticket, 2, 10)
         first, second = _steps(reader, 2)
         assert first.schema.names == ["text"] and first.column(0).to_pylist() == ["row 5", "row 6", "row 100"]
         assert second.column(0).to_pylist() == ["row 0", "row 1", "row 2"]
@@ -92,7 +96,7 @@ def test_a_request_is_checked_and_its_columns_sent_as_asked(source):
                                (encode_ticket([np.array([[0, 2]])], ["nothing"]), "no column nothing here"),
                                (b"not a ticket", "not a datacache ticket")]:
             with pytest.raises(flight.FlightServerError, match=re.escape(reason)):
-                WireReader(address, None, ticket, 10)
+                WireReader(address, node.node_id, None, ticket, 1, 10)
         with socket.create_connection(address, timeout=10) as raw:  # not our protocol at all
             raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
             answer = b"".join(iter(lambda: raw.recv(256), b""))
@@ -105,8 +109,14 @@ def test_a_request_is_checked_and_its_columns_sent_as_asked(source):
 def test_a_wrong_token_is_refused_on_the_data_plane_too(source):
     node = _serve(CacheServer(source, data_port=0, token="s3cret"))
     try:
+        address = ("127.0.0.1", node.wire.port)
         with pytest.raises(flight.FlightUnauthenticatedError, match="a wrong or missing token"):
-            WireReader(("127.0.0.1", node.wire.port), "guess", encode_ticket([np.array([[0, 2]])]), 10)
+            WireReader(address, node.node_id, "guess", encode_ticket([np.array([[0, 2]])]), 1, 10)
+        # Refused before the ticket is read: a client without the token gets nothing more out of the node.
+        with socket.create_connection(address, timeout=10) as raw:
+            raw.sendall(b"DCW1" + b"".join(struct.pack("<I", len(f)) + f for f in (node.node_id.encode(), b"guess"))
+                        + struct.pack("<I", 16 << 20))
+            assert b"".join(iter(lambda: raw.recv(256), b""))[:1] == b"\x02"
         # The client learns the data port from the node only with the right token: Flight refuses first.
         with pytest.raises(DataCacheError, match="refused this client: a wrong or missing token"):
             _epoch(node, token="guess")
@@ -151,8 +161,8 @@ def test_a_stream_broken_on_the_data_plane_resumes_at_the_first_step_it_had_not_
 def test_a_node_that_fails_while_sending_is_named_with_its_reason_not_its_traceback(source):
     node = _serve(_FailingNode(source, data_port=0, restart=False))
     try:
-        reader = WireReader(("127.0.0.1", node.wire.port), None,
-                            encode_ticket([np.array([[i, i + 1]]) for i in range(4)]), 10)
+        reader = WireReader(("127.0.0.1", node.wire.port), node.node_id, None,
+                            encode_ticket([np.array([[i, i + 1]]) for i in range(4)]), 4, 10)
         with pytest.raises(flight.FlightServerError) as e:
             _steps(reader, 4)
         assert str(e.value) == "datacache: the node failed while sending; its log says why"
@@ -178,7 +188,7 @@ def test_a_data_port_the_client_cannot_reach_leaves_it_on_flight(source, caplog)
         node.shutdown()
     ids = np.concatenate([b["id"].numpy() for b in batches])
     assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
-    warnings = [r.getMessage() for r in caplog.records if "data port cannot be reached" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
     assert len(warnings) == 1 and node.location in warnings[0] and "reading over Flight" in warnings[0]
 
 
@@ -222,3 +232,53 @@ def test_serve_opens_a_data_port_unless_told_off(source):
         proc = subprocess.run([sys.executable, "-m", "datacache", "serve", "--source", source, "--port", "0",
                                "--data-port", str(taken)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and f"--data-port {taken}: cannot listen there: already in use" in proc.stderr
+
+
+class _SlowNode(CacheServer):
+    """A real node that takes `delay` seconds a step, so that a stream is in flight between two steps."""
+
+    def __init__(self, *args, delay: float, **kw):
+        super().__init__(*args, **kw)
+        self.delay = delay
+
+    def _step_batches(self, steps, rows):
+        for batch in super()._step_batches(steps, rows):
+            time.sleep(self.delay)
+            yield batch
+
+
+@pytest.mark.timeout(60)
+def test_a_data_plane_cut_between_two_steps_resumes_over_flight_with_every_row_once(source, caplog):
+    node = _serve(_SlowNode(source, batch_bytes=256, data_port=0, delay=0.05))
+    wire = node.wire
+    threading.Timer(0.5, wire.close).start()  # the streams in flight are cut, the port closed
+    try:
+        with caplog.at_level(logging.WARNING, logger="datacache.dataset"):
+            batches = _epoch(node, shuffle=True, prefetch=8)
+    finally:
+        node.wire = None
+        node.shutdown()
+    assert wire.requests >= 1
+    ids = np.concatenate([b["id"].numpy() for b in batches])
+    assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    assert any("cannot be used" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_that_serves_another_node_now_is_not_read_and_a_new_one_is_found(source, monkeypatch):
+    first, second = (_serve(CacheServer(source, batch_bytes=512, data_port=0)) for _ in range(2))
+    try:
+        with pytest.raises(Unreachable, match="this port now serves another node"):
+            WireReader(("127.0.0.1", second.wire.port), first.node_id, None, encode_ticket([np.array([[0, 2]])]), 1,
+                       10)
+        # `first` restarts its data plane on another port: a client looks at its FlightInfo again and reads there.
+        monkeypatch.setattr(_DataPlane, "RECHECK", 0.0)
+        ds = StreamingDataset([first.location], columns=["id"], batch_size=32, shuffle=False, prefetch=0)
+        ds.describe()
+        first.wire.close()
+        first.wire = WireServer("127.0.0.1", 0, first.node_id, None, first.answer)
+        ids = np.concatenate([b["id"].numpy() for b in ds])
+        assert first.wire.requests >= ROWS // 32 - 1 and (ids == np.arange(ROWS // 32 * 32)).all()
+    finally:
+        for node in (first, second):
+            node.shutdown()
