@@ -51,6 +51,13 @@ def _epoch(node: CacheServer, **kw) -> list[dict]:
     return list(ds)
 
 
+def _every_row_once(batches: list[dict]) -> np.ndarray:
+    """The epoch's row ids, in order, checked to be every row of its whole batches once."""
+    ids = np.concatenate([b["id"].numpy() for b in batches])
+    assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    return ids
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("prefetch", [0, 6])
@@ -69,8 +76,7 @@ def test_the_data_plane_gives_the_batches_flight_gives(source, shuffle, prefetch
     for a, b in zip(ours, theirs, strict=True):
         assert a["id"].tolist() == b["id"].tolist()
         assert (a["tokens"][:, 0] == a["id"]).all() and a["tokens"].shape == (32, 8)
-    ids = np.concatenate([b["id"].numpy() for b in ours])
-    assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    ids = _every_row_once(ours)
     assert (np.diff(ids) == 1).all() != shuffle
 
 
@@ -153,8 +159,8 @@ def test_a_stream_broken_on_the_data_plane_resumes_at_the_first_step_it_had_not_
         batches = _epoch(node, shuffle=True, prefetch=4)
     finally:
         node.shutdown()
-    ids = np.concatenate([b["id"].numpy() for b in batches])
-    assert node.tickets >= 2 and len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    assert node.tickets >= 2
+    _every_row_once(batches)
 
 
 @pytest.mark.timeout(60)
@@ -186,8 +192,7 @@ def test_a_data_port_the_client_cannot_reach_leaves_it_on_flight(source, caplog)
     finally:
         node.wire = None
         node.shutdown()
-    ids = np.concatenate([b["id"].numpy() for b in batches])
-    assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    _every_row_once(batches)
     warnings = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
     assert len(warnings) == 1 and node.location in warnings[0] and "reading over Flight" in warnings[0]
 
@@ -259,8 +264,7 @@ def test_a_data_plane_cut_between_two_steps_resumes_over_flight_with_every_row_o
         node.wire = None
         node.shutdown()
     assert wire.requests >= 1
-    ids = np.concatenate([b["id"].numpy() for b in batches])
-    assert len(np.unique(ids)) == len(ids) == ROWS // 32 * 32
+    _every_row_once(batches)
     assert any("cannot be used" in r.getMessage() for r in caplog.records)
 
 
