@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import urllib.parse
@@ -109,6 +110,11 @@ def _to_tensor(column: pa.Array | np.ndarray) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
+def _has_dictionary(kind: pa.DataType) -> bool:
+    """Whether a column of this type holds dictionary-encoded values, at any depth."""
+    return pa.types.is_dictionary(kind) or any(_has_dictionary(kind.field(i).type) for i in range(kind.num_fields))
+
+
 def _runs(rows: np.ndarray) -> np.ndarray:
     """[[start, stop], ...] covering `rows` in their order, merging ascending neighbours: an (n, 2) array."""
     if len(rows) == 0:
@@ -151,6 +157,7 @@ class _Node:
         self.endpoint, self.token, self.timeout, self.tls_root = endpoint, token, timeout, tls_root
         self.kubeflow, self.data = kubeflow, data
         self._client = self._options = None
+        self.idle: socket.socket | None = None  # a data-plane connection read to its end, for the next call
 
     def copy(self) -> _Node:
         """The same node, over a connection of its own."""
@@ -171,9 +178,12 @@ class _Node:
 
     def reset(self) -> None:
         self._client = None
+        if self.idle is not None:
+            self.idle.close()
+            self.idle = None
 
     def __getstate__(self):
-        return {**self.__dict__, "_client": None, "_options": None}
+        return {**self.__dict__, "_client": None, "_options": None, "idle": None}
 
 
 class _Stream:
@@ -199,8 +209,9 @@ class _Stream:
         reader = None
         if plane is not None and plane.usable:
             try:
+                idle, node.idle = node.idle, None
                 reader = WireReader(plane.address, plane.node_id, node.token, ticket, len(self.steps) - self.done,
-                                    node.timeout)
+                                    node.timeout, idle)
             except Unreachable as e:
                 plane.unreachable()
                 log.warning("cache node %s: its data port %d cannot be used (%s); reading over Flight, looking "
@@ -210,9 +221,16 @@ class _Stream:
         self.client, self.reader, self.since_open = client, reader, 0
 
     def close(self) -> None:
-        # A Flight call read to its end has ended; a data-plane connection is closed either way.
-        if self.reader is not None and (not self.finished or isinstance(self.reader, WireReader)):
-            self.reader.cancel()  # the consumer stopped: the node stops sending what nobody reads
+        # A Flight call read to its end has ended; a data-plane connection read to its end serves the node's next
+        # call, else it is closed. A call not read to its end is cancelled: the node stops sending what nobody reads.
+        if isinstance(self.reader, WireReader):
+            idle = self.reader.release()
+            if idle is not None:
+                if self.node.idle is not None:
+                    self.node.idle.close()
+                self.node.idle = idle
+        elif self.reader is not None and not self.finished:
+            self.reader.cancel()
         self.reader = None
 
 
@@ -358,9 +376,11 @@ class StreamingDataset(PlannedDataset):
             return self._describe_kubeflow()
         layout = [self._describe(node) for node in self._nodes]
         self._check(layout)
+        # The data plane reads no dictionary messages (datacache.wire): such columns stay on Flight.
+        plain = not any(_has_dictionary(layout[0][1].field(c).type) for c in self.columns)
         for node, (meta, _) in zip(self._nodes, layout, strict=True):
             host = urllib.parse.urlsplit(node.endpoint).hostname
-            if meta.get("data_port") and host and not node.endpoint.startswith("grpc+tls"):
+            if plain and meta.get("data_port") and host and not node.endpoint.startswith("grpc+tls"):
                 node.data = _DataPlane(host, meta)
         order = np.argsort([m["offset"] for m, _ in layout])
         self._nodes = [self._nodes[i] for i in order]

@@ -23,10 +23,10 @@ import pyarrow.flight as flight
 import pyarrow.parquet as pq
 import pytest
 
-from datacache import CacheServer, DataCacheError, StreamingDataset
+from datacache import CacheServer, DataCacheError, StreamingDataset, wire
 from datacache.dataset import _DataPlane
 from datacache.server import encode_ticket
-from datacache.wire import Unreachable, WireReader, WireServer
+from datacache.wire import Unreachable, WireReader, WireServer, _body_length
 from tests.conftest import REPO
 
 ROWS = 1009  # prime: no batch size divides it
@@ -69,6 +69,8 @@ def test_the_data_plane_gives_the_batches_flight_gives(source, shuffle, prefetch
         ours = _epoch(wire, shuffle=shuffle, prefetch=prefetch)
         theirs = _epoch(plain, shuffle=shuffle, prefetch=prefetch)
         assert wire.wire.requests >= (ROWS // 32 if prefetch == 0 else 1)  # read over the data plane
+        if prefetch == 0:  # a call a step, one after another over one connection
+            assert wire.wire.connections == 1
     finally:
         wire.shutdown()
         plain.shutdown()
@@ -286,3 +288,48 @@ def test_a_port_that_serves_another_node_now_is_not_read_and_a_new_one_is_found(
     finally:
         for node in (first, second):
             node.shutdown()
+
+
+def test_a_message_length_is_read_from_its_metadata_as_arrow_writes_it():
+    ids = np.arange(300)
+    batch = pa.record_batch({"id": ids, "text": [f"row {i}" if i % 7 else None for i in ids],
+                             "nested": [{"a": [int(i)] * (i % 3)} for i in ids]})
+    for b in (batch, batch.slice(5, 40), batch.take(pa.array(ids[::-3])), batch.slice(0, 0)):
+        message = b.serialize()
+        (size,) = struct.unpack_from("<i", message, 4)
+        metadata = np.frombuffer(message, np.uint8, size, 8)
+        assert _body_length(metadata) == pa.ipc.read_message(message).body.size == len(message) - 8 - size
+
+
+@pytest.mark.timeout(60)
+def test_dictionary_columns_are_read_over_flight(tmp_path):
+    path = tmp_path / "labels.parquet"
+    ids = np.arange(500)
+    labels = pa.array([["cat", "dog", "eel"][i % 3] for i in ids]).dictionary_encode()
+    pq.write_table(pa.table({"id": ids, "label": labels}), path)
+    node = _serve(CacheServer(str(path), data_port=0))
+    try:
+        ds = StreamingDataset([node.location], columns=["id"], batch_size=50, shuffle=False)
+        ds.describe()
+        assert ds._nodes[0].data is not None  # a plain column: the data plane
+        with_labels = StreamingDataset([node.location], columns=["id", "label"], batch_size=50, shuffle=False)
+        with_labels.describe()
+        assert with_labels._nodes[0].data is None
+    finally:
+        node.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_serves_call_after_call_and_one_the_node_closed_idle_is_made_anew(source, monkeypatch):
+    monkeypatch.setattr(wire, "IDLE_TIMEOUT", 0.5)
+    node = _serve(CacheServer(source, batch_bytes=512, data_port=0))
+    try:
+        ds = StreamingDataset([node.location], columns=["id"], batch_size=32, shuffle=False, prefetch=0)
+        first = np.concatenate([b["id"].numpy() for b in ds])
+        assert node.wire.requests == ROWS // 32 and node.wire.connections == 1
+        time.sleep(1.5)  # the node closes the idle connection; the client finds it closed at its next call
+        second = np.concatenate([b["id"].numpy() for b in ds])
+        assert node.wire.requests == 2 * (ROWS // 32) and node.wire.connections == 2
+    finally:
+        node.shutdown()
+    assert (first == second).all() and (first == np.arange(ROWS // 32 * 32)).all()
