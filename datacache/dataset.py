@@ -111,7 +111,10 @@ def _to_tensor(column: pa.Array | np.ndarray) -> torch.Tensor:
 
 
 def _has_dictionary(kind: pa.DataType) -> bool:
-    """Whether a column of this type holds dictionary-encoded values, at any depth."""
+    """Whether a column of this type holds dictionary-encoded values, at any depth (an extension type's storage
+    too)."""
+    if isinstance(kind, pa.ExtensionType):
+        return _has_dictionary(kind.storage_type)
     return pa.types.is_dictionary(kind) or any(_has_dictionary(kind.field(i).type) for i in range(kind.num_fields))
 
 
@@ -226,9 +229,9 @@ class _Stream:
         if isinstance(self.reader, WireReader):
             idle = self.reader.release()
             if idle is not None:
-                if self.node.idle is not None:
-                    self.node.idle.close()
-                self.node.idle = idle
+                old, self.node.idle = self.node.idle, idle
+                if old is not None:
+                    old.close()
         elif self.reader is not None and not self.finished:
             self.reader.cancel()
         self.reader = None

@@ -64,6 +64,7 @@ MAX_ID, MAX_TOKEN = 256, 64 << 10
 MAX_TICKET = (64 << 10) + 8 * (1 << 16) + 16 * (1 << 20)
 # An IPC message's first four bytes; a failure's, which no IPC message starts with.
 CONTINUATION, FAILURE = 0xFFFFFFFF, 0xFFFFFFFE
+MAX_BODY = 1 << 40  # bytes a message's body may say it holds; past that, its metadata is not a message's
 REQUEST_TIMEOUT = 30.0  # seconds a connected client has to send its whole request
 IDLE_TIMEOUT = 120.0  # seconds a connection waits for its next request before the node closes it
 MAX_CONNECTIONS = 1024  # connections served at once: a client's readers hold one each to every node
@@ -150,7 +151,8 @@ class _Messages:
     """An Arrow IPC stream's messages off a socket, each received whole into one buffer of its own, which the
     batch read from it then views (`pa.ipc.read_message` over it: no copy). Bytes come off the socket SMALL at
     a time into this reader's buffer, from which a message's prefix and metadata are copied (a small step costs
-    a receive or less); the rest of a large body is received straight into its message's buffer."""
+    a receive or less); the rest of a large body is received straight into its message's buffer. What it holds
+    past the end marker is dropped with it: a node sends nothing after that marker until the next request."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -199,7 +201,13 @@ class _Messages:
         if size == 0:
             return None
         metadata = self._exactly(size, "a message's metadata")
-        whole = np.empty(8 + size + _body_length(metadata), dtype=np.uint8)
+        try:
+            body = _body_length(metadata)
+        except struct.error:
+            body = -1
+        if not 0 <= body <= MAX_BODY:
+            raise ConnectionError("the node's stream holds a message whose metadata cannot be read")
+        whole = np.empty(8 + size + body, dtype=np.uint8)
         whole[:8], whole[8 : 8 + size] = prefix, metadata
         if self._fill(whole[8 + size :]) < len(whole) - 8 - size:
             raise ConnectionError("the node's stream stopped short, in a message's body")
@@ -356,8 +364,9 @@ class WireReader:
             try:
                 self._ask(idle, request, timeout)
                 return
-            except (ConnectionError, flight.FlightTimedOutError):  # the node closed it meanwhile: connect anew
-                pass
+            except ConnectionError as e:  # the node closed it meanwhile: connect anew
+                if isinstance(e, Unreachable):
+                    raise
         try:
             sock = socket.create_connection(address, timeout=min(timeout, CONNECT_TIMEOUT))
         except OSError as e:
@@ -417,7 +426,10 @@ class WireReader:
         self.read += 1
         batch = self._ipc(lambda: pa.ipc.read_record_batch(message, self.schema))
         if self.read == self.steps:  # the end marker follows the last step at once: then the connection is free
-            self.ended = self._ipc(self.messages.next) is None
+            try:
+                self.ended = self._ipc(self.messages.next) is None
+            except (OSError, flight.FlightError):  # the step is here all the same; the connection is not reused
+                self.ended = False
         return self.Chunk(batch)
 
     def release(self) -> socket.socket | None:

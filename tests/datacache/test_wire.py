@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datacache import CacheServer, DataCacheError, StreamingDataset, wire
-from datacache.dataset import _DataPlane
+from datacache.dataset import _DataPlane, _has_dictionary
 from datacache.server import encode_ticket
 from datacache.wire import Unreachable, WireReader, WireServer, _body_length
 from tests.conftest import REPO
@@ -333,3 +333,39 @@ def test_a_connection_serves_call_after_call_and_one_the_node_closed_idle_is_mad
     finally:
         node.shutdown()
     assert (first == second).all() and (first == np.arange(ROWS // 32 * 32)).all()
+
+
+@pytest.mark.timeout(60)
+def test_only_an_answer_read_to_its_end_gives_its_connection_back_and_a_closed_one_is_replaced(source):
+    node = _serve(CacheServer(source, data_port=0))
+    address, ticket = ("127.0.0.1", node.wire.port), encode_ticket([np.array([[i, i + 2]]) for i in range(3)])
+    try:
+        partial = WireReader(address, node.node_id, None, ticket, 3, 10)
+        partial.read_chunk()
+        assert partial.release() is None  # two steps unread: never another call's answer
+        whole = WireReader(address, node.node_id, None, ticket, 3, 10)
+        steps = [whole.read_chunk().data for _ in range(3)]
+        idle = whole.release()
+        assert idle is not None and [b.column("id").to_pylist() for b in steps] == [[0, 1], [1, 2], [2, 3]]
+        idle.shutdown(socket.SHUT_RDWR)  # as the node does when the connection has idled too long
+        again = WireReader(address, node.node_id, None, ticket, 3, 10, idle=idle)
+        assert [again.read_chunk().data.column("id").to_pylist() for _ in range(3)][-1] == [2, 3]
+        again.cancel()
+    finally:
+        node.shutdown()
+
+
+def test_an_extension_column_over_a_dictionary_stays_on_flight():
+    class Labels(pa.ExtensionType):
+        def __init__(self):
+            super().__init__(pa.dictionary(pa.int8(), pa.string()), "test.labels")
+
+        def __arrow_ext_serialize__(self):
+            return b""
+
+        @classmethod
+        def __arrow_ext_deserialize__(cls, storage_type, serialized):
+            return cls()
+
+    assert _has_dictionary(Labels()) and _has_dictionary(pa.list_(pa.dictionary(pa.int8(), pa.string())))
+    assert not _has_dictionary(pa.struct([("a", pa.list_(pa.int32(), 4))]))
