@@ -74,17 +74,21 @@ CONNECT_TIMEOUT = 5.0  # at most, seconds a client waits to connect before it ta
 Answer = Callable[[bytes], tuple[pa.Schema, Iterator[pa.RecordBatch]]]
 
 
-def _receive_exactly(sock: socket.socket, size: int, into: np.ndarray | None = None):
-    """`size` bytes from `sock` into a fresh buffer, fewer where the peer closed first; or, given `into` (a
-    uint8 array), as many bytes as it holds received into it, and how many came."""
-    buf = np.empty(size, dtype=np.uint8) if into is None else into
-    view, got = memoryview(buf), 0
-    while got < len(buf):
+def _receive_into(sock: socket.socket, out: np.ndarray) -> int:
+    """Fills `out` (uint8) from `sock`; how many bytes came (fewer where the peer closed first)."""
+    view, got = memoryview(out), 0
+    while got < len(out):
         n = sock.recv_into(view[got:])
         if n == 0:
             break
         got += n
-    return (buf[:got] if into is None else got)
+    return got
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> np.ndarray:
+    """`size` bytes from `sock` in a fresh buffer; fewer where the peer closed first."""
+    buf = np.empty(size, dtype=np.uint8)
+    return buf[: _receive_into(sock, buf)]
 
 
 def _receive_frame(sock: socket.socket, limit: int, what: str, deadline: float | None = None) -> bytes:
@@ -165,7 +169,7 @@ class _Messages:
         out[:got] = np.frombuffer(self._chunk, np.uint8, got, self._start)
         self._start += got
         if size - got >= SMALL:
-            return got + _receive_exactly(self.sock, 0, into=out[got:])
+            return got + _receive_into(self.sock, out[got:])
         while got < size:
             self._start, self._end = 0, self.sock.recv_into(self._chunk)
             if self._end == 0:

@@ -184,18 +184,24 @@ def test_a_node_that_fails_while_sending_is_named_with_its_reason_not_its_traceb
         node.shutdown()
 
 
+def _epoch_then_shutdown(node: CacheServer, caplog, prefetch: int) -> tuple[list[dict], list[str]]:
+    """A shuffled epoch from `node`, whose data plane the test closed, then the node shut down; and the client's
+    warnings that a data port cannot be used."""
+    try:
+        with caplog.at_level(logging.WARNING, logger="datacache.dataset"):
+            batches = _epoch(node, shuffle=True, prefetch=prefetch)
+    finally:
+        node.wire = None  # closed already
+        node.shutdown()
+    return batches, [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
+
+
 @pytest.mark.timeout(60)
 def test_a_data_port_the_client_cannot_reach_leaves_it_on_flight(source, caplog):
     node = _serve(CacheServer(source, batch_bytes=512, data_port=0))
     node.wire.close()  # the port named in the node's FlightInfo now refuses connections, as a firewall would
-    try:
-        with caplog.at_level(logging.WARNING, logger="datacache.dataset"):
-            batches = _epoch(node, shuffle=True, prefetch=6)
-    finally:
-        node.wire = None
-        node.shutdown()
+    batches, warnings = _epoch_then_shutdown(node, caplog, prefetch=6)
     _every_row_once(batches)
-    warnings = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
     assert len(warnings) == 1 and node.location in warnings[0] and "reading over Flight" in warnings[0]
 
 
@@ -257,17 +263,11 @@ class _SlowNode(CacheServer):
 @pytest.mark.timeout(60)
 def test_a_data_plane_cut_between_two_steps_resumes_over_flight_with_every_row_once(source, caplog):
     node = _serve(_SlowNode(source, batch_bytes=256, data_port=0, delay=0.05))
-    wire = node.wire
-    threading.Timer(0.5, wire.close).start()  # the streams in flight are cut, the port closed
-    try:
-        with caplog.at_level(logging.WARNING, logger="datacache.dataset"):
-            batches = _epoch(node, shuffle=True, prefetch=8)
-    finally:
-        node.wire = None
-        node.shutdown()
-    assert wire.requests >= 1
+    plane = node.wire
+    threading.Timer(0.5, plane.close).start()  # the streams in flight are cut, the port closed
+    batches, warnings = _epoch_then_shutdown(node, caplog, prefetch=8)
+    assert plane.requests >= 1 and warnings
     _every_row_once(batches)
-    assert any("cannot be used" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.timeout(60)
