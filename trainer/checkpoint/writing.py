@@ -43,9 +43,16 @@ def complete(root: str, step: int, keep_latest_k: int, write_manifest=None) -> s
         if tmp != final:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
-        lines.prune(root, keep_latest_k)
 
     _on_rank_0(finish, root, step)
+    if dist.get_rank() == 0:
+        # The checkpoint is whole now: a store that fails the pruning of older ones fails no save (the next
+        # save prunes them, or fails itself where the store still does not answer).
+        try:
+            lines.prune(root, keep_latest_k)
+        except Exception as e:
+            log.warning("checkpoint step %d is whole; the older ones in %s beyond the newest %d could not be removed "
+                        "(%s): the next save tries again", step, root, keep_latest_k, cause(e))
     return final
 
 
