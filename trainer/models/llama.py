@@ -137,10 +137,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_width, eps, norm_offset)
             self.k_norm = RMSNorm(k_width, eps, norm_offset)
 
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries, keys and values of `x` (one product of the three weights in a CPU decode:
+        `trainer.generate.packed_weights`)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = self.projections(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(bsz, seq, -1, self.head_dim)
@@ -194,8 +199,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden, bias=bias)
 
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`w1(x)` and `w3(x)` (one product of both weights in a CPU decode: `trainer.generate.packed_weights`)."""
+        return self.w1(x), self.w3(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.gate_fn(self.w1(x), self.w3(x)))
+        return self.w2(self.gate_fn(*self.gate_and_up(x)))
 
 
 class Block(nn.Module):
