@@ -178,8 +178,12 @@ def _override(key: str, value) -> str:
 @st.composite
 def _numeric_overrides(draw, keys, small: bool) -> list[str]:
     chosen = draw(st.lists(st.sampled_from(keys), min_size=1, max_size=4, unique_by=lambda k: k[0]))
-    launcher = next((o for _, _, more in chosen for o in more if o.startswith("launcher=")), None)
-    chosen = [k for k in chosen if all(not o.startswith("launcher=") or o == launcher for o in k[2])]
+    # One value per overridden key: a key of another launcher's or runtime's schema than the first drawn's is left.
+    first: dict[str, str] = {}
+    for _, _, more in chosen:
+        for o in more:
+            first.setdefault(o.split("=")[0].lstrip("+"), o)
+    chosen = [k for k in chosen if all(first[o.split("=")[0].lstrip("+")] == o for o in k[2])]
     extra = sorted({o for _, _, more in chosen for o in more})
     return [*extra, *(_override(key, draw(_value(kind, small))) for key, kind, _ in chosen)]
 

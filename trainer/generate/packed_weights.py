@@ -86,8 +86,9 @@ def _pack(weights: list[torch.Tensor], rows: int) -> torch.Tensor:
 def packed_linears(model: nn.Module, rows: int) -> Iterator[None]:
     """Inside the block, `model`'s float32 `nn.Linear` layers (and a tied output) on the CPU multiply by
     weights packed for about `rows` rows; an attention's query, key and value layers are one product, and so are
-    a feed-forward's gate and up layers. Nothing else may call the model meanwhile (the layers' `forward`, and
-    `Attention.projections` and `FeedForward.gate_and_up`, are replaced on these module objects)."""
+    a feed-forward's gate and up layers. The layers' `forward`, `Attention.projections` and
+    `FeedForward.gate_and_up` are set on these module objects: any caller of the model meanwhile runs them too
+    (from the same weights, as long as nothing trains the model during the block)."""
     groups = [(m, "projections", [m.wq, m.wk, m.wv]) for m in model.modules() if isinstance(m, Attention)]
     groups += [(m, "gate_and_up", [m.w1, m.w3]) for m in model.modules() if isinstance(m, FeedForward)]
     groups = [g for g in groups if _fusable(g[2])]
@@ -121,4 +122,4 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[None]:
         yield
     finally:
         for module, method in replaced:
-            delattr(module, method)
+            vars(module).pop(method, None)  # another call on this model may have given it back already
