@@ -484,7 +484,10 @@ class CacheServer(flight.FlightServerBase):
             if len(ranges) == 1:
                 ahead.append(rows.slice(int(ranges[0, 0]), int(ranges[0, 1] - ranges[0, 0])))
             else:
-                ahead.append(self._gathers.submit(_gather, rows, ranges))
+                try:
+                    ahead.append(self._gathers.submit(_gather, rows, ranges))
+                except RuntimeError:  # the gather threads have stopped: the node is shutting down (retried)
+                    raise flight.FlightUnavailableError("datacache: the node is shutting down") from None
             while len(ahead) > GATHER_AHEAD or (ahead and not isinstance(ahead[0], Future)):
                 first = ahead.popleft()
                 yield first.result() if isinstance(first, Future) else first

@@ -184,6 +184,24 @@ def test_a_node_that_fails_while_sending_is_named_with_its_reason_not_its_traceb
         node.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_a_shuffled_step_asked_of_a_node_shutting_down_is_unavailable_and_logs_no_traceback(source, caplog):
+    """The gather threads stop last at a shutdown: a stream still asking for a gathered step then hears that the
+    node is going (retried elsewhere or later), on either plane, and the node logs no traceback."""
+    node = _serve(CacheServer(source, data_port=0))
+    try:
+        node._gathers.shutdown()
+        ticket = encode_ticket([np.array([[0, 2], [5, 7]]), np.array([[9, 12]])])
+        with caplog.at_level(logging.INFO):
+            with pytest.raises(flight.FlightUnavailableError, match="datacache: the node is shutting down"):
+                _steps(WireReader(("127.0.0.1", node.wire.port), node.node_id, None, ticket, 2, 10), 2)
+            with pytest.raises(flight.FlightUnavailableError, match="datacache: the node is shutting down"):
+                flight.connect(node.location).do_get(flight.Ticket(ticket)).read_all()
+        assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+    finally:
+        node.shutdown()
+
+
 def _epoch_then_shutdown(node: CacheServer, caplog, prefetch: int) -> tuple[list[dict], list[str]]:
     """A shuffled epoch from `node`, whose data plane the test closed, then the node shut down; and the client's
     warnings that a data port cannot be used."""
