@@ -183,7 +183,7 @@ def _numeric_overrides(draw, keys, small: bool) -> list[str]:
     for _, _, more in chosen:
         for o in more:
             first.setdefault(o.split("=")[0].lstrip("+"), o)
-    chosen = [k for k in chosen if all(first[o.split("=")[0].lstrip("+")] == o for o in k[2])]
+    chosen = [k for k in chosen if all(first[o.split("=")[0].lstrip("+")].lstrip("+") == o.lstrip("+") for o in k[2])]
     extra = sorted({o for _, _, more in chosen for o in more})
     return [*extra, *(_override(key, draw(_value(kind, small))) for key, kind, _ in chosen)]
 

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 VOCAB = 320
 
 
-def _model(tied: bool, seed: int = 3) -> models.Transformer:
+def _model(tied: bool, seed: int = 3, bias: str = "none") -> models.Transformer:
     cfg = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=VOCAB,
-                      max_seq_len=128, tie_embeddings=tied)
+                      max_seq_len=128, tie_embeddings=tied, attention_bias=bias, mlp_bias=bias == "all")
     with torch.device("meta"):
         model = models.build(cfg)
     model.to_empty(device="cpu")
@@ -47,9 +47,12 @@ def _expected(model: nn.Module, tied: bool) -> set[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_inside_the_block_every_layer_multiplies_by_packed_weights_and_computes_the_same(tied):
-    model = _model(tied)
+@pytest.mark.parametrize("tied, bias", [(False, "none"), (True, "qkv"), (False, "all")])
+def test_inside_the_block_every_layer_multiplies_by_packed_weights_and_computes_the_same(tied, bias):
+    model = _model(tied, bias=bias)
+    for p in model.parameters():  # biases away from init's zeros
+        if p.dim() == 1:
+            p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
     tokens = torch.randint(0, VOCAB, (5, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain, plain_one = model(tokens), model(tokens[:1, -1:])
@@ -71,16 +74,56 @@ def test_the_layers_are_given_back_when_the_block_fails():
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, VOCAB)
 
 
+def _counted(monkeypatch) -> list[int]:
+    """Counts the products that take the packed weights (one entry each)."""
+    calls, fast = [], packed_weights._fast
+    monkeypatch.setattr(packed_weights, "_fast", lambda x: fast(x) and (calls.append(1) or True))
+    return calls
+
+
 def test_a_policy_trained_between_two_calls_samples_from_its_new_weights(monkeypatch):
     model = _model(tied=False)
     prompts = [[5, 9, 11], [7], [3, 4, 5, 6, 7, 8]]
+    calls = _counted(monkeypatch)
     before = generate(model, prompts, 12)
+    # The prefill and 11 steps, each: per layer the fused q/k/v, wo, the fused gate/up and w2; the output layer.
+    assert len(calls) == 12 * (2 * 4 + 1)
     with torch.no_grad():
         model.output.weight.copy_(_model(tied=False, seed=11).output.weight)
     after = generate(model, prompts, 12)
     monkeypatch.setattr(packed_weights, "_available_bytes", lambda: 0)  # no room: the layers' own products
+    del calls[:]
     assert after == generate(model, prompts, 12)
-    assert after != before
+    assert after != before and calls == []
+
+
+def test_autocast_autograd_and_compiled_blocks_get_the_layers_own_products(monkeypatch):
+    model = _model(tied=True)
+    calls = _counted(monkeypatch)
+    prompts = [[5, 9, 11], [7, 1]]
+    with torch.autocast("cpu", torch.bfloat16):  # train.mixed_precision=bf16 on a CPU: a bfloat16 decode
+        mixed = generate(model, prompts, 6)
+        with packed_linears(model, rows=2):
+            assert _replaced(model) == set()
+    assert calls == []
+    monkeypatch.setattr(packed_weights, "_available_bytes", lambda: 0)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert mixed == generate(model, prompts, 6)
+    monkeypatch.undo()
+
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    model(tokens).square().mean().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with packed_linears(model, rows=1):  # a forward with autograd on, inside the block: gradients as outside
+        assert _replaced(model)
+        model(tokens).square().mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    model.layers["0"].compile(backend="eager")  # strategy.compile: nothing set on the modules it would guard on
+    with packed_linears(model, rows=1):
+        assert _replaced(model) == set()
 
 
 def test_what_the_packing_does_not_fit_is_left_as_it_is(monkeypatch):
