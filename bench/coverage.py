@@ -150,6 +150,13 @@ class Trace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.paused:
             return func(*args, **(kwargs or {}))
+        if torch.is_inference_mode_enabled() and func._can_decompose():
+            # Under inference mode (`trainer.generate`) an op that autograd's key would decompose reaches this mode
+            # whole; decomposed here, its parts are counted as they are outside it (they are what runs).
+            with self:
+                out = func.decompose(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
         name = _name(func)
         before = self.calls[name]
         out = func(*args, **(kwargs or {}))

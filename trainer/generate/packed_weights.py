@@ -15,7 +15,7 @@ float32 (the dtype checked to give transformers' tokens), sharded (DTensor) weig
 (LoRA's, QAT's: they compute more than the product), under the CPU's autocast (train.mixed_precision=bf16: its
 products are bfloat16), `mm`/`addmm` routed to our kernels, compiled blocks (strategy.compile: a method set on a
 module makes torch.compile compile it again at every call), or a packed copy larger than a quarter of the memory
-available (the kernel's MemAvailable, or a container's limit where that leaves less; said in the log).
+available (the kernel's MemAvailable, or a container's limit where that leaves less; said once in the log).
 Layers with hooks are packed each, not fused, so the hooks run. oneDNN's product has no backward: a call with
 autograd on takes the layer's own.
 """
@@ -40,6 +40,7 @@ MEMORY_SHARE = 4  # the packed copy may take at most 1/MEMORY_SHARE of the memor
 # A cgroup's memory limit and use: v2's files, then v1's.
 CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+_SAID: list[int] = []  # the packed size the log gave, once, when too little memory was left for it
 METHODS = {Attention: ("projections", ("wq", "wk", "wv")), FeedForward: ("gate_and_up", ("w1", "w3"))}
 
 
@@ -153,8 +154,10 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[None]:
         yield
         return
     if size * MEMORY_SHARE > _available_bytes():
-        log.info("decoding with the layers' own weights: packing them for oneDNN takes %.1f GB, over a quarter of "
-                 "the memory available", size / 1e9)
+        if not _SAID:  # once a process: a run decodes at every step
+            _SAID.append(size)
+            log.info("decoding with the layers' own weights: packing them for oneDNN takes %.1f GB, over a quarter "
+                     "of the memory available", size / 1e9)
         yield
         return
     replaced: list[tuple[nn.Module, str]] = []

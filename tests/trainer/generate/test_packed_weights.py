@@ -7,6 +7,8 @@ alone. That greedy rows stay transformers' with the packing on is test_generatio
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -126,7 +128,7 @@ def test_autocast_autograd_and_compiled_blocks_get_the_layers_own_products(monke
         assert _replaced(model) == set()
 
 
-def test_what_the_packing_does_not_fit_is_left_as_it_is(monkeypatch):
+def test_what_the_packing_does_not_fit_is_left_as_it_is(monkeypatch, caplog):
     model = _model(tied=False)
     adapted = model.layers["0"].attention.wq
     adapted.__class__ = LoRALinear
@@ -155,5 +157,9 @@ def test_what_the_packing_does_not_fit_is_left_as_it_is(monkeypatch):
         assert _replaced(model) == set()
     monkeypatch.setattr(packed_weights, "_available_bytes", lambda: 4 * sum(
         p.nbytes for n, p in model.named_parameters() if n.endswith("weight")) // 3)
-    with packed_linears(model.float(), rows=4):  # a packed copy over a quarter of the memory available
-        assert _replaced(model) == set()
+    monkeypatch.setattr(packed_weights, "_SAID", [])
+    with caplog.at_level(logging.INFO, logger=packed_weights.__name__):
+        for _ in range(2):
+            with packed_linears(model.float(), rows=4):  # a packed copy over a quarter of the memory available
+                assert _replaced(model) == set()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["decoding with the layers' own weights"]
