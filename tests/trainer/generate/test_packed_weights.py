@@ -1,8 +1,9 @@
 """A CPU decode's oneDNN-packed weights (`trainer.generate.packed_weights`): inside the block the layers compute what
 they compute outside it, from weights packed when the block starts (an attention's three projections and a
 feed-forward's gate and up as one product each); afterwards, or after a failure, the layers are
-as they were; what the packing does not fit (LoRA's layers, routed matrix products, too little memory) is left
-alone. That greedy rows stay transformers' with the packing on is test_generation's
+as they were; what the packing does not fit (LoRA's layers, hooked layers' fusing, routed matrix products,
+autocast, compiled blocks, too little memory) is left alone, and a call with autograd on gets the layers' own
+products and gradients. That greedy rows stay transformers' with the packing on is test_generation's
 `test_greedy_equals_transformers_generate_token_for_token`."""
 
 from __future__ import annotations
