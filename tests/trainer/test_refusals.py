@@ -178,12 +178,13 @@ def _override(key: str, value) -> str:
 @st.composite
 def _numeric_overrides(draw, keys, small: bool) -> list[str]:
     chosen = draw(st.lists(st.sampled_from(keys), min_size=1, max_size=4, unique_by=lambda k: k[0]))
-    # One value per overridden key: a key of another launcher's or runtime's schema than the first drawn's is left.
+    # One value per overridden key (`+runtime=X` is `runtime=X`): a key of another launcher's or runtime's schema
+    # than the first drawn's is left.
     first: dict[str, str] = {}
     for _, _, more in chosen:
         for o in more:
-            first.setdefault(o.split("=")[0].lstrip("+"), o)
-    chosen = [k for k in chosen if all(first[o.split("=")[0].lstrip("+")].lstrip("+") == o.lstrip("+") for o in k[2])]
+            first.setdefault(o.lstrip("+").split("=")[0], o.lstrip("+"))
+    chosen = [k for k in chosen if all(first[o.lstrip("+").split("=")[0]] == o.lstrip("+") for o in k[2])]
     extra = sorted({o for _, _, more in chosen for o in more})
     return [*extra, *(_override(key, draw(_value(kind, small))) for key, kind, _ in chosen)]
 

@@ -137,9 +137,12 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[None]:
     a feed-forward's gate and up layers. The layers' `forward`, `Attention.projections` and
     `FeedForward.gate_and_up` are set on these module objects, so any caller of the model meanwhile runs them too:
     one with autograd on, or with other than float32 inputs, gets the layers' own products."""
-    groups = [(m, METHODS[type(m)][0], [getattr(m, n) for n in METHODS[type(m)][1]]) for m in model.modules()
-              if type(m) in METHODS and METHODS[type(m)][0] not in vars(m)]
-    groups = [g for g in groups if _fusable(g[2])]
+    groups = []  # (module, its method the fused product replaces, the layers fused)
+    for m in model.modules():
+        method, names = METHODS.get(type(m), ("", ()))
+        layers = [getattr(m, n) for n in names]
+        if method and method not in vars(m) and _fusable(layers):
+            groups.append((m, method, layers))
     fused = {id(linear) for _, _, linears in groups for linear in linears}
     linears = [m for m in model.modules() if _plain(m) and id(m) not in fused]
     tied = [m for m in model.modules() if isinstance(m, TiedProjection) and "forward" not in vars(m)]
