@@ -20,6 +20,13 @@ The token (clients send it; the node refuses calls without it) comes from `--tok
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:  # before the imports below, which the restart repeats
+    from trainjob.allocator import restart_with_huge_pages
+
+    restart_with_huge_pages()
+
 import argparse
 import errno
 import ipaddress
@@ -29,7 +36,6 @@ import os
 import re
 import socket
 import ssl
-import sys
 
 import pyarrow as pa
 import pyarrow.flight as flight

@@ -3,7 +3,9 @@ StreamingDataset has been iterated there, a thread that fills and frees batch-si
 faults their pages in once, not every round); a process that releases them gives a freed block back to the kernel
 even where a block still held sits after it (glibc's adaptive threshold keeps it resident); one policy a process;
 a user's own malloc settings are left as they are. Each case runs in a fresh interpreter, since malloc's settings
-last as long as the process.
+last as long as the process. A cache node runs with glibc's huge-page tunable where the kernel gives huge pages
+only to memory that asks, and its table then lies in huge pages; a user's tunable, another C library or another THP
+mode leave the environment as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from trainjob.allocator import HUGE_PAGES, huge_pages_environment, libc, thp_mode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -129,3 +133,66 @@ def test_a_process_keeps_the_first_policy_set():
     assert run(code) == "True False release"
     code = "from trainjob import allocator as a; print(a.keep_freed_buffers(), a.release_freed_buffers(), a.chosen())"
     assert run(code) == "True False keep"
+
+
+@pytest.mark.parametrize(("environ", "mode", "libc", "tunables"), [
+    ({}, "madvise", "glibc 2.36", HUGE_PAGES),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise", "glibc 2.39", f"glibc.malloc.arena_max=2:{HUGE_PAGES}"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", "glibc 2.36", None),  # the user's choice
+    ({}, "always", "glibc 2.36", None),  # every mapping gets huge pages already
+    ({}, "never", "glibc 2.36", None),
+    ({}, "madvise", "glibc 2.31", None),  # before the tunable
+    ({}, "madvise", "", None),  # musl
+    ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, "madvise", "glibc 2.36", None),
+])
+def test_a_cache_node_runs_again_with_huge_pages_only_where_that_changes_something(environ, mode, libc, tunables):
+    got = huge_pages_environment(environ, mode, libc)
+    assert (got if got is None else got["GLIBC_TUNABLES"]) == tunables
+    if got is not None:
+        assert {k: v for k, v in got.items() if k != "GLIBC_TUNABLES"} == {k: v for k, v in environ.items()
+                                                                            if k != "GLIBC_TUNABLES"}
+
+
+# Prints how many bytes of the mapping that holds a cache node's table lie in huge pages, and the table's size;
+# argv[1]: the Parquet file; argv[2]: "restart" runs restart_with_huge_pages first, as `datacache serve` does.
+TABLE_PAGES = """
+import sys
+from trainjob.allocator import restart_with_huge_pages
+if sys.argv[2] == "restart":
+    restart_with_huge_pages()
+from datacache.server import keep_gathered_buffers, load_shard
+keep_gathered_buffers()
+rows = load_shard(sys.argv[1], 0, 1)[0]
+address = rows.column(0).values.buffers()[1].address
+with open("/proc/self/smaps") as f:
+    lines = f.read().splitlines()
+for i, line in enumerate(lines):
+    start, _, end = line.split()[0].partition("-")
+    if "-" in line.split()[0] and int(start, 16) <= address < int(end, 16):
+        huge = next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("AnonHugePages:")) << 10
+        print(huge, rows.nbytes)
+"""
+
+
+@pytest.mark.skipif(huge_pages_environment({}, thp_mode(), libc()) is None,
+                    reason="huge pages on request: THP's madvise mode and glibc's tunable (2.35 or later)")
+def test_a_cache_nodes_table_lies_in_huge_pages(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(
+        pa.array(np.arange(32 << 20, dtype=np.int32)), 512)}), path)  # 128 MiB
+    huge, size = map(int, run(TABLE_PAGES, str(path), "restart").split())
+    assert huge >= size * 0.5  # mostly 2 MiB pages (4 KiB ones where the kernel has no 2 MiB page free)
+    huge, size = map(int, run(TABLE_PAGES, str(path), "none").split())
+    assert huge < size * 0.1  # 4 KiB pages without the restart
+    # `python -m datacache serve` restarts itself so.
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    node = subprocess.Popen([sys.executable, "-m", "datacache", "serve", "--source", str(path), "--port", "0"],
+                            cwd=REPO, env=clean, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert node.stdout.readline().startswith("serving on")
+        with open(f"/proc/{node.pid}/environ", "rb") as f:
+            environ = dict(line.split(b"=", 1) for line in f.read().split(b"\0") if b"=" in line)
+    finally:
+        node.terminate()
+        node.wait(10)
+    assert environ[b"GLIBC_TUNABLES"] == HUGE_PAGES.encode()
