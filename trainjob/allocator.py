@@ -18,14 +18,16 @@ tensors, FSDP2's gathered weights) stay resident: measured at 32k tokens on the 
 peaked at 1.56 GiB per rank under cp=4 with glibc's thresholds and 1.28 GiB with this one (3.35 and 3.27 GiB in
 one process). Each new block faults its pages in, which is what this costs (docs/parallelism.md).
 
-`restart_with_huge_pages`, for a cache node (`python -m datacache serve`), which holds its table in memory and
-gathers a shuffled step's rows from anywhere in it: the process runs again, at once, with glibc's
-`glibc.malloc.hugetlb=1` tunable, so that malloc asks the kernel for transparent huge pages on the memory it maps
-(where the kernel gives them only to memory that asks: THP's `madvise` mode, the common default). Reading a
-random 2 KiB row then walks the page tables far less often: gathering 4,096 of them out of 800 MB took 1.5-1.7 ms
-against 2.4-3.0 on 4 KiB pages; over `bench/datacache.py`'s shuffled passes a node spent 0.48-0.59 CPU seconds a
-GB against 0.55-0.63 (four runs, alternated). A tunable is read when a process starts, hence the restart; it
-costs no copy of the table (collapsing its pages after the load, `MADV_COLLAPSE`, took 1.4 s per 780 MiB here).
+`restart_with_huge_pages`, for a cache node (`python -m datacache serve`, and a run's own nodes, `python -m
+trainer.data.cache_node`), which holds its table in memory and gathers a shuffled step's rows from anywhere in it:
+the process runs again, at once, with glibc's `glibc.malloc.hugetlb=1` tunable, so that malloc asks the kernel for
+transparent huge pages on the memory it maps (where the kernel gives them only to memory that asks: THP's
+`madvise` mode, the common default). Reading a random 2 KiB row then walks the page tables far less often:
+gathering 4,096 of them out of 800 MB took 1.5-1.7 ms against 2.4-3.0 on 4 KiB pages; over `bench/datacache.py`'s
+shuffled passes a node spent 0.48-0.59 CPU seconds a GB against 0.55-0.63 (four runs, alternated). Its resident
+memory grew by 1.6% (1.89 against 1.86 GB for an 819 MB table). A tunable is read when a process starts, hence
+the restart; it costs no copy of the table (collapsing its pages after the load, `MADV_COLLAPSE`, took 1.4 s per
+780 MiB here).
 
 Where a user set any of glibc's settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`,
 `MALLOC_MMAP_MAX_`, or in `GLIBC_TUNABLES`), theirs decide and neither policy is set; likewise where an allocator
@@ -58,6 +60,9 @@ LONG_ROWS = 8192
 _chosen: str | None = None
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
+# Set in the environment of the process run again: it never runs again itself, even where glibc dropped the tunable
+# (a setuid or file-capability interpreter's environment loses its GLIBC_TUNABLES).
+RESTARTED = "TRAINJOB_HUGE_PAGES_RESTARTED"
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -128,25 +133,29 @@ def huge_pages_environment(environ: dict[str, str], mode: str, library: str) -> 
     """The environment to run again with, glibc's huge-page tunable added to `GLIBC_TUNABLES`; None where it would
     change nothing: THP (`mode`, as `thp_mode` gives it) given to every mapping already ("always") or to none, a C
     `library` (as `libc` gives it) other than glibc 2.35 or later, a preloaded malloc, or a tunable of
-    `glibc.malloc.hugetlb` already set (the user's, or this restart's)."""
+    `glibc.malloc.hugetlb` already set by the user, or a process that runs again already (`RESTARTED`)."""
     name, _, version = library.partition(" ")
     numbers = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
     tunables = environ.get("GLIBC_TUNABLES", "")
     if (mode != "madvise" or name != "glibc" or numbers < (2, 35) or "malloc" in environ.get("LD_PRELOAD", "")
-            or "glibc.malloc.hugetlb" in tunables):
+            or "glibc.malloc.hugetlb" in tunables or RESTARTED in environ):
         return None
-    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES, RESTARTED: "1"}
 
 
 def restart_with_huge_pages() -> None:
     """Runs this program again (the same interpreter, options and arguments, the same process id) with glibc's
     malloc asking for transparent huge pages, where `huge_pages_environment` says that changes something; returns
     otherwise: also where this program's arguments are not its interpreter's command line's (a module run inside
-    another program, as `runpy` runs one), which running it again would not repeat. Call it first thing, before any
-    output or thread."""
+    another program, as `runpy` runs one), which running it again would not repeat, and where the exec fails (the
+    program then goes on as it is). Call it first thing, before any output or thread."""
     args = sys.argv[1:]
-    if not sys.platform.startswith("linux") or sys.orig_argv[len(sys.orig_argv) - len(args):] != args:
+    if (not sys.platform.startswith("linux") or not sys.executable
+            or sys.orig_argv[len(sys.orig_argv) - len(args):] != args):
         return
     environ = huge_pages_environment(dict(os.environ), thp_mode(), libc())
     if environ is not None:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+        try:
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+        except (OSError, ValueError):  # an interpreter that cannot be run again (a noexec mount, E2BIG)
+            return

@@ -12,10 +12,16 @@ advertises entry i and lists all of them as its peers, so that any node answers 
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # before the imports below, which the restart repeats
+    from trainjob.allocator import restart_with_huge_pages
+
+    restart_with_huge_pages()
+
 import logging
 import os
 import signal
-import sys
 import threading
 
 from omegaconf import OmegaConf
