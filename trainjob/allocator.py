@@ -18,16 +18,15 @@ tensors, FSDP2's gathered weights) stay resident: measured at 32k tokens on the 
 peaked at 1.56 GiB per rank under cp=4 with glibc's thresholds and 1.28 GiB with this one (3.35 and 3.27 GiB in
 one process). Each new block faults its pages in, which is what this costs (docs/parallelism.md).
 
-`restart_with_huge_pages`, for a cache node (`python -m datacache serve`, and a run's own nodes, `python -m
-trainer.data.cache_node`), which holds its table in memory and gathers a shuffled step's rows from anywhere in it:
-the process runs again, at once, with glibc's `glibc.malloc.hugetlb=1` tunable, so that malloc asks the kernel for
-transparent huge pages on the memory it maps (where the kernel gives them only to memory that asks: THP's
-`madvise` mode, the common default). Reading a random 2 KiB row then walks the page tables far less often:
-gathering 4,096 of them out of 800 MB took 1.5-1.7 ms against 2.4-3.0 on 4 KiB pages; over `bench/datacache.py`'s
-shuffled passes a node spent 0.48-0.59 CPU seconds a GB against 0.55-0.63 (four runs, alternated). Its resident
-memory grew by 1.6% (1.89 against 1.86 GB for an 819 MB table). A tunable is read when a process starts, hence
-the restart; it costs no copy of the table (collapsing its pages after the load, `MADV_COLLAPSE`, took 1.4 s per
-780 MiB here).
+`restart_with_huge_pages`, for a cache node's process (each entry point that starts one calls it first), which holds
+its table in memory and gathers a shuffled step's rows from anywhere in it: the process runs again, at once, with
+glibc's `glibc.malloc.hugetlb=1` tunable, so that malloc asks the kernel for transparent huge pages on the memory it
+maps (where the kernel gives them only to memory that asks: THP's `madvise` mode, the common default). Reading a
+random 2 KiB row then walks the page tables far less often: gathering 4,096 of them out of 800 MB took 1.5-1.7 ms
+against 2.4-3.0 on 4 KiB pages; over `bench/datacache.py`'s shuffled passes a node spent 0.48-0.59 CPU seconds a GB
+against 0.55-0.63 (four runs, alternated). Its resident memory grew by 1.6% (1.89 against 1.86 GB for an 819 MB
+table). A tunable is read when a process starts, hence the restart; it costs no copy of the table (collapsing its
+pages after the load, `MADV_COLLAPSE`, took 1.4 s per 780 MiB here).
 
 Where a user set any of glibc's settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`,
 `MALLOC_MMAP_MAX_`, or in `GLIBC_TUNABLES`), theirs decide and neither policy is set; likewise where an allocator
