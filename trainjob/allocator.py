@@ -62,7 +62,7 @@ HUGE_PAGES = "glibc.malloc.hugetlb=1"
 # Set in the environment of the process run again: it never runs again itself, even where glibc dropped the tunable
 # (a setuid or file-capability interpreter's environment loses its GLIBC_TUNABLES).
 RESTARTED = "TRAINJOB_HUGE_PAGES_RESTARTED"
-THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP = "/sys/kernel/mm/transparent_hugepage"
 
 
 def policy_for(setting: str, seq_len: int, device_type: str) -> str:
@@ -111,10 +111,12 @@ def _choose(policy: str, settings: dict[int, int]) -> bool:
     return all(applied)
 
 
-def thp_mode() -> str:
-    """The kernel's transparent huge page mode ("always", "madvise", "never"); "" where it has none."""
+def thp_mode(setting: str = "enabled") -> str:
+    """The kernel's transparent huge page `setting`, chosen of those it lists: "enabled" (which mappings get huge
+    pages: "always", "madvise", "never") or "defrag" (when a fault compacts memory to find one); "" where the
+    kernel has no THP."""
     try:
-        with open(THP_MODE) as f:
+        with open(f"{THP}/{setting}") as f:
             return f.read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
         return ""

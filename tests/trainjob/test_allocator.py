@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainjob.allocator import HUGE_PAGES, RESTARTED, THP_MODE, huge_pages_environment, libc, thp_mode
+from trainjob.allocator import HUGE_PAGES, RESTARTED, huge_pages_environment, libc, thp_mode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -177,18 +177,10 @@ for i, line in enumerate(lines):
 """
 
 
-def _defrag() -> str:
-    try:
-        with open(THP_MODE.replace("enabled", "defrag")) as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return ""
-
-
 # Where this process's children (`run`'s environment) would run again, and the kernel finds a huge page for memory
 # that asks at once (compacting if it must).
 RESTARTS = (huge_pages_environment({k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}, thp_mode(), libc())
-            is not None and _defrag() in ("always", "madvise", "defer+madvise"))
+            is not None and thp_mode("defrag") in ("always", "madvise", "defer+madvise"))
 
 
 @pytest.mark.skipif(not RESTARTS, reason="huge pages on request: THP's madvise mode, glibc's tunable (2.35 or later)")
