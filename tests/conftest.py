@@ -152,6 +152,12 @@ def read_summary(run_dir: str) -> dict:
         return json.load(f)
 
 
+def process_environment(pid: int) -> dict[str, str]:
+    """The environment process `pid` runs with (as its exec, the last one, gave it)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(v.decode(errors="replace").split("=", 1) for v in f.read().split(b"\0") if b"=" in v)
+
+
 def rank_pids(config_path: str) -> list[int]:
     """The pids of the ranks that train from `config_path`: python processes whose module (`-m`) is
     trainer.worker, whatever started them (torchrun's agent, whose own module is

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import process_environment
 from trainjob.allocator import HUGE_PAGES, RESTARTED, huge_pages_environment, libc, thp_mode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -199,12 +200,11 @@ def test_a_cache_nodes_table_lies_in_huge_pages(tmp_path):
                             cwd=REPO, env=clean, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert node.stdout.readline().startswith("serving on")
-        with open(f"/proc/{node.pid}/environ", "rb") as f:
-            environ = dict(line.split(b"=", 1) for line in f.read().split(b"\0") if b"=" in line)
+        environ = process_environment(node.pid)
     finally:
         node.terminate()
         node.wait(10)
-    assert environ[b"GLIBC_TUNABLES"] == HUGE_PAGES.encode()
+    assert environ["GLIBC_TUNABLES"] == HUGE_PAGES
 
 
 @pytest.mark.skipif(not RESTARTS, reason="huge pages on request: THP's madvise mode, glibc's tunable (2.35 or later)")

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, process_environment
 from trainer.data import corpus
 from trainjob.allocator import HUGE_PAGES, huge_pages_environment, libc, thp_mode
 from trainjob.nodes import free_port
@@ -76,11 +76,10 @@ def test_a_cache_node_reads_the_url_itself(s3, parquet_in_bucket, tmp_path):
     try:
         line = node.stdout.readline()
         assert line.startswith(f"serving grpc+tcp://127.0.0.1:{port}"), node.stderr.read() if node.poll() else line
-        with open(f"/proc/{node.pid}/environ", "rb") as f:
-            tunables = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v).get(b"GLIBC_TUNABLES", b"")
+        tunables = process_environment(node.pid).get("GLIBC_TUNABLES", "")
         # Run again with huge pages for its table (trainjob.allocator), where this machine gives them on request.
         restarts = huge_pages_environment({**os.environ, **s3.env}, thp_mode(), libc()) is not None
-        assert (HUGE_PAGES.encode() in tunables) == restarts
+        assert (HUGE_PAGES in tunables) == restarts
     finally:
         node.terminate()
         node.wait(timeout=60)
